@@ -1,0 +1,16 @@
+"""llmserve: a small, readable LLM serving stack."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name):  # lazy: `import llmserve` must not import torch
+    if name == "LLM":
+        from llmserve.engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from llmserve.engine.request import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)
