@@ -1,0 +1,281 @@
+"""LLMEngine: requests in, a step at a time, outputs out.
+
+    step():  schedule -> run the model -> sample -> append tokens, check stops -> outputs
+
+The engine owns the tokenizer, the scheduler (policy), the KV cache manager (bookkeeping) and the
+model runner (tensors); each of those knows only what it needs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
+                                     RequestStatus, SamplingParams)
+from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
+from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
+from llmserve.model.loader import load_model, load_model_config, resolve_dtype, resolve_model
+from llmserve.model.sampler import SamplingRow, sample
+from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("llmserve.engine")
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    steps: int
+    last_step_time: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        torch.set_num_threads(config.resolved_num_threads())
+        dev = config.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        t0 = time.time()
+
+        source = resolve_model(config.model)
+        self.source = source
+        self.model_config, reader = load_model_config(source)
+        mc = self.model_config
+        self.served_model_name = config.served_model_name or source.name
+        self.tokenizer = Tokenizer(source.path, gguf=source.kind == "gguf")
+        self.eos_token_ids = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id}
+                                                      if self.tokenizer.eos_token_id is not None else set())
+
+        # KV pool size and max_model_len
+        block_size = config.block_size
+        per_block = kv_bytes_per_block(mc, block_size, self.dtype)
+        model_max = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's "
+                             f"{model_max} positions; lower --max-model-len")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        max_positions = config.max_model_len or model_max
+        self.model = load_model(source, mc, reader, self.device, self.dtype,
+                                max_positions + max(config.speculative_ngram, 0) + 1)
+        del reader
+        num_blocks, budget = self._num_kv_blocks(per_block)
+        capacity = num_blocks * block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} tokens do not fit in the KV cache "
+                f"({num_blocks} blocks of {block_size} = {capacity} tokens, {budget / GiB:.2f} GiB); "
+                f"raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
+        self.max_model_len = config.max_model_len or min(model_max, capacity)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy, config.max_queued_requests)
+        self.runner = ModelRunner(self.model, mc, num_blocks, block_size, self.device, self.dtype)
+        self._rows: dict[str, SamplingRow] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+        self.last_step_time = time.time()
+        self.load_time = time.time() - t0
+        log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache: %.2f GiB = %d blocks x %d tokens "
+                 "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
+                 "max_num_batched_tokens %d, prefix caching %s",
+                 self.served_model_name, mc.architecture, self.dtype, self.device, self.load_time,
+                 budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
+                 capacity // self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
+                 "on" if config.enable_prefix_caching else "off")
+
+    def _num_kv_blocks(self, per_block: int) -> tuple[int, int]:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks, cfg.num_kv_blocks * per_block
+        if cfg.kv_cache_memory is not None:
+            budget = int(cfg.kv_cache_memory * GiB)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            activations = self._profile_activations()
+            budget = int(total * cfg.gpu_memory_utilization) - used_by_others - activations
+        else:
+            import psutil
+            budget = min(int(psutil.virtual_memory().available * 0.25), 8 * GiB)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory: the KV budget ({budget / GiB:.3f} GiB) holds no block of "
+                             f"{per_block / (1 << 20):.2f} MiB; raise --kv-cache-memory or "
+                             f"--gpu-memory-utilization")
+        return int(num_blocks), int(budget)
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """CUDA: peak memory of one forward at max_num_batched_tokens (without KV)."""
+        from llmserve.model.attention import AttentionMetadata, PrefillChunk
+        n = min(self.max_num_batched_tokens, self.config.max_model_len or self.model_config.max_position_embeddings)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        mc = self.model_config
+        dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
+                                   device=self.device) for _ in range(1)] * mc.num_layers
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange((n + 15) // 16, device=self.device))])
+        self.model(ids, pos, dummy_cache, meta, torch.tensor([n - 1], device=self.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del dummy_cache
+        torch.cuda.empty_cache()
+        return int(peak * 1.2)
+
+    # -- requests ------------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens is too long; this model's maximum context length is "
+                             f"{self.max_model_len} tokens (prompt plus at least one output token), "
+                             f"{n - self.max_model_len + 1} too many")
+        # Like vLLM's engine, prompt + max_tokens may exceed max_model_len: generation then stops
+        # at max_model_len with finish_reason "length". (The server checks the sum, as vLLM's does.)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        self.validate_prompt(ids, params)
+        if params.n != 1:
+            raise ValueError("n: the engine takes one sequence per request; fan out with LLM or the server")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        req = Request(request_id, ids, params, self.eos_token_ids, priority, arrival_time, text, cache_salt)
+        self.scheduler.add_request(req)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        self._rows[request_id] = SamplingRow(params, gen, ids, req.output_token_ids)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        return self._finish_output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.last_step_time = time.time()
+        if not sched:
+            return []
+        self.steps += 1
+        sampling, logits, _ = self.runner.execute(sched, self.kv)
+        self.scheduler.update_after_step(sched)
+        outputs: list[RequestOutput] = []
+        if sampling:
+            rows = []
+            for r in sampling:
+                row = self._rows[r.request_id]
+                ban = (list(r.eos_token_ids) + r.params.stop_token_ids
+                       if r.num_output_tokens < r.params.min_tokens else [])
+                row.banned_ids = ban
+                rows.append(row)
+            result = sample(logits, rows)
+            now = time.time()
+            for r, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+                out = self._append(r, tok, lp, now)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def _append(self, req: Request, token: int, lp, now: float) -> RequestOutput | None:
+        req.append_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        if lp is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        p = req.params
+        status = None
+        if token in req.eos_token_ids and req.num_output_tokens > p.min_tokens - 1:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif token in p.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        detok = self._detok[req.request_id]
+        new_ids = [] if status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None else [token]
+        delta = detok.add(new_ids, finished=status is not None)
+        if detok.stopped is not None and req.num_output_tokens >= p.min_tokens:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped
+        if status is not None:
+            self.scheduler.finish_request(req.request_id, status)
+            return self._finish_output(req, [token], delta, [lp] if lp is not None else None)
+        return self._output(req, [token], delta, [lp] if lp is not None else None)
+
+    def _output(self, req: Request, new_ids, delta: str, new_lps=None) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        comp = CompletionOutput(
+            index=0, text=detok.output_text if detok else "", token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            delta_text=delta, delta_token_ids=list(new_ids), delta_logprobs=new_lps)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp], finished=req.is_finished, num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                   req.last_token_time, req.finished_time, req.num_preemptions),
+            error=req.error)
+
+    def _finish_output(self, req: Request, new_ids, delta: str, new_lps=None) -> RequestOutput:
+        out = self._output(req, new_ids, delta, new_lps)
+        self._rows.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        return out
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_preempted=sum(1 for r in s.waiting if r.status == RequestStatus.PREEMPTED),
+            kv_cache_usage=self.kv.usage, num_blocks=self.num_blocks, num_free_blocks=self.kv.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, steps=self.steps, last_step_time=self.last_step_time)

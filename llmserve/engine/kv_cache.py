@@ -1,0 +1,237 @@
+"""KV cache block management: a pool of fixed-size blocks, prefix caching by chained block hashes,
+and O(1) least-recently-used eviction through a doubly linked free list.
+
+Pure bookkeeping: no tensors. Block `i` here is block `i` of every layer's KV tensor in the runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+from llmserve.engine.request import Request
+
+# A block's identity: (parent block's hash, its tokens, extras such as a cache salt). Python's tuple
+# hash chains the parent in; the dict compares whole keys, so two different blocks never match.
+BlockHash = tuple
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    prev_free: "KVCacheBlock | None" = field(default=None, repr=False)
+    next_free: "KVCacheBlock | None" = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks. Front = evicted first (least recently used)."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for b in blocks:
+            prev.next_free, b.prev_free = b, prev
+            prev = b
+        prev.next_free, self._tail.prev_free = self._tail, prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, "block is not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, "block is already free"
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free += 1
+
+    def __iter__(self):
+        b = self._head.next_free
+        while b is not self._tail:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    """All blocks, the free list, and the map from block hash to a cached block."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    def get_cached(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free:
+            raise ValueError(f"cannot allocate {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:      # evict its cached contents
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference to cached blocks (a prefix-cache hit)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference; blocks that reach zero go to the back of the free list (kept cached)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                if not self.enable_caching:
+                    block.block_hash = None
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:            # same contents already cached in another block
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free != len(self.blocks):
+            return False
+        self.cached.clear()
+        for b in self.blocks:
+            b.block_hash = None
+        return True
+
+
+class KVCacheManager:
+    """Blocks per request: prefix-cache look-up, allocation for the tokens of a step, freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0   # prompt tokens looked up
+        self.prefix_cache_hits = 0      # prompt tokens found
+
+    # -- hashing -------------------------------------------------------------------------------
+    def _update_block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        extra = (request.cache_salt,) if request.cache_salt else ()
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), len(tokens) // bs):
+            key = (hash(parent) if parent is not None else 0,
+                   tuple(tokens[i * bs:(i + 1) * bs])) + extra
+            hashes.append(key)
+            parent = key
+        return hashes
+
+    # -- API used by the scheduler -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.num_blocks if self.num_blocks else 0.0
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of leading full blocks already cached. At least one token is left to compute,
+        so that the step produces the logits to sample from."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.get_cached(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      computed: list[KVCacheBlock] | None = None) -> int:
+        held = len(self.req_blocks.get(request.request_id, ())) + len(computed or ())
+        total = request.num_computed_tokens + (len(computed) * self.block_size if computed else 0)
+        total += num_new_tokens
+        need = -(-total // self.block_size) - held
+        evictable_hits = sum(1 for b in (computed or ()) if b.ref_cnt == 0)
+        return max(need, 0) + evictable_hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens of `request` (after `computed` cached blocks).
+        Returns the newly allocated blocks, or None (and changes nothing) if the pool is too full."""
+        computed = computed or []
+        if self.blocks_needed(request, num_new_tokens, computed) > self.pool.num_free:
+            return None
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self.num_cached_blocks[request.request_id] = len(computed)
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        need = -(-total // self.block_size) - len(blocks)
+        new_blocks = self.pool.allocate(need) if need > 0 else []
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # Only blocks whose every token is known (prompt, or already sampled) can be named by hash.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        # Tail blocks first: they are the least likely to be shared, so they are evicted first.
+        self.pool.free(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

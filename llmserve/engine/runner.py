@@ -1,0 +1,100 @@
+"""Batch -> tensors -> model -> logits. Owns the model and the KV cache tensors.
+
+Rows of the flat batch: decode requests first (one token each), then prefill chunks. Only the last
+row of a request that has reached the end of its known tokens yields logits (the others are
+mid-prompt chunks whose next token is already known).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.request import Request
+from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.model.attention import AttentionMetadata, PrefillChunk
+from llmserve.model.llama import LlamaModel, ModelConfig
+
+log = logging.getLogger("llmserve.runner")
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # torch.zeros on CPU maps pages lazily: resident memory grows only as blocks are used.
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], torch.Tensor | None, list[int]]:
+        """Run one step. Returns (requests that sample, their logits [n, vocab], rows per request).
+
+        With speculative tokens a request yields several logits rows (one per verified position);
+        `rows` says how many each sampling request has."""
+        bs = self.block_size
+        order = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+        tokens: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        logits_rows: list[int] = []
+        sampling: list[Request] = []
+        rows_per_req: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        row = 0
+        for req in order:
+            n = sched.num_scheduled_tokens[req.request_id]
+            c = req.num_computed_tokens
+            block_ids = kv.get_block_ids(req.request_id)
+            spec = sched.num_spec_tokens.get(req.request_id, 0)
+            known = req.all_token_ids[c:c + n - spec] + (req.spec_token_ids[:spec] if spec else [])
+            tokens.extend(known)
+            pos = torch.arange(c, c + n)
+            table = torch.tensor(block_ids, dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(block_ids)
+                decode_lens.append(c + 1)
+            else:
+                prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
+            if c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
+                sampling.append(req)
+                logits_rows.extend(range(row + n - 1 - spec, row + n))
+                rows_per_req.append(spec + 1)
+            row += n
+
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
+                                 num_decode_tokens=len(decode_tables))
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            table = torch.zeros(len(decode_tables), width, dtype=torch.long)
+            for i, t in enumerate(decode_tables):
+                table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+            lens = torch.tensor(decode_lens, dtype=torch.long)
+            meta.decode_block_tables = table.to(dev)
+            meta.decode_context_lens = lens.to(dev)
+            mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_mask = mask[:, None, None, :].to(dev)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = torch.cat(positions).to(dev)
+        if not logits_rows:
+            logits_rows = [len(tokens) - 1]   # the model needs at least one row; it is discarded
+            logits = self.model(input_ids, pos, self.kv_caches, meta, torch.tensor(logits_rows, device=dev))
+            return [], None, []
+        logits = self.model(input_ids, pos, self.kv_caches, meta,
+                            torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        return sampling, logits, rows_per_req

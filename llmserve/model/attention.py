@@ -1,0 +1,80 @@
+"""Paged attention over a block pool, in plain PyTorch (SDPA).
+
+The KV cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and the same
+for values. A request's keys live in the blocks its block table names; a token at position `p` sits in
+slot `block_table[p // block_size] * block_size + p % block_size`.
+
+One flat batch holds decode tokens first (one query each, batched together) and then prefill chunks
+(several queries each, attended one chunk at a time, against the cached prefix plus themselves).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int          # row of the chunk's first token in the flat batch
+    query_len: int
+    context_len: int          # tokens of this request in the cache after this step (prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks_of_request] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                   # [num_tokens] where each new token's K/V goes
+    num_decode_tokens: int = 0                   # rows [0, num_decode_tokens) are decodes
+    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None = None   # [num_decodes]
+    decode_mask: torch.Tensor | None = None      # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    nkv, d = k_cache.shape[-2:]
+    k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., max_blocks] block ids -> [..., num_kv_heads, max_blocks * block_size, head_dim]."""
+    g = cache[block_table]                                   # [..., mb, bs, nkv, d]
+    g = g.flatten(-4, -3)                                    # [..., mb*bs, nkv, d]
+    return g.transpose(-3, -2)                               # [..., nkv, L, d]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        kd = _gather(k_cache, meta.decode_block_tables)      # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_block_tables)
+        qd = q[:nd].unsqueeze(2)                              # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
+        qp = q[s:s + n].transpose(0, 1).unsqueeze(0)          # [1, H, n, D]
+        if ctx == n:   # no cached prefix: the chunk attends to itself, causally
+            kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
+            vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            kp = _gather(k_cache, chunk.block_table)[:, :ctx].unsqueeze(0)
+            vp = _gather(v_cache, chunk.block_table)[:, :ctx].unsqueeze(0)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos      # [n, ctx]
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[s:s + n] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,233 @@
+"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2.
+
+Differences between them are configuration: attention bias (Qwen2), tied or untied embeddings, GQA,
+rope theta and scaling. The model sees flat token batches and an `AttentionMetadata`; it never sees a
+request. Q/K/V and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmserve.model.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: object = None     # the transformers config, for rope variants
+
+    @classmethod
+    def from_hf(cls, hf) -> "ModelConfig":
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and getattr(hf, "model_type", None) in SUPPORTED_ARCHITECTURES.values():
+            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[hf.model_type]
+        if arch is None:
+            raise ValueError(
+                f"model: unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
+                f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = hf.num_attention_heads
+        rope = getattr(hf, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        scaling = getattr(hf, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = hf.eos_token_id
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)) or arch == "Qwen2ForCausalLM",
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            rope_scaling=scaling,
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=eos,
+            hf_config=hf,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin table for every position up to max_positions, indexed by the batch's positions."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = self._inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    @staticmethod
+    def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+        rope_type = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type", "default"))
+        if rope_type != "default" and cfg.hf_config is not None:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"model: unsupported rope scaling {rope_type!r}")
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu")
+            return inv_freq.float(), float(scale)
+        d = cfg.head_dim
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)   # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, k, positions)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab])."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), fusing as we go."""
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        own = dict(self.named_parameters())
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            p = own.pop(name)
+            if p.shape != tensor.shape:
+                raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+
+        put("embed_tokens.weight", w["embed_tokens.weight"])
+        put("norm.weight", w["norm.weight"])
+        lm = w.get("lm_head.weight")
+        if lm is None:
+            lm = w["embed_tokens.weight"]
+        put("lm_head.weight", lm)
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            put(p + "input_layernorm.weight", w[p + "input_layernorm.weight"])
+            put(p + "post_attention_layernorm.weight", w[p + "post_attention_layernorm.weight"])
+            put(a + "qkv_proj.weight", torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]))
+            if self.cfg.attention_bias:
+                put(a + "qkv_proj.bias", torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))
+            put(a + "o_proj.weight", w[a + "o_proj.weight"])
+            m = p + "mlp."
+            put(m + "gate_up_proj.weight", torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+            put(m + "down_proj.weight", w[m + "down_proj.weight"])
+            if self.cfg.mlp_bias:
+                put(m + "gate_up_proj.bias", torch.cat([w[m + "gate_proj.bias"], w[m + "up_proj.bias"]]))
+                put(m + "down_proj.bias", w[m + "down_proj.bias"])
+        if own:
+            raise ValueError(f"model: checkpoint lacks weights for {sorted(own)[:5]}")
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight

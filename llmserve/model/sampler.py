@@ -1,0 +1,122 @@
+"""From logits to next tokens for a whole batch: penalties, temperature, top-k, top-p, min-p, seeds,
+and logprobs. Works on tensors and per-row parameter lists; knows nothing of requests.
+
+Seeded rows draw their randomness from their own generator (the exponential-race form of sampling:
+argmax(p / q) with q ~ Exp(1)), so a seeded row gives the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.engine.request import Logprob, SamplingParams, TokenLogprobs
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    # tokens seen so far, for penalties: prompt and generated
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    banned_ids: list[int] = field(default_factory=list)   # e.g. EOS before min_tokens
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.needs_penalties:
+            continue
+        out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype) if len(out) else None
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(row.prompt_ids + row.output_ids, dtype=torch.long, device=logits.device)
+            mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            mask[seen[seen < vocab]] = True
+            x = logits[i]
+            logits[i] = torch.where(mask, torch.where(x > 0, x / p.repetition_penalty,
+                                                      x * p.repetition_penalty), x)
+        if counts is not None:
+            logits[i] -= p.frequency_penalty * counts
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]):
+    out: list[TokenLogprobs | None] = []
+    want = [r.params.logprobs for r in rows]
+    k = max((w for w in want if w is not None), default=None)
+    if k is None:
+        return [None] * len(rows)
+    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (None, None))
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    for i, w in enumerate(want):
+        if w is None:
+            out.append(None)
+            continue
+        top = []
+        if w > 0:
+            top = [Logprob(int(t), float(v)) for t, v in zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())]
+        out.append(TokenLogprobs(int(chosen[i]), float(chosen_lp[i]), top))
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """logits: [len(rows), vocab] float32."""
+    need_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+    if any(r.params.needs_penalties for r in rows):
+        logits = apply_penalties(logits.clone(), rows)
+    for i, r in enumerate(rows):
+        if r.banned_ids:
+            logits[i, r.banned_ids] = float("-inf")
+
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    chosen = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        sub = logits[idx]
+        temps = torch.tensor([rows[i].params.temperature for i in idx], device=logits.device)
+        sub = sub / temps.unsqueeze(1)
+        sub = _filter(sub, [rows[i].params for i in idx])
+        probs = torch.softmax(sub, dim=-1)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(idx):
+            q[j].exponential_(generator=rows[i].generator)
+        q.clamp_(min=1e-20)
+        picked = (probs / q).argmax(dim=-1)
+        chosen[idx] = picked
+    logprobs = _top_logprobs(raw_logprobs, chosen, rows) if need_logprobs else [None] * len(rows)
+    return SampleResult(chosen.tolist(), logprobs)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p, row-wise; filtered entries become -inf."""
+    top_ks = [p.top_k for p in params]
+    top_ps = [p.top_p for p in params]
+    min_ps = [p.min_p for p in params]
+    vocab = logits.shape[-1]
+    if any(k for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        remove |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= ks.unsqueeze(1)
+        ps = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        cum = probs.cumsum(dim=-1)
+        remove |= (cum - probs) >= ps.unsqueeze(1)   # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    if any(m > 0 for m in min_ps):
+        probs = torch.softmax(logits, dim=-1)
+        mp = torch.tensor(min_ps, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
