@@ -200,16 +200,17 @@ def build_fake_app(state: FakeState) -> FastAPI:
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"x-request-id": request.headers.get("x-request-id", rid)})
 
-        pieces = []
-        gen = produce()
-        try:
-            async for piece in gen:
-                pieces.append(piece)
-                if await request.is_disconnected():
-                    break
-        finally:
-            await gen.aclose()
-        text = "".join(pieces)
+        async def collect():
+            return [piece async for piece in produce()]
+
+        task = asyncio.create_task(collect())
+        while not task.done():               # a client that hangs up aborts the request
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return JSONResponse({}, status_code=499)
+            await asyncio.wait({task}, timeout=0.05)
+        text = "".join(task.result())
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": "length"} if chat else
                   {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
@@ -284,6 +285,29 @@ def fake_backends(*models: str, host: str = "127.0.0.1", **kw):
     finally:
         for s in servers:
             s.stop()
+
+
+@contextmanager
+def router_thread(dns_resolver=None, registry=None, **config):
+    """Context manager: a Router (RouterConfig fields as keywords) served in a thread. The
+    yielded ServerThread has `.router` for inspection."""
+    from .app import Router, RouterConfig, build_app
+
+    router = Router(RouterConfig(**config), registry=registry, dns_resolver=dns_resolver)
+    server = ServerThread(build_app(router))
+    server.router = router
+    with server:
+        yield server
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll `predicate` until it is true; False after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 def main(argv: list[str] | None = None) -> int:

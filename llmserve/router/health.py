@@ -4,7 +4,8 @@
   connection is ejected at once; one that fails `unhealthy_threshold` checks in a row (timeouts,
   5xx, 503 while loading) is ejected too. An ejected backend is admitted again after
   `healthy_threshold` good checks in a row. A good check also refreshes the backend's model list
-  from `/v1/models` (unless the config declares its models).
+  from `/v1/models` (unless the config declares its models). A new backend is admitted on its
+  first good check.
 - Passive: the proxy reports connection errors (`report_failure`); the backend is ejected at once
   and waits for the active checks to come back.
 - Load: with `scrape_metrics`, `/metrics` is read on the same interval and
@@ -135,7 +136,8 @@ class HealthChecker:
         if ok:
             b.consecutive_failures = 0
             b.consecutive_successes += 1
-            if not b.healthy and b.consecutive_successes >= self.healthy_threshold:
+            if not b.healthy and (not b.ever_healthy  # first admission: at once
+                                  or b.consecutive_successes >= self.healthy_threshold):
                 self.admit(b)
             return True
         b.consecutive_failures += 1
