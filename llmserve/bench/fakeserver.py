@@ -10,6 +10,9 @@ Errors can be injected by request number (arrival order, from 0):
   error_event          an OpenAI-style error object in the stream
   hang                 no answer at all (for client timeouts)
 
+`POST /_config` with FakeConfig fields (JSON) changes the behaviour and restarts the request
+numbering, so one server process can serve many tests.
+
   python -m llmserve.bench.fakeserver --port 8001 --ttft 0.2 --itl 0.02
 """
 from __future__ import annotations
@@ -17,10 +20,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -47,9 +56,8 @@ class FakeOpenAIServer:
     """Starlette app + uvicorn in a daemon thread on 127.0.0.1; `with FakeOpenAIServer(...) as s`."""
 
     def __init__(self, config: FakeConfig | None = None, port: int = 0) -> None:
-        self.cfg = config or FakeConfig()
+        self.set_config(config or FakeConfig())
         self.port = port
-        self.requests = 0  # completion requests seen
         self.running = 0
         self.generated = 0
         self.prompt_tokens = 0
@@ -60,9 +68,9 @@ class FakeOpenAIServer:
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"])]
-        if self.cfg.metrics:
-            routes.append(Route("/metrics", self.metrics))
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/_config", self.configure, methods=["POST"]),
+                  Route("/metrics", self.metrics)]
         self.app = Starlette(routes=routes)
 
     @property
@@ -103,6 +111,14 @@ class FakeOpenAIServer:
 
     # -- endpoints ------------------------------------------------------------------------------
 
+    async def configure(self, request: Request):
+        self.set_config(FakeConfig(**await request.json()))
+        return JSONResponse({"ok": True})
+
+    def set_config(self, cfg: FakeConfig) -> None:
+        cfg.errors = {int(k): v for k, v in cfg.errors.items()}
+        self.cfg, self.requests = cfg, 0
+
     async def ready(self, request: Request):
         return PlainTextResponse("ok")
 
@@ -119,6 +135,8 @@ class FakeOpenAIServer:
         return JSONResponse({"prompt": self.tok.decode_sync(body["tokens"])})
 
     async def metrics(self, request: Request):
+        if not self.cfg.metrics:
+            return PlainTextResponse("not found", 404)
         lines = ["# TYPE llmserve:num_requests_running gauge",
                  f"llmserve:num_requests_running{{model_name=\"fake-model\"}} {self.running}",
                  "llmserve:num_requests_waiting{model_name=\"fake-model\"} 0",
@@ -208,14 +226,66 @@ class FakeOpenAIServer:
             self.running -= 1
 
 
+class FakeServerProcess:
+    """The fake server in a child process: it shares no GIL with the client, so timings are steady.
+
+    `with FakeServerProcess(FakeConfig(...)) as fake:` then `fake.url`, `fake.configure(...)`.
+    """
+
+    def __init__(self, config: FakeConfig | None = None, start_timeout: float = 30.0) -> None:
+        self.cfg = config or FakeConfig()
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> "FakeServerProcess":
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.bench.fakeserver", "--port", "0",
+             "--config", json.dumps(asdict(self.cfg))],
+            stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.start_timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if "http://" not in line:
+            self.stop()
+            raise RuntimeError(f"fake server did not start: {line!r}")
+        self.url = line.split()[4]
+        return self
+
+    def configure(self, **fields) -> None:
+        """Replace the whole config (unset fields take their defaults); restart numbering."""
+        import httpx
+        httpx.post(f"{self.url}/_config", json=fields, timeout=5).raise_for_status()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "FakeServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--port", type=int, default=8001, help="0: any free port")
     p.add_argument("--ttft", type=float, default=0.2)
     p.add_argument("--itl", type=float, default=0.02)
     p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--config", default=None, help="FakeConfig fields as JSON (overrides)")
     a = p.parse_args(argv)
-    server = FakeOpenAIServer(FakeConfig(ttft=a.ttft, itl=a.itl, tokens=a.tokens), a.port).start()
+    fields = {"ttft": a.ttft, "itl": a.itl, "tokens": a.tokens, **json.loads(a.config or "{}")}
+    cfg = FakeConfig(**fields)
+    server = FakeOpenAIServer(cfg, a.port).start()
     print(f"fake OpenAI server on {server.url} (Ctrl-C to stop)", flush=True)
     try:
         while True:

@@ -97,8 +97,8 @@ def comparison_rows(summaries: list[dict]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for s in summaries:
         e2e = s["e2el_ms"]["mean"]
-        rows.append([_f(s["level"], 0) if s["level"] == int(s["level"]) or math.isinf(s["level"])
-                     else f"{s['level']:g}", str(s["requests"]), str(s["failed"]),
+        rows.append(["inf" if math.isinf(s["level"]) else f"{s['level']:g}",
+                     str(s["requests"]), str(s["failed"]),
                      _f(s["duration_s"], 2), _f(e2e / 1000 if e2e else None, 2),
                      _f(s["time_per_request_s"], 2), _f(s["request_throughput"], 2),
                      _f(s["output_throughput"], 1), _f(s["ttft_ms"]["median"]),

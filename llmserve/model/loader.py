@@ -158,7 +158,7 @@ def load_gguf_weights(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         if name is None:
             continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            arr = np.asarray(t.data)
+            arr = np.array(t.data)  # a writable copy
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             arr = arr.reshape(shape)
         else:

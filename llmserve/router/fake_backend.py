@@ -310,6 +310,76 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool
     return bool(predicate())
 
 
+class Process:
+    """A server subprocess for tests: started, polled until `ready_path` answers 200, and always
+    killed (its whole process group) by `stop()` / the context manager."""
+
+    def __init__(self, args: list[str], url: str, ready_path: str = "/ready",
+                 log_path: str | None = None, env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+
+        self.args, self.url, self.ready_path = args, url, ready_path
+        self.log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        full_env = dict(os.environ, **(env or {}))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, full_env.get("PYTHONPATH")) if p)   # this checkout's llmserve
+        self.proc = subprocess.Popen([sys.executable, *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> "Process":
+        import httpx
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.args} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.url}{self.ready_path} not ready after {timeout}s")
+
+    def kill(self, sig=None) -> None:
+        import os
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig or signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        import os
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if hasattr(self.log, "close"):
+            self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="fake OpenAI backend for router tests")
     p.add_argument("--host", default="127.0.0.1")

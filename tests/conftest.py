@@ -1,0 +1,52 @@
+"""Shared fixtures: the bundled model, a transformers reference, cached engines."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf() -> str:
+    from llmserve.model.loader import bundled_model_path
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_gguf):
+    """transformers' own float32 load of the bundled GGUF: the correctness reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(bundled_gguf),
+                                                 gguf_file=os.path.basename(bundled_gguf),
+                                                 torch_dtype=torch.float32)
+    return model.eval()
+
+
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="session")
+def llm_factory():
+    """LLM instances cached by their settings: loading costs seconds, tests share them."""
+    def make(**kwargs):
+        from llmserve import LLM
+        key = tuple(sorted(kwargs.items()))
+        if key not in _ENGINES:
+            _ENGINES[key] = LLM(**kwargs)
+        return _ENGINES[key]
+    yield make
+    _ENGINES.clear()
+
+
+@pytest.fixture(scope="session")
+def llm(llm_factory):
+    return llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0)
