@@ -1,0 +1,98 @@
+"""`llmserve bench` against a real `llmserve serve` (the bundled model on CPU).
+
+A sweep of concurrency 1 and 5, 10 requests each, 16 tokens at most: the JSON and the PNG plots
+exist and parse, and the token counts in the JSON are the server's own (its usage chunks, and the
+increase of its /metrics token counters over the run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("llmserve.server.cli", reason="the llmserve server is not there yet")
+
+from llmserve.bench.scrape import parse_prometheus, pick  # noqa: E402
+from llmserve.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--port",
+                                 str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"llmserve serve exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def counters(url: str) -> dict:
+    return pick(parse_prometheus(httpx.get(url + "/metrics", timeout=10).text))
+
+
+def test_sweep_1_5_writes_json_and_plots_with_the_servers_token_counts(server, tmp_path):
+    before = counters(server)
+    out = tmp_path / "out"
+    rc = main(["bench", "--base-url", server, "--concurrency", "1,5", "--num-requests", "10",
+               "--output-len", "16", "--output-dir", str(out), "--no-progress",
+               "--scrape-interval", "0.5"])
+    assert rc == 0
+    after = counters(server)
+
+    result = json.loads((out / "bench.json").read_text())
+    assert result["config"]["tokenizer"] == "server /tokenize"
+    phases = result["phases"]
+    assert [p["summary"]["level"] for p in phases] == [1, 5]
+    records = [r for p in phases for r in p["requests"]]
+    for p in phases:
+        s = p["summary"]
+        assert s["requests"] == 10 and s["completed"] == 10, s["errors"]
+        assert s["output_tokens_source"] == {"usage": 10}
+        assert s["ttft_ms"]["mean"] > 0 and s["e2el_ms"]["mean"] >= s["ttft_ms"]["mean"]
+        assert s["server"]["flavor"] == "llmserve"
+    assert phases[0]["summary"]["peak_concurrency"] == 1
+    assert all(1 <= r["output_tokens"] <= 16 and r["prompt_tokens"] > 0 for r in records)
+    # the JSON's counts are the server's: its usage chunks, and its own counters over the run
+    out_tokens = sum(r["output_tokens"] for r in records)
+    assert out_tokens == sum(p["summary"]["total_output_tokens"] for p in phases)
+    assert after["generation_tokens"] - before["generation_tokens"] == out_tokens
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(
+        r["prompt_tokens"] for r in records)
+    assert sum(p["summary"]["server"]["generation_tokens"] for p in phases) == out_tokens
+
+    import matplotlib.image as mpimg
+    for png in ("throughput.png", "latency_percentiles.png", "latency_cdf.png"):
+        assert mpimg.imread(out / png).ndim == 3
+    assert "## Comparison across phases" in (out / "report.md").read_text()
