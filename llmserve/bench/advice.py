@@ -60,7 +60,7 @@ def recommend(summaries: list[dict], knee: dict | None = None, slo_best: dict | 
                 "a faster device or smaller model.")
 
     tips += _error_tips(ordered)
-    tips += _server_tips(heavy, unit, dataset)
+    tips += _server_tips(heavy, unit, dataset, saturated=bool(knee and knee["saturated"]))
     tips += _latency_tips(ordered)
     return tips
 
@@ -91,7 +91,7 @@ def _error_tips(ordered: list[dict]) -> list[str]:
     return tips
 
 
-def _server_tips(heavy: dict, unit: str, dataset: str | None) -> list[str]:
+def _server_tips(heavy: dict, unit: str, dataset: str | None, saturated: bool) -> list[str]:
     srv = heavy.get("server") or {}
     if not srv:
         return []
@@ -111,11 +111,11 @@ def _server_tips(heavy: dict, unit: str, dataset: str | None) -> list[str]:
         tips.append(f"{at} requests waited (mean {waiting:.1f}, max {waiting_max:.0f}) while the "
                     f"KV cache was only {100 * kv:.0f}% used (running peaked at "
                     f"{running:.0f}): the sequence cap is the limit. Raise `--max-num-seqs`.")
-    elif waiting_max < 1 and running is not None:
+    elif waiting_max < 1 and running is not None and saturated:
         tips.append(f"{at} the server admitted every request (nothing waited; up to "
-                    f"{running:.0f} running): it is compute-bound, so more load only slows each "
-                    "token. `--max-num-batched-tokens` trades TTFT against TPOT; replicas add "
-                    "throughput.")
+                    f"{running:.0f} running) and throughput had stopped growing: it is "
+                    "compute-bound, so more load only slows each token. "
+                    "`--max-num-batched-tokens` trades TTFT against TPOT; replicas add throughput.")
     if pre > 0:
         tips.append(f"{at} the server preempted sequences {pre:.0f} time(s) (recomputed from "
                     "scratch): give the KV cache more memory or lower `--max-num-seqs`.")

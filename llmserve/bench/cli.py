@@ -105,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-json", default=None, help="every figure and per-request records")
     g.add_argument("--output-dir", default=None,
                    help="writes bench.json, PNG plots and report.md here")
-    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no live progress bar (it shows only on a terminal anyway)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,8 +173,9 @@ class Progress:
 
     def __init__(self, desc: str, total: int | None, enabled: bool) -> None:
         from tqdm import tqdm
-        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=True,
-                        dynamic_ncols=True, file=sys.stderr)
+        # disable=None: on only when stderr is a terminal
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=None if enabled else True,
+                        leave=True, dynamic_ncols=True, file=sys.stderr)
         self.errors, self.t0 = 0, time.perf_counter()
         self.stamps: deque[float] = deque()
         self._task: asyncio.Task | None = None
