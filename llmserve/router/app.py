@@ -371,7 +371,14 @@ class ProxyEndpoint:
             await _send_error(send, e)
             return
 
-        work = asyncio.create_task(self._serve(scope, send, body, headers, req, t0))
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        work = asyncio.create_task(self._serve(scope, tracked_send, body, headers, req, t0))
         watch = asyncio.create_task(self._wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -379,8 +386,12 @@ class ProxyEndpoint:
                 r.metrics.client_disconnects.inc()
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-            else:
-                work.result()
+            elif work.exception() is not None:
+                log.error("request failed in the router", exc_info=work.exception())
+                if not started:
+                    r.metrics.requests.labels("none", "502").inc()
+                    await _send_error(send, RouterError(502, f"router error: {work.exception()!r}",
+                                                        "bad_gateway", "router_error"))
         finally:
             for t in (work, watch):
                 if not t.done():
@@ -480,9 +491,14 @@ class ProxyEndpoint:
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             health.report_failure(backend, e)
             raise _Retry("connect_error") from e
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                httpx.PoolTimeout) as e:
-            # the backend died (or dropped us) before its first byte: nothing was sent yet
+        except _Retry:
+            raise
+        except (httpx.TransportError, OSError, AttributeError) as e:
+            # The backend died (or dropped us) before its first byte: nothing was sent yet.
+            # (OSError / AttributeError: a connection reset inside httpcore/anyio can surface
+            # unmapped.)
+            if resp is not None:
+                await resp.aclose()
             health.report_failure(backend, e)
             raise _Retry("connection_lost") from e
         except BaseException:
@@ -518,7 +534,7 @@ class ProxyEndpoint:
                 await send({"type": "http.response.body", "more_body": True, "body": b"data: " +
                             error_json("request timed out at the router", "timeout_error",
                                        "request_timeout") + b"\n\n"})
-        except httpx.HTTPError as e:
+        except (httpx.TransportError, OSError, AttributeError) as e:
             # Cut mid-stream: never replayed. Tell an SSE client in OpenAI's way.
             outcome = "stream_error"
             r.metrics.stream_errors.labels(backend.url).inc()
