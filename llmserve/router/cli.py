@@ -112,6 +112,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per health check otherwise
     router = build_router(args)
     log = logging.getLogger("llmserve.router")
     log.info("routing with policy %s over %d backends%s", router.policy.name, len(router.registry),

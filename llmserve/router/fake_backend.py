@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import socket
 import threading
 import time
@@ -119,7 +120,7 @@ def build_fake_app(state: FakeState) -> FastAPI:
 
     @app.get("/_stats")
     async def stats():
-        return {"requests": state.requests, "completed": state.completed,
+        return {"pid": os.getpid(), "requests": state.requests, "completed": state.completed,
                 "aborted": state.aborted, "running": state.running, "name": state.name,
                 "prompts": list(state.prompts), "headers": list(state.headers),
                 "prefix_cache_queries": state.queries, "prefix_cache_hits": state.hits}

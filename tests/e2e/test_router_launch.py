@@ -1,0 +1,80 @@
+"""`llmserve launch`: N replicas and a router started and stopped together.
+
+Replicas are fake backends here (`--replica-command`), so the test needs no model; the command
+line, process supervision and shutdown are the real ones."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import httpx
+import pytest
+
+from llmserve.router.fake_backend import Process, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive either
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
+    port, base = free_port(), free_port()
+    while base + 1 == port or base == port:
+        base = free_port()
+    replica = (f"{sys.executable} -m llmserve.router.fake_backend --host {{host}} "
+               f"--port {{port}} --model m")
+    launcher = Process(["-m", "llmserve.cli", "launch", "--replicas", "2", "--port", str(port),
+                        "--base-port", str(base), "--replica-command", replica,
+                        "--router-policy", "round_robin", "--router-health-interval", "0.3"],
+                       f"http://127.0.0.1:{port}", log_path=str(tmp_path / "launch.log"))
+    pids = []
+    try:
+        launcher.wait_ready(60)
+        urls = {f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"}
+        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"]
+                          == 2, timeout=30)
+        seen = {httpx.post(launcher.url + "/v1/completions", json={
+            "model": "m", "prompt": str(i), "max_tokens": 1}).headers["x-llmserve-backend"]
+            for i in range(4)}
+        assert seen == urls
+        pids = [httpx.get(u + "/_stats").json()["pid"] for u in sorted(urls)]
+
+        # a replica dies: the launcher restarts it and the router re-admits it
+        os.kill(pids[0], signal.SIGKILL)
+        first = sorted(urls)[0]
+
+        def restarted():
+            try:
+                return httpx.get(first + "/_stats", timeout=1).json()["pid"] != pids[0]
+            except httpx.HTTPError:
+                return False
+        assert wait_until(restarted, timeout=30)
+        pids.append(httpx.get(first + "/_stats").json()["pid"])
+        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"]
+                          == 2, timeout=30)
+
+        # SIGTERM to the launcher stops the router and every replica
+        launcher.proc.send_signal(signal.SIGTERM)
+        assert launcher.proc.wait(timeout=30) == 0
+        assert wait_until(lambda: not any(alive(p) for p in pids[1:]), timeout=20)
+        for u in urls:
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(u + "/health", timeout=2)
+    finally:
+        launcher.stop()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
