@@ -15,8 +15,10 @@ def _lvl(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:g}"
 
 
-def _unit(mode: str) -> str:
-    return {"concurrency": "concurrent requests", "rate": "requests/s", "users": "users"}[mode]
+def _at(mode: str, level: float) -> str:
+    """How a level reads in a sentence: concurrency 5, 2 requests/s, 10 users."""
+    return {"concurrency": f"concurrency {_lvl(level)}", "rate": f"{_lvl(level)} requests/s",
+            "users": f"{_lvl(level)} users"}[mode]
 
 
 def recommend(summaries: list[dict], knee: dict | None = None, slo_best: dict | None = None,
@@ -26,7 +28,6 @@ def recommend(summaries: list[dict], knee: dict | None = None, slo_best: dict | 
         return []
     tips: list[str] = []
     mode = summaries[0]["mode"]
-    unit = _unit(mode)
     ordered = sorted(summaries, key=lambda s: s["level"])
     heavy = ordered[-1]
 
@@ -34,14 +35,14 @@ def recommend(summaries: list[dict], knee: dict | None = None, slo_best: dict | 
         if knee["saturated"]:
             b = knee["beyond"]
             tips.append(
-                f"Knee at {_lvl(knee['level'])} {unit}: going to {_lvl(b['level'])} gave "
+                f"Knee at {_at(mode, knee['level'])}: going to {_lvl(b['level'])} gave "
                 f"x{b['throughput_gain']:.2f} throughput for x{b['latency_gain']:.2f} mean latency. "
-                f"Run each server at about {_lvl(knee['level'])} {unit}; for more load add replicas "
+                f"Run each server at about {_at(mode, knee['level'])}; for more load add replicas "
                 f"(`llmserve launch` / `llmserve route`) rather than queueing deeper.")
         else:
             tips.append(
-                f"No knee within the sweep: throughput still grew up to {_lvl(heavy['level'])} "
-                f"{unit}. Extend the sweep (e.g. {_lvl(heavy['level'] * 2)},"
+                f"No knee within the sweep: throughput still grew up to "
+                f"{_at(mode, heavy['level'])}. Extend the sweep (e.g. {_lvl(heavy['level'] * 2)},"
                 f"{_lvl(heavy['level'] * 4)}) to find where it flattens.")
 
     if slo:
@@ -49,18 +50,18 @@ def recommend(summaries: list[dict], knee: dict | None = None, slo_best: dict | 
         if slo_best is not None:
             tips.append(
                 f"SLO ({spec} for {slo_percentile:g}% of requests) holds up to "
-                f"{_lvl(slo_best['level'])} {unit} (goodput {slo_best['goodput']:.2f} req/s).")
+                f"{_at(mode, slo_best['level'])} (goodput {slo_best['goodput']:.2f} req/s).")
         else:
             low = ordered[0]
             failed = f" ({low['failed']} of {low['requests']} failed)" if low["failed"] else ""
             tips.append(
                 f"No level met the SLO ({spec} for {slo_percentile:g}% of requests); at "
-                f"{_lvl(low['level'])} {unit} only {100 * low.get('slo_attainment', 0):.0f}% did"
+                f"{_at(mode, low['level'])} only {100 * low.get('slo_attainment', 0):.0f}% did"
                 f"{failed}. Lower the load below the sweep's first level, shorten outputs, or use "
                 "a faster device or smaller model.")
 
     tips += _error_tips(ordered)
-    tips += _server_tips(heavy, unit, dataset, saturated=bool(knee and knee["saturated"]))
+    tips += _server_tips(heavy, dataset, saturated=bool(knee and knee["saturated"]))
     tips += _latency_tips(ordered)
     return tips
 
@@ -91,7 +92,7 @@ def _error_tips(ordered: list[dict]) -> list[str]:
     return tips
 
 
-def _server_tips(heavy: dict, unit: str, dataset: str | None, saturated: bool) -> list[str]:
+def _server_tips(heavy: dict, dataset: str | None, saturated: bool) -> list[str]:
     srv = heavy.get("server") or {}
     if not srv:
         return []
@@ -113,8 +114,8 @@ def _server_tips(heavy: dict, unit: str, dataset: str | None, saturated: bool) -
                     f"{running:.0f}): the sequence cap is the limit. Raise `--max-num-seqs`.")
     elif waiting_max < 1 and running is not None and saturated:
         tips.append(f"{at} the server admitted every request (nothing waited; up to "
-                    f"{running:.0f} running) and throughput had stopped growing: it is "
-                    "compute-bound, so more load only slows each token. "
+                    f"{running:.0f} running) yet throughput grew less than latency: it is "
+                    "compute-bound, so more load mostly slows each token. "
                     "`--max-num-batched-tokens` trades TTFT against TPOT; replicas add throughput.")
     if pre > 0:
         tips.append(f"{at} the server preempted sequences {pre:.0f} time(s) (recomputed from "

@@ -124,9 +124,9 @@ class MetricsScraper:
             if vals:
                 out[key] = {"mean": sum(vals) / len(vals), "max": max(vals)}
         first, last = self.samples[0][1], self.samples[-1][1]
-        for key in COUNTERS:
-            if key in first and key in last:
-                out[key] = last[key] - first[key]
+        for key in COUNTERS:  # a labelled counter appears at its first increment: absent = 0
+            if key in last:
+                out[key] = last[key] - first.get(key, 0.0)
         if out.get("prefix_queries"):
             out["prefix_cache_hit_rate"] = out.get("prefix_hits", 0.0) / out["prefix_queries"]
         out["timeline"] = [[round(t, 3), s.get("running"), s.get("waiting"), s.get("kv_usage")]

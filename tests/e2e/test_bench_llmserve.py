@@ -59,7 +59,8 @@ def server(tmp_path_factory):
 
 
 def counters(url: str) -> dict:
-    return pick(parse_prometheus(httpx.get(url + "/metrics", timeout=10).text))
+    got = pick(parse_prometheus(httpx.get(url + "/metrics", timeout=10).text))
+    return {k: got.get(k, 0.0) for k in ("prompt_tokens", "generation_tokens")}  # absent = 0
 
 
 def test_sweep_1_5_writes_json_and_plots_with_the_servers_token_counts(server, tmp_path):

@@ -96,7 +96,7 @@ def test_knee_where_throughput_flattens_and_latency_grows():
     assert knee["level"] == 5 and knee["saturated"]
     assert knee["beyond"]["throughput_gain"] == pytest.approx(140 / 120, rel=1e-6)
     tips = advice.recommend(s, knee)
-    assert "Knee at 5" in tips[0]
+    assert "Knee at concurrency 5" in tips[0]
 
 
 def test_no_knee_while_throughput_scales():
@@ -116,7 +116,7 @@ def test_best_under_slo_is_the_highest_level_meeting_it():
     best = best_under_slo(summaries, 90)
     assert best["level"] == 5
     tips = advice.recommend(summaries, find_knee(summaries), best, slo, 90)
-    assert any("holds up to 5" in t for t in tips)
+    assert any("holds up to concurrency 5" in t for t in tips)
     assert best_under_slo(summaries[2:], 90) is None
 
 
@@ -265,3 +265,17 @@ def test_reports_text_markdown_and_plots(tmp_path):
     report.write_json(tmp_path / "x.json", result)
     back = json.loads((tmp_path / "x.json").read_text())
     assert back["phases"][0]["requests"][0]["output_tokens"] == 20
+
+
+def test_scrape_summary_gauges_and_counter_increases():
+    from llmserve.bench.scrape import MetricsScraper
+    sc = MetricsScraper(http=None)
+    sc.samples = [(0.0, {"running": 0.0, "waiting": 0.0, "kv_usage": 0.1}),  # counters not born
+                  (1.0, {"running": 4.0, "waiting": 2.0, "kv_usage": 0.5,
+                         "prefix_queries": 50.0, "prefix_hits": 10.0, "generation_tokens": 30.0}),
+                  (2.0, {"running": 2.0, "waiting": 0.0, "kv_usage": 0.3,
+                         "prefix_queries": 100.0, "prefix_hits": 40.0, "generation_tokens": 64.0})]
+    s = sc.summary()
+    assert s["running"] == {"mean": 2.0, "max": 4.0} and s["waiting"]["max"] == 2.0
+    assert s["generation_tokens"] == 64.0 and s["prefix_cache_hit_rate"] == pytest.approx(0.4)
+    assert "preemptions" not in s and len(s["timeline"]) == 3
