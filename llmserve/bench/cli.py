@@ -141,14 +141,17 @@ def phases_from_args(args: argparse.Namespace) -> list[LoadPhase]:
         raise BenchError(f"--{mode.replace('rate', 'request-rate')} needs positive "
                          f"{'numbers' if mode == 'rate' else 'integers'}")
     counts: list[int | None]
-    if args.duration:
-        counts = [int(args.num_requests)] * len(levels) if args.num_requests else [None] * len(levels)
-    elif args.num_requests:
-        counts = [int(x) for x in str(args.num_requests).split(",")]
+    if args.num_requests:
+        try:
+            counts = [int(x) for x in str(args.num_requests).split(",")]
+        except ValueError:
+            raise BenchError(f"bad --num-requests {args.num_requests!r}") from None
         if len(counts) == 1:
             counts *= len(levels)
-        if len(counts) != len(levels):
-            raise BenchError("--num-requests needs one count, or one per level")
+        if len(counts) != len(levels) or min(counts) < 1:
+            raise BenchError("--num-requests needs one positive count, or one per level")
+    elif args.duration:
+        counts = [None] * len(levels)  # the duration alone ends each phase
     else:
         counts = [default_count(mode, lv) for lv in levels]
     try:
@@ -215,8 +218,12 @@ async def fill_token_counts(records: list[RequestRecord], tok) -> None:
     """N for answers whose server sent no usage chunk: re-tokenise the text (after the phase)."""
     for rec in records:
         if rec.success and rec.output_tokens is None:
-            rec.output_tokens = len(await tok.encode(rec.text))
-            rec.output_tokens_source = "tokenizer" if tok.exact else "words"
+            try:
+                rec.output_tokens = len(await tok.encode(rec.text))
+                rec.output_tokens_source = "tokenizer" if tok.exact else "words"
+            except Exception as e:  # the server's /tokenize went away: N stays unknown
+                print(f"note: could not count output tokens ({e!r})", file=sys.stderr)
+                return
 
 
 async def bench(args: argparse.Namespace) -> dict:

@@ -212,10 +212,10 @@ class OpenAIClient:
             await asyncio.wait_for(self._stream(path, body, rec, on_chunk), rec.timeout)
         except asyncio.TimeoutError:
             _fail(rec, "timeout", f"no complete answer within {rec.timeout:.1f} s")
-        except httpx.TimeoutException as e:
-            _fail(rec, "timeout", repr(e))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             _fail(rec, "connect_error", repr(e))
+        except httpx.TimeoutException as e:
+            _fail(rec, "timeout", repr(e))
         except (httpx.RemoteProtocolError, httpx.ReadError) as e:
             _fail(rec, "incomplete_stream", repr(e))
         except httpx.HTTPError as e:

@@ -131,6 +131,9 @@ def test_rate_burst_and_users_modes(fake, tmp_path):
                    "--num-requests", "6", "--warmup", "2")
     s = result["phases"][0]["summary"]
     assert s["completed"] == 6 and s["peak_concurrency"] <= 2
+    result = bench(fake, tmp_path, "--concurrency", "2", "--duration", "0.5")
+    s = result["phases"][0]["summary"]
+    assert s["completed"] >= 4 and 0.5 <= s["duration_s"] < 1.5  # ~100 ms answers, 2 at a time
 
 
 def test_server_without_metrics_and_unreachable_server(fake, tmp_path, capsys):

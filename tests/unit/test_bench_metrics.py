@@ -233,6 +233,8 @@ def test_phases_from_args():
     ph = cli.phases_from_args(parse_args(["--users", "3", "--think-time", "0.5-1",
                                           "--duration", "9"]))
     assert ph[0].think_time == (0.5, 1.0) and ph[0].duration == 9 and ph[0].num_requests is None
+    ph = cli.phases_from_args(parse_args(["--concurrency", "1,2", "--duration", "5"]))
+    assert [(p.num_requests, p.duration) for p in ph] == [(None, 5), (None, 5)]
     with pytest.raises(cli.BenchError):
         cli.phases_from_args(parse_args(["--concurrency", "1,2", "--num-requests", "1,2,3"]))
     with pytest.raises(cli.BenchError):
