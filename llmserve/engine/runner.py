@@ -33,8 +33,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # torch.zeros on CPU maps pages lazily: resident memory grows only as blocks are used.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # On CPU, torch.empty of this size is a fresh anonymous mapping: zero pages that become
+        # resident only as blocks are written, so memory grows with use up to the budget. (Stale
+        # values in reused blocks are finite and always masked out.) On CUDA, zero it.
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.kv_caches = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], torch.Tensor | None, list[int]]:

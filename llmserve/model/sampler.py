@@ -69,6 +69,7 @@ def _top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[Sampl
     return out
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     """logits: [len(rows), vocab] float32."""
     need_logprobs = any(r.params.logprobs is not None for r in rows)
