@@ -126,3 +126,20 @@ def test_abort_frees_blocks(llm):
     assert eng.kv.num_free_blocks == eng.num_blocks
     assert not eng.has_unfinished_requests()
     assert RequestStatus.FINISHED_ABORTED.finished
+
+
+def test_full_queue_raises_typed_error_engine_keeps_serving(llm):
+    from llmserve.engine.scheduler import QueueFullError
+    eng = llm.engine
+    eng.scheduler.max_queued_requests = 1
+    try:
+        a = eng.add_request(chat_ids(llm, "One"), SamplingParams(temperature=0, max_tokens=3))
+        with pytest.raises(QueueFullError):
+            eng.add_request(chat_ids(llm, "Two"), SamplingParams(temperature=0, max_tokens=3))
+        finished = set()
+        while eng.has_unfinished_requests():
+            finished |= {o.request_id for o in eng.step() if o.finished}
+        assert finished == {a}
+        assert eng.kv.num_free_blocks == eng.num_blocks
+    finally:
+        eng.scheduler.max_queued_requests = None

@@ -53,3 +53,60 @@ def test_greedy_matches_transformers_alone(llm, prompt_ids, reference):
     for i, ids in enumerate(prompt_ids):
         (g,) = _greedy(llm, [ids])
         assert _strip_eos(g) == _strip_eos(reference[i]), f"prompt {i} (len {len(ids)})"
+
+
+def test_greedy_unchanged_without_prefix_caching(llm_factory, prompt_ids, reference):
+    llm = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, enable_prefix_caching=False)
+    got = _greedy(llm, prompt_ids + prompt_ids[:3])     # repeats would hit the cache if it were on
+    assert llm.engine.kv.prefix_cache_hits == 0
+    for g, r in zip(got, reference + reference[:3]):
+        assert _strip_eos(g) == _strip_eos(r)
+
+
+def test_greedy_unchanged_under_preemption(llm_factory, prompt_ids, reference):
+    # 64 blocks x 16 = 1024 tokens: the batch needs about twice that, so requests are preempted
+    # and recomputed (often from their own cached prefix) many times.
+    llm = llm_factory(max_num_batched_tokens=256, num_kv_blocks=64)
+    before = llm.engine.scheduler.num_preemptions
+    got = _greedy(llm, prompt_ids)
+    assert llm.engine.scheduler.num_preemptions - before > 0
+    for g, r in zip(got, reference):
+        assert _strip_eos(g) == _strip_eos(r)
+    assert llm.engine.kv.num_free_blocks == 64
+
+
+def test_shared_prefix_is_served_from_cache(llm):
+    eng = llm.engine
+    tok = llm.get_tokenizer()
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: be precise about item {i}." for i in range(40))
+    first = tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+    second = tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "Hello there"}])
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert common >= 300
+    scheduled: dict[str, int] = {}
+    orig = eng.runner.execute
+
+    def spy(sched, kv):
+        for rid, n in sched.num_scheduled_tokens.items():
+            scheduled[rid] = scheduled.get(rid, 0) + n
+        return orig(sched, kv)
+
+    eng.runner.execute = spy
+    try:
+        llm.generate([first], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        hits = eng.kv.prefix_cache_hits
+        out = llm.generate([second], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    finally:
+        eng.runner.execute = orig
+    assert out.num_cached_tokens >= 288 and out.num_cached_tokens >= (common // 16) * 16
+    assert eng.kv.prefix_cache_hits - hits == out.num_cached_tokens
+    rid = [r for r in scheduled if r.startswith("llm-")][-1]
+    # only the uncached part of the prompt was computed (+1 for the decode step of token 2)
+    assert scheduled[rid] == len(second) - out.num_cached_tokens + 1
+
+
+def test_max_model_len_that_cannot_fit_fails_at_startup():
+    from llmserve import LLM
+    with pytest.raises(ValueError) as e:
+        LLM(max_model_len=4096, kv_cache_memory=0.01)
+    assert "--kv-cache-memory" in str(e.value) and "--max-model-len" in str(e.value)
