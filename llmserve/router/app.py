@@ -28,12 +28,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
-from starlette.routing import Route
 
 from .discovery import DnsDiscovery, DnsSource, Registry, Resolver
 from .health import HealthChecker
 from .metrics import RouterMetrics
 from .policies import Backend, Policy, RouteRequest, make_policy
+from .upstream import ConnectFailed, ConnectionLost, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("llmserve.router")
 
@@ -45,6 +45,7 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
                "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
                "accept-encoding"}
 _RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
+_RESPONSE_DROP_B = {h.encode() for h in _RESPONSE_DROP}
 
 
 @dataclass
@@ -81,6 +82,31 @@ class RouterConfig:
     @classmethod
     def from_namespace(cls, ns) -> "RouterConfig":
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+if hasattr(asyncio, "timeout_at"):          # Python 3.11+
+    timeout_at = asyncio.timeout_at
+else:                                       # 3.10: cancel the task at the deadline ourselves
+    @asynccontextmanager
+    async def timeout_at(when: float):
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        fired = False
+
+        def fire():
+            nonlocal fired
+            fired = True
+            task.cancel()
+
+        handle = loop.call_at(when, fire)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired:
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
 
 
 class RouterError(Exception):
@@ -157,7 +183,8 @@ class Router:
         self.dns = [DnsDiscovery(self.registry, DnsSource.parse(spec), cfg.dns_interval,
                                  resolver=dns_resolver, on_change=self._on_dns_change)
                     for spec in cfg.backend_dns]
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None      # health checks, metrics scraping
+        self.upstream: UpstreamPool | None = None         # proxied requests
         self.health: HealthChecker | None = None
         self.queued = 0
         self._waiters: deque[asyncio.Future] = deque()
@@ -169,6 +196,7 @@ class Router:
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             timeout=httpx.Timeout(cfg.connect_timeout, read=None), follow_redirects=False)
+        self.upstream = UpstreamPool(connect_timeout=cfg.connect_timeout)
         headers = {"Authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else {}
         self.health = HealthChecker(
             self.registry, self.client, self.metrics, interval=cfg.health_interval,
@@ -188,6 +216,8 @@ class Router:
         self._tasks = []
         if self.client is not None:
             await self.client.aclose()
+        if self.upstream is not None:
+            await self.upstream.aclose()
 
     def _on_removed(self, b: Backend) -> None:
         self.policy.on_backend_removed(b)
@@ -404,14 +434,15 @@ class ProxyEndpoint:
             if (await receive())["type"] == "http.disconnect":
                 return
 
-    def _upstream_headers(self, headers: Headers, request_id: str) -> dict[str, str]:
-        out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+    def _upstream_headers(self, headers: Headers, request_id: str) -> list[tuple[str, str]]:
+        drop = set(_HOP_BY_HOP) | {"x-request-id"}
         key = self.router.config.backend_api_key
         if key:
-            out.pop("authorization", None)
-            out.pop("x-api-key", None)
-            out["authorization"] = f"Bearer {key}"
-        out["x-request-id"] = request_id
+            drop |= {"authorization", "x-api-key"}
+        out = [(k, v) for k, v in headers.items() if k not in drop]
+        if key:
+            out.append(("authorization", f"Bearer {key}"))
+        out.append(("x-request-id", request_id))
         return out
 
     async def _serve(self, scope, send, body: bytes, headers: Headers, req: RouteRequest,
@@ -445,10 +476,10 @@ class ProxyEndpoint:
                 budget = deadline - loop.time()
                 if req.stream:
                     budget = min(budget, cfg.first_byte_timeout)
-                upstream, chunks, first = await asyncio.wait_for(
-                    self._open(backend, path, scope["method"], body, up_headers, last), budget)
-                await self._relay(send, backend, upstream, chunks, first, req, deadline,
-                                  request_id, t0)
+                async with timeout_at(loop.time() + budget):
+                    upstream, first = await self._open(
+                        backend, path, scope["method"], body, up_headers, last)
+                await self._relay(send, backend, upstream, first, req, deadline, request_id, t0)
                 return
             except _Retry as e:
                 r.metrics.retries.labels(backend.url, e.reason).inc()
@@ -473,30 +504,23 @@ class ProxyEndpoint:
         await self._send_buffered(send, *fallback, request_id)
 
     async def _open(self, backend: Backend, path: str, method: str, body: bytes,
-                    headers: dict[str, str], last: bool):
+                    headers: list[tuple[str, str]], last: bool):
         """Send the request and wait for the first body byte. Raises _Retry for failures that
         happened before anything reached the client."""
-        client, health = self.router.client, self.router.health
-        req = client.build_request(method, backend.url + path, content=body, headers=headers)
+        health = self.router.health
         resp = None
         try:
-            resp = await client.send(req, stream=True)
+            resp = await self.router.upstream.request(method, backend.url, path, headers, body)
             if resp.status_code in RETRYABLE_STATUS and not last:
                 data = await resp.aread()
-                await resp.aclose()
-                raise _Retry(str(resp.status_code), (resp.status_code, dict(resp.headers), data, backend))
-            chunks = resp.aiter_raw()
-            first = await anext(chunks, b"")
-            return resp, chunks, first
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                raise _Retry(str(resp.status_code), (resp.status_code, resp.headers, data, backend))
+            first = await anext(resp, b"")
+            return resp, first
+        except ConnectFailed as e:
             health.report_failure(backend, e)
             raise _Retry("connect_error") from e
-        except _Retry:
-            raise
-        except (httpx.TransportError, OSError, AttributeError) as e:
-            # The backend died (or dropped us) before its first byte: nothing was sent yet.
-            # (OSError / AttributeError: a connection reset inside httpcore/anyio can surface
-            # unmapped.)
+        except ConnectionLost as e:
+            # the backend died (or dropped us) before its first byte: nothing was sent yet
             if resp is not None:
                 await resp.aclose()
             health.report_failure(backend, e)
@@ -506,27 +530,24 @@ class ProxyEndpoint:
                 await resp.aclose()
             raise
 
-    async def _relay(self, send, backend: Backend, upstream: httpx.Response, chunks, first: bytes,
+    async def _relay(self, send, backend: Backend, upstream: UpstreamResponse, first: bytes,
                      req: RouteRequest, deadline: float, request_id: str, t0: float) -> None:
         r = self.router
-        loop = asyncio.get_running_loop()
         status = upstream.status_code
-        out = [(k.encode("latin-1"), v.encode("latin-1"))
-               for k, v in upstream.headers.multi_items() if k.lower() not in _RESPONSE_DROP]
+        out = [(k.lower(), v) for k, v in upstream.raw_headers
+               if k.lower() not in _RESPONSE_DROP_B]
         out.append((b"x-llmserve-backend", backend.url.encode()))
-        if "x-request-id" not in upstream.headers:
+        if not any(k == b"x-request-id" for k, _ in out):
             out.append((b"x-request-id", request_id.encode()))
+        sse = any(k == b"content-type" and b"text/event-stream" in v for k, v in out)
         await send({"type": "http.response.start", "status": status, "headers": out})
         await send({"type": "http.response.body", "body": first, "more_body": True})
         r.metrics.ttfb.labels(backend.url).observe(time.perf_counter() - t0)
-        sse = "text/event-stream" in upstream.headers.get("content-type", "")
         outcome = str(status)
         try:
-            while True:
-                chunk = await asyncio.wait_for(anext(chunks, None), deadline - loop.time())
-                if chunk is None:
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async with timeout_at(deadline):
+                async for chunk in upstream:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.TimeoutError:
             outcome = "timeout"
             log.warning("request %s timed out mid-stream on %s", request_id, backend.url)
@@ -534,12 +555,12 @@ class ProxyEndpoint:
                 await send({"type": "http.response.body", "more_body": True, "body": b"data: " +
                             error_json("request timed out at the router", "timeout_error",
                                        "request_timeout") + b"\n\n"})
-        except (httpx.TransportError, OSError, AttributeError) as e:
+        except ConnectionLost as e:
             # Cut mid-stream: never replayed. Tell an SSE client in OpenAI's way.
             outcome = "stream_error"
             r.metrics.stream_errors.labels(backend.url).inc()
             r.health.report_failure(backend, e)
-            log.warning("stream %s from %s cut: %r", request_id, backend.url, e)
+            log.warning("stream %s from %s cut: %s", request_id, backend.url, e)
             if sse:
                 await send({"type": "http.response.body", "more_body": True, "body": b"data: " +
                             error_json(f"backend {backend.url} failed mid-stream", "bad_gateway",
@@ -559,7 +580,7 @@ class ProxyEndpoint:
         self.router.metrics.requests.labels(backend.url, str(status)).inc()
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router) -> "RouterApp":
     @asynccontextmanager
     async def lifespan(app):
         await router.start()
@@ -626,8 +647,21 @@ def build_app(router: Router) -> FastAPI:
             f"The model '{model}' does not exist", "invalid_request_error", "model_not_found",
             "model")))
 
-    proxy = ProxyEndpoint(router)
-    for p in PROXY_PATHS:
-        app.router.routes.append(Route(p, proxy, methods=["POST"]))
-    app.router.routes.append(Route("/v1/{rest:path}", proxy, methods=["POST"]))
-    return app
+    return RouterApp(app, ProxyEndpoint(router))
+
+
+class RouterApp:
+    """The ASGI app: proxied POSTs go straight to the proxy (no middleware stack on the hot
+    path: each streamed chunk would cross five wrappers); everything else, lifespan included,
+    to the FastAPI app."""
+
+    def __init__(self, app: FastAPI, proxy: ProxyEndpoint):
+        self.app, self.proxy = app, proxy
+        self.router = proxy.router
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["method"] == "POST"
+                and (scope["path"] in PROXY_PATHS or scope["path"].startswith("/v1/"))):
+            await self.proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

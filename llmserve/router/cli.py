@@ -118,5 +118,5 @@ def run(args) -> int:
     log.info("routing with policy %s over %d backends%s", router.policy.name, len(router.registry),
              f" + DNS {', '.join(router.config.backend_dns)}" if router.config.backend_dns else "")
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=5)
+                access_log=False, proxy_headers=False, timeout_graceful_shutdown=5)
     return 0

@@ -181,7 +181,7 @@ def run(args) -> int:
         log.info("router on http://%s:%d over %d replicas (ports %d-%d)", args.host, args.port,
                  n, base, base + n - 1)
         uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=5)
+                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=5)
     finally:
         stopping.set()
         for r in replicas:
