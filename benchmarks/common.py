@@ -1,0 +1,56 @@
+"""Shared helpers for the benchmark scripts: prompts, machine description, BENCHMARKS.md sections."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+
+TOPICS = ["Docker", "the water cycle", "hash tables", "the French Revolution", "photosynthesis",
+          "TCP handshakes", "black holes", "sourdough bread", "the stock market", "vaccines",
+          "garbage collection", "the Roman Empire", "solar panels", "jazz music", "chess openings",
+          "climate change"]
+TEMPLATES = [
+    "What is {t}? Answer in one sentence.",
+    "Explain {t} to a ten year old.",
+    "Write a short essay about {t}. Cover its history, how it works, and why it matters today. "
+    "Use clear language and give at least two concrete examples.",
+    "Here are some notes I took: " + "I read about {t} today and it seemed complicated at first, "
+    "but after a while the main ideas started to make sense. " * 6 + "Summarize what {t} is and "
+    "list three questions I should ask to learn more.",
+]
+
+
+def chat_prompts(n: int = 64) -> list[list[dict]]:
+    out = []
+    for i in range(n):
+        t = TOPICS[i % len(TOPICS)]
+        tpl = TEMPLATES[(i // len(TOPICS)) % len(TEMPLATES)]
+        out.append([{"role": "user", "content": tpl.format(t=t)}])
+    return out
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            cpu = m.group(1) if m else cpu
+    except OSError:
+        pass
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores"
+
+
+def write_section(title: str, body: str, path: str | None = None) -> None:
+    """Replace (or append) the `## title` section of BENCHMARKS.md."""
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\nMeasured, not asserted: each section says how it was run.\n"
+    stamp = datetime.date.today().isoformat()
+    section = f"## {title}\n\n_{stamp}, {machine()}_\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text)
