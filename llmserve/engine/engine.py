@@ -93,6 +93,7 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy, config.max_queued_requests)
         self.runner = ModelRunner(self.model, mc, num_blocks, block_size, self.device, self.dtype)
         self._rows: dict[str, SamplingRow] = {}
+        self.fault_hook = None   # tests: called with each request before its token is appended
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.steps = 0
@@ -213,13 +214,43 @@ class LLMEngine:
                        if r.num_output_tokens < r.params.min_tokens else [])
                 row.banned_ids = ban
                 rows.append(row)
-            result = sample(logits, rows)
             now = time.time()
-            for r, tok, lp in zip(sampling, result.token_ids, result.logprobs):
-                out = self._append(r, tok, lp, now)
+            for r, tok, lp, err in self._sample_isolated(logits, sampling, rows):
+                try:
+                    if err is not None:
+                        raise err
+                    if self.fault_hook is not None:
+                        self.fault_hook(r)
+                    out = self._append(r, tok, lp, now)
+                except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
+                    out = self._fail(r, e)
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    def _sample_isolated(self, logits, sampling, rows):
+        """Sample the batch; if that fails, sample row by row so only the faulty rows fail."""
+        try:
+            result = sample(logits, rows)
+            return [(r, t, lp, None) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)]
+        except Exception:  # noqa: BLE001
+            log.exception("batched sampling failed; retrying row by row")
+        out = []
+        for i, (r, row) in enumerate(zip(sampling, rows)):
+            try:
+                one = sample(logits[i:i + 1], [row])
+                out.append((r, one.token_ids[0], one.logprobs[0], None))
+            except Exception as e:  # noqa: BLE001
+                out.append((r, None, None, e))
+        return out
+
+    def _fail(self, req: Request, e: BaseException) -> RequestOutput | None:
+        """Finish one request with an error; its blocks go back to the pool at once."""
+        log.error("request %s failed: %r", req.request_id, e)
+        req.error = f"{type(e).__name__}: {e}"
+        if self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR) is None:
+            return None
+        return self._finish_output(req, [], "")
 
     def _append(self, req: Request, token: int, lp, now: float) -> RequestOutput | None:
         req.append_token(token)

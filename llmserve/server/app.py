@@ -491,6 +491,8 @@ class _Generation:
                     continue
                 if isinstance(item, BaseException):
                     raise _to_api_error(item, self.s)
+                if item.finished and item.error:
+                    raise APIError(500, f"the request failed in the engine: {item.error}", code="engine_error")
                 if item.finished:
                     pending -= 1
                     self.finals[index] = item

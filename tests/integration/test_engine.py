@@ -143,3 +143,30 @@ def test_full_queue_raises_typed_error_engine_keeps_serving(llm):
         assert eng.kv.num_free_blocks == eng.num_blocks
     finally:
         eng.scheduler.max_queued_requests = None
+
+
+def test_fault_in_one_request_fails_it_alone(llm):
+    eng = llm.engine
+    bad = {}
+
+    def hook(req):
+        if req.request_id == bad.get("id") and req.num_output_tokens == 2:
+            raise RuntimeError("injected sampler fault")
+
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    good = [eng.add_request(chat_ids(llm, f"Say {i}."), p) for i in range(3)]
+    bad["id"] = eng.add_request(chat_ids(llm, "Fail me."), p)
+    eng.fault_hook = hook
+    try:
+        finals = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    finals[o.request_id] = o
+    finally:
+        eng.fault_hook = None
+    assert finals[bad["id"]].error and "injected" in finals[bad["id"]].error
+    assert finals[bad["id"]].outputs[0].finish_reason == "error"
+    for g in good:
+        assert finals[g].error is None and len(finals[g].outputs[0].token_ids) == 6
+    assert eng.kv.num_free_blocks == eng.num_blocks
