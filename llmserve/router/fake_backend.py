@@ -20,7 +20,10 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +31,7 @@ from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -317,10 +321,6 @@ class Process:
 
     def __init__(self, args: list[str], url: str, ready_path: str = "/ready",
                  log_path: str | None = None, env: dict | None = None):
-        import os
-        import subprocess
-        import sys
-
         self.args, self.url, self.ready_path = args, url, ready_path
         self.log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         full_env = dict(os.environ, **(env or {}))
@@ -332,8 +332,6 @@ class Process:
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 60.0) -> "Process":
-        import httpx
-
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -347,9 +345,6 @@ class Process:
         raise TimeoutError(f"{self.url}{self.ready_path} not ready after {timeout}s")
 
     def kill(self, sig=None) -> None:
-        import os
-        import signal
-
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig or signal.SIGKILL)
@@ -359,10 +354,6 @@ class Process:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
-        import os
-        import signal
-        import subprocess
-
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

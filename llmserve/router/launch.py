@@ -26,7 +26,7 @@ import time
 log = logging.getLogger("llmserve.launch")
 
 # serve flags the launcher sets itself, per replica
-_OWN = {"host", "port", "num_threads", "help"}
+_OWN = {"host", "port", "num_threads", "api_key", "help"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

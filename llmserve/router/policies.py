@@ -263,11 +263,19 @@ class PrefixTree:
 
 
 def _common_prefix_len(label: str, text: str, start: int) -> int:
+    """Length of the common prefix of `label` and `text[start:]`, by slice comparisons (done in C)
+    and a binary search for the first difference: prompts are long and usually match whole."""
     n = min(len(label), len(text) - start)
-    i = 0
-    while i < n and label[i] == text[start + i]:
-        i += 1
-    return i
+    if label[:n] == text[start:start + n]:
+        return n
+    lo, hi = 0, n          # label[:lo] matches, label[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if label[lo:mid] == text[start + lo:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class CacheAware(Policy):
