@@ -21,7 +21,8 @@ from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, 
                                      RequestStatus, SamplingParams)
 from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
-from llmserve.model.loader import load_model, load_model_config, resolve_dtype, resolve_model
+from llmserve.model.loader import (ModelSource, gguf_as_hf_folder, load_model, load_model_config,
+                                   resolve_dtype, resolve_model)
 from llmserve.model.sampler import SamplingRow, sample
 from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -58,6 +59,10 @@ class LLMEngine:
         t0 = time.time()
 
         source = resolve_model(config.model)
+        self.model_path = source.path
+        if source.kind == "gguf":
+            # dequantized once into a cached float32 checkpoint that loads in under a second
+            source = ModelSource(gguf_as_hf_folder(source.path), "hf", source.name)
         self.source = source
         self.model_config, reader = load_model_config(source)
         mc = self.model_config

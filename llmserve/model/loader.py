@@ -173,6 +173,45 @@ def load_gguf_weights(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cache_root() -> str:
+    return os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
+
+
+def gguf_as_hf_folder(path: str) -> str:
+    """Convert a GGUF file once into a Hugging Face folder (config.json, float32 safetensors,
+    tokenizer) in the cache, and return that folder. Reading a GGUF means parsing its metadata and
+    dequantizing every tensor (seconds); a safetensors file maps in well under a second."""
+    import hashlib
+
+    import transformers
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    from llmserve.tokenizer import Tokenizer
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:"
+                         f"{transformers.__version__}:1".encode()).hexdigest()[:16]
+    folder = os.path.join(_cache_root(), "gguf", f"{os.path.basename(path).removesuffix('.gguf')}-{key}")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return folder
+    log.info("converting %s to a float32 checkpoint in %s (once)", path, folder)
+    reader = GGUFReader(path)
+    hf = gguf_hf_config(reader)
+    weights = load_gguf_weights(reader, ModelConfig.from_hf(hf))
+    tmp = f"{folder}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    hf.save_pretrained(tmp)
+    save_file(weights, os.path.join(tmp, "model.safetensors"))
+    Tokenizer(path, gguf=True).hf.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process converted it first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 # -- Hugging Face folders -----------------------------------------------------------------------
 def load_hf_weights(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file

@@ -93,7 +93,7 @@ class _BodyTooLarge(Exception):
     pass
 
 
-OPEN_PATHS = ("/health", "/ready", "/version", "/metrics", "/openapi.json", "/docs", "/")
+OPEN_PATHS = ("/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs", "/")
 
 
 def _key_ok(header: str | None, key: str) -> bool:
@@ -115,7 +115,7 @@ class GuardMiddleware:
         path = scope.get("path", "")
         if s.api_key and scope.get("method") != "OPTIONS":
             open_path = (path in OPEN_PATHS or path.startswith("/static/")) and not (
-                s.protect_metrics and path in ("/health", "/ready", "/version", "/metrics"))
+                s.protect_metrics and path in ("/health", "/ready", "/version", "/metrics", "/stats"))
             if not open_path and not _key_ok(headers.get("authorization"), s.api_key):
                 err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
@@ -287,10 +287,16 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
             return PlainTextResponse("", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/stats", summary="JSON snapshot for the web page: engine state, recent TTFT/ITL percentiles")
+    async def stats():
+        if state.metrics is None:
+            return {"time": time.time(), "ready": False}
+        return {"ready": state.ready, **state.metrics.stats()}
+
     @app.get("/v1/models", response_model=P.ModelList, responses=errs)
     async def models():
         eng = engine_or_503()
-        return P.ModelList(data=[P.ModelCard(id=n, root=eng.engine.source.path, max_model_len=eng.engine.max_model_len)
+        return P.ModelList(data=[P.ModelCard(id=n, root=eng.engine.model_path, max_model_len=eng.engine.max_model_len)
                                  for n in state.model_names])
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -300,6 +306,10 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
             with open(page, encoding="utf-8") as f:
                 return HTMLResponse(f.read())
         return HTMLResponse("<h1>llmserve</h1><p>OpenAI-compatible API at /v1</p>")
+
+    if os.path.isdir(STATIC_DIR):
+        from fastapi.staticfiles import StaticFiles
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     # -- tokenizer ------------------------------------------------------------------------------
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=errs)
@@ -465,6 +475,8 @@ class _Generation:
                 async for out in self.eng.generate(ids, params, f"{self.rid}-{index}", self.priority):
                     if out.outputs[0].delta_token_ids:
                         times.append(time.time())
+                        if self.state.metrics is not None:
+                            self.state.metrics.tokens_streamed += len(out.outputs[0].delta_token_ids)
                     await queue.put((index, out))
                     if out.finished:
                         self._record(out, ids, times)
