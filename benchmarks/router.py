@@ -1,7 +1,7 @@
 """Router benchmarks on one machine: two `llmserve serve` replicas (1 thread each) behind
 `llmserve route`, and a fake backend for the router's own overhead.
 
-    python benchmarks/router.py                 # all three parts, ~8 minutes on 2 CPU cores
+    python benchmarks/router.py                 # all three parts, ~15 minutes on 2 CPU cores
     python benchmarks/router.py --parts overhead --out bench-out/router.json
 
 1. mix       short chats and long-prompt requests, Poisson arrivals, the same schedule and
@@ -353,9 +353,9 @@ def main() -> int:
     p.add_argument("--parts", default="overhead,tenants,mix")
     p.add_argument("--out", default="bench-out/router.json")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mix-requests", type=int, default=30, help="per round and policy")
-    p.add_argument("--mix-rounds", type=int, default=2)
-    p.add_argument("--mix-rate", type=float, default=1.0, help="arrivals per second (Poisson)")
+    p.add_argument("--mix-requests", type=int, default=25, help="per round and policy")
+    p.add_argument("--mix-rounds", type=int, default=4)
+    p.add_argument("--mix-rate", type=float, default=0.8, help="arrivals per second (Poisson)")
     p.add_argument("--long-frac", type=float, default=0.25)
     p.add_argument("--long-words", type=int, default=400)
     p.add_argument("--mix-policies", default="round_robin,least_outstanding")
