@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup serve test
+.PHONY: setup serve test browser
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -19,5 +19,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: setup
 	$(BIN)/llmserve serve $(ARGS)
 
-test: setup
+test: setup browser
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Debian's Chromium for the browser test (tests/e2e/test_web_page.py); Playwright's own browser
+# download is not used. Needs root for apt; otherwise it says so and the browser test is skipped.
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "make browser: chromium missing and not root: skipping apt-get install chromium" \
+	       "(the browser test will be skipped)"; fi; }

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections import deque
@@ -187,6 +188,7 @@ class Router:
         self.upstream: UpstreamPool | None = None         # proxied requests
         self.health: HealthChecker | None = None
         self.queued = 0
+        self.recent_decisions: deque[dict] = deque(maxlen=50)   # for the web page: where and why
         self._waiters: deque[asyncio.Future] = deque()
         self._tasks: list[asyncio.Task] = []
 
@@ -303,6 +305,8 @@ class Router:
         b = decision.backend
         self.policy.on_routed(req, b)
         self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+        self.recent_decisions.append({"time": time.time(), "backend": b.url, "reason": decision.reason,
+                                      "model": req.model})
         b.outstanding += 1
         self.metrics.in_flight.labels(b.url).set(b.outstanding)
         return b
@@ -622,7 +626,19 @@ def build_app(router: Router) -> "RouterApp":
              "ejected_reason": b.ejected_reason,
              "prompt_tokens": [b.min_prompt_tokens, b.max_prompt_tokens],
              "running": b.running, "waiting": b.waiting, "kv_usage": b.kv_usage}
-            for b in router.registry]}
+            for b in router.registry], "recent": list(router.recent_decisions)[::-1]}
+
+    # the web page (docs/web.md): shares the server's static files; no engine import here
+    static = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server", "static")
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        from fastapi.responses import FileResponse
+        return FileResponse(os.path.join(static, "router.html"), media_type="text/html")
+
+    if os.path.isdir(static):
+        from fastapi.staticfiles import StaticFiles
+        app.mount("/static", StaticFiles(directory=static), name="static")
 
     @app.get("/v1/models")
     async def models(request: Request):

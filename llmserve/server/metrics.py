@@ -6,6 +6,7 @@ at scrape time; request figures (TTFT, ITL, latency, tokens, outcomes) are recor
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,6 +15,7 @@ from prometheus_client.process_collector import ProcessCollector
 P = "llmserve:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+RECENT_WINDOW = 60.0    # seconds of TTFT/ITL samples kept for /stats percentiles
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -80,6 +82,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
         self.model_name = model_name
+        self.get_stats = get_stats
+        self.recent: deque = deque(maxlen=50000)   # (time, is_ttft, seconds) for /stats percentiles
+        self.tokens_streamed = 0                   # output tokens as they reach the server (live rate)
+        self._proc = None
         ProcessCollector(registry=r)   # process_cpu_seconds_total, process_resident_memory_bytes, ...
         r.register(_EngineCollector(get_stats, model_name))
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", lab, registry=r)
@@ -111,9 +117,39 @@ class ServerMetrics:
         """Record TTFT (first) and ITL (gaps) from the times output tokens reached the server."""
         m = self.model_name
         if times:
+            now = time.time()
             self.ttft.labels(m).observe(times[0] - arrival)
+            self.recent.append((now, True, times[0] - arrival))
             for a, b in zip(times, times[1:]):
                 self.itl.labels(m).observe(b - a)
+                self.recent.append((now, False, b - a))
+
+    def stats(self) -> dict:
+        """A JSON snapshot for the web page (`GET /stats`): engine state, counters, TTFT/ITL
+        percentiles over the last minute, process CPU seconds and resident memory."""
+        s = self.get_stats()
+        now = time.time()
+        while self.recent and self.recent[0][0] < now - RECENT_WINDOW:
+            self.recent.popleft()
+        ttft = sorted(v for _, first, v in self.recent if first)
+        itl = sorted(v for _, first, v in self.recent if not first)
+        cpu = rss = None
+        try:
+            import psutil
+            self._proc = self._proc or psutil.Process()
+            t = self._proc.cpu_times()
+            cpu, rss = t.user + t.system, self._proc.memory_info().rss
+        except Exception:  # noqa: BLE001 - psutil missing or unsupported: leave them out
+            pass
+        out = {"time": now, "model": self.model_name, "generation_tokens": self.tokens_streamed,
+               "ttft": _percentiles(ttft), "itl": _percentiles(itl),
+               "process_cpu_seconds": cpu, "process_resident_memory_bytes": rss}
+        if s is not None:
+            out.update(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
+                       num_requests_preempted=s.num_preempted, kv_cache_usage=s.kv_cache_usage,
+                       prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                       num_preemptions=s.num_preemptions, engine_steps=s.steps)
+        return out
 
     def finished(self, out, num_prompt_tokens: int) -> None:
         m = self.model_name
@@ -132,3 +168,11 @@ class ServerMetrics:
 
     def error(self, kind: str) -> None:
         self.request_errors.labels(self.model_name, kind).inc()
+
+
+def _percentiles(sorted_values: list[float]) -> dict:
+    n = len(sorted_values)
+    if not n:
+        return {"n": 0, "p50": None, "p90": None, "p99": None}
+    pick = lambda q: sorted_values[min(n - 1, int(q * n))]  # noqa: E731
+    return {"n": n, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
