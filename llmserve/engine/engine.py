@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
                                      RequestStatus, SamplingParams)
@@ -98,6 +99,7 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy, config.max_queued_requests)
         self.runner = ModelRunner(self.model, mc, num_blocks, block_size, self.device, self.dtype)
         self._rows: dict[str, SamplingRow] = {}
+        self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self.fault_hook = None   # tests: called with each request before its token is appended
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -166,6 +168,8 @@ class LLMEngine:
             raise ValueError(f"prompt: {n} tokens is too long; this model's maximum context length is "
                              f"{self.max_model_len} tokens (prompt plus at least one output token), "
                              f"{n - self.max_model_len + 1} too many")
+        if params.guided:
+            self.guided.compile(params)   # a bad schema fails here, before anything is queued (cached)
         # Like vLLM's engine, prompt + max_tokens may exceed max_model_len: generation then stops
         # at max_model_len with finish_reason "length". (The server checks the sum, as vLLM's does.)
 
@@ -180,6 +184,7 @@ class LLMEngine:
         self.validate_prompt(ids, params)
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; fan out with LLM or the server")
+        matcher = self.guided.matcher(params) if params.guided else None  # compiled once, cached
         request_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(request_id, ids, params, self.eos_token_ids, priority, arrival_time, text, cache_salt)
         self.scheduler.add_request(req)
@@ -187,7 +192,7 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
-        self._rows[request_id] = SamplingRow(params, gen, ids, req.output_token_ids)
+        self._rows[request_id] = SamplingRow(params, gen, ids, req.output_token_ids, guided=matcher)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
         return request_id
@@ -258,6 +263,10 @@ class LLMEngine:
         return self._finish_output(req, [], "")
 
     def _append(self, req: Request, token: int, lp, now: float) -> RequestOutput | None:
+        row = self._rows.get(req.request_id)
+        guided = row.guided if row is not None else None
+        if guided is not None and not guided.accept(token):
+            raise RuntimeError(f"guided decoding: token {token} is not allowed by the grammar")
         req.append_token(token)
         if req.first_token_time is None:
             req.first_token_time = now
@@ -275,6 +284,8 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         elif req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
+        if guided is not None and guided.finished and status != RequestStatus.FINISHED_STOPPED:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None   # the grammar is complete
         detok = self._detok[req.request_id]
         new_ids = [] if status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None else [token]
         delta = detok.add(new_ids, finished=status is not None)

@@ -30,6 +30,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # accepted for compatibility; not computed
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # guided decoding (structured output), at most one of these; see docs/structured-output.md
+    guided_json: dict | str | None = None       # a JSON schema (dict or JSON text)
+    guided_json_object: bool = False            # any JSON object (response_format json_object)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None      # the output is exactly one of these strings
+    guided_grammar: str | None = None           # an EBNF (GBNF) grammar, rule `root`
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +85,29 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        self._check_guided(bad)
+
+    def _check_guided(self, bad) -> None:
+        given = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, n) is not None] + (["guided_json_object"] if self.guided_json_object else [])
+        if len(given) > 1:
+            raise bad(given[1], f"only one guided decoding constraint per request, got {', '.join(given)}")
+        if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
+            raise bad("guided_json", f"must be a JSON schema (an object or its JSON text), got {self.guided_json!r}")
+        for name in ("guided_regex", "guided_grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise bad(name, f"must be a non-empty string, got {v!r}")
+        if self.guided_choice is not None:
+            if isinstance(self.guided_choice, str) or not self.guided_choice or any(
+                    not isinstance(c, str) or not c for c in self.guided_choice):
+                raise bad("guided_choice", "must be a non-empty list of non-empty strings")
+            self.guided_choice = list(self.guided_choice)
+
+    @property
+    def guided(self) -> bool:
+        return any(getattr(self, n) is not None for n in ("guided_json", "guided_regex", "guided_choice",
+                                                             "guided_grammar")) or self.guided_json_object
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,7 @@ class SamplingRow:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     banned_ids: list[int] = field(default_factory=list)   # e.g. EOS before min_tokens
+    guided: object | None = None   # a GuidedMatcher (engine/guided.py): its grammar masks the logits
 
 
 @dataclass
@@ -79,6 +80,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     for i, r in enumerate(rows):
         if r.banned_ids:
             logits[i, r.banned_ids] = float("-inf")
+    if any(r.guided is not None for r in rows):
+        from llmserve.engine.guided import apply_bitmask
+        apply_bitmask(logits, rows)   # in place; unconstrained rows untouched
 
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     chosen = logits.argmax(dim=-1)

@@ -26,6 +26,7 @@ from llmserve.engine.async_engine import AsyncEngine, EngineDeadError
 from llmserve.engine.request import RequestOutput, SamplingParams
 from llmserve.engine.scheduler import QueueFullError
 from llmserve.server import protocol as P
+from llmserve.server import tools as tools_mod
 from llmserve.server.errors import APIError, from_validation_errors, from_value_error
 from llmserve.server.metrics import ServerMetrics
 
@@ -337,15 +338,22 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         eng = engine_or_503()
         model = check_model(body.model)
+        try:
+            tool_plan = tools_mod.plan(body.tools, body.tool_choice)
+        except ValueError as e:
+            raise from_value_error(e) from e
         ids = await asyncio.to_thread(_encode_chat, eng.tokenizer, body.messages,
-                                      body.add_generation_prompt, body.chat_template_kwargs)
+                                      body.add_generation_prompt, body.chat_template_kwargs, tool_plan)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = _sampling_params(body, eng, len(ids), max_tokens,
-                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                  tool_plan=tool_plan)
+        await _compile_guided(eng, params)
         rid = P.random_id("chatcmpl")
         runs = [(i, 0, ids, p) for i, p in enumerate(_fan_out(params))]
         _admit(eng, runs, settings)
         stream = _Generation(state, eng, rid, runs, body.priority, "chat", model, request)
+        stream.tool_plan = tool_plan if tool_plan is not None and tool_plan.parse else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream.chat_sse(include_usage), media_type="text/event-stream",
@@ -369,6 +377,7 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
         runs = []
         for pi, ids in enumerate(encoded):
             params = _sampling_params(body, eng, len(ids), body.max_tokens, logprobs=body.logprobs)
+            await _compile_guided(eng, params)
             for j, p in enumerate(_fan_out(params)):
                 runs.append((pi * params.n + j, pi, ids, p))
         _admit(eng, runs, settings)
@@ -383,7 +392,8 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
     return app
 
 
-def _encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs) -> list[int]:
+def _encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs,
+                 tool_plan=None) -> list[int]:
     msgs = []
     for m in messages:
         d = {"role": m.role, "content": m.text()}
@@ -394,6 +404,11 @@ def _encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
         msgs.append(d)
+    native = tools_mod.template_supports_tools(tok)
+    if tool_plan is not None or any(m.get("tool_calls") for m in msgs):
+        msgs, tools = tools_mod.render_messages(msgs, tool_plan, native)
+        if tools:
+            kwargs = dict(kwargs or {}, tools=tools)
     try:
         return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
     except ValueError as e:
@@ -402,8 +417,18 @@ def _encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool
         raise APIError(400, f"messages: the chat template could not render them: {e}", param="messages") from e
 
 
+async def _compile_guided(eng: AsyncEngine, params: SamplingParams) -> None:
+    """Compile (and cache) the grammar in a worker thread, so the engine loop never waits on it and
+    a bad schema is a 400 before the request is admitted."""
+    if params.guided:
+        try:
+            await asyncio.to_thread(eng.engine.guided.compile, params)
+        except ValueError as e:
+            raise from_value_error(e) from e
+
+
 def _sampling_params(body, eng: AsyncEngine, prompt_len: int, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, tool_plan=None) -> SamplingParams:
     max_len = eng.engine.max_model_len
     if prompt_len == 0:
         raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -421,6 +446,7 @@ def _sampling_params(body, eng: AsyncEngine, prompt_len: int, max_tokens: int | 
                             f"Please reduce the prompt or max_tokens.",
                        param="max_tokens", code="context_length_exceeded")
     try:
+        guided = tools_mod.guided_kwargs(body, tool_plan)
         return SamplingParams(
             n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
@@ -430,7 +456,7 @@ def _sampling_params(body, eng: AsyncEngine, prompt_len: int, max_tokens: int | 
             seed=body.seed, max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
             stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, **guided)
     except ValueError as e:
         raise from_value_error(e) from e
 
@@ -458,6 +484,7 @@ class _Generation:
         self.created = _now()
         self.arrival = time.time()
         self.s = state.settings
+        self.tool_plan = None   # a tools.ToolPlan when the output is parsed for tool calls
         self.finals: dict[int, RequestOutput] = {}
 
     def _deadline(self) -> float | None:
@@ -571,8 +598,15 @@ class _Generation:
         choices = []
         for i in sorted(self.finals):
             c = self.finals[i].outputs[0]
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": _chat_logprobs(tok, c.logprobs), "finish_reason": c.finish_reason,
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if self.tool_plan is not None:
+                content, calls = tools_mod.parse(c.text, self.tool_plan)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": i, "message": message,
+                            "logprobs": _chat_logprobs(tok, c.logprobs), "finish_reason": finish,
                             "stop_reason": c.stop_reason})
         return JSONResponse({"id": self.rid, "object": "chat.completion", "created": self.created,
                              "model": self.model, "choices": choices,
@@ -598,6 +632,13 @@ class _Generation:
                     continue
                 i, out = ev
                 c = out.outputs[0]
+                if self.tool_plan is not None:
+                    # tool calls: the text is held back and parsed when the choice finishes
+                    if not out.finished:
+                        continue
+                    for chunk in self._tool_chunks(i, c):
+                        yield chunk
+                    continue
                 if not c.delta_text and not out.finished and not (c.delta_logprobs and c.delta_text):
                     continue
                 choice = {"index": i, "delta": {"content": c.delta_text} if c.delta_text else {},
@@ -610,6 +651,21 @@ class _Generation:
         except APIError as e:
             yield e.sse()
         yield "data: [DONE]\n\n"
+
+    def _tool_chunks(self, i: int, c) -> list[str]:
+        content, calls = tools_mod.parse(c.text, self.tool_plan)
+        obj = "chat.completion.chunk"
+        out = []
+        if content:
+            out.append(self._chunk(obj, [{"index": i, "delta": {"content": content}, "logprobs": None,
+                                          "finish_reason": None}]))
+        for d in tools_mod.stream_deltas(calls):
+            out.append(self._chunk(obj, [{"index": i, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                          "finish_reason": None}]))
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        out.append(self._chunk(obj, [{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish,
+                                      "stop_reason": c.stop_reason}]))
+        return out
 
     # -- completions ----------------------------------------------------------------------------
     def _prompt_text(self, index: int) -> str:

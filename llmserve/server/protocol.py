@@ -70,6 +70,12 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output (docs/structured-output.md)
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -86,6 +92,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check(self):

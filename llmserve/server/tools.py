@@ -1,0 +1,226 @@
+"""Tool calling for the chat API: rendering tools into the prompt, forcing calls with a grammar, and
+parsing the model's output into OpenAI's `tool_calls`.
+
+- Rendering: a model whose chat template knows `tools` gets them through the template; otherwise (the
+  bundled SmolLM2) a default system prompt lists the functions as JSON schemas and asks for
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Assistant messages that carry
+  `tool_calls` are rendered in that same form; `role: "tool"` results as `tool` turns.
+- `tool_choice`: "none" renders no tools and parses nothing; "auto" (the default with tools) parses
+  `<tool_call>` blocks (or a bare `{"name", "arguments"}` object); "required" and a named function
+  constrain the output with a JSON schema (anyOf over the functions, or the one named), so the
+  output is always exactly one parseable call.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TOOLS_PROMPT = (
+    "You are a function calling AI model. You may call one or more of the functions below to help "
+    "with the user's request. Here are the available functions, as JSON schemas:\n<tools>\n{tools}\n"
+    "</tools>\nTo call a function, answer with a JSON object of its name and arguments inside "
+    "<tool_call></tool_call> tags, like this:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>')
+
+_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+class ToolError(ValueError):
+    pass
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict]                 # OpenAI tool objects (type function)
+    choice: str                       # "auto", "none", "required" or "function"
+    name: str | None = None           # the function tool_choice names
+    forced_schema: dict | None = None
+
+    @property
+    def parse(self) -> bool:
+        return self.choice != "none" and bool(self.tools)
+
+    @property
+    def forced(self) -> bool:
+        return self.forced_schema is not None
+
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
+
+def _function(t: Any) -> dict:
+    if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        raise ToolError("tools: each tool must be {\"type\": \"function\", \"function\": {...}}")
+    f = t["function"]
+    if not isinstance(f.get("name"), str) or not f["name"]:
+        raise ToolError("tools: each function needs a name")
+    params = f.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ToolError(f"tools: the parameters of {f['name']!r} must be a JSON schema object")
+    return f
+
+
+def plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
+    """Validate tools and tool_choice; None when the request has no tools."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ToolError("tool_choice: requires tools")
+        return None
+    funcs = [_function(t) for t in tools]
+    names = [f["name"] for f in funcs]
+    if len(set(names)) != len(names):
+        raise ToolError("tools: function names must be unique")
+    tools = [{"type": "function", "function": f} for f in funcs]
+    if tool_choice is None or tool_choice == "auto":
+        return ToolPlan(tools, "auto")
+    if tool_choice == "none":
+        return ToolPlan(tools, "none")
+
+    def call_schema(f: dict) -> dict:
+        params = f.get("parameters") or {"type": "object", "properties": {}}
+        return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    if tool_choice == "required":
+        schemas = [call_schema(f) for f in funcs]
+        return ToolPlan(tools, "required", forced_schema=schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type", "function") == "function" else None
+        if not name:
+            raise ToolError('tool_choice: must be "auto", "none", "required" or '
+                            '{"type": "function", "function": {"name": ...}}')
+        if name not in names:
+            raise ToolError(f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})")
+        f = funcs[names.index(name)]
+        return ToolPlan(tools, "function", name=name, forced_schema=call_schema(f))
+    raise ToolError(f'tool_choice: must be "auto", "none", "required" or a named function, got {tool_choice!r}')
+
+
+def template_supports_tools(tokenizer) -> bool:
+    tpl = getattr(tokenizer.hf, "chat_template", None) or ""
+    return isinstance(tpl, str) and "tools" in tpl
+
+
+def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple[list[dict], list[dict] | None]:
+    """Messages (and the `tools` argument for the template) ready for apply_chat_template."""
+    if native:
+        return msgs, (p.tools if p is not None and p.choice != "none" else None)
+    out = []
+    for m in msgs:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                f = c.get("function", {}) if isinstance(c, dict) else {}
+                args = f.get("arguments", "{}")
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    pass
+                calls.append("<tool_call>\n" + json.dumps({"name": f.get("name"), "arguments": args},
+                                                          ensure_ascii=False) + "\n</tool_call>")
+            m["content"] = ((m.get("content") or "") + "\n".join(calls)).strip()
+            m.pop("tool_calls")
+        if m.get("content") is None:
+            m["content"] = ""
+        out.append(m)
+    if p is not None and p.choice != "none":
+        text = DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"], ensure_ascii=False)
+                                                           for t in p.tools))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = dict(out[0], content=(out[0]["content"] + "\n\n" + text).strip())
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out, None
+
+
+def _call(obj: Any, names: set[str]) -> dict | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def parse(text: str, p: ToolPlan) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished output. Text that holds no valid call stays content."""
+    names = p.names()
+    calls: list[dict] = []
+    if p.forced or text.lstrip().startswith("{"):
+        try:
+            c = _call(json.loads(text), names)
+        except json.JSONDecodeError:
+            c = None
+        if c is not None:
+            return None, [c]
+    spans = []
+    for m in _CALL_RE.finditer(text):
+        try:
+            c = _call(json.loads(m.group(1)), names)
+        except json.JSONDecodeError:
+            c = None
+        if c is not None:
+            calls.append(c)
+            spans.append(m.span())
+    if not calls:
+        return text, []
+    rest, last = [], 0
+    for a, b in spans:
+        rest.append(text[last:a])
+        last = b
+    rest.append(text[last:])
+    content = "".join(rest).strip()
+    return (content or None), calls
+
+
+def stream_deltas(calls: list[dict]) -> list[dict]:
+    """OpenAI's streamed form of tool calls: per call a delta with id, type and name (arguments ""),
+    then the arguments string in pieces."""
+    out = []
+    for i, c in enumerate(calls):
+        out.append({"index": i, "id": c["id"], "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": ""}})
+        args = c["function"]["arguments"]
+        for k in range(0, len(args), 16):
+            out.append({"index": i, "function": {"arguments": args[k:k + 16]}})
+    return out
+
+
+def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
+    """SamplingParams' guided_* fields from a request body: OpenAI's `response_format`, vLLM's
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and a forced tool call."""
+    kw: dict[str, Any] = {}
+    rf = getattr(body, "response_format", None)
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            kw["guided_json_object"] = True
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError('response_format: {"type": "json_schema"} needs '
+                                 '"json_schema": {"name": ..., "schema": {...}}')
+            kw["guided_json"] = schema
+        elif kind != "text":
+            raise ValueError(f'response_format: type must be "text", "json_object" or "json_schema", got {kind!r}')
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        v = getattr(body, name, None)
+        if v is not None:
+            if kw:
+                raise ValueError(f"{name}: only one of response_format and guided_* per request")
+            kw[name] = v
+    if p is not None and p.forced:
+        if kw:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with "
+                             "response_format or guided_*")
+        kw["guided_json"] = p.forced_schema
+    return kw
