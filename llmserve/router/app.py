@@ -15,6 +15,7 @@ backend sees its client go and aborts the request. Errors are in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -76,6 +77,7 @@ class RouterConfig:
     chars_per_token: float = 4.0
     api_key: str | None = None            # the router's own key (clients must send it)
     backend_api_key: str | None = None    # sent to backends instead of the client's key
+    forward_client_key: bool = False      # pass the client's Authorization/x-api-key through to backends
     dns_interval: float = 10.0
     backends: list[str] = field(default_factory=list)
     backend_dns: list[str] = field(default_factory=list)
@@ -337,8 +339,10 @@ class Router:
         key = self.config.api_key
         if not key:
             return True
-        auth = headers.get("authorization", "")
-        return auth == f"Bearer {key}" or headers.get("x-api-key") == key
+        auth = headers.get("authorization", "").encode("latin-1", "replace")
+        xkey = headers.get("x-api-key", "").encode("latin-1", "replace")
+        want = key.encode()   # constant-time comparisons: no timing oracle on the key
+        return hmac.compare_digest(auth, b"Bearer " + want) | hmac.compare_digest(xkey, want)
 
 
 async def _read_body(receive) -> bytes:
@@ -441,7 +445,7 @@ class ProxyEndpoint:
     def _upstream_headers(self, headers: Headers, request_id: str) -> list[tuple[str, str]]:
         drop = set(_HOP_BY_HOP) | {"x-request-id"}
         key = self.router.config.backend_api_key
-        if key:
+        if key or not self.router.config.forward_client_key:   # the client's key stays here by default
             drop |= {"authorization", "x-api-key"}
         out = [(k, v) for k, v in headers.items() if k not in drop]
         if key:

@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--api-key", default=None, help="clients must send this key (Bearer)")
     g.add_argument("--backend-api-key", default=None,
-                   help="key sent to backends (default: the client's Authorization is passed through)")
+                   help="key sent to backends (default: none; the client's key is not passed on)")
+    g.add_argument("--forward-client-key", action="store_true",
+                   help="pass the client's Authorization / x-api-key through to backends "
+                        "(off by default; --backend-api-key wins)")
     g.add_argument("--log-level", default="info")
 
     g = p.add_argument_group("routing")

@@ -166,7 +166,7 @@ def run(args) -> int:
     router = Router(RouterConfig(
         backends=[f"http://127.0.0.1:{r.port}" for r in replicas], policy=args.router_policy,
         max_retries=args.router_max_retries, health_interval=args.router_health_interval,
-        api_key=args.api_key))
+        api_key=args.api_key, backend_api_key=args.api_key))
     # uvicorn turns SIGTERM / Ctrl-C into a graceful shutdown, then re-raises the signal with
     # the handlers it found: make those exit cleanly so the finally block stops the replicas.
     def _exit(sig, frame):

@@ -216,8 +216,15 @@ def test_router_api_key_and_backend_key():
         assert httpx.get(r.url + "/health").status_code == 200   # probes need no key
 
 
-def test_api_key_passthrough_by_default():
+def test_client_key_not_forwarded_by_default():
     with fake_backends("m") as (a,), router_thread(backends=[a.url]) as r:
+        client = openai.OpenAI(base_url=r.url + "/v1", api_key="client-secret")
+        assert client.completions.create(model="m", prompt="p", max_tokens=1).choices[0].text
+        assert "authorization" not in a.state.headers[-1]
+
+
+def test_api_key_passthrough_when_configured():
+    with fake_backends("m") as (a,), router_thread(backends=[a.url], forward_client_key=True) as r:
         a.state.api_key = "k"
         client = openai.OpenAI(base_url=r.url + "/v1", api_key="k")
         assert client.completions.create(model="m", prompt="p", max_tokens=1).choices[0].text
