@@ -13,7 +13,7 @@ import torch
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import SchedulerOutput
-from llmserve.model.attention import AttentionMetadata, PrefillChunk
+from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmserve.model.llama import LlamaModel, ModelConfig
 
 log = logging.getLogger("llmserve.runner")
@@ -22,6 +22,20 @@ log = logging.getLogger("llmserve.runner")
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]:
+    """Split decode rows (sorted by context length) into groups padded to their own longest
+    context. Attention reads every padded position, so a short request batched with a long one
+    costs as much as the long one; a new group starts where the length has grown by half."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or (len(groups) < max_groups - 1 and i - start >= 4
+                              and lens[i] > 1.5 * lens[start] + 32):
+            groups.append((start, i))
+            start = i
+    return groups
 
 
 class ModelRunner:
@@ -38,6 +52,7 @@ class ModelRunner:
         # values in reused blocks are finite and always masked out.) On CUDA, zero it.
         alloc = torch.zeros if device.type == "cuda" else torch.empty
         self.kv_caches = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], torch.Tensor | None, list[int]]:
@@ -46,7 +61,9 @@ class ModelRunner:
         With speculative tokens a request yields several logits rows (one per verified position);
         `rows` says how many each sampling request has."""
         bs = self.block_size
-        order = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+        # decodes first, shortest context first (so that similar lengths can share a padded group)
+        order = sorted(sched.requests, key=lambda r: (sched.num_scheduled_tokens[r.request_id] != 1,
+                                                       r.num_computed_tokens))
         tokens: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -82,22 +99,23 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
                                  num_decode_tokens=len(decode_tables))
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            table = torch.zeros(len(decode_tables), width, dtype=torch.long)
-            for i, t in enumerate(decode_tables):
+        for start, end in decode_groups(decode_lens):
+            tables = decode_tables[start:end]
+            width = max(len(t) for t in tables)
+            table = torch.zeros(len(tables), width, dtype=torch.long)
+            for i, t in enumerate(tables):
                 table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-            lens = torch.tensor(decode_lens, dtype=torch.long)
-            meta.decode_block_tables = table.to(dev)
-            meta.decode_context_lens = lens.to(dev)
+            lens = torch.tensor(decode_lens[start:end], dtype=torch.long)
             mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_mask = mask[:, None, None, :].to(dev)
+            meta.decode_groups.append(DecodeGroup(start, end, table.to(dev), mask[:, None, None, :].to(dev)))
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
         if not logits_rows:
             logits_rows = [len(tokens) - 1]   # the model needs at least one row; it is discarded
-            logits = self.model(input_ids, pos, self.kv_caches, meta, torch.tensor(logits_rows, device=dev))
+        rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
+        if self.tp is not None:
+            self.tp.broadcast_step(input_ids, pos, meta, rows_t)
+        logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t)
+        if not sampling:
             return [], None, []
-        logits = self.model(input_ids, pos, self.kv_caches, meta,
-                            torch.tensor(logits_rows, dtype=torch.long, device=dev))
         return sampling, logits, rows_per_req

@@ -24,12 +24,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end), padded to the group's longest context."""
+    start: int
+    end: int
+    block_tables: torch.Tensor   # [rows, max_blocks]
+    mask: torch.Tensor           # [rows, 1, 1, max_blocks * block_size]: True where a key exists
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [num_tokens] where each new token's K/V goes
     num_decode_tokens: int = 0                   # rows [0, num_decode_tokens) are decodes
-    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None = None   # [num_decodes]
-    decode_mask: torch.Tensor | None = None      # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -40,11 +47,31 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[..., max_blocks] block ids -> [..., num_kv_heads, max_blocks * block_size, head_dim]."""
-    g = cache[block_table]                                   # [..., mb, bs, nkv, d]
-    g = g.flatten(-4, -3)                                    # [..., mb*bs, nkv, d]
-    return g.transpose(-3, -2)                               # [..., nkv, L, d]
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _buffer(slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A persistent scratch buffer (per slot, dtype and device), grown as needed. Gathering into
+    reused memory avoids mapping fresh pages for every layer of every step."""
+    key = (slot, like.dtype, like.device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 20), dtype=like.dtype, device=like.device)
+        _WORKSPACE[key] = buf
+    return buf[:numel]
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int) -> torch.Tensor:
+    """[..., max_blocks] block ids -> [..., num_kv_heads, max_blocks * block_size, head_dim].
+
+    One index_select of whole blocks (each a contiguous run of block_size * heads * dim values),
+    several times faster on CPU than advanced indexing with a 2-D index."""
+    nb, bs, nkv, d = cache.shape
+    idx = block_table.reshape(-1)
+    out = _buffer(slot, idx.numel() * bs * nkv * d, cache).view(idx.numel(), bs * nkv * d)
+    torch.index_select(cache.view(nb, bs * nkv * d), 0, idx, out=out)
+    g = out.view(*block_table.shape[:-1], block_table.shape[-1] * bs, nkv, d)
+    return g.transpose(-3, -2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,14 +80,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
-    if nd:
-        kd = _gather(k_cache, meta.decode_block_tables)      # [B, Hkv, L, D]
-        vd = _gather(v_cache, meta.decode_block_tables)
-        qd = q[:nd].unsqueeze(2)                              # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+    for g in meta.decode_groups:
+        kd = _gather(k_cache, g.block_tables, 0)              # [B, Hkv, L, D]
+        vd = _gather(v_cache, g.block_tables, 1)
+        qd = q[g.start:g.end].unsqueeze(2)                    # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.start:g.end] = o.squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)          # [1, H, n, D]
@@ -70,8 +95,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kp = _gather(k_cache, chunk.block_table)[:, :ctx].unsqueeze(0)
-            vp = _gather(v_cache, chunk.block_table)[:, :ctx].unsqueeze(0)
+            kp = _gather(k_cache, chunk.block_table, 2)[:, :ctx].unsqueeze(0)
+            vp = _gather(v_cache, chunk.block_table, 3)[:, :ctx].unsqueeze(0)
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos      # [n, ctx]
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
