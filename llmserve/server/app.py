@@ -44,6 +44,7 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)
     request_timeout: float | None = None    # seconds; past it a request is aborted
     max_request_body_bytes: int = 4 * 1024 * 1024
+    read_timeout: float = 30.0              # seconds for a request's headers, and again for its body
     sse_ping_interval: float = 10.0
     ready_stall_seconds: float = 120.0      # /ready fails if the engine loop made no progress this long
     log_prompts: bool = False
@@ -80,6 +81,8 @@ class ServerState:
         self.model_names = [name]
         self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
         engine.on_dead = self._engine_died
+        if os.environ.get("LLMSERVE_FAULT_INJECTION") == "1":
+            _install_fault_injection(engine)
         self.engine = engine
         log.info("ready: serving %s", name)
 
@@ -89,9 +92,54 @@ class ServerState:
             self.on_fatal(e)
 
 
+# -- fault injection: a test facility, off unless LLMSERVE_FAULT_INJECTION=1 -------------------
+FAULT_REQUEST_MARKER = "LLMSERVE-INJECT-REQUEST-FAULT"   # fails that request alone (a 500)
+FAULT_LOOP_MARKER = "LLMSERVE-INJECT-LOOP-FAULT"         # kills the engine loop (the process exits 1)
+
+
+class InjectedLoopFault(BaseException):
+    """Not an Exception, so the engine's per-request isolation does not catch it: the loop dies."""
+
+
+def _install_fault_injection(engine: AsyncEngine) -> None:
+    log.warning("LLMSERVE_FAULT_INJECTION=1: prompts containing %s fail, prompts containing %s kill "
+                "the engine loop (a test facility; never set this in production)",
+                FAULT_REQUEST_MARKER, FAULT_LOOP_MARKER)
+    tok, seen = engine.tokenizer, {}
+
+    def hook(r) -> None:
+        kind = seen.get(r.request_id)
+        if kind is None:
+            text = tok.decode(r.prompt_token_ids, skip_special_tokens=False)
+            kind = seen[r.request_id] = ("loop" if FAULT_LOOP_MARKER in text else
+                                         "request" if FAULT_REQUEST_MARKER in text else "")
+            if len(seen) > 100_000:
+                seen.clear()
+        if kind == "request" and r.num_output_tokens >= 1:
+            raise RuntimeError("injected fault in one request's processing")
+        if kind == "loop":
+            raise InjectedLoopFault("injected fault in the engine loop")
+
+    engine.engine.fault_hook = hook
+
+
 # -- middleware: body size limit and API key (pure ASGI, so streaming stays unbuffered) ---------
-class _BodyTooLarge(Exception):
-    pass
+class _BodyRefused(StarletteHTTPException):
+    """Too large or too slow. An HTTPException, so that FastAPI's body parsing re-raises it as is."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
+def _too_large_error(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than the limit of {limit} bytes (--max-request-body-bytes)",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+def _too_slow_error(timeout: float) -> APIError:
+    return APIError(408, f"the request body did not arrive within {timeout:g} s (--read-timeout)",
+                    code="request_timeout", headers={"Connection": "close"})
 
 
 OPEN_PATHS = ("/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs", "/")
@@ -130,14 +178,27 @@ class GuardMiddleware:
             return await self._too_large(scope, receive, send, limit)
         seen = 0
         started = False
+        body_done = False
+        read_timeout = s.read_timeout
+        deadline = None
 
         async def limited_receive():
-            nonlocal seen
-            msg = await receive()
+            nonlocal seen, body_done, deadline
+            if body_done or not read_timeout:
+                msg = await receive()
+            else:   # the whole body must arrive within read_timeout of the first read (slow bodies)
+                loop = asyncio.get_running_loop()
+                deadline = deadline or loop.time() + read_timeout
+                try:
+                    msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise _BodyRefused(_too_slow_error(read_timeout)) from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
+                if not msg.get("more_body"):
+                    body_done = True
                 if seen > limit:
-                    raise _BodyTooLarge()
+                    raise _BodyRefused(_too_large_error(limit))
             return msg
 
         async def tracking_send(msg):
@@ -148,17 +209,13 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
+        except _BodyRefused as e:
             if not started:
-                await self._too_large(scope, receive, send, limit)
+                await e.error.response()(scope, receive, send)
 
     @staticmethod
     async def _too_large(scope, receive, send, limit):
-        err = APIError(413, f"request body is larger than the limit of {limit} bytes "
-                            f"(--max-request-body-bytes)", code="request_too_large")
-        resp = err.response()
-        resp.headers["connection"] = "close"
-        await resp(scope, receive, send)
+        await _too_large_error(limit).response()(scope, receive, send)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -243,6 +300,8 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, exc: StarletteHTTPException):
+        if isinstance(exc, _BodyRefused):
+            return exc.error.response()
         return APIError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(Exception)
@@ -395,7 +454,13 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
 def _encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs,
                  tool_plan=None) -> list[int]:
     msgs = []
+    specials = _special_strings(tok)
     for m in messages:
+        for text in (m.text(), m.name or ""):
+            hit = next((sp for sp in specials if sp in text), None)
+            if hit is not None:   # rendered text is tokenized with special tokens parsed: refuse injection
+                raise APIError(400, f"messages: content must not contain the special token {hit!r}",
+                               param="messages", code="invalid_value")
         d = {"role": m.role, "content": m.text()}
         if m.name:
             d["name"] = m.name
@@ -415,6 +480,28 @@ def _encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool
         raise from_value_error(e) from e
     except Exception as e:  # noqa: BLE001 - a template that raises is the request's fault
         raise APIError(400, f"messages: the chat template could not render them: {e}", param="messages") from e
+
+
+def _special_strings(tok) -> tuple[str, ...]:
+    """The special-token strings the chat template is built of ('<|im_start|>', ...; and bos/eos), which
+    message content must not hold: the rendered chat is tokenized with special tokens parsed, so they
+    would forge turns (a chat template injection)."""
+    cached = getattr(tok, "_llmserve_specials", None)
+    if cached is None:
+        hf = tok.hf
+        names = set(getattr(hf, "all_special_tokens", []) or [])
+        for t in (getattr(hf, "added_tokens_decoder", None) or {}).values():
+            if getattr(t, "special", False):
+                names.add(str(t.content if hasattr(t, "content") else t))
+        try:   # only those the chat template itself uses (turn markers) and bos/eos: "<filename>" stays text
+            sample = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": "a"}], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - no template: no chat requests either
+            sample = ""
+        keep = {getattr(hf, "eos_token", None), getattr(hf, "bos_token", None)}
+        cached = tuple(sorted((n for n in names if n and (n in sample or n in keep)), key=len, reverse=True))
+        tok._llmserve_specials = cached
+    return cached
 
 
 async def _compile_guided(eng: AsyncEngine, params: SamplingParams) -> None:

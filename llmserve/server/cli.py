@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds after which a request is aborted and answered with a timeout error")
     g.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies get 413")
+    g.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers, and again its body (slow clients "
+                        "are cut off: slowloris); 0: no limit")
     g.add_argument("--sse-ping-interval", type=float, default=10.0,
                    help="seconds between SSE comment pings while a stream waits (keeps proxies open)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
@@ -102,6 +105,7 @@ def settings_from_args(args: argparse.Namespace):
         allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
         request_timeout=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
+        read_timeout=args.read_timeout,
         sse_ping_interval=args.sse_ping_interval,
         log_prompts=args.log_prompts,
     )
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from llmserve.server.app import build_app
+    from llmserve.server.http_limits import http_protocol
 
     flags = {a.split("=")[0].lstrip("-").replace("-", "_") for a in sys.argv[2:] if a.startswith("--")}
     _apply_config_file(args, flags)
@@ -119,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-                            h11_max_incomplete_event_size=64 * 1024, timeout_keep_alive=5)
+                            h11_max_incomplete_event_size=64 * 1024, timeout_keep_alive=5,
+                            http=http_protocol(args.read_timeout, 64 * 1024))
     server = uvicorn.Server(config)
     exit_code = {"code": 0}
 
