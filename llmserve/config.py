@@ -30,6 +30,7 @@ class EngineConfig:
     num_threads: int | None = None        # torch intra-op threads (default: the cores)
     seed: int = 0
     tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None   # TP rendezvous (tcp://HOST:PORT, env://); default: local
     speculative_ngram: int = 0
     enforce_eager: bool = True
 
@@ -50,6 +51,8 @@ class EngineConfig:
             self.quantization = None
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization: must be none, int8 or int4, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
 

@@ -75,14 +75,31 @@ class LLMEngine:
         # KV pool size and max_model_len
         block_size = config.block_size
         per_block = kv_bytes_per_block(mc, block_size, self.dtype)
+        self.tp = None
+        if config.tensor_parallel_size > 1:   # plans the split (or refuses it), starts the workers
+            from llmserve.engine.tp import TensorParallel
+            self.tp = TensorParallel(config, mc)
+            per_block = self.tp.kv_bytes_per_block(block_size, self.dtype)
+            self.device = self.tp.device
+        try:
+            self._init_rest(config, source, mc, reader, block_size, per_block, t0)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_rest(self, config, source, mc, reader, block_size, per_block, t0) -> None:
         model_max = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's "
                              f"{model_max} positions; lower --max-model-len")
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         max_positions = config.max_model_len or model_max
-        self.model = load_model(source, mc, reader, self.device, self.dtype,
-                                max_positions + max(config.speculative_ngram, 0) + 1)
+        if self.tp is None:
+            self.model = load_model(source, mc, reader, self.device, self.dtype,
+                                    max_positions + max(config.speculative_ngram, 0) + 1)
+        else:
+            self.model = self.tp.load_model(source.path, self.dtype,
+                                            max_positions + max(config.speculative_ngram, 0) + 1)
         del reader
         num_blocks, budget = self._num_kv_blocks(per_block)
         capacity = num_blocks * block_size
@@ -97,7 +114,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.max_queued_requests)
-        self.runner = ModelRunner(self.model, mc, num_blocks, block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.model.cfg, num_blocks, block_size, self.device, self.dtype)
+        if self.tp is not None:
+            self.tp.attach(self.runner, num_blocks, block_size)
         self._rows: dict[str, SamplingRow] = {}
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self.fault_hook = None   # tests: called with each request before its token is appended
@@ -113,6 +132,11 @@ class LLMEngine:
                  budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
                  capacity // self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""
+        if getattr(self, "tp", None) is not None:
+            self.tp.shutdown()
 
     def _num_kv_blocks(self, per_block: int) -> tuple[int, int]:
         cfg = self.config
@@ -143,13 +167,15 @@ class LLMEngine:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        mc = self.model_config
+        mc = self.model.cfg          # this rank's head counts under tensor parallelism
         dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
                                    device=self.device) for _ in range(1)] * mc.num_layers
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange((n + 15) // 16, device=self.device))])
-        self.model(ids, pos, dummy_cache, meta, torch.tensor([n - 1], device=self.device))
+        import contextlib
+        with self.tp.local_only() if self.tp is not None else contextlib.nullcontext():
+            self.model(ids, pos, dummy_cache, meta, torch.tensor([n - 1], device=self.device))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         del dummy_cache

@@ -138,6 +138,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
+        self.all_reduce = None   # tensor parallelism: sums the row-parallel o_proj partials
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
@@ -147,7 +148,8 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, positions)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = self.o_proj(o.reshape(T, self.q_size))
+        return o if self.all_reduce is None else self.all_reduce(o)
 
 
 class MLP(nn.Module):
@@ -155,10 +157,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.all_reduce = None   # tensor parallelism: sums the row-parallel down_proj partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        o = self.down_proj(F.silu(gate) * up)
+        return o if self.all_reduce is None else self.all_reduce(o)
 
 
 class DecoderLayer(nn.Module):
@@ -192,6 +196,13 @@ class LlamaModel(nn.Module):
             x = layer(x, positions, self.rotary, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+    def set_all_reduce(self, fn) -> None:
+        """Tensor parallelism (llmserve.model.parallel): `fn(t) -> t` summed over the ranks, called
+        after each row-parallel layer. None (the default) is a single-process model."""
+        for layer in self.layers:
+            layer.self_attn.all_reduce = fn
+            layer.mlp.all_reduce = fn
 
     # -- weights -------------------------------------------------------------------------------
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -45,7 +45,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond which new ones get 429 (default: unbounded)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the cores)")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel workers")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model's heads and MLP across N processes (torch.distributed: gloo on CPU, "
+                        "NCCL on CUDA); see docs/distributed.md")
+    g.add_argument("--distributed-init-method", default=None,
+                   help="tensor-parallel rendezvous, e.g. tcp://10.0.0.1:29500 for several machines (each "
+                        "process with RANK and WORLD_SIZE set) or env:// under torchrun; default: one machine")
     g.add_argument("--speculative-ngram", type=int, default=0,
                    help="propose up to K tokens by prompt lookup (n-gram) and verify them in one forward")
 
@@ -121,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
     _apply_config_file(args, flags)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    if settings.engine.tensor_parallel_size > 1:
+        from llmserve.engine import tp
+        ext = tp.external_launch()
+        if ext is not None and ext[0] != 0:   # torchrun / RANK>0: a worker, no HTTP
+            return tp.run_external_worker(settings.engine)
     app = build_app(settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
