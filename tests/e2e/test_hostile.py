@@ -14,11 +14,6 @@ import pytest
 
 from tests.server_proc import ServerProcess
 
-# Written against a shared machine that stayed in benchmark quiet mode: not yet run. Enable with
-# LLMSERVE_RELIABILITY_TESTS=1 until they have been verified (see docs/reliability.md, "Status").
-pytestmark = pytest.mark.skipif(os.environ.get("LLMSERVE_RELIABILITY_TESTS") != "1",
-                                reason="issue #8 reliability tests: not yet verified; set LLMSERVE_RELIABILITY_TESTS=1")
-
 KEY = "hostile-key"
 H = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
