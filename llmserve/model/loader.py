@@ -252,17 +252,21 @@ def load_model_config(source: ModelSource):
     return ModelConfig.from_hf(hf), None
 
 
-def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
-               dtype: torch.dtype, max_positions: int) -> LlamaModel:
-    weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path)
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                dtype: torch.dtype, max_positions: int) -> LlamaModel:
+    """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference."""
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
     model = model.to_empty(device="cpu")
     model.rotary = Rotary(cfg, max_positions)
     model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
-    del weights
     model = model.to(device=device, dtype=dtype)
     model.rotary.cos = model.rotary.cos.float()
     model.rotary.sin = model.rotary.sin.float()
-    model.eval().requires_grad_(False)
-    return model
+    return model.eval().requires_grad_(False)
+
+
+def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
+               dtype: torch.dtype, max_positions: int) -> LlamaModel:
+    weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path)
+    return build_model(cfg, weights, device, dtype, max_positions)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.model.llama import LlamaModel, ModelConfig, Rotary
+from llmserve.model.llama import LlamaModel, ModelConfig
+from llmserve.model.loader import build_model
 
 
 @dataclass(frozen=True)
@@ -133,15 +134,7 @@ def load_sharded_model(weights: dict[str, torch.Tensor], cfg: ModelConfig, shard
     """This rank's model: local head counts, sliced weights, `all_reduce` after o_proj and down_proj."""
     lcfg = local_config(cfg, shard)
     sliced = shard_hf_state_dict(weights, cfg, shard)
-    with torch.device("meta"):
-        model = LlamaModel(lcfg, max_positions)
-    model = model.to_empty(device="cpu")
-    model.rotary = Rotary(lcfg, max_positions)
-    model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sliced.items()})
+    model = build_model(lcfg, sliced, device, dtype, max_positions)
     del sliced
-    model = model.to(device=device, dtype=dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
     model.set_all_reduce(all_reduce)
-    model.eval().requires_grad_(False)
     return model
