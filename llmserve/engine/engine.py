@@ -18,6 +18,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
                                      RequestStatus, SamplingParams)
 from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
@@ -45,6 +46,16 @@ class EngineStats:
     num_preemptions: int
     steps: int
     last_step_time: float
+
+
+def _merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for several tokens appended in one step (verified speculative tokens)."""
+    a, b = first.outputs[0], later.outputs[0]
+    b.delta_text = a.delta_text + b.delta_text
+    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    if a.delta_logprobs is not None or b.delta_logprobs is not None:
+        b.delta_logprobs = (a.delta_logprobs or []) + (b.delta_logprobs or [])
+    return later
 
 
 class LLMEngine:
@@ -123,6 +134,8 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.steps = 0
+        self.num_spec_proposed = 0   # speculative decoding: proposed and accepted tokens
+        self.num_spec_accepted = 0
         self.last_step_time = time.time()
         self.load_time = time.time() - t0
         log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache: %.2f GiB = %d blocks x %d tokens "
@@ -234,35 +247,79 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.config.speculative_ngram > 0:
+            self._propose()
         sched = self.scheduler.schedule()
         self.last_step_time = time.time()
         if not sched:
             return []
         self.steps += 1
-        sampling, logits, _ = self.runner.execute(sched, self.kv)
+        sampling, logits, rows_per_req = self.runner.execute(sched, self.kv)
         self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []
         if sampling:
-            rows = []
-            for r in sampling:
+            # one sampling row per logits row: a request verifying k proposals has k + 1
+            rows, row_reqs = [], []
+            for r, n in zip(sampling, rows_per_req):
                 row = self._rows[r.request_id]
                 ban = (list(r.eos_token_ids) + r.params.stop_token_ids
                        if r.num_output_tokens < r.params.min_tokens else [])
                 row.banned_ids = ban
-                rows.append(row)
+                rows.extend([row] * n)
+                row_reqs.extend([r] * n)
             now = time.time()
-            for r, tok, lp, err in self._sample_isolated(logits, sampling, rows):
-                try:
-                    if err is not None:
-                        raise err
-                    if self.fault_hook is not None:
-                        self.fault_hook(r)
-                    out = self._append(r, tok, lp, now)
-                except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
-                    out = self._fail(r, e)
+            results = self._sample_isolated(logits, row_reqs, rows)
+            i = 0
+            for r, n in zip(sampling, rows_per_req):
+                out = self._accept(r, results[i:i + n], now)
+                i += n
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    def _accept(self, r: Request, results: list, now: float) -> RequestOutput | None:
+        """Append a request's sampled token; with proposals, the longest verified run of them and
+        the model's token after it. Positions past the accepted run are recomputed next step."""
+        proposals = r.spec_token_ids[:len(results) - 1]
+        r.spec_token_ids = []
+        out = None
+        emitted = 0
+        try:
+            for j, (_, tok, lp, err) in enumerate(results):
+                if err is not None:
+                    raise err
+                if self.fault_hook is not None:
+                    self.fault_hook(r)
+                step_out = self._append(r, tok, lp, now)
+                emitted += 1
+                out = step_out if out is None else _merge_outputs(out, step_out)
+                if r.is_finished or j >= len(proposals) or tok != proposals[j]:
+                    break
+        except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
+            return self._fail(r, e)
+        if proposals:
+            self.num_spec_proposed += len(proposals)
+            self.num_spec_accepted += emitted - 1
+            if not r.is_finished:   # KV is valid only up to the last verified proposal
+                r.num_computed_tokens -= len(results) - emitted
+        return out
+
+    def _propose(self) -> None:
+        """n-gram proposals for greedy decoding requests (sampled, guided, penalised or
+        min_tokens-constrained ones decode plainly)."""
+        k = self.config.speculative_ngram
+        for r in self.scheduler.running:
+            p = r.params
+            r.spec_token_ids = []
+            if (not p.greedy or p.guided or p.needs_penalties or r.num_output_tokens < p.min_tokens
+                    or r.num_tokens - r.num_computed_tokens != 1):
+                continue
+            room = k
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - r.num_output_tokens - 1)
+            room = min(room, self.max_model_len - r.num_tokens - 1)
+            if room > 0:
+                r.spec_token_ids = propose_ngram(r.all_token_ids, room)
 
     def _sample_isolated(self, logits, sampling, rows):
         """Sample the batch; if that fails, sample row by row so only the faulty rows fail."""
