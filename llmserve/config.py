@@ -53,6 +53,10 @@ class EngineConfig:
             raise ValueError(f"quantization: must be none, int8 or int4, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization and self.tensor_parallel_size > 1:
+            raise ValueError("quantization: int8/int4 weights are not supported with tensor_parallel_size > 1 yet")
+        if self.speculative_ngram < 0:
+            raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
 

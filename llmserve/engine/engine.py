@@ -107,7 +107,7 @@ class LLMEngine:
         max_positions = config.max_model_len or model_max
         if self.tp is None:
             self.model = load_model(source, mc, reader, self.device, self.dtype,
-                                    max_positions + max(config.speculative_ngram, 0) + 1)
+                                    max_positions + max(config.speculative_ngram, 0) + 1, config.quantization)
         else:
             self.model = self.tp.load_model(source.path, self.dtype,
                                             max_positions + max(config.speculative_ngram, 0) + 1)

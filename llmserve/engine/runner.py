@@ -38,6 +38,17 @@ def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]
     return groups
 
 
+def _zero_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A CPU tensor of zeros backed by its own anonymous mapping (pages are mapped on first write)."""
+    import mmap
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -47,10 +58,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # On CPU, torch.empty of this size is a fresh anonymous mapping: zero pages that become
-        # resident only as blocks are written, so memory grows with use up to the budget. (Stale
-        # values in reused blocks are finite and always masked out.) On CUDA, zero it.
-        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        # On CPU each layer's cache is an anonymous mapping: zero pages that become resident only as
+        # blocks are written, so memory grows with use up to the budget. (torch.empty is not enough:
+        # after large frees malloc recycles old memory, and a NaN bit pattern in a masked-out slot
+        # still poisons attention's weighted sum. Stale values in reused blocks are finite.)
+        alloc = torch.zeros if device.type == "cuda" else _zero_pages
         self.kv_caches = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 

@@ -253,8 +253,9 @@ def load_model_config(source: ModelSource):
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                dtype: torch.dtype, max_positions: int) -> LlamaModel:
-    """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference."""
+                dtype: torch.dtype, max_positions: int, quantization: str | None = None) -> LlamaModel:
+    """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
+    with `quantization` (int8 | int4) its projections and embedding hold quantized weights."""
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
     model = model.to_empty(device="cpu")
@@ -263,10 +264,15 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     model = model.to(device=device, dtype=dtype)
     model.rotary.cos = model.rotary.cos.float()
     model.rotary.sin = model.rotary.sin.float()
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if quantization:
+        from llmserve.model.quant import quantize_model
+        del weights
+        quantize_model(model, quantization)
+    return model
 
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
-               dtype: torch.dtype, max_positions: int) -> LlamaModel:
+               dtype: torch.dtype, max_positions: int, quantization: str | None = None) -> LlamaModel:
     weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path)
-    return build_model(cfg, weights, device, dtype, max_positions)
+    return build_model(cfg, weights, device, dtype, max_positions, quantization)
