@@ -46,6 +46,8 @@ class EngineStats:
     num_preemptions: int
     steps: int
     last_step_time: float
+    spec_decode_num_draft_tokens: int = 0      # speculative decoding: tokens proposed
+    spec_decode_num_accepted_tokens: int = 0   # and accepted by verification
 
 
 def _merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -408,4 +410,6 @@ class LLMEngine:
             num_preempted=sum(1 for r in s.waiting if r.status == RequestStatus.PREEMPTED),
             kv_cache_usage=self.kv.usage, num_blocks=self.num_blocks, num_free_blocks=self.kv.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, steps=self.steps, last_step_time=self.last_step_time)
+            num_preemptions=s.num_preemptions, steps=self.steps, last_step_time=self.last_step_time,
+            spec_decode_num_draft_tokens=self.num_spec_proposed,
+            spec_decode_num_accepted_tokens=self.num_spec_accepted)

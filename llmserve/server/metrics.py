@@ -52,6 +52,10 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted (recomputed later) to free KV blocks.", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.steps)
+        yield counter("spec_decode_num_draft_tokens", "Speculative (n-gram) tokens proposed.",
+                      s.spec_decode_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted by verification.",
+                      s.spec_decode_num_accepted_tokens)
         yield from _cuda_metrics(labels, v)
 
 

@@ -38,6 +38,8 @@ def test_greedy_output_equals_plain_decoding(llm, spec_llm):
     assert alone == plain[-1]
     e = spec_llm.engine
     assert e.kv.usage == 0 and not e.has_unfinished_requests()
+    stats = e.stats()   # what /metrics exports as llmserve:spec_decode_num_*_tokens_total
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
 
 
 def test_limits_stops_and_sampled_requests_unchanged(llm, spec_llm):
