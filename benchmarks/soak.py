@@ -4,7 +4,10 @@ disconnecting at random moments, random priorities, and malformed requests mixed
 At the end: zero leaked KV blocks (usage back to idle), no request lost (every well-formed request that
 was not abandoned got a complete answer or a clear error), and RSS flat after warm-up.
 
-    python benchmarks/soak.py [--requests 2000] [--concurrency 16] [--no-write]
+    python benchmarks/soak.py [--requests 2000] [--concurrency 16] [--max-tokens 16] [--no-write]
+
+Output lengths are drawn from 4..--max-tokens (16 by default, so that 2,000 requests take minutes, not
+most of an hour, on a 2-core CPU machine).
 
 tests/e2e/test_soak.py runs a short version (200 requests) in CI through `run_soak`.
 """
@@ -63,9 +66,10 @@ def _is_openai_error(text: str) -> bool:
         return False
 
 
-async def _good(c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, disconnect: bool) -> None:
+async def _good(c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, disconnect: bool,
+                max_tokens: int) -> None:
     stream = rng.random() < 0.5
-    max_tokens = rng.randint(4, 40)
+    max_tokens = rng.randint(4, max_tokens)
     if rng.random() < 0.7:
         path, body = CHAT, {"messages": [{"role": "user", "content": f"Explain {rng.choice(TOPICS)} briefly."}]}
     else:
@@ -161,7 +165,7 @@ class RSS:
         self.t.join()
 
 
-async def _drive(url: str, n: int, concurrency: int, seed: int, t: Tally, progress) -> None:
+async def _drive(url: str, n: int, concurrency: int, seed: int, t: Tally, progress, max_tokens: int) -> None:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
@@ -172,20 +176,21 @@ async def _drive(url: str, n: int, concurrency: int, seed: int, t: Tally, progre
                 if r < 0.1:
                     await _bad(c, url, random.Random(rng.random()), t)
                 else:
-                    await _good(c, url, random.Random(rng.random()), t, disconnect=r < 0.3)
+                    await _good(c, url, random.Random(rng.random()), t, disconnect=r < 0.3, max_tokens=max_tokens)
                 t.sent += 1
                 if progress and t.sent % 100 == 0:
                     progress(t)
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int = 0, progress=None) -> dict:
+def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int = 0, progress=None,
+             max_tokens: int = 16) -> dict:
     """Drive the soak against a running server; return the figures (see module docstring)."""
     t = Tally()
     rss = RSS(pid)
     t0 = time.time()
     try:
-        asyncio.run(_drive(url, n, concurrency, seed, t, progress))
+        asyncio.run(_drive(url, n, concurrency, seed, t, progress, max_tokens))
     finally:
         wall = time.time() - t0
     # settle: aborts are handled by the engine thread; wait for the pool to be back to idle
@@ -200,6 +205,7 @@ def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int 
     samples = [r for ts, r in rss.samples]
     warm = [r for ts, r in rss.samples if ts >= t0 + 0.2 * wall] or samples
     half = len(warm) // 2
+    tenth = max(1, len(samples) // 10)
     lat = sorted(t.latencies)
     return {
         "requests": n, "concurrency": concurrency, "wall_s": round(wall, 1),
@@ -212,6 +218,7 @@ def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int 
         "rss_warm_first_half_peak_mib": round(max(warm[:half] or warm) / 2 ** 20),
         "rss_warm_second_half_peak_mib": round(max(warm[half:] or warm) / 2 ** 20),
         "rss_end_mib": round(samples[-1] / 2 ** 20),
+        "rss_peak_by_tenth_mib": [round(max(samples[i:i + tenth]) / 2 ** 20) for i in range(0, len(samples), tenth)][:10],
         "latency_p50_s": round(lat[len(lat) // 2], 2) if lat else None,
         "latency_p99_s": round(lat[int(len(lat) * 0.99)], 2) if lat else None,
     }
@@ -225,6 +232,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=16, help="output lengths are drawn from 4..this")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -235,14 +243,16 @@ def main() -> None:
         srv.wait_ready()
         res = run_soak(srv.url, srv.proc.pid, args.requests, args.concurrency, args.seed,
                        progress=lambda t: print(f"  {t.sent} sent, {t.complete} complete, {t.abandoned} "
-                                                f"abandoned, {len(t.lost)} lost", flush=True))
+                                                f"abandoned, {len(t.lost)} lost", flush=True),
+                       max_tokens=args.max_tokens)
     finally:
         srv.kill()
     print(json.dumps(res, indent=2))
-    body = (f"`python benchmarks/soak.py --requests {args.requests} --concurrency {args.concurrency}` against "
+    body = (f"`python benchmarks/soak.py --requests {args.requests} --concurrency {args.concurrency} "
+            f"--max-tokens {args.max_tokens}` against "
             f"`llmserve serve {' '.join(flags)}` (bundled SmolLM2-135M). Mix: 10% malformed requests, 20% of "
             f"clients disconnect after a random 0-1.5 s, random priorities in [-5, 5], chat and completions, "
-            f"streamed and not, 4-40 output tokens.\n\n"
+            f"streamed and not, 4-{args.max_tokens} output tokens.\n\n"
             f"| figure | value |\n|---|---|\n"
             + "".join(f"| {k} | {v} |\n" for k, v in res.items() if k != "lost_examples"))
     if not args.no_write:
