@@ -56,8 +56,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
+    def num_queued_after(self, extra: int = 0) -> int:
+        """How many requests would wait with `extra` more added. Running slots still free take waiting
+        requests at the next step, so those do not count: a burst into an idle engine is not refused
+        for want of a step that has not run yet."""
+        free = max(0, self.max_num_seqs - len(self.running))
+        return max(0, len(self.waiting) + extra - free)
+
     def add_request(self, request: Request) -> None:
-        if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
+        if self.max_queued_requests is not None and self.num_queued_after(1) > self.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")

@@ -131,18 +131,21 @@ def test_abort_frees_blocks(llm):
 def test_full_queue_raises_typed_error_engine_keeps_serving(llm):
     from llmserve.engine.scheduler import QueueFullError
     eng = llm.engine
-    eng.scheduler.max_queued_requests = 1
+    seqs = eng.scheduler.max_num_seqs
+    eng.scheduler.max_queued_requests, eng.scheduler.max_num_seqs = 1, 1
     try:
+        # one to run (the free slot), one to wait: the third is refused
         a = eng.add_request(chat_ids(llm, "One"), SamplingParams(temperature=0, max_tokens=3))
+        b = eng.add_request(chat_ids(llm, "Two"), SamplingParams(temperature=0, max_tokens=3))
         with pytest.raises(QueueFullError):
-            eng.add_request(chat_ids(llm, "Two"), SamplingParams(temperature=0, max_tokens=3))
+            eng.add_request(chat_ids(llm, "Three"), SamplingParams(temperature=0, max_tokens=3))
         finished = set()
         while eng.has_unfinished_requests():
             finished |= {o.request_id for o in eng.step() if o.finished}
-        assert finished == {a}
+        assert finished == {a, b}
         assert eng.kv.num_free_blocks == eng.num_blocks
     finally:
-        eng.scheduler.max_queued_requests = None
+        eng.scheduler.max_queued_requests, eng.scheduler.max_num_seqs = None, seqs
 
 
 def test_fault_in_one_request_fails_it_alone(llm):

@@ -174,9 +174,13 @@ def test_priority_request_scheduled_at_once_when_batch_full():
 
 
 def test_full_queue_raises_typed_error_and_keeps_serving():
+    # capacity = max_seqs + max_queued: a free running slot takes a request at the next step, so it
+    # is not counted as waiting even before that step has run
     sim = Sim(num_blocks=16, block_size=4, max_seqs=1, budget=64, caching=False, max_queued=2)
     sim.add([1, 2, 3], 2)
     sim.add([4, 5, 6], 2)
+    sim.add([1, 5, 9], 2)
+    assert sim.sched.num_queued_after() == 2
     try:
         sim.add([7, 8, 9], 2)
         raise AssertionError("expected QueueFullError")
