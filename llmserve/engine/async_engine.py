@@ -66,6 +66,9 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.last_progress = time.time()
         self.on_dead: Callable[[BaseException], None] | None = None
+        # Called on the engine thread with the final output of each request aborted in the engine (a
+        # client that went away, a timeout): nobody reads those from the sink, so metrics hook here.
+        self.on_aborted: Callable[[RequestOutput], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
         self._thread.start()
 
@@ -89,7 +92,7 @@ class AsyncEngine:
         for *_, ids, params in runs:
             self.engine.validate_prompt(ids, params)
         limit = self.engine.config.max_queued_requests
-        if limit is not None and self.engine.scheduler.num_waiting + self._pending_adds + len(runs) > limit:
+        if limit is not None and self.engine.scheduler.num_queued_after(self._pending_adds + len(runs)) > limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
@@ -101,7 +104,7 @@ class AsyncEngine:
         self.engine.validate_prompt(prompt_token_ids, params)
         limit = self.engine.config.max_queued_requests
         with self._lock:
-            if limit is not None and self.engine.scheduler.num_waiting + self._pending_adds >= limit:
+            if limit is not None and self.engine.scheduler.num_queued_after(self._pending_adds + 1) > limit:
                 raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already in the engine")
@@ -148,8 +151,15 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             sink = self._sinks.pop(cmd.request_id, None)
             out = self.engine.abort_request(cmd.request_id)
-            if sink is not None and out is not None:
+            if out is None:   # already finished, or never added
+                return
+            if sink is not None:
                 sink.put(out)
+            if self.on_aborted is not None:
+                try:
+                    self.on_aborted(out)
+                except Exception:  # noqa: BLE001 - accounting must not stop the engine
+                    log.exception("on_aborted hook failed")
 
     def _drain(self, block: bool) -> None:
         try:

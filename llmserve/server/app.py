@@ -81,10 +81,17 @@ class ServerState:
         self.model_names = [name]
         self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
         engine.on_dead = self._engine_died
+        engine.on_aborted = self._request_aborted
         if os.environ.get("LLMSERVE_FAULT_INJECTION") == "1":
             _install_fault_injection(engine)
         self.engine = engine
         log.info("ready: serving %s", name)
+
+    def _request_aborted(self, out: RequestOutput) -> None:
+        """A request aborted in the engine (its client went away, or it timed out): counted in
+        request_success_total{finished_reason="abort"} as vLLM does, and logged like any other."""
+        arrival = out.metrics.arrival_time if out.metrics else time.time()
+        _record_finished(self, out, len(out.prompt_token_ids), [], arrival)
 
     def _engine_died(self, e: BaseException) -> None:
         log.error("engine loop died (%r): exiting so that a supervisor restarts the server", e)
@@ -561,6 +568,29 @@ def _fan_out(params: SamplingParams) -> list[SamplingParams]:
     return [params.clone(n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)]
 
 
+def _record_finished(state: ServerState, out: RequestOutput, num_prompt_tokens: int, times: list[float],
+                     arrival: float) -> None:
+    """Metrics and the request log line for one finished engine request (aborted ones included)."""
+    m = state.metrics
+    if m is not None:
+        m.token_times(arrival, times)
+        m.finished(out, num_prompt_tokens)
+    met = out.metrics
+    comp = out.outputs[0]
+    fields = {
+        "request_id": out.request_id, "prompt_tokens": num_prompt_tokens, "output_tokens": len(comp.token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "queue_time": round((met.first_scheduled_time or met.arrival_time) - met.arrival_time, 4) if met else None,
+        "ttft": round(times[0] - met.arrival_time, 4) if met and times else None,
+        "total_time": round((met.finished_time or time.time()) - met.arrival_time, 4) if met else None,
+        "finish_reason": comp.finish_reason, "preemptions": met.num_preemptions if met else 0,
+    }
+    if state.settings.log_prompts:
+        fields["prompt"] = out.prompt
+        fields["completion"] = comp.text
+    req_log.info(json.dumps(fields))
+
+
 class _Generation:
     """One HTTP request's engine requests (n choices, or several prompts), merged into one stream."""
 
@@ -631,24 +661,7 @@ class _Generation:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     def _record(self, out: RequestOutput, ids: list[int], times: list[float]) -> None:
-        m = self.state.metrics
-        if m is not None:
-            m.token_times(out.metrics.arrival_time if out.metrics else self.arrival, times)
-            m.finished(out, len(ids))
-        met = out.metrics
-        comp = out.outputs[0]
-        fields = {
-            "request_id": out.request_id, "prompt_tokens": len(ids), "output_tokens": len(comp.token_ids),
-            "cached_tokens": out.num_cached_tokens,
-            "queue_time": round((met.first_scheduled_time or met.arrival_time) - met.arrival_time, 4) if met else None,
-            "ttft": round(times[0] - met.arrival_time, 4) if met and times else None,
-            "total_time": round((met.finished_time or time.time()) - met.arrival_time, 4) if met else None,
-            "finish_reason": comp.finish_reason, "preemptions": met.num_preemptions if met else 0,
-        }
-        if self.s.log_prompts:
-            fields["prompt"] = out.prompt
-            fields["completion"] = comp.text
-        req_log.info(json.dumps(fields))
+        _record_finished(self.state, out, len(ids), times, out.metrics.arrival_time if out.metrics else self.arrival)
 
     def _usage(self) -> P.UsageInfo:
         firsts = {}   # prompt index -> (choice index of its first run, prompt length)

@@ -129,6 +129,9 @@ def test_client_disconnect_at_the_router_aborts_the_backend_request(fleet):
                             if k.startswith(success + "{") and "abort" not in k) - \
         sum(v for k, v in before.items() if k.startswith(success + "{") and "abort" not in k)
     assert finished_normally == 0
+    # the backend counts it as aborted, as vLLM does (recorded just after the blocks are freed)
+    aborted = lambda m: sum(v for k, v in m.items() if k.startswith(success + "{") and "abort" in k)  # noqa: E731
+    assert wait_until(lambda: aborted(metrics(b)) - aborted(before) == 1, timeout=5), metrics(b)
     generated = after.get("llmserve:generation_tokens_total", 0) - \
         before.get("llmserve:generation_tokens_total", 0)
     assert generated < 600

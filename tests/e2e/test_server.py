@@ -169,8 +169,13 @@ def _wait_idle(server, timeout=5.0):
     raise AssertionError(f"engine not idle: {m}")
 
 
+def _aborted(m: dict) -> float:
+    return sum(v for k, v in m.items()
+               if k.startswith("llmserve:request_success_total{") and 'finished_reason="abort"' in k)
+
+
 def test_disconnect_aborts(server):
-    _wait_idle(server)
+    before = _aborted(_wait_idle(server))
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/chat/completions", headers=H,
                       json={"messages": Q, "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
@@ -183,8 +188,24 @@ def test_disconnect_aborts(server):
             m = server.metrics(headers=H)
             assert m["llmserve:num_requests_running"] == 1
     t0 = time.time()
-    _wait_idle(server, timeout=2.0)
+    m = _wait_idle(server, timeout=2.0)
     assert time.time() - t0 < 1.5
+    # counted as vLLM does: request_success_total{finished_reason="abort"} (recorded on the engine
+    # thread just after the blocks are freed: allow it a moment)
+    _wait_metric(server, _aborted, before + 1)
+    # a non-streamed request whose client gives up (a read timeout closes the connection): aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", headers=H, timeout=1.0,
+                   json={"messages": Q, "max_tokens": 500, "ignore_eos": True})
+    _wait_idle(server, timeout=5.0)
+    _wait_metric(server, _aborted, before + 2)
+
+
+def _wait_metric(server, read, want: float, timeout: float = 2.0) -> None:
+    deadline = time.time() + timeout
+    while (got := read(server.metrics(headers=H))) != want and time.time() < deadline:
+        time.sleep(0.05)
+    assert got == want, (got, want)
 
 
 def test_fifty_concurrent_streams_and_counters(server):
