@@ -1,18 +1,29 @@
-"""Short soak in CI (issue #8): benchmarks/soak.py's mix at 200 requests. The full run (2,000) is
-`python benchmarks/soak.py`; its figures are in BENCHMARKS.md and docs/reliability.md."""
+"""Short soak in CI (issue #8): benchmarks/soak.py's mix (10% malformed requests, 20% of clients
+disconnecting at random moments, random priorities, 4-16 output tokens), 2 x 200 requests. The full run
+(2,000) is `python benchmarks/soak.py`; its figures are in BENCHMARKS.md and docs/reliability.md.
+
+RSS climbs for the first few hundred requests on CPU (the allocator meeting new batch shapes; 904 ->
+1,218 MiB in the first 400 of the full run, then +3 MiB over the next 1,600): too early for a flatness
+figure here, which the full run gives. This test holds RSS under the stated bound (weights + KV budget +
+runtime allowance) at every sample, and round 2 within 160 MiB of round 1, a coarse guard that a leak
+of about 1 MB per request would trip."""
 from __future__ import annotations
 
-import os
-
-import pytest
+import httpx
 
 from benchmarks.soak import run_soak
+from tests.e2e.test_overload_faults import memory_bound
 from tests.server_proc import ServerProcess
 
-# Written against a shared machine that stayed in benchmark quiet mode: not yet run. Enable with
-# LLMSERVE_RELIABILITY_TESTS=1 until they have been verified (see docs/reliability.md, "Status").
-pytestmark = pytest.mark.skipif(os.environ.get("LLMSERVE_RELIABILITY_TESTS") != "1",
-                                reason="issue #8 reliability tests: not yet verified; set LLMSERVE_RELIABILITY_TESTS=1")
+N = 200
+
+
+def _check(res: dict) -> None:
+    assert res["accounted"] == N
+    assert res["lost"] == 0, res["lost_examples"]
+    assert res["complete"] > N // 2 and res["bad_rejected"] > 5 and res["abandoned"] > 10, res
+    # no leaked blocks: back to idle once the last request (or its abort) is done
+    assert res["kv_cache_usage_end"] == 0 and res["running_end"] == 0 and res["waiting_end"] == 0, res
 
 
 def test_short_soak_loses_nothing_and_leaks_no_blocks():
@@ -20,14 +31,16 @@ def test_short_soak_loses_nothing_and_leaks_no_blocks():
                         "--kv-cache-memory", "0.25")
     try:
         srv.wait_ready()
-        res = run_soak(srv.url, srv.proc.pid, n=200, concurrency=16, seed=1)
-        print("\nsoak:", res)
-        assert res["accounted"] == 200
-        assert res["lost"] == 0, res["lost_examples"]
-        assert res["complete"] > 100 and res["bad_rejected"] > 5 and res["abandoned"] > 10
-        assert res["kv_cache_usage_end"] == 0 and res["running_end"] == 0 and res["waiting_end"] == 0
-        # RSS flat after warm-up: the second half's peak within 64 MiB of the first half's
-        assert res["rss_warm_second_half_peak_mib"] <= res["rss_warm_first_half_peak_mib"] + 64, res
+        first = run_soak(srv.url, srv.proc.pid, n=N, concurrency=16, seed=1)
+        print("\nsoak, round 1:", first)
+        _check(first)
+        second = run_soak(srv.url, srv.proc.pid, n=N, concurrency=16, seed=2)
+        print("soak, round 2:", second)
+        _check(second)
+        bound = memory_bound(srv) / 2 ** 20
+        assert max(first["rss_peak_mib"], second["rss_peak_mib"]) < bound, (bound, first, second)
+        assert second["rss_peak_mib"] <= first["rss_peak_mib"] + 160, (first, second)
+        assert httpx.get(srv.url + "/ready", timeout=5).status_code == 200
         assert srv.proc.poll() is None
     finally:
         srv.kill()
