@@ -1,0 +1,77 @@
+"""What paged attention costs at long context: decode step time with 2k-token contexts vs short ones.
+
+8 requests decode together, with prompts of ~100 and of ~2,000 tokens (a repeated text, prefix caching
+off so every prompt is its own); the decode-only steps are timed from the engine's step loop, and the
+time spent inside attention (gathering blocks + SDPA) is measured with torch.profiler over a few steps.
+
+    python benchmarks/long_context.py [--threads 2] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import write_section  # noqa: E402
+
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "alice.txt")
+
+
+def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float]:
+    """(median decode step seconds, share of it in attention) for `prompts` decoding together."""
+    import torch
+
+    from llmserve import SamplingParams
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=n_steps + 8, temperature=0, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()   # prefill
+    times = []
+    for _ in range(n_steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            eng.step()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    attn = sum(e.self_cpu_time_total for e in prof.key_averages()
+               if any(k in e.key for k in ("scaled_dot_product", "index_select", "_efficient_attention",
+                                           "flash_attention", "index_copy", "bmm", "_softmax", "masked_fill")))
+    while eng.has_unfinished_requests():
+        eng.step()
+    return statistics.median(times), attn / total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    from llmserve import LLM
+    llm = LLM(num_threads=args.threads, enable_prefix_caching=False, kv_cache_memory=1.0)
+    tok = llm.get_tokenizer()
+    with open(TEXT) as f:
+        ids = tok.encode(f.read() * 4)
+    rows = ["| context per request | requests | decode step (median) | per token | share in attention (gather + SDPA) |",
+            "|---|---|---|---|---|"]
+    for length in (100, 500, 2000):
+        prompts = [ids[i * 7:i * 7 + length] for i in range(8)]
+        step, share = decode_steps(llm, prompts)
+        rows.append(f"| {length} | 8 | {step * 1000:.0f} ms | {step / 8 * 1000:.1f} ms | {share:.0%} |")
+        print(rows[-1], flush=True)
+    body = (f"`python benchmarks/long_context.py --threads {args.threads}`: 8 requests decoding together, float32, "
+            "prefix caching off; decode-only steps timed; attention share from torch.profiler (index_select "
+            "gathers of whole blocks, SDPA, KV writes).\n\n" + "\n".join(rows) + "\n")
+    print(body)
+    if not args.no_write:
+        write_section("Long context: paged attention at 2k tokens (issue: performance)", body)
+
+
+if __name__ == "__main__":
+    main()
