@@ -32,7 +32,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None   # TP rendezvous (tcp://HOST:PORT, env://); default: local
     speculative_ngram: int = 0
-    enforce_eager: bool = True
+    enforce_eager: bool = True            # vLLM compatibility only: always eager (no compile/CUDA graphs)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
