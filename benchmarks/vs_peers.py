@@ -244,7 +244,8 @@ def main() -> None:
         f"{s4['tok_s']:.1f} vs {s0['tok_s']:.1f} tok/s = **{s4['tok_s'] / s0['tok_s']:.2f}x**, {acc:.0%} of proposals "
         f"accepted; output identical: {s4['ids'] == s0['ids']}.",
     ]
-    body = (f"`python benchmarks/vs_peers.py --threads {th}`: 64 chat prompts x {mt} output tokens (EOS ignored), "
+    cmd = f"python benchmarks/vs_peers.py --threads {th}" + (" --llama-server PATH" if llama else "")
+    body = (f"`{cmd}`: 64 chat prompts x {mt} output tokens (EOS ignored), "
             f"greedy, bundled SmolLM2-135M-Instruct; llama.cpp figures: {src}.\n\n" + "\n".join(rows)
             + "\n\n" + "\n".join(bars) + "\n")
     print(body)
