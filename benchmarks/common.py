@@ -41,6 +41,31 @@ def machine() -> str:
     return f"{cpu}, {len(os.sched_getaffinity(0))} cores"
 
 
+def start_llama_server(binary: str, threads: int, slots: int, context: int, model: str | None = None):
+    """llama.cpp's llama-server on the bundled GGUF (or `model`), continuous batching over `slots`
+    parallel slots; returns (process, base URL) once /health answers 200."""
+    import subprocess
+    import time
+
+    import httpx
+
+    from llmserve.model.loader import bundled_model_path
+    from tests.server_proc import free_port
+    port = free_port()
+    proc = subprocess.Popen([binary, "-m", model or bundled_model_path(), "--port", str(port), "-np", str(slots),
+                             "-cb", "-t", str(threads), "-c", str(context)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return proc, url
+
+
 def write_section(title: str, body: str, path: str | None = None) -> None:
     """Replace (or append) the `## title` section of BENCHMARKS.md."""
     path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import time
 
@@ -22,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import write_section  # noqa: E402
-from tests.server_proc import ServerProcess, free_port  # noqa: E402
+from benchmarks.common import start_llama_server, write_section  # noqa: E402
+from tests.server_proc import ServerProcess  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is Docker? Answer in one sentence."}]
 # SmolLM2-135M: ~106 M parameters outside the embedding/LM head, 28 M in the LM head.
@@ -118,20 +117,8 @@ def main() -> None:
     overhead = 1 - (http20["out"] / http20["wall"]) / (off["out"] / off["wall"])
     sections = [table("llmserve serve", ours, rate)]
     if args.llama_server:
-        from llmserve.model.loader import bundled_model_path
-        port = free_port()
-        proc = subprocess.Popen([args.llama_server, "-m", args.llama_model or bundled_model_path(), "--port",
-                                 str(port), "-np", "20", "-cb", "-t", str(args.threads), "-c", "20480"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc, url = start_llama_server(args.llama_server, args.threads, slots=20, context=20480, model=args.llama_model)
         try:
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(600):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
             theirs = run_server_phases(url, "any")
             sections.append(table("llama.cpp llama-server (Q4_1)", theirs, rate))
         finally:

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,8 +31,8 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import chat_prompts, write_section  # noqa: E402
-from tests.server_proc import ServerProcess, free_port  # noqa: E402
+from benchmarks.common import chat_prompts, start_llama_server, write_section  # noqa: E402
+from tests.server_proc import ServerProcess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "tests", "data", "alice.txt")
@@ -151,20 +150,8 @@ def serve_numbers(flags: list[str], threads, prompts, max_tokens, load: bool = T
 
 
 def llama_numbers(binary: str, threads, prompts, max_tokens) -> dict:
-    from llmserve.model.loader import bundled_model_path
-    port = free_port()
-    proc = subprocess.Popen([binary, "-m", bundled_model_path(), "--port", str(port), "-np", "16", "-cb",
-                             "-t", str(threads), "-c", str(16 * 1024)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_llama_server(binary, threads, slots=16, context=16 * 1024)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         c16 = asyncio.run(_load(url, "any", prompts, 16, max_tokens))
         single = asyncio.run(_load(url, "any", prompts[:2], 1, max_tokens))
         rss = psutil.Process(proc.pid).memory_info().rss

@@ -107,12 +107,12 @@ class LLMEngine:
                              f"{model_max} positions; lower --max-model-len")
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         max_positions = config.max_model_len or model_max
+        rotary_positions = max_positions + config.speculative_ngram + 1   # room for verified proposals
         if self.tp is None:
-            self.model = load_model(source, mc, reader, self.device, self.dtype,
-                                    max_positions + max(config.speculative_ngram, 0) + 1, config.quantization)
+            self.model = load_model(source, mc, reader, self.device, self.dtype, rotary_positions,
+                                    config.quantization)
         else:
-            self.model = self.tp.load_model(source.path, self.dtype,
-                                            max_positions + max(config.speculative_ngram, 0) + 1)
+            self.model = self.tp.load_model(source.path, self.dtype, rotary_positions)
         del reader
         num_blocks, budget = self._num_kv_blocks(per_block)
         capacity = num_blocks * block_size
