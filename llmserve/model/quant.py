@@ -7,9 +7,9 @@ is int8 rows with a scale per row.
 
 The kernel (CPU): fbgemm's packed float16 GEMM (`quantized::linear_dynamic_fp16`: float32 activations
 and accumulation, weights widened inside the kernel). Measured on this 2-core AVX2 machine
-(BENCHMARKS.md, "Weight kernels"), it is the fastest accurate choice torch offers: 1.2-4.7x faster than
+(BENCHMARKS.md, "Weight kernels"), it is the fastest accurate choice torch offers: 1.3-4.5x faster than
 the float32 matmul, while torch's weight-only int8/int4 kernels (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`) are 2-50x slower than float32 and fbgemm's int8 GEMM quantizes
+`_weight_int4pack_mm_for_cpu`) are 2-35x slower than float32 and fbgemm's int8 GEMM quantizes
 activations per tensor to 7 bits, which costs this model 3.7x in perplexity. So the rounded values are
 held as float16 (exact for int4; within float16's 11 bits for int8 times its scale): the arithmetic is
 the quantized model's, the memory 2 bytes per weight. Elsewhere (CUDA): int8 values and a per-channel
