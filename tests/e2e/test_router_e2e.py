@@ -181,8 +181,9 @@ def test_sigkill_a_replica_during_40_requests(fleet):
             assert stream and first_from == a1.url, (i, stream, first_from, err)
     assert all(ok for _, stream, _, ok, _ in results if not stream)
     assert ejected_after <= HEALTH_INTERVAL * 2 + 1
-    assert metrics(router).get("llmserve_router:retries_total", 0) >= 1 or \
-        all(ok for *_, ok, _ in results)
+    # No retry count is asserted: when the requests on the killed replica were all streams past their
+    # first byte and it was ejected before another was routed there, nothing needed a retry (that case
+    # failed CI once). Retries before the first byte are asserted in tests/unit/test_router_proxy.py.
 
     # restarted on the same port: re-admitted within a few health intervals of being ready
     fleet["a1"] = replica(int(a1.url.rsplit(":", 1)[1]), "smol", fleet["_log_dir"]).wait_ready(180)
