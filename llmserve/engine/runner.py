@@ -13,6 +13,7 @@ import torch
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request
 from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmserve.model.llama import LlamaModel, ModelConfig
 
@@ -64,6 +65,7 @@ class ModelRunner:
         # still poisons attention's weighted sum. Stale values in reused blocks are finite.)
         alloc = torch.zeros if device.type == "cuda" else _zero_pages
         self.kv_caches = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.in_place_decode = device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 
     @torch.inference_mode()
@@ -111,15 +113,17 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
                                  num_decode_tokens=len(decode_tables))
-        for start, end in decode_groups(decode_lens):
+        # The in-place decode kernel reads each request's own length: one group. The gather + SDPA
+        # path reads every padded position: groups of similar lengths.
+        groups = [(0, len(decode_lens))] if decode_lens and self.in_place_decode else decode_groups(decode_lens)
+        for start, end in groups:
             tables = decode_tables[start:end]
             width = max(len(t) for t in tables)
             table = torch.zeros(len(tables), width, dtype=torch.long)
             for i, t in enumerate(tables):
                 table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
             lens = torch.tensor(decode_lens[start:end], dtype=torch.long)
-            mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_groups.append(DecodeGroup(start, end, table.to(dev), mask[:, None, None, :].to(dev)))
+            meta.decode_groups.append(DecodeGroup(start, end, table.to(dev), lens.to(dev)))
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
         if not logits_rows:

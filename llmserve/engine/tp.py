@@ -99,7 +99,7 @@ def _to(obj, device: torch.device):
             decode_groups=[_to(g, device) for g in obj.decode_groups],
             prefills=[_to(p, device) for p in obj.prefills])
     if isinstance(obj, DecodeGroup):
-        return DecodeGroup(obj.start, obj.end, obj.block_tables.to(device), obj.mask.to(device))
+        return DecodeGroup(obj.start, obj.end, obj.block_tables.to(device), obj.context_lens.to(device))
     if isinstance(obj, PrefillChunk):
         return PrefillChunk(obj.query_start, obj.query_len, obj.context_len, obj.block_table.to(device))
     return obj

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llmserve.model import ops
+
 
 @dataclass
 class PrefillChunk:
@@ -25,11 +27,21 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """Decode rows [start, end), padded to the group's longest context."""
+    """Decode rows [start, end): one query each, against context_lens[i] cached keys."""
     start: int
     end: int
     block_tables: torch.Tensor   # [rows, max_blocks]
-    mask: torch.Tensor           # [rows, 1, 1, max_blocks * block_size]: True where a key exists
+    context_lens: torch.Tensor   # [rows] int64
+    _mask: torch.Tensor | None = None
+
+    def mask(self, block_size: int) -> torch.Tensor:
+        """[rows, 1, 1, max_blocks * block_size]: True where a key exists (for the SDPA path, which
+        reads every padded position)."""
+        if self._mask is None:
+            width = self.block_tables.shape[1] * block_size
+            m = torch.arange(width, device=self.context_lens.device).unsqueeze(0) < self.context_lens.unsqueeze(1)
+            self._mask = m[:, None, None, :]
+        return self._mask
 
 
 @dataclass
@@ -81,10 +93,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     for g in meta.decode_groups:
+        if ops.paged_decode_attention(out[g.start:g.end], q[g.start:g.end], k_cache, v_cache,
+                                      g.block_tables, g.context_lens, scale):
+            continue   # read in place from the blocks (the fused CPU kernel)
         kd = _gather(k_cache, g.block_tables, 0)              # [B, Hkv, L, D]
         vd = _gather(v_cache, g.block_tables, 1)
         qd = q[g.start:g.end].unsqueeze(2)                    # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(k_cache.shape[1]), scale=scale,
+                                           enable_gqa=True)
         out[g.start:g.end] = o.squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len

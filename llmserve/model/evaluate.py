@@ -1,7 +1,9 @@
 """Scoring a model on a fixed text: teacher-forced logits, perplexity and greedy agreement.
 
 Used to check quantized weights against float32 (tests/integration/test_quantization.py,
-benchmarks/quantization.py). Runs the model on one sequence as a single prefill over a private KV cache.
+benchmarks/quantization.py). Runs the model on one sequence over a private KV cache: as a single prefill
+(many rows per matmul), or one token per step as decoding does (`decode=True`: the few-rows kernels and the
+decode attention path).
 """
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.attention import AttentionMetadata, PrefillChunk
+from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmserve.model.llama import LlamaModel
 
 
 @torch.inference_mode()
-def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16, decode: bool = False) -> torch.Tensor:
     """[len(ids), vocab] float32: the logits after each token of `ids`."""
     cfg = model.cfg
     n = len(ids)
@@ -24,21 +26,31 @@ def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> 
     dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
     kv = [torch.zeros(2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype) for _ in range(cfg.num_layers)]
     pos = torch.arange(n)
-    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb))])
-    return model(torch.tensor(ids), pos, kv, meta, pos).float()
+    if not decode:
+        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb))])
+        return model(torch.tensor(ids), pos, kv, meta, pos).float()
+    table = torch.arange(nb).unsqueeze(0)
+    rows = []
+    for i in range(n):
+        p = pos[i:i + 1]
+        meta = AttentionMetadata(slot_mapping=p, num_decode_tokens=1,
+                                 decode_groups=[DecodeGroup(0, 1, table, torch.tensor([i + 1]))])
+        rows.append(model(torch.tensor(ids[i:i + 1]), p, kv, meta, torch.zeros(1, dtype=torch.long)).float())
+    return torch.cat(rows)
 
 
-def perplexity(model: LlamaModel, ids: list[int]) -> float:
-    logits = sequence_logits(model, ids)
+def perplexity(model: LlamaModel, ids: list[int], decode: bool = False) -> float:
+    logits = sequence_logits(model, ids, decode=decode)
     return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
 
 
-def greedy_agreement(model: LlamaModel, reference: LlamaModel, sequences: list[tuple[list[int], int]]) -> float:
+def greedy_agreement(model: LlamaModel, reference: LlamaModel, sequences: list[tuple[list[int], int]],
+                     decode: bool = False) -> float:
     """Share of positions where both models' greedy next token agrees, over the last `k` tokens of each
     (ids, k) sequence (teacher-forced on the same tokens, so one disagreement does not derail the rest)."""
     same = total = 0
     for ids, k in sequences:
-        a = sequence_logits(model, ids)[-k - 1:-1].argmax(-1)
+        a = sequence_logits(model, ids, decode=decode)[-k - 1:-1].argmax(-1)
         b = sequence_logits(reference, ids)[-k - 1:-1].argmax(-1)
         same += int((a == b).sum())
         total += k

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, paged_attention
 
 SUPPORTED_ARCHITECTURES = {
@@ -87,10 +87,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in place where the fused kernel runs."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -142,11 +143,15 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        rotated = ops.rotary_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
+                              self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
+        if not rotated:
+            q, k = rotary(q, k, positions)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         o = self.o_proj(o.reshape(T, self.q_size))
         return o if self.all_reduce is None else self.all_reduce(o)
@@ -160,8 +165,7 @@ class MLP(nn.Module):
         self.all_reduce = None   # tensor parallelism: sums the row-parallel down_proj partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        o = self.down_proj(F.silu(gate) * up)
+        o = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return o if self.all_reduce is None else self.all_reduce(o)
 
 
@@ -173,9 +177,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta):
+        """x: the previous layer's output (the embeddings when residual is None); residual: the
+        running sum of the outputs so far. Returns (this layer's output, the new running sum); the
+        residual adds are fused with the norms that follow them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -192,9 +204,10 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab])."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, positions, self.rotary, kv, meta)
+        x = self.norm(x[logits_indices] + residual[logits_indices])
         return self.lm_head(x).float()
 
     def set_all_reduce(self, fn) -> None:

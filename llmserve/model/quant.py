@@ -3,17 +3,21 @@
 int8: weights rounded to int8 per output channel (symmetric). int4: weights rounded to 4 bits per group
 of 32 inputs (asymmetric: min + scale * q, GGUF Q4_1's grid, so the bundled Q4_1 model keeps its own
 values); the LM head stays int8, as llama.cpp keeps its output tensor at 6-8 bits. The embedding table
-is int8 rows with a scale per row.
+is int8 rows with a scale per row (shared with the LM head when the two are tied).
 
-The kernel (CPU): fbgemm's packed float16 GEMM (`quantized::linear_dynamic_fp16`: float32 activations
-and accumulation, weights widened inside the kernel). Measured on this 2-core AVX2 machine
-(BENCHMARKS.md, "Weight kernels"), it is the fastest accurate choice torch offers: 1.3-4.5x faster than
-the float32 matmul, while torch's weight-only int8/int4 kernels (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`) are 2-35x slower than float32 and fbgemm's int8 GEMM quantizes
-activations per tensor to 7 bits, which costs this model 3.7x in perplexity. So the rounded values are
-held as float16 (exact for int4; within float16's 11 bits for int8 times its scale): the arithmetic is
-the quantized model's, the memory 2 bytes per weight. Elsewhere (CUDA): int8 values and a per-channel
-scale, widened per call, the scale applied to the output.
+Kernels (CPU, float32 activations), chosen per call by the number of rows (BENCHMARKS.md, "Weight
+kernels"):
+  * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/cpu_ops.cpp) read the
+    packed int8 / int4 weights directly; activations are rounded to int16 per 32 values (relative
+    error ~1e-5) and the dot products summed in int32. Reading 1 or 0.5 byte per weight instead of 4
+    is what makes single-stream decode fast: it is bound by memory traffic;
+  * many rows (prefill, large batches): fbgemm's packed float16 GEMM
+    (`quantized::linear_dynamic_fp16`, float32 accumulation), the fastest accurate GEMM torch offers
+    here; it holds the rounded weights as float16 (exact for int4 and for int8 times its scale).
+    torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` were measured 2-35x slower than
+    float32 on this AVX2 CPU, and fbgemm's int8 GEMM rounds activations per tensor to 7 bits, which
+    costs this model 3.7x in perplexity.
+Elsewhere (CUDA): int8 values and a per-channel scale, widened per call, the scale applied to the output.
 """
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmserve.model import ops
+
 GROUP_SIZE = 32
+FEW_ROWS = 4       # up to this many rows go through the integer-dot kernels (measured crossover)
 
 
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,53 +41,103 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-def fake_quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """w rounded to a 4-bit grid per group of `group_size` inputs: min + scale * q, q in 0..15."""
+def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
+    """(q [N, K] uint8 in 0..15, scale [N, K/group], min [N, K/group]) with w ~= min + scale * q."""
     out_features, in_features = w.shape
     if in_features % group_size:
         raise ValueError(f"quantization: int4 needs input sizes divisible by {group_size}, got {in_features}")
     g = w.float().reshape(out_features, in_features // group_size, group_size)
-    lo = g.amin(dim=-1, keepdim=True)
-    scale = ((g.amax(dim=-1, keepdim=True) - lo) / 15.0).clamp(min=1e-10)
-    q = torch.round((g - lo) / scale).clamp(0, 15)
-    return (lo + q * scale).reshape(out_features, in_features)
+    lo = g.amin(dim=-1)
+    scale = ((g.amax(dim=-1) - lo) / 15.0).clamp(min=1e-10)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(out_features, in_features), scale, lo
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] bytes: per 32-value group, byte j holds value j (low nibble)
+    and value j + 16 (high nibble), GGUF's Q4 block layout."""
+    n, k = q.shape
+    g = q.reshape(n, k // 32, 2, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    g = packed.reshape(n, half // 16, 16)
+    return torch.stack([g & 15, g >> 4], dim=2).reshape(n, half * 2)
+
+
+def fake_quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """w rounded to a 4-bit grid per group of `group_size` inputs: min + scale * q, q in 0..15."""
+    q, scale, lo = quantize_int4(w, group_size)
+    n, k = w.shape
+    return (lo[..., None] + q.reshape(n, k // group_size, group_size).float() * scale[..., None]).reshape(n, k)
 
 
 class QuantLinear(nn.Module):
-    """A Linear whose weights are rounded to int8 (per channel) or int4 (per group) values.
+    """A Linear with int8 (per channel) or int4 (per group of 32) weights.
 
-    CPU: the rounded weights go into fbgemm's packed float16 GEMM (`quantized::linear_dynamic_fp16`:
-    float32 activations and accumulation, float16 weights widened in the kernel). Every int8 value
-    times its channel scale is exact to float16's 11 bits, so the arithmetic is the quantized model's;
-    the weights take 2 bytes each. Elsewhere (CUDA): int8 values and a per-channel scale, widened per
-    call, the scale applied to the output."""
+    `int8`: (q int8 [N, K], scale [N]); `int4`: (q packed [N, K/2], scale and min [N, K/32]).
+    CPU: few rows through the integer-dot kernels on the packed weights, many rows through
+    fbgemm's float16 GEMM on the same values widened to float16 (see the module's docstring).
+    Elsewhere (CUDA): int8 values and a per-channel scale, widened per call."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.fbgemm = weight.device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
-        if self.fbgemm:
+        self.kind = kind
+        self.out_features = qweight.shape[0]
+        self.in_features = qweight.shape[1] * (2 if kind == "int4" else 1)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale.float().reshape(self.out_features, -1).contiguous())
+        self.register_buffer("minv", None if minv is None else minv.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        cpu = qweight.device.type == "cpu"
+        self.kernels = cpu and ops.cpu_kernels() is not None and self.in_features % 32 == 0
+        self._packed = None
+        if cpu and "fbgemm" in torch.backends.quantized.supported_engines:
             with warnings.catch_warnings():   # torch.ao is deprecated; its fbgemm kernels are not gone
                 warnings.simplefilter("ignore")
-                self._packed = torch.ops.quantized.linear_prepack_fp16(
-                    weight.float().contiguous(), None if bias is None else bias.float())
-            self.register_buffer("qweight", None)
-        else:
-            q, scale = quantize_int8_per_channel(weight)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scale", scale.to(weight.dtype))
-            self.register_buffer("bias", None if bias is None else bias.detach().clone())
+                self._packed = torch.ops.quantized.linear_prepack_fp16(self.dequantize(), self.bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantLinear":
+        if kind == "int4":
+            q, scale, lo = quantize_int4(weight)
+            return cls("int4", pack_int4(q), scale, lo, bias)
+        q, scale = quantize_int8_per_channel(weight)
+        return cls("int8", q, scale, None, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights these values stand for."""
+        n, k = self.out_features, self.in_features
+        if self.kind == "int4":
+            q = unpack_int4(self.qweight).float().reshape(n, k // 32, 32)
+            return (q * self.scale[..., None] + self.minv[..., None]).reshape(n, k)
+        g = self.scale.shape[1]
+        return (self.qweight.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fbgemm:
-            shape = x.shape
-            y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features).float(), self._packed)
-            return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        y = F.linear(x, self.qweight.to(x.dtype)) * self.scale
-        return y if self.bias is None else y + self.bias
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x.device.type != "cpu":
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+            y = y if self.bias is None else y + self.bias.to(x.dtype)
+        elif self.kernels and (x2.shape[0] <= FEW_ROWS or self._packed is None):
+            ext = ops.cpu_kernels()
+            xf = x2.float()
+            if self.kind == "int4":
+                y = ext.q4_linear(xf, self.qweight, self.scale, self.minv, FEW_ROWS + 1)
+            else:
+                y = ext.q8_linear(xf, self.qweight, self.scale, FEW_ROWS + 1)
+            if self.bias is not None:
+                y += self.bias
+        else:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2.float(), self._packed)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int8Embedding(nn.Module):
@@ -104,13 +161,9 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     def convert(module: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                w = child.weight.detach()
-                if mode == "int4" and name != "lm_head":   # the LM head stays int8, as in llama.cpp's Q4 files
-                    w = fake_quantize_int4(w)
-                else:
-                    q, scale = quantize_int8_per_channel(w)
-                    w = q.float() * scale[:, None]
-                setattr(module, name, QuantLinear(w.to(child.weight.dtype), child.bias))
+                # the LM head stays int8, as in llama.cpp's Q4 files
+                kind = "int8" if name == "lm_head" else mode
+                setattr(module, name, QuantLinear.from_float(child.weight.detach(), child.bias, kind))
             elif isinstance(child, nn.Embedding):
                 setattr(module, name, Int8Embedding(child.weight.detach()))
             else:

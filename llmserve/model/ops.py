@@ -1,0 +1,96 @@
+"""The model's fused CPU operations, with plain PyTorch equivalents.
+
+`llmserve/csrc/cpu_ops.cpp` (AVX2 + FMA) is compiled on first use with torch's C++ extension
+builder (about a minute, cached under ~/.cache/torch_extensions) and used for float32 tensors on
+CPU: RMSNorm (with the residual add fused in), rotary, SiLU-and-mul, decode attention read in place
+from the paged cache, and int8/int4 weight-only matmuls on the packed weights. Elsewhere (CUDA,
+bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("llmserve.ops")
+
+_EXT = None
+_TRIED = False
+
+
+def cpu_kernels():
+    """The compiled extension module, or None where it cannot be used (built once per process)."""
+    global _EXT, _TRIED
+    if _TRIED:
+        return _EXT
+    _TRIED = True
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("cpu kernels: this CPU lacks AVX2; using PyTorch ops")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "cpu_ops.cpp")
+        _EXT = load(name="llmserve_cpu_ops", sources=[src], verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as e:   # no compiler, no ninja: the PyTorch ops do the same work, slower
+        log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp (%s); using PyTorch ops", e)
+        _EXT = None
+    return _EXT
+
+
+def _fast(x: torch.Tensor):
+    return cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    ext = _fast(x)
+    if ext is not None and x.shape[-1] % 8 == 0:
+        return ext.rms_norm(x, weight, eps)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual); the fused kernel writes both in place."""
+    ext = _fast(x)
+    if ext is not None and x.shape[-1] % 8 == 0 and x.is_contiguous() and residual.is_contiguous():
+        ext.add_rms_norm_(x, residual, weight, eps)
+        return x, residual
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    ext = _fast(gate_up)
+    if ext is not None and (gate_up.shape[-1] // 2) % 8 == 0:
+        return ext.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Rotate the q and k heads of `qkv` [T, width] in place; False when the caller must do it."""
+    ext = _fast(qkv)
+    if ext is None or head_dim % 16 or qkv.stride(-1) != 1 or cos.dtype != torch.float32:
+        return False
+    ext.rotary_(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim)
+    return True
+
+
+def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> bool:
+    """Decode rows' attention read in place from the paged cache into `out`; False when the
+    caller must gather and use SDPA instead."""
+    ext = _fast(q)
+    if ext is None or context_lens is None or q.shape[-1] not in (64, 128):
+        return False
+    ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    return True

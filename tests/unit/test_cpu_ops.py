@@ -1,0 +1,120 @@
+"""llmserve/csrc/cpu_ops.cpp against plain PyTorch: every fused kernel, odd sizes included."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.model import ops
+from llmserve.model.llama import _rotate
+from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("g++"):
+        pytest.skip("no AVX2 or no compiler: the PyTorch fallbacks run instead")
+    e = ops.cpu_kernels()
+    assert e is not None, "the extension must build where AVX2 and a compiler exist"
+    return e
+
+
+def close(a, b, rel=1e-5):
+    return (a - b).abs().max().item() <= rel * max(b.abs().max().item(), 1e-6)
+
+
+def test_int4_pack_roundtrip():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 40])
+def test_q4_linear(ext, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(200, 96)
+    q, scale, lo = quantize_int4(w)
+    lin = QuantLinear("int4", pack_int4(q), scale, lo, None)
+    ref = lin.dequantize()
+    x = torch.randn(rows, 96)
+    for many in (2, 10**9):   # the tiled float32 path and the integer-dot path
+        assert close(ext.q4_linear(x, lin.qweight, lin.scale, lin.minv, many), x @ ref.t(), 2e-4)
+
+
+@pytest.mark.parametrize("rows,group", [(1, 64), (3, 64), (6, 32), (1, 32), (17, 64)])
+def test_q8_linear(ext, rows, group):
+    torch.manual_seed(rows)
+    q = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
+    s = torch.rand(70, 64 // group) + 0.1
+    ref = (q.float().view(70, -1, group) * s[..., None]).view(70, 64)
+    x = torch.randn(rows, 64)
+    for many in (2, 10**9):
+        assert close(ext.q8_linear(x, q, s, many), x @ ref.t(), 2e-4)
+
+
+def test_quant_linear_bias_and_batch_shapes(ext):
+    w, b = torch.randn(64, 64), torch.randn(64)
+    for kind in ("int8", "int4"):
+        lin = QuantLinear.from_float(w, b, kind)
+        x = torch.randn(2, 3, 64)
+        ref = F.linear(x, lin.dequantize(), b)
+        assert close(lin(x), ref, 1e-3)          # 6 rows: the many-rows path
+        assert close(lin(x[:1, :2]), ref[:1, :2], 1e-3)   # 2 rows: the kernels
+
+
+def test_norms(ext):
+    x, r, w = torch.randn(5, 72), torch.randn(5, 72), torch.randn(72)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert close(ext.rms_norm(x, w, 1e-5), ref)
+    x2, r2 = x.clone(), r.clone()
+    ext.add_rms_norm_(x2, r2, w, 1e-6)
+    s = x + r
+    assert close(r2, s) and close(x2, w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)))
+
+
+def test_silu_and_mul(ext):
+    gu = torch.randn(3, 2 * 48) * 6
+    g, u = gu.chunk(2, -1)
+    assert close(ext.silu_and_mul(gu), F.silu(g) * u, 1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place(ext, head_dim):
+    T, H, Hk, D = 5, 4, 2, head_dim
+    qkv = torch.randn(T, (H + 2 * Hk) * D)
+    pos = torch.tensor([0, 3, 9, 31, 2])
+    half = torch.randn(40, D // 2)
+    cos, sin = torch.cat([half.cos(), half.cos()], -1), torch.cat([half.sin(), half.sin()], -1)
+    q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
+    rq, rk = _rotate(q, cos[pos][:, None], sin[pos][:, None]), _rotate(k, cos[pos][:, None], sin[pos][:, None])
+    v = qkv[:, (H + Hk) * D:].clone()
+    ext.rotary_(qkv, pos, cos, sin, H + Hk, D)
+    assert close(qkv[:, :H * D].view(T, H, D), rq) and close(qkv[:, H * D:(H + Hk) * D].view(T, Hk, D), rk)
+    assert torch.equal(qkv[:, (H + Hk) * D:], v)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_attention(ext, head_dim):
+    torch.manual_seed(0)
+    B, H, Hk, D, NB, BS = 4, 6, 2, head_dim, 40, 16
+    kc, vc = torch.randn(NB, BS, Hk, D), torch.randn(NB, BS, Hk, D)
+    lens = torch.tensor([1, 17, 100, 33])
+    tables = torch.stack([torch.randperm(NB)[:7] for _ in range(B)])
+    qkv = torch.randn(B, (H + 2) * D)   # strided query rows, as the model passes them
+    q = qkv[:, :H * D].view(B, H, D)
+    out = torch.zeros(B, H, D)
+    ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.1)
+    for b in range(B):
+        n = int(lens[b])
+        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None]
+        v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None]
+        ref = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.1, enable_gqa=True)[0, :, 0]
+        assert close(out[b], ref, 1e-5)
+
+
+def test_bad_input_is_an_error_not_a_crash(ext):
+    with pytest.raises(RuntimeError):
+        ext.q4_linear(torch.randn(2, 33), torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), torch.ones(4, 1), 8)
+    with pytest.raises(RuntimeError):
+        ext.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
