@@ -4,10 +4,12 @@
 //    groups, value = min + scale * q, q in 0..15, the low nibble of byte j holding element j and the
 //    high nibble element j + 16, as GGUF's Q4_0/Q4_1 blocks; int8: groups of `group` values with
 //    one scale each, per channel when group == K). Few rows (decode): integer dot products in one
-//    pass over the weights, each unpacked block reused for up to 4 rows. Many rows (prefill):
+//    pass over the weights, each unpacked block reused for up to 4 rows (int4: x rounded to int8 per
+//    32 values; int8: to int16). Many rows (prefill):
 //    tiles of weights widened to float32 and multiplied with at::mm.
 //  * rms_norm / add_rms_norm_: RMSNorm, and the residual add fused with the next norm (in place).
-//  * rotary_: neox-style rotary embedding applied in place to the q and k heads of a fused qkv row.
+//  * rotary_write_kv_: neox-style rotary embedding applied in place to the q and k heads of fused qkv
+//    rows, and the rows' K and V written into the paged cache.
 //  * silu_and_mul: SiLU(gate) * up of a fused gate_up row.
 //  * paged_decode_attention_: one query per request against its blocks, read in place from the
 //    paged cache (no gather copy), the heads sharing a KV head processed together.
@@ -17,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,15 +63,20 @@ void check_cpu_f32(const at::Tensor& t, const char* what) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integer dot products (few rows): each 32-value block of x is rounded to int16 with its own scale
-// (dx = max|x| / 32767, a relative error near 1e-5, so the result is the float32 one for all
-// practical purposes), weights are widened to int16 and block dot products summed in int32
-// (vpmaddwd), then scaled by (weight scale * dx). Half the instructions of widening to float32.
-// (Rounding x to int8 instead, as llama.cpp does, is faster still but cost this model 1.3 points
-// of greedy agreement with float32: measured, see docs/engine.md.)
+// Integer dot products (few rows). Each 32-value block of x is rounded to integers with its own
+// scale dx; a weight block times an x block is summed in int32, then scaled by (weight scale * dx).
+//  * int4 weights: x rounded to int8 (dx = max|x| / 127) and vpmaddubsw, as llama.cpp's Q4_1 x Q8_1
+//    dot product: single-stream decode is bound by memory traffic, and this is the cheapest dot;
+//  * int8 weights: x rounded to int16 (dx = max|x| / 32767, relative error ~1e-5) and vpmaddwd: the
+//    accuracy mode. (Rounding x to int8 there cost this model 1.3 points of greedy agreement with
+//    float32, below the 95% the int8 mode promises; measured, see docs/engine.md.)
 
-// x [M, K] -> xq [M, K] int16, dx [M, K/32], xsum [M, K/32] (the float sums, for int4's min term).
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* dx, float* xsum) {
+template <typename T> constexpr float kMaxQ = 127.0f;
+template <> constexpr float kMaxQ<int16_t> = 32767.0f;
+
+// x [M, K] -> xq [M, K] (int8 or int16), dx [M, K/32], xsum [M, K/32] (float sums, for int4's min).
+template <typename T>
+void quantize_rows(const float* x, int64_t M, int64_t K, T* xq, float* dx, float* xsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = 0; m < M; ++m)
@@ -79,38 +87,53 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* dx,
       const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
                                       _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
       const float amax = hmax(mx);
-      const __m256 id = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+      const __m256 id = _mm256_set1_ps(amax > 0 ? kMaxQ<T> / amax : 0.0f);
       const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a0, id), rnd));
       const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a1, id), rnd));
       const __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a2, id), rnd));
       const __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a3, id), rnd));
-      // packs works within 128-bit lanes; the permute puts the 16 values back in order
-      const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
-      const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * g), p01);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * g + 16), p23);
-      dx[m * (K / 32) + g] = amax / 32767.0f;
+      // packs work within 128-bit lanes; the permutes put the values back in order
+      const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+      if constexpr (sizeof(T) == 2) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * g), _mm256_permute4x64_epi64(p01, 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * g + 16), _mm256_permute4x64_epi64(p23, 0xD8));
+      } else {
+        const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * g), p);
+      }
+      dx[m * (K / 32) + g] = amax / kMaxQ<T>;
       xsum[m * (K / 32) + g] = sum;
     }
 }
 
+// 8 float16 values -> 8 floats
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // sd[m * G + g] = s[g] * dx[m * G + g]: the float factor of each block's integer dot product.
-template <int MR>
-inline void block_scales(const float* s, const float* dx, int64_t G, float* sd) {
+template <int MR, typename S>
+inline void block_scales(const S* s, const float* dx, int64_t G, float* sd) {
   for (int m = 0; m < MR; ++m) {
     int64_t g = 0;
-    for (; g + 8 <= G; g += 8)
-      _mm256_storeu_ps(sd + m * G + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(dx + m * G + g)));
-    for (; g < G; ++g) sd[m * G + g] = s[g] * dx[m * G + g];
+    if constexpr (std::is_same_v<S, at::Half>)
+      for (; g + 8 <= G; g += 8)
+        _mm256_storeu_ps(sd + m * G + g, _mm256_mul_ps(load_half8(s + g), _mm256_loadu_ps(dx + m * G + g)));
+    else
+      for (; g + 8 <= G; g += 8)
+        _mm256_storeu_ps(sd + m * G + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(dx + m * G + g)));
+    for (; g < G; ++g) sd[m * G + g] = static_cast<float>(s[g]) * dx[m * G + g];
   }
 }
 
-// Two accumulators per row (even and odd blocks) halve the FMA latency chain.
+// int4 weights (scale and min as float16, Q4_1's block) x int8 activations, rows [n0, n1), MR rows
+// of x. Two accumulators per row (even and odd blocks) halve the FMA latency chain.
 template <int MR>
-void q4i_block(const int16_t* xq, const float* dx, const float* xsum, const uint8_t* qw, const float* sc,
-               const float* mn, int64_t K, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+void q4_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* qw, const at::Half* sc,
+              const at::Half* mn, int64_t K, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = K / 32;
-  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
   std::vector<float> sdv(MR * G);
   float* sd = sdv.data();
   for (int64_t n = n0; n < n1; ++n) {
@@ -120,13 +143,10 @@ void q4i_block(const int16_t* xq, const float* dx, const float* xsum, const uint
     for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* a) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * g));
-      const __m256i wl = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
-      const __m256i wh = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+      const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);
       for (int m = 0; m < MR; ++m) {
-        const int16_t* xm = xq + m * K + 32 * g;
-        const __m256i p = _mm256_add_epi32(
-            _mm256_madd_epi16(wl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
-            _mm256_madd_epi16(wh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16))));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + 32 * g));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
         a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + m * G + g), a[m]);
       }
     };
@@ -137,23 +157,24 @@ void q4i_block(const int16_t* xq, const float* dx, const float* xsum, const uint
     }
     if (g < G) step(g, acc[0]);
     // + sum_g min[g] * xsum[m, g], vectorized (a scalar chain here costs as much as the dots)
-    const float* mi = mn + n * G;
+    const at::Half* mi = mn + n * G;
     for (int m = 0; m < MR; ++m) {
       const float* xs = xsum + m * G;
       __m256 a = _mm256_add_ps(acc[0][m], acc[1][m]);
-      int64_t g = 0;
-      for (; g + 8 <= G; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(mi + g), _mm256_loadu_ps(xs + g), a);
+      int64_t j = 0;
+      for (; j + 8 <= G; j += 8) a = _mm256_fmadd_ps(load_half8(mi + j), _mm256_loadu_ps(xs + j), a);
       float r = hsum(a);
-      for (; g < G; ++g) r += mi[g] * xs[g];
+      for (; j < G; ++j) r += static_cast<float>(mi[j]) * xs[j];
       out[m * ldo + n] = r;
     }
   }
 }
 
-// int8 weights with one scale per `group` values (group a multiple of 32; K for per channel).
+// int8 weights with one float32 scale per `group` values (a multiple of 32; K for per channel) x
+// int16 activations.
 template <int MR>
-void q8i_block(const int16_t* xq, const float* dx, const int8_t* qw, const float* sc, int64_t K, int64_t group,
-               int64_t n0, int64_t n1, float* out, int64_t ldo) {
+void q8_block(const int16_t* xq, const float* dx, const int8_t* qw, const float* sc, int64_t K, int64_t group,
+              int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = K / 32, per = group / 32;
   std::vector<float> sdv(MR * G), sw(G);
   float* sd = sdv.data();
@@ -188,13 +209,13 @@ void q8i_block(const int16_t* xq, const float* dx, const int8_t* qw, const float
 // ---------------------------------------------------------------------------------------------
 // Many rows (prefill, big batches): weight tiles widened to float32, multiplied with at::mm.
 
-void q4_dequant_row(const uint8_t* q, const float* s, const float* mi, int64_t K, float* w) {
+void q4_dequant_row(const uint8_t* q, const at::Half* s, const at::Half* mi, int64_t K, float* w) {
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < K / 32; ++g) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * g));
     const __m128i lo = _mm_and_si128(b, low);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    const __m256 sg = _mm256_set1_ps(s[g]), mg = _mm256_set1_ps(mi[g]);
+    const __m256 sg = _mm256_set1_ps(static_cast<float>(s[g])), mg = _mm256_set1_ps(static_cast<float>(mi[g]));
     float* o = w + 32 * g;
     _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sg, mg));
     _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sg, mg));
@@ -229,11 +250,12 @@ void tiled_matmul(const at::Tensor& x, int64_t N, Dequant dequant, at::Tensor& o
 // ---------------------------------------------------------------------------------------------
 // The entry points: out [M, N] = x [M, K] @ W.T; rows < many_rows through the integer dots.
 
+template <typename T>
 struct Rows {   // x rounded per 32-value block
-  std::vector<int16_t> q;
+  std::vector<T> q;
   std::vector<float> dx, sum;
   Rows(const at::Tensor& x) : q(x.numel()), dx(x.numel() / 32), sum(x.numel() / 32) {
-    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data(), dx.data(), sum.data());
+    quantize_rows<T>(x.data_ptr<float>(), x.size(0), x.size(1), q.data(), dx.data(), sum.data());
   }
 };
 
@@ -244,26 +266,28 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
   const int64_t M = x.size(0), N = qw.size(0), K = qw.size(1) * 2, G = K / 32;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 32 == 0 && scale.size(1) == G && minv.size(1) == G,
               "q4_linear: shape mismatch");
-  TORCH_CHECK(qw.is_contiguous() && scale.is_contiguous() && minv.is_contiguous(), "q4_linear: contiguous weights");
+  TORCH_CHECK(qw.is_contiguous() && scale.is_contiguous() && minv.is_contiguous() &&
+              scale.scalar_type() == at::kHalf && minv.scalar_type() == at::kHalf,
+              "q4_linear: contiguous weights, float16 scales and mins");
   const uint8_t* q = qw.data_ptr<uint8_t>();
-  const float *s = scale.data_ptr<float>(), *mi = minv.data_ptr<float>();
+  const at::Half *s = scale.data_ptr<at::Half>(), *mi = minv.data_ptr<at::Half>();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M >= many_rows) {
     tiled_matmul(x, N, [&](int64_t n, float* w) { q4_dequant_row(q + n * (K / 2), s + n * G, mi + n * G, K, w); }, out);
     return out;
   }
-  Rows r(x);
+  Rows<int8_t> r(x);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m += 4) {
-      const int16_t* xm = r.q.data() + m * K;
+      const int8_t* xm = r.q.data() + m * K;
       const float *dm = r.dx.data() + m * G, *sm = r.sum.data() + m * G;
       float* o = op + m * N;
       switch (std::min<int64_t>(4, M - m)) {
-        case 1: q4i_block<1>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
-        case 2: q4i_block<2>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
-        case 3: q4i_block<3>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
-        default: q4i_block<4>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
+        case 1: q4_block<1>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
+        case 2: q4_block<2>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
+        case 3: q4_block<3>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
+        default: q4_block<4>(xm, dm, sm, q, s, mi, K, b, e, o, N); break;
       }
     }
   });
@@ -285,7 +309,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
     tiled_matmul(x, N, [&](int64_t n, float* w) { q8_dequant_row(q + n * K, s + n * (K / group), K, group, w); }, out);
     return out;
   }
-  Rows r(x);
+  Rows<int16_t> r(x);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m += 4) {
@@ -293,10 +317,10 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
       const float* dm = r.dx.data() + m * G;
       float* o = op + m * N;
       switch (std::min<int64_t>(4, M - m)) {
-        case 1: q8i_block<1>(xm, dm, q, s, K, group, b, e, o, N); break;
-        case 2: q8i_block<2>(xm, dm, q, s, K, group, b, e, o, N); break;
-        case 3: q8i_block<3>(xm, dm, q, s, K, group, b, e, o, N); break;
-        default: q8i_block<4>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 1: q8_block<1>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 2: q8_block<2>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 3: q8_block<3>(xm, dm, q, s, K, group, b, e, o, N); break;
+        default: q8_block<4>(xm, dm, q, s, K, group, b, e, o, N); break;
       }
     }
   });
@@ -350,23 +374,35 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rotary (neox halves) in place on heads [0, num_rot_heads) of each row of qkv [T, width].
-// cos/sin: [max_positions, D] tables (the first half equal to the second).
-void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-             int64_t num_rot_heads, int64_t D) {
+// Rotary (neox halves) in place on heads [0, H + Hkv) of each row of qkv [T, (H + 2 Hkv) D], then
+// the row's K and V heads copied into the paged cache at slot_mapping[t] (caches
+// [num_blocks, block, Hkv, D]). cos/sin: [max_positions, D] tables (first half equal to the second).
+void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const at::Tensor& slot_mapping) {
   check_cpu_f32(qkv, "rotary");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rotary: layout");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && D % 16 == 0, "rotary: positions int64, head_dim % 16");
-  const int64_t T = qkv.size(0), ld = qkv.stride(0), half = D / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+              qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "rotary: layout");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong && D % 16 == 0 &&
+              positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0), "rotary: int64 positions, slots");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == num_kv_heads &&
+              k_cache.size(3) == D && k_cache.scalar_type() == at::kFloat, "rotary: cache layout");
+  const int64_t T = qkv.size(0), ld = qkv.stride(0), half = D / 2, P = cos.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv = num_kv_heads * D;
   float* p = qkv.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P && slots[t] >= 0 && slots[t] < num_slots, "rotary: position or slot out of range");
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pos[t] * D;
       const float* s = sp + pos[t] * D;
-      for (int64_t h = 0; h < num_rot_heads; ++h) {
-        float* v = p + t * ld + h * D;
+      float* row = p + t * ld;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        float* v = row + h * D;
         for (int64_t i = 0; i < half; i += 8) {
           const __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + i + half);
           const __m256 o1 = _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)), _mm256_mul_ps(x2, _mm256_loadu_ps(s + i)));
@@ -375,6 +411,8 @@ void rotary_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos
           _mm256_storeu_ps(v + i + half, o2);
         }
       }
+      std::copy(row + num_heads * D, row + num_heads * D + kv, kc + slots[t] * kv);
+      std::copy(row + num_heads * D + kv, row + num_heads * D + 2 * kv, vc + slots[t] * kv);
     }
   });
 }
@@ -492,7 +530,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
-  m.def("rotary_", &rotary_, "neox rotary embedding of the q and k heads of qkv rows, in place");
+  m.def("rotary_write_kv_", &rotary_write_kv_, "neox rotary of the q and k heads of qkv rows in place; K, V into the cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
 }

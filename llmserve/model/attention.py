@@ -88,9 +88,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int) -> torch.
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+                    meta: AttentionMetadata, scale: float, kv_written: bool = False) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the cache when kv_written).
+    Returns [T, H, D]."""
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         if ops.paged_decode_attention(out[g.start:g.end], q[g.start:g.end], k_cache, v_cache,

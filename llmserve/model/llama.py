@@ -144,15 +144,16 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        rotated = ops.rotary_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
-                              self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        written = ops.rotary_write_kv(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
+                                      self.head_dim, k_cache, v_cache, meta.slot_mapping)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if not rotated:
+        if not written:
             q, k = rotary(q, k, positions)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written)
         o = self.o_proj(o.reshape(T, self.q_size))
         return o if self.all_reduce is None else self.all_reduce(o)
 

@@ -2,8 +2,8 @@
 
 `llmserve/csrc/cpu_ops.cpp` (AVX2 + FMA) is compiled on first use with torch's C++ extension
 builder (about a minute, cached under ~/.cache/torch_extensions) and used for float32 tensors on
-CPU: RMSNorm (with the residual add fused in), rotary, SiLU-and-mul, decode attention read in place
-from the paged cache, and int8/int4 weight-only matmuls on the packed weights. Elsewhere (CUDA,
+CPU: RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode
+attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights. Elsewhere (CUDA,
 bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
 """
 from __future__ import annotations
@@ -44,7 +44,9 @@ def cpu_kernels():
 
 
 def _fast(x: torch.Tensor):
-    return cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if x.dtype is not torch.float32 or x.is_cuda:
+        return None
+    return _EXT if _TRIED else cpu_kernels()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,13 +77,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Rotate the q and k heads of `qkv` [T, width] in place; False when the caller must do it."""
+def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> bool:
+    """Rotate the q and k heads of `qkv` [T, width] in place and write each row's K and V into the
+    paged cache at its slot; False when the caller must do both."""
     ext = _fast(qkv)
-    if ext is None or head_dim % 16 or qkv.stride(-1) != 1 or cos.dtype != torch.float32:
+    if ext is None or head_dim % 16 or qkv.stride(-1) != 1 or cos.dtype != torch.float32 \
+            or k_cache.dtype != torch.float32:
         return False
-    ext.rotary_(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim)
+    ext.rotary_write_kv_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping)
     return True
 
 

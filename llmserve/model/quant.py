@@ -8,9 +8,10 @@ is int8 rows with a scale per row (shared with the LM head when the two are tied
 Kernels (CPU, float32 activations), chosen per call by the number of rows (BENCHMARKS.md, "Weight
 kernels"):
   * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/cpu_ops.cpp) read the
-    packed int8 / int4 weights directly; activations are rounded to int16 per 32 values (relative
-    error ~1e-5) and the dot products summed in int32. Reading 1 or 0.5 byte per weight instead of 4
-    is what makes single-stream decode fast: it is bound by memory traffic;
+    packed int8 / int4 weights directly, activations rounded per 32 values (int4: to int8, as
+    llama.cpp's Q4_1 x Q8_1 dot; int8: to int16, relative error ~1e-5), dot products summed in int32.
+    Reading 1 or 0.6 byte per weight instead of 4 is what makes single-stream decode fast: it is
+    bound by memory traffic;
   * many rows (prefill, large batches): fbgemm's packed float16 GEMM
     (`quantized::linear_dynamic_fp16`, float32 accumulation), the fastest accurate GEMM torch offers
     here; it holds the rounded weights as float16 (exact for int4 and for int8 times its scale).
@@ -89,16 +90,38 @@ class QuantLinear(nn.Module):
         self.out_features = qweight.shape[0]
         self.in_features = qweight.shape[1] * (2 if kind == "int4" else 1)
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", scale.float().reshape(self.out_features, -1).contiguous())
-        self.register_buffer("minv", None if minv is None else minv.float().contiguous())
+        # int4: scale and min as float16 (Q4_1's block: 5 bits a weight in all); int8: float32 scales
+        sdt = torch.float16 if kind == "int4" else torch.float32
+        self.register_buffer("scale", scale.to(sdt).reshape(self.out_features, -1).contiguous())
+        self.register_buffer("minv", None if minv is None else minv.to(sdt).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         cpu = qweight.device.type == "cpu"
         self.kernels = cpu and ops.cpu_kernels() is not None and self.in_features % 32 == 0
+        self._bind()
         self._packed = None
         if cpu and "fbgemm" in torch.backends.quantized.supported_engines:
             with warnings.catch_warnings():   # torch.ao is deprecated; its fbgemm kernels are not gone
                 warnings.simplefilter("ignore")
                 self._packed = torch.ops.quantized.linear_prepack_fp16(self.dequantize(), self.bias)
+
+    def _bind(self) -> None:
+        """(kernel, its weight arguments) for the few-rows path, kept as plain attributes: the hot
+        path avoids nn.Module's attribute lookup. Rebound whenever the buffers are replaced."""
+        if not self.kernels:
+            self._kernel = None
+            return
+        ext = ops.cpu_kernels()
+        if self.kind == "int4":
+            self._kernel, self._kargs = ext.q4_linear, (self.qweight, self.scale, self.minv, FEW_ROWS + 1)
+        else:
+            self._kernel, self._kargs = ext.q8_linear, (self.qweight, self.scale, FEW_ROWS + 1)
+        self._bias = self.bias
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.kernels = self.kernels and self.qweight.device.type == "cpu"
+        self._bind()
+        return out
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantLinear":
@@ -113,11 +136,16 @@ class QuantLinear(nn.Module):
         n, k = self.out_features, self.in_features
         if self.kind == "int4":
             q = unpack_int4(self.qweight).float().reshape(n, k // 32, 32)
-            return (q * self.scale[..., None] + self.minv[..., None]).reshape(n, k)
+            return (q * self.scale.float()[..., None] + self.minv.float()[..., None]).reshape(n, k)
         g = self.scale.shape[1]
         return (self.qweight.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype is torch.float32:
+            y = self._kernel(x, *self._kargs)   # the decode hot path
+            if self._bias is not None:
+                y += self._bias
+            return y
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x.device.type != "cpu":
