@@ -109,8 +109,9 @@ class LLMEngine:
         max_positions = config.max_model_len or model_max
         rotary_positions = max_positions + config.speculative_ngram + 1   # room for verified proposals
         if self.tp is None:
+            gguf = self.model_path if self.model_path.endswith(".gguf") else None
             self.model = load_model(source, mc, reader, self.device, self.dtype, rotary_positions,
-                                    config.quantization)
+                                    config.quantization, gguf_path=gguf)
         else:
             self.model = self.tp.load_model(source.path, self.dtype, rotary_positions)
         del reader

@@ -173,6 +173,37 @@ def load_gguf_weights(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_gguf_quantized(path: str, cfg: ModelConfig) -> dict[str, tuple]:
+    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file in llmserve's packed formats, straight from the
+    file's blocks (no dequantizing, no re-rounding): {name without ".weight": (kind, q, scale, min)}
+    with kind "int4" (q [N, K/2] uint8 nibbles, scale and min [N, K/32] float16; Q4_0's min is -8 d)
+    or "int8" (q [N, K] int8, scale [N, K/32] float32). Names are Hugging Face's, without "model."."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+    out = {}
+    for t in GGUFReader(path).tensors:
+        name = gguf_hf_name(t.name)
+        if name is None or t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            continue
+        raw = np.asarray(t.data)
+        rows = raw.shape[0]
+        size = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[t.tensor_type]
+        b = raw.reshape(rows, -1, size)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+        if t.tensor_type == Q.Q8_0:
+            parts = ["int8", np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), d.astype(np.float32), None]
+        else:
+            off = 4 if t.tensor_type == Q.Q4_1 else 2
+            m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else (d * np.float16(-8))
+            parts = ["int4", np.ascontiguousarray(b[..., off:]).reshape(rows, -1), d, m]
+        if cfg.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            parts[1:] = [None if a is None else _unpermute(a, heads) for a in parts[1:]]
+        out[name.removeprefix("model.").removesuffix(".weight")] = (
+            parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
+    return out
+
+
 def _cache_root() -> str:
     return os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
@@ -253,9 +284,11 @@ def load_model_config(source: ModelSource):
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                dtype: torch.dtype, max_positions: int, quantization: str | None = None) -> LlamaModel:
+                dtype: torch.dtype, max_positions: int, quantization: str | None = None,
+                blocks: dict | None = None) -> LlamaModel:
     """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
-    with `quantization` (int8 | int4) its projections and embedding hold quantized weights."""
+    with `quantization` (int8 | int4) its projections and embedding hold quantized weights, taken from
+    `blocks` (a GGUF file's own, see load_gguf_quantized) where they cover a layer."""
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
     model = model.to_empty(device="cpu")
@@ -268,7 +301,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     if quantization:
         from llmserve.model.quant import quantize_model
         del weights
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, blocks)
         _release_freed_memory()   # the float32 copies: ~270 MiB of resident memory for SmolLM2
     return model
 
@@ -283,6 +316,12 @@ def _release_freed_memory() -> None:
 
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
-               dtype: torch.dtype, max_positions: int, quantization: str | None = None) -> LlamaModel:
+               dtype: torch.dtype, max_positions: int, quantization: str | None = None,
+               gguf_path: str | None = None) -> LlamaModel:
+    """`gguf_path`: the GGUF file behind a converted folder; with `quantization`, its quantized
+    tensors are kept as they are in the file (see build_model)."""
     weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path)
-    return build_model(cfg, weights, device, dtype, max_positions, quantization)
+    blocks = None
+    if quantization and gguf_path and device.type == "cpu":
+        blocks = load_gguf_quantized(gguf_path, cfg)
+    return build_model(cfg, weights, device, dtype, max_positions, quantization, blocks)

@@ -169,34 +169,72 @@ class QuantLinear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Embedding rows held as int8 with one scale per row."""
+    """Embedding rows held as int8 with a scale per row (or per group of 32, as GGUF's Q8_0)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
-        q, scale = quantize_int8_per_channel(weight)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale.to(weight.dtype))
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale.float().reshape(qweight.shape[0], -1))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Int8Embedding":
+        return cls(*quantize_int8_per_channel(weight))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight[ids].to(self.scale.dtype) * self.scale[ids].unsqueeze(-1)
+        q, s = self.qweight[ids].float(), self.scale[ids]
+        return (q.view(*q.shape[:-1], s.shape[-1], -1) * s.unsqueeze(-1)).view(q.shape)
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Replace every Linear (and the embedding) of `model` in place; float weights are freed."""
+# fused llmserve layer -> the checkpoint layers it is made of, in row order
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _from_blocks(blocks: dict, names: list[str], mode: str, bias) -> QuantLinear | None:
+    """A QuantLinear from a GGUF file's own blocks, when every part is there in a kind `mode` keeps
+    (int4 keeps Q4 and Q8 tensors; int8 keeps Q8 ones). Parts are stacked by rows."""
+    parts = [blocks.get(n) for n in names]
+    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        return None
+    kind = parts[0][0]
+    if kind == "int4" and mode != "int4":
+        return None
+    cat = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in (1, 2, 3)]
+    return QuantLinear(kind, cat[0], cat[1], cat[2], bias)
+
+
+def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> nn.Module:
+    """Replace every Linear (and the embedding) of `model` in place; float weights are freed.
+
+    `blocks` (llmserve.model.loader.load_gguf_quantized): a GGUF file's quantized tensors, used as they
+    are where they cover a layer (no re-rounding); other layers are rounded from their float weights."""
     if mode not in ("int8", "int4"):
         raise ValueError(f"quantization: must be none, int8 or int4, got {mode!r}")
+    blocks = blocks or {}
+    tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
 
-    def convert(module: nn.Module) -> None:
+    def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
+            path = prefix + name
             if isinstance(child, nn.Linear):
-                # the LM head stays int8, as in llama.cpp's Q4 files
-                kind = "int8" if name == "lm_head" else mode
-                setattr(module, name, QuantLinear.from_float(child.weight.detach(), child.bias, kind))
+                if name == "lm_head":
+                    names = ["embed_tokens" if tied else "lm_head"]
+                else:
+                    names = [prefix + n for n in _FUSED.get(name, (name,))]
+                q = _from_blocks(blocks, names, mode, child.bias)
+                if q is None:   # the LM head stays int8, as in llama.cpp's Q4 files
+                    q = QuantLinear.from_float(child.weight.detach(), child.bias, "int8" if name == "lm_head" else mode)
+                setattr(module, name, q)
             elif isinstance(child, nn.Embedding):
-                setattr(module, name, Int8Embedding(child.weight.detach()))
+                b = blocks.get(path)
+                emb = Int8Embedding(b[1], b[2]) if b is not None and b[0] == "int8" else Int8Embedding.from_float(child.weight)
+                setattr(module, name, emb)
             else:
-                convert(child)
+                convert(child, path + ".")
 
     with torch.no_grad():
-        convert(model)
+        convert(model, "")
+        emb, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+        if tied and isinstance(emb, Int8Embedding) and isinstance(head, QuantLinear) and head.kind == "int8" \
+                and torch.equal(emb.qweight, head.qweight) and torch.equal(emb.scale, head.scale):
+            emb.qweight, emb.scale = head.qweight, head.scale   # one copy of the tied table
     return model

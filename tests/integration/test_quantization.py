@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from llmserve.engine.request import SamplingParams
 from llmserve.model.evaluate import greedy_agreement, perplexity
@@ -53,3 +54,21 @@ def test_quantized_close_to_float32(llm_factory, reference, mode, max_ppl_change
                  SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text, out.outputs[0].text
     assert q.engine.kv.usage == 0
+
+
+def test_gguf_blocks_kept_as_in_the_file(llm, llm_factory):
+    """--quantization int4 on the bundled Q4_1 GGUF holds the file's own blocks: every projection
+    equals gguf-py's dequantization of the file (the float32 model), bit for bit, and the tied
+    Q8_0 embedding / LM head is one int8 table with a scale per 32 values."""
+    ref = llm.engine.model
+    q = llm_factory(quantization="int4", kv_cache_memory=0.1).engine.model
+    for i in (0, len(ref.layers) - 1):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            a, b = q.get_submodule(f"layers.{i}.{name}"), ref.get_submodule(f"layers.{i}.{name}")
+            assert a.kind == "int4" and torch.equal(a.dequantize(), b.weight), name
+    head = q.lm_head
+    assert head.kind == "int8" and head.scale.shape == (ref.cfg.vocab_size, ref.cfg.hidden_size // 32)
+    assert torch.equal(head.dequantize(), ref.lm_head.weight)
+    assert q.embed_tokens.qweight is head.qweight   # tied: one copy
+    ids = torch.tensor([0, 17, ref.cfg.vocab_size - 1])
+    assert torch.equal(q.embed_tokens(ids), ref.embed_tokens(ids))
