@@ -324,4 +324,8 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.devi
     blocks = None
     if quantization and gguf_path and device.type == "cpu":
         blocks = load_gguf_quantized(gguf_path, cfg)
-    return build_model(cfg, weights, device, dtype, max_positions, quantization, blocks)
+    model = build_model(cfg, weights, device, dtype, max_positions, quantization, blocks)
+    if quantization:
+        del weights, blocks
+        _release_freed_memory()   # the checkpoint's float32 copies, now that nothing holds them
+    return model

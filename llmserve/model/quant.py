@@ -31,7 +31,10 @@ import torch.nn.functional as F
 from llmserve.model import ops
 
 GROUP_SIZE = 32
-FEW_ROWS = 4       # up to this many rows go through the integer-dot kernels (measured crossover)
+FEW_ROWS = 4       # with float16 copies: up to this many rows through the integer-dot kernels
+# without them: integer dots up to this many rows, float32 tiles + at::mm beyond (measured crossovers,
+# BENCHMARKS.md "Weight kernels")
+INT_DOT_ROWS = {"int4": 48, "int8": 16}
 
 
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +87,7 @@ class QuantLinear(nn.Module):
     Elsewhere (CUDA): int8 values and a per-channel scale, widened per call."""
 
     def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, fp16_gemm: bool = True) -> None:
         super().__init__()
         self.kind = kind
         self.out_features = qweight.shape[0]
@@ -97,12 +100,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         cpu = qweight.device.type == "cpu"
         self.kernels = cpu and ops.cpu_kernels() is not None and self.in_features % 32 == 0
-        self._bind()
         self._packed = None
-        if cpu and "fbgemm" in torch.backends.quantized.supported_engines:
+        if cpu and (fp16_gemm or not self.kernels) and "fbgemm" in torch.backends.quantized.supported_engines:
             with warnings.catch_warnings():   # torch.ao is deprecated; its fbgemm kernels are not gone
                 warnings.simplefilter("ignore")
                 self._packed = torch.ops.quantized.linear_prepack_fp16(self.dequantize(), self.bias)
+        self._bind()
 
     def _bind(self) -> None:
         """(kernel, its weight arguments) for the few-rows path, kept as plain attributes: the hot
@@ -111,10 +114,11 @@ class QuantLinear(nn.Module):
             self._kernel = None
             return
         ext = ops.cpu_kernels()
+        many = (FEW_ROWS if self._packed is not None else INT_DOT_ROWS[self.kind]) + 1
         if self.kind == "int4":
-            self._kernel, self._kargs = ext.q4_linear, (self.qweight, self.scale, self.minv, FEW_ROWS + 1)
+            self._kernel, self._kargs = ext.q4_linear, (self.qweight, self.scale, self.minv, many)
         else:
-            self._kernel, self._kargs = ext.q8_linear, (self.qweight, self.scale, FEW_ROWS + 1)
+            self._kernel, self._kargs = ext.q8_linear, (self.qweight, self.scale, many)
         self._bias = self.bias
 
     def _apply(self, fn, *args, **kwargs):
@@ -124,12 +128,13 @@ class QuantLinear(nn.Module):
         return out
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> "QuantLinear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
+                   fp16_gemm: bool = True) -> "QuantLinear":
         if kind == "int4":
             q, scale, lo = quantize_int4(weight)
-            return cls("int4", pack_int4(q), scale, lo, bias)
+            return cls("int4", pack_int4(q), scale, lo, bias, fp16_gemm)
         q, scale = quantize_int8_per_channel(weight)
-        return cls("int8", q, scale, None, bias)
+        return cls("int8", q, scale, None, bias, fp16_gemm)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these values stand for."""
@@ -141,28 +146,16 @@ class QuantLinear(nn.Module):
         return (self.qweight.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype is torch.float32:
-            y = self._kernel(x, *self._kargs)   # the decode hot path
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self._kernel is not None and x2.dtype is torch.float32 and (self._packed is None or x2.shape[0] <= FEW_ROWS):
+            y = self._kernel(x2, *self._kargs)   # the decode hot path
             if self._bias is not None:
                 y += self._bias
-            return y
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x.device.type != "cpu":
-            y = F.linear(x2, self.dequantize().to(x.dtype))
-            y = y if self.bias is None else y + self.bias.to(x.dtype)
-        elif self.kernels and (x2.shape[0] <= FEW_ROWS or self._packed is None):
-            ext = ops.cpu_kernels()
-            xf = x2.float()
-            if self.kind == "int4":
-                y = ext.q4_linear(xf, self.qweight, self.scale, self.minv, FEW_ROWS + 1)
-            else:
-                y = ext.q8_linear(xf, self.qweight, self.scale, FEW_ROWS + 1)
-            if self.bias is not None:
-                y += self.bias
-        else:
-            y = torch.ops.quantized.linear_dynamic_fp16(x2.float(), self._packed)
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        elif self._packed is not None:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2.float(), self._packed).to(x.dtype)
+        else:   # CUDA, or a CPU without the kernels and fbgemm
+            y = F.linear(x2, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
@@ -189,7 +182,7 @@ class Int8Embedding(nn.Module):
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _from_blocks(blocks: dict, names: list[str], mode: str, bias) -> QuantLinear | None:
+def _from_blocks(blocks: dict, names: list[str], mode: str, bias, fp16_gemm: bool) -> QuantLinear | None:
     """A QuantLinear from a GGUF file's own blocks, when every part is there in a kind `mode` keeps
     (int4 keeps Q4 and Q8 tensors; int8 keeps Q8 ones). Parts are stacked by rows."""
     parts = [blocks.get(n) for n in names]
@@ -199,7 +192,7 @@ def _from_blocks(blocks: dict, names: list[str], mode: str, bias) -> QuantLinear
     if kind == "int4" and mode != "int4":
         return None
     cat = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in (1, 2, 3)]
-    return QuantLinear(kind, cat[0], cat[1], cat[2], bias)
+    return QuantLinear(kind, cat[0], cat[1], cat[2], bias, fp16_gemm)
 
 
 def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> nn.Module:
@@ -211,6 +204,9 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> n
         raise ValueError(f"quantization: must be none, int8 or int4, got {mode!r}")
     blocks = blocks or {}
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
+    # int8 (the throughput mode) also keeps float16 copies for fbgemm's GEMM on big batches; int4 (the
+    # memory mode) holds only its packed weights: 0.6 byte a weight.
+    fp16_gemm = mode == "int8"
 
     def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
@@ -220,9 +216,10 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> n
                     names = ["embed_tokens" if tied else "lm_head"]
                 else:
                     names = [prefix + n for n in _FUSED.get(name, (name,))]
-                q = _from_blocks(blocks, names, mode, child.bias)
+                q = _from_blocks(blocks, names, mode, child.bias, fp16_gemm)
                 if q is None:   # the LM head stays int8, as in llama.cpp's Q4 files
-                    q = QuantLinear.from_float(child.weight.detach(), child.bias, "int8" if name == "lm_head" else mode)
+                    q = QuantLinear.from_float(child.weight.detach(), child.bias, "int8" if name == "lm_head" else mode,
+                                               fp16_gemm)
                 setattr(module, name, q)
             elif isinstance(child, nn.Embedding):
                 b = blocks.get(path)

@@ -54,14 +54,21 @@ def test_q8_linear(ext, rows, group):
         assert close(ext.q8_linear(x, q, s, many), x @ ref.t(), 2e-4)
 
 
-def test_quant_linear_bias_and_batch_shapes(ext):
+@pytest.mark.parametrize("fp16_gemm", [True, False])
+def test_quant_linear_bias_and_batch_shapes(ext, fp16_gemm):
+    """Every row count through QuantLinear: the integer dots, fbgemm's float16 GEMM (with the float16
+    copies) or float32 tiles (without), a bias, 3-D input."""
     w, b = torch.randn(64, 64), torch.randn(64)
     for kind, tol in (("int8", 1e-3), ("int4", 2e-2)):
-        lin = QuantLinear.from_float(w, b, kind)
+        lin = QuantLinear.from_float(w, b, kind, fp16_gemm=fp16_gemm)
+        assert (lin._packed is not None) == fp16_gemm
+        for rows in (1, 2, 6, 20, 70):
+            x = torch.randn(rows, 64)
+            ref = F.linear(x, lin.dequantize(), b)
+            many = lin._packed is not None and rows > 4 or rows > {"int8": 16, "int4": 48}[kind]
+            assert close(lin(x), ref, 1e-3 if many else tol), (kind, rows)
         x = torch.randn(2, 3, 64)
-        ref = F.linear(x, lin.dequantize(), b)
-        assert close(lin(x), ref, 1e-3)          # 6 rows: the many-rows path
-        assert close(lin(x[:1, :2]), ref[:1, :2], tol)   # 2 rows: the kernels
+        assert lin(x).shape == (2, 3, 64)
 
 
 def test_norms(ext):
