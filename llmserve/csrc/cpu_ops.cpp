@@ -171,9 +171,10 @@ void q4_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
 }
 
 // int8 weights with one float32 scale per `group` values (a multiple of 32; K for per channel) x
-// int16 activations.
-template <int MR>
-void q8_block(const int16_t* xq, const float* dx, const int8_t* qw, const float* sc, int64_t K, int64_t group,
+// int16 activations (vpmaddwd), or int8 ones (vpmaddubsw on |w| and x with w's sign, as llama.cpp's
+// Q8_0 x Q8_0: the cheaper dot, used by int4 mode's LM head).
+template <int MR, typename T>
+void q8_block(const T* xq, const float* dx, const int8_t* qw, const float* sc, int64_t K, int64_t group,
               int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = K / 32, per = group / 32;
   std::vector<float> sdv(MR * G), sw(G);
@@ -186,14 +187,24 @@ void q8_block(const int16_t* xq, const float* dx, const int8_t* qw, const float*
     __m256 acc[2][MR];
     for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* a) {
-      const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * g)));
-      const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * g + 16)));
-      for (int m = 0; m < MR; ++m) {
-        const int16_t* xm = xq + m * K + 32 * g;
-        const __m256i p = _mm256_add_epi32(
-            _mm256_madd_epi16(wl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
-            _mm256_madd_epi16(wh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16))));
-        a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + m * G + g), a[m]);
+      if constexpr (sizeof(T) == 2) {
+        const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * g)));
+        const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * g + 16)));
+        for (int m = 0; m < MR; ++m) {
+          const T* xm = xq + m * K + 32 * g;
+          const __m256i p = _mm256_add_epi32(
+              _mm256_madd_epi16(wl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
+              _mm256_madd_epi16(wh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16))));
+          a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + m * G + g), a[m]);
+        }
+      } else {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+        const __m256i aw = _mm256_sign_epi8(w, w), ones = _mm256_set1_epi16(1);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + 32 * g));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+          a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + m * G + g), a[m]);
+        }
       }
     };
     int64_t g = 0;
@@ -294,36 +305,47 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
   return out;
 }
 
-at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows) {
+template <typename T>
+void q8_rows(const at::Tensor& x, const int8_t* q, const float* s, int64_t N, int64_t group, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  Rows<T> r(x);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    for (int64_t m = 0; m < M; m += 4) {
+      const T* xm = r.q.data() + m * K;
+      const float* dm = r.dx.data() + m * G;
+      float* o = op + m * N;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: q8_block<1, T>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 2: q8_block<2, T>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 3: q8_block<3, T>(xm, dm, q, s, K, group, b, e, o, N); break;
+        default: q8_block<4, T>(xm, dm, q, s, K, group, b, e, o, N); break;
+      }
+    }
+  });
+}
+
+// act_bits: the integer width x is rounded to on the few-rows path (16, or 8: faster, less exact).
+at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows,
+                     int64_t act_bits) {
   check_cpu_f32(x_in, "q8_linear");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), N = qw.size(0), K = qw.size(1), G = K / 32;
+  const int64_t M = x.size(0), N = qw.size(0), K = qw.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 32 == 0 && K % scale.size(1) == 0 &&
               (K / scale.size(1)) % 32 == 0, "q8_linear: shape mismatch (groups of a multiple of 32)");
-  TORCH_CHECK(qw.is_contiguous() && scale.is_contiguous(), "q8_linear: contiguous weights");
+  TORCH_CHECK(qw.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "q8_linear: contiguous weights, float32 scales");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "q8_linear: act_bits is 8 or 16");
   const int64_t group = K / scale.size(1);
   const int8_t* q = qw.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M >= many_rows) {
+  if (M >= many_rows)
     tiled_matmul(x, N, [&](int64_t n, float* w) { q8_dequant_row(q + n * K, s + n * (K / group), K, group, w); }, out);
-    return out;
-  }
-  Rows<int16_t> r(x);
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-    for (int64_t m = 0; m < M; m += 4) {
-      const int16_t* xm = r.q.data() + m * K;
-      const float* dm = r.dx.data() + m * G;
-      float* o = op + m * N;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: q8_block<1>(xm, dm, q, s, K, group, b, e, o, N); break;
-        case 2: q8_block<2>(xm, dm, q, s, K, group, b, e, o, N); break;
-        case 3: q8_block<3>(xm, dm, q, s, K, group, b, e, o, N); break;
-        default: q8_block<4>(xm, dm, q, s, K, group, b, e, o, N); break;
-      }
-    }
-  });
+  else if (act_bits == 8)
+    q8_rows<int8_t>(x, q, s, N, group, out);
+  else
+    q8_rows<int16_t>(x, q, s, N, group, out);
   return out;
 }
 

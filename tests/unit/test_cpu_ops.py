@@ -51,7 +51,8 @@ def test_q8_linear(ext, rows, group):
     ref = (q.float().view(70, -1, group) * s[..., None]).view(70, 64)
     x = torch.randn(rows, 64)
     for many in (1, 10**9):   # the tiled float32 path; integer dots with x rounded to int16
-        assert close(ext.q8_linear(x, q, s, many), x @ ref.t(), 2e-4)
+        assert close(ext.q8_linear(x, q, s, many, 16), x @ ref.t(), 2e-4)
+    assert close(ext.q8_linear(x, q, s, 10**9, 8), x @ ref.t(), 2e-2)   # x rounded to int8
 
 
 @pytest.mark.parametrize("fp16_gemm", [True, False])
