@@ -2,7 +2,10 @@
 
 8 requests decode together, with prompts of ~100 and of ~2,000 tokens (a repeated text, prefix caching
 off so every prompt is its own); the decode-only steps are timed from the engine's step loop, and the
-time spent inside attention (gathering blocks + SDPA) is measured with torch.profiler over a few steps.
+time spent inside attention (`paged_attention`: the KV write, and either the in-place decode kernel or
+the block gathers + SDPA) with a timer around it. Both attention paths run in the same process, one
+after the other: llmserve's in-place kernel (llmserve/csrc/cpu_ops.cpp) and gather + SDPA (the PyTorch
+path, used where the kernels are not).
 
     python benchmarks/long_context.py [--threads 2] [--no-write]
 """
@@ -23,10 +26,17 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float]:
     """(median decode step seconds, share of it in attention) for `prompts` decoding together."""
-    import torch
-
+    import llmserve.model.llama as llama
     from llmserve import SamplingParams
     eng = llm.engine
+    spent = [0.0]
+    inner = llama.paged_attention
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        spent[0] += time.perf_counter() - t0
+        return out
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=n_steps + 8, temperature=0, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -36,16 +46,24 @@ def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float]:
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    llama.paged_attention = timed
+    try:
+        t = time.perf_counter()
         for _ in range(4):
             eng.step()
-    total = sum(e.self_cpu_time_total for e in prof.key_averages())
-    attn = sum(e.self_cpu_time_total for e in prof.key_averages()
-               if any(k in e.key for k in ("scaled_dot_product", "index_select", "_efficient_attention",
-                                           "flash_attention", "index_copy", "bmm", "_softmax", "masked_fill")))
+        total = time.perf_counter() - t
+    finally:
+        llama.paged_attention = inner
     while eng.has_unfinished_requests():
         eng.step()
-    return statistics.median(times), attn / total
+    return statistics.median(times), spent[0] / total
+
+
+def use_kernel(llm, on: bool) -> None:
+    """Switch decode attention between the in-place kernel and gather + SDPA."""
+    from llmserve.model import ops
+    llm.engine.runner.in_place_decode = on and ops.cpu_kernels() is not None
+    ops.IN_PLACE_DECODE = on
 
 
 def main() -> None:
@@ -58,16 +76,19 @@ def main() -> None:
     tok = llm.get_tokenizer()
     with open(TEXT) as f:
         ids = tok.encode(f.read() * 4)
-    rows = ["| context per request | requests | decode step (median) | per token | share in attention (gather + SDPA) |",
-            "|---|---|---|---|---|"]
+    rows = ["| context per request | requests | attention | decode step (median) | per token | share in attention |",
+            "|---|---|---|---|---|---|"]
     for length in (100, 500, 2000):
         prompts = [ids[i * 7:i * 7 + length] for i in range(8)]
-        step, share = decode_steps(llm, prompts)
-        rows.append(f"| {length} | 8 | {step * 1000:.0f} ms | {step / 8 * 1000:.1f} ms | {share:.0%} |")
-        print(rows[-1], flush=True)
+        for name, on in (("in-place kernel", True), ("gather + SDPA", False)):
+            use_kernel(llm, on)
+            step, share = decode_steps(llm, prompts)
+            rows.append(f"| {length} | 8 | {name} | {step * 1000:.0f} ms | {step / 8 * 1000:.1f} ms | {share:.0%} |")
+            print(rows[-1], flush=True)
+    use_kernel(llm, True)
     body = (f"`python benchmarks/long_context.py --threads {args.threads}`: 8 requests decoding together, float32, "
-            "prefix caching off; decode-only steps timed; attention share from torch.profiler (index_select "
-            "gathers of whole blocks, SDPA, KV writes).\n\n" + "\n".join(rows) + "\n")
+            "prefix caching off; decode-only steps timed; attention share = time inside `paged_attention` (KV "
+            "write + attention) over 4 steps. Both attention paths in one process.\n\n" + "\n".join(rows) + "\n")
     print(body)
     if not args.no_write:
         write_section("Long context: paged attention at 2k tokens (issue: performance)", body)

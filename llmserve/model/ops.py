@@ -18,6 +18,7 @@ log = logging.getLogger("llmserve.ops")
 
 _EXT = None
 _TRIED = False
+IN_PLACE_DECODE = True   # False: decode attention gathers blocks for SDPA (benchmarks/long_context.py compares)
 
 
 def cpu_kernels():
@@ -95,7 +96,7 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     """Decode rows' attention read in place from the paged cache into `out`; False when the
     caller must gather and use SDPA instead."""
     ext = _fast(q)
-    if ext is None or context_lens is None or q.shape[-1] not in (64, 128):
+    if ext is None or not IN_PLACE_DECODE or q.shape[-1] not in (64, 128):
         return False
     ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return True
