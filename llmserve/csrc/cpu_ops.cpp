@@ -19,6 +19,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -545,6 +548,56 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// One decoder layer for a batch of decode rows (each row one request's next token), in one call:
+// the Python around ~12 kernel calls per layer costs as much as the kernels on a single stream.
+// weights: [input_norm, post_norm, then per projection (qkv, o, gate_up, down) its tensors];
+// kinds[i] for each projection: 0 float32 (weight), 4 int4 (q, scale, min), 8 int8 (q, scale).
+// act_bits[i]: int8's activation width. Returns (layer output, running residual sum); `residual`
+// undefined means x is the embeddings (the first layer).
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+    const std::vector<int64_t>& act_bits, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D, at::Tensor& kv_cache, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(kinds.size() == 4 && act_bits.size() == 4, "decode_layer: four projections");
+  size_t at_w = 2;
+  auto linear = [&](const at::Tensor& in, int i) {
+    const int64_t kind = kinds[i];
+    const int64_t huge = std::numeric_limits<int64_t>::max();
+    if (kind == 4) {
+      at_w += 3;
+      return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], huge);
+    }
+    if (kind == 8) {
+      at_w += 2;
+      return q8_linear(in, w[at_w - 2], w[at_w - 1], huge, act_bits[i]);
+    }
+    at_w += 1;
+    return at::linear(in, w[at_w - 1]);
+  };
+  at::Tensor h, residual;
+  if (!residual_in.has_value()) {
+    residual = x;
+    h = rms_norm(x, w[0], eps);
+  } else {
+    residual = *residual_in;
+    add_rms_norm_(x, residual, w[0], eps);
+    h = x;
+  }
+  const int64_t T = h.size(0);
+  at::Tensor qkv = linear(h, 0);
+  at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  rotary_write_kv_(qkv, positions, cos, sin, H, Hkv, D, k_cache, v_cache, slots);
+  at::Tensor attn = at::empty({T, H, D}, h.options());
+  paged_decode_attention_(attn, qkv.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache, block_tables,
+                          context_lens, scale);
+  h = linear(attn.view({T, H * D}), 1);
+  add_rms_norm_(h, residual, w[1], eps);
+  h = linear(silu_and_mul(linear(h, 2)), 3);
+  return {h, residual};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -554,5 +607,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_write_kv_", &rotary_write_kv_, "neox rotary of the q and k heads of qkv rows in place; K, V into the cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
 }

@@ -206,10 +206,35 @@ class LlamaModel(nn.Module):
         """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab])."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, kv, meta)
+        fused = self._fused_decode(x, meta)
+        if fused is not None:   # decode rows only: each layer is one call into the CPU kernels
+            ext, args = fused
+            g = meta.decode_groups[0]
+            cos, sin, eps, scale = self.rotary.cos, self.rotary.sin, self.cfg.rms_norm_eps, self.layers[0].self_attn.scale
+            c = self.cfg
+            for (w, kinds, bits), kv in zip(args, kv_caches):
+                x, residual = ext.decode_layer(x, residual, w, kinds, bits, eps, positions, cos, sin, c.num_heads,
+                                               c.num_kv_heads, c.head_dim, kv, meta.slot_mapping, g.block_tables,
+                                               g.context_lens, scale)
+        else:
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, self.rotary, kv, meta)
         x = self.norm(x[logits_indices] + residual[logits_indices])
         return self.lm_head(x).float()
+
+    _decode_args = None
+
+    def _fused_decode(self, x: torch.Tensor, meta: AttentionMetadata):
+        """(extension, per-layer weights) when this step can run each layer as one C++ call
+        (ops.decode_layer): decode rows only, in one group, few rows, float32 on CPU with the kernels,
+        no tensor parallelism, no biases; else None."""
+        if meta.prefills or len(meta.decode_groups) != 1 or x.shape[0] > 4:
+            return None
+        if self._decode_args is None:
+            self._decode_args = ops.decode_layer_args(self) or False
+        if not self._decode_args or not ops.IN_PLACE_DECODE or ops._fast(x) is None:
+            return None
+        return ops.cpu_kernels(), self._decode_args
 
     def set_all_reduce(self, fn) -> None:
         """Tensor parallelism (llmserve.model.parallel): `fn(t) -> t` summed over the ranks, called
@@ -217,6 +242,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.all_reduce = fn
             layer.mlp.all_reduce = fn
+        self._decode_args = None
 
     # -- weights -------------------------------------------------------------------------------
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

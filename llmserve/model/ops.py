@@ -100,3 +100,34 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         return False
     ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return True
+
+
+def decode_layer_args(model) -> list | None:
+    """Per layer ([tensors], [kind per projection], [activation bits]) for the extension's
+    decode_layer, or None where a layer does not fit it (see LlamaModel._fused_decode)."""
+    from llmserve.model.quant import QuantLinear
+    if cpu_kernels() is None:
+        return None
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.all_reduce is not None or mlp.all_reduce is not None or attn.head_dim not in (64, 128):
+            return None
+        w = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        kinds, bits = [], []
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if isinstance(lin, QuantLinear) and lin._kernel is not None and lin.bias is None:
+                kinds.append(4 if lin.kind == "int4" else 8)
+                bits.append(lin.act_bits)
+                w += [lin.qweight, lin.scale] + ([lin.minv] if lin.kind == "int4" else [])
+            elif isinstance(lin, torch.nn.Linear) and lin.bias is None and lin.weight.dtype == torch.float32 \
+                    and lin.weight.device.type == "cpu":
+                kinds.append(0)
+                bits.append(0)
+                w.append(lin.weight)
+            else:
+                return None
+        if any(t.dtype == torch.float32 and t.device.type != "cpu" for t in w):
+            return None
+        out.append((w, kinds, bits))
+    return out
