@@ -72,3 +72,18 @@ def test_gguf_blocks_kept_as_in_the_file(llm, llm_factory):
     assert q.embed_tokens.qweight is head.qweight   # tied: one copy
     ids = torch.tensor([0, 17, ref.cfg.vocab_size - 1])
     assert torch.equal(q.embed_tokens(ids), ref.embed_tokens(ids))
+
+
+def test_fused_decode_layer_equals_the_module_path(llm_factory):
+    """Decode rows run each layer as one C++ call (ops.decode_layer); the same steps through the
+    modules give the same logits."""
+    from llmserve.model.evaluate import sequence_logits
+    ids = list(range(100, 140))
+    for mode in ("int4", "int8"):
+        model = llm_factory(quantization=mode, kv_cache_memory=0.1).engine.model
+        fused = sequence_logits(model, ids, decode=True)
+        assert model._decode_args, "the fused path must be available here"
+        model._decode_args = False
+        modules = sequence_logits(model, ids, decode=True)
+        model._decode_args = None
+        assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (mode, (fused - modules).abs().max())
