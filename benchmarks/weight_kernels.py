@@ -60,7 +60,7 @@ def kernels(w: torch.Tensor):
     ours8 = QuantLinear.from_float(w, None, "int8", fp16_gemm=False)
     return {
         "float32 F.linear": lambda x: F.linear(x, w),
-        "fbgemm fp16 weights (used)": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fp16),
+        "fbgemm fp16 weights (int8 mode, 5+ rows)": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fp16),
         "fbgemm int8, 7-bit dynamic activations": lambda x: torch.ops.quantized.linear_dynamic(x, i8, True),
         "torch _weight_int8pack_mm": lambda x: torch._weight_int8pack_mm(x, q, scale),
         "torch _weight_int4pack_mm_for_cpu": lambda x: torch._weight_int4pack_mm_for_cpu(x, packed4, g, sz),
