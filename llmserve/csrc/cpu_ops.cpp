@@ -129,8 +129,20 @@ inline void block_scales(const S* s, const float* dx, int64_t G, float* sd) {
   }
 }
 
+// step(g, acc) for every block g, even blocks into acc[0] and odd ones into acc[1]: two accumulators
+// per row halve the FMA latency chain (a runtime index into acc would keep them in memory).
+template <typename Step, int MR>
+inline void two_chains(int64_t G, Step& step, __m256 (&acc)[2][MR]) {
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    step(g, acc[0]);
+    step(g + 1, acc[1]);
+  }
+  if (g < G) step(g, acc[0]);
+}
+
 // int4 weights (scale and min as float16, Q4_1's block) x int8 activations, rows [n0, n1), MR rows
-// of x. Two accumulators per row (even and odd blocks) halve the FMA latency chain.
+// of x.
 template <int MR>
 void q4_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* qw, const at::Half* sc,
               const at::Half* mn, int64_t K, int64_t n0, int64_t n1, float* out, int64_t ldo) {
@@ -153,12 +165,7 @@ void q4_block(const int8_t* xq, const float* dx, const float* xsum, const uint8_
         a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + m * G + g), a[m]);
       }
     };
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-      step(g, acc[0]);
-      step(g + 1, acc[1]);
-    }
-    if (g < G) step(g, acc[0]);
+    two_chains(G, step, acc);
     // + sum_g min[g] * xsum[m, g], vectorized (a scalar chain here costs as much as the dots)
     const at::Half* mi = mn + n * G;
     for (int m = 0; m < MR; ++m) {
@@ -210,12 +217,7 @@ void q8_block(const T* xq, const float* dx, const int8_t* qw, const float* sc, i
         }
       }
     };
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-      step(g, acc[0]);
-      step(g + 1, acc[1]);
-    }
-    if (g < G) step(g, acc[0]);
+    two_chains(G, step, acc);
     for (int m = 0; m < MR; ++m) out[m * ldo + n] = hsum(_mm256_add_ps(acc[0][m], acc[1][m]));
   }
 }

@@ -71,13 +71,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([g & 15, g >> 4], dim=2).reshape(n, half * 2)
 
 
-def fake_quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """w rounded to a 4-bit grid per group of `group_size` inputs: min + scale * q, q in 0..15."""
-    q, scale, lo = quantize_int4(w, group_size)
-    n, k = w.shape
-    return (lo[..., None] + q.reshape(n, k // group_size, group_size).float() * scale[..., None]).reshape(n, k)
-
-
 class QuantLinear(nn.Module):
     """A Linear with int8 (per channel) or int4 (per group of 32) weights.
 
