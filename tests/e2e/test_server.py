@@ -180,7 +180,8 @@ def test_disconnect_aborts(server):
         with c.stream("POST", server.url + "/v1/chat/completions", headers=H,
                       json={"messages": Q, "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
             n = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()   # kept referenced: a dropped generator closes the connection early
+            for line in lines:
                 if line.startswith("data:"):
                     n += 1
                     if n == 3:
