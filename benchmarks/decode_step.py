@@ -2,7 +2,7 @@
 
 The model forward is called directly (no engine), 200 times after a warm-up; then again with a timer
 around each call into llmserve's CPU kernels (llmserve/csrc/cpu_ops.cpp), named by kernel (the LM head
-is the `lm_head` row; `decode_layer` is a whole decoder layer). "rest" is the forward minus the timed
+is the `lm_head` row; `decode layers` is all decoder layers, one C++ call). "rest" is the forward minus the timed
 calls: embedding, final norm, Python. Bytes per token are the weights the step reads.
 
     python benchmarks/decode_step.py [--threads 2] [--no-write]
@@ -76,12 +76,22 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
         r = head_fwd(x)
         spent["lm_head"] += time.perf_counter() - t0
         return r
+    stack = m._decode_args
+
+    class TimedStack:   # the model's DecodeStack (all layers in one call), timed
+        def run(self, *a):
+            t0 = time.perf_counter()
+            r = stack.run(*a)
+            spent["decode layers"] += time.perf_counter() - t0
+            return r
     ops._EXT, head.forward = Timed(), timed_head
+    if stack:
+        m._decode_args = TimedStack()
     try:
         for _ in range(n):
             step()
     finally:
-        ops._EXT, head.forward = ext, head_fwd
+        ops._EXT, head.forward, m._decode_args = ext, head_fwd, stack
     nbytes = weight_bytes(m)
     out = dict(step_ms=total * 1e3, parts={k: v / n * 1e3 for k, v in spent.most_common()}, mb=nbytes / 1e6)
     print(mode, out, flush=True)
@@ -93,10 +103,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--modes", nargs="+", default=["none", "int8", "int4"])
     args = ap.parse_args()
     rows = ["| mode | step | in kernels (ms) | rest | weights read per token | effective bandwidth |",
             "|---|---|---|---|---|---|"]
-    for mode in ("none", "int8", "int4"):
+    for mode in args.modes:
         r = measure(mode, args.threads)
         timed = sum(r["parts"].values())
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts"].items())

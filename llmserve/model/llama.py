@@ -206,35 +206,33 @@ class LlamaModel(nn.Module):
         """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab])."""
         x = self.embed_tokens(input_ids)
         residual = None
-        fused = self._fused_decode(x, meta)
-        if fused is not None:   # decode rows only: each layer is one call into the CPU kernels
-            ext, args = fused
+        stack = self._fused_decode(x, meta)
+        if stack is not None:   # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
-            cos, sin, eps, scale = self.rotary.cos, self.rotary.sin, self.cfg.rms_norm_eps, self.layers[0].self_attn.scale
-            c = self.cfg
-            for (w, kinds, bits), kv in zip(args, kv_caches):
-                x, residual = ext.decode_layer(x, residual, w, kinds, bits, eps, positions, cos, sin, c.num_heads,
-                                               c.num_kv_heads, c.head_dim, kv, meta.slot_mapping, g.block_tables,
-                                               g.context_lens, scale)
+            x, residual = stack.run(x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, positions, self.rotary, kv, meta)
         x = self.norm(x[logits_indices] + residual[logits_indices])
         return self.lm_head(x).float()
 
-    _decode_args = None
+    _decode_args = None   # the layers' ops.DecodeStack, False where the model does not fit it
 
     def _fused_decode(self, x: torch.Tensor, meta: AttentionMetadata):
-        """(extension, per-layer weights) when this step can run each layer as one C++ call
-        (ops.decode_layer): decode rows only, in one group, few rows, float32 on CPU with the kernels,
-        no tensor parallelism, no biases; else None."""
+        """The extension's DecodeStack (every layer as ops.decode_layer, in one C++ call) when this step
+        can use it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
+        parallelism, no biases; else None."""
         if meta.prefills or len(meta.decode_groups) != 1 or x.shape[0] > 4:
             return None
         if self._decode_args is None:
-            self._decode_args = ops.decode_layer_args(self) or False
+            args = ops.decode_layer_args(self)
+            c = self.cfg
+            self._decode_args = args and ops.cpu_kernels().DecodeStack(
+                args, c.rms_norm_eps, self.rotary.cos, self.rotary.sin, c.num_heads, c.num_kv_heads, c.head_dim,
+                self.layers[0].self_attn.scale) or False
         if not self._decode_args or not ops.IN_PLACE_DECODE or ops._fast(x) is None:
             return None
-        return ops.cpu_kernels(), self._decode_args
+        return self._decode_args
 
     def set_all_reduce(self, fn) -> None:
         """Tensor parallelism (llmserve.model.parallel): `fn(t) -> t` summed over the ranks, called

@@ -43,13 +43,15 @@ def test_q4_linear(ext, rows):
     assert close(ext.q4_linear(x, lin.qweight, lin.scale, lin.minv, 10**9), x @ ref.t(), 2e-2)
 
 
-@pytest.mark.parametrize("rows,group", [(1, 64), (3, 64), (6, 32), (1, 32), (17, 64)])
-def test_q8_linear(ext, rows, group):
+# group == K: per channel (one scale a row); 32: Q8_0's blocks; in between: a scale per 64 values
+@pytest.mark.parametrize("rows,group,k", [(1, 64, 64), (3, 64, 64), (6, 32, 64), (1, 32, 64), (17, 64, 64),
+                                          (1, 64, 192), (2, 192, 192), (1, 32, 32)])
+def test_q8_linear(ext, rows, group, k):
     torch.manual_seed(rows)
-    q = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
-    s = torch.rand(70, 64 // group) + 0.1
-    ref = (q.float().view(70, -1, group) * s[..., None]).view(70, 64)
-    x = torch.randn(rows, 64)
+    q = torch.randint(-127, 128, (70, k), dtype=torch.int8)
+    s = torch.rand(70, k // group) + 0.1
+    ref = (q.float().view(70, -1, group) * s[..., None]).view(70, k)
+    x = torch.randn(rows, k)
     for many in (1, 10**9):   # the tiled float32 path; integer dots with x rounded to int16
         assert close(ext.q8_linear(x, q, s, many, 16), x @ ref.t(), 2e-4)
     assert close(ext.q8_linear(x, q, s, 10**9, 8), x @ ref.t(), 2e-2)   # x rounded to int8
