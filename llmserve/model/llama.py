@@ -214,7 +214,10 @@ class LlamaModel(nn.Module):
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, positions, self.rotary, kv, meta)
         x = self.norm(x[logits_indices] + residual[logits_indices])
-        return self.lm_head(x).float()
+        head = self.lm_head
+        if type(head) is nn.Linear and head.bias is None:
+            return ops.linear(x, head.weight).float()
+        return head(x).float()
 
     _decode_args = None   # the layers' ops.DecodeStack, False where the model does not fit it
 

@@ -43,6 +43,15 @@ def test_q4_linear(ext, rows):
     assert close(ext.q4_linear(x, lin.qweight, lin.scale, lin.minv, 10**9), x @ ref.t(), 2e-2)
 
 
+@pytest.mark.parametrize("rows,k", [(1, 64), (2, 72), (3, 576), (4, 8), (5, 64), (1, 12)])
+def test_f32_linear(ext, rows, k):
+    torch.manual_seed(k)
+    w, x = torch.randn(70, k), torch.randn(rows, k)
+    # rows >= 5 and K not a multiple of 8 go to at::linear; the rest through the GEMV kernel
+    assert close(ext.f32_linear(x, w, 5), x @ w.t(), 1e-5)
+    assert close(ext.f32_linear(x.t().contiguous().t(), w, 5), x @ w.t(), 1e-5)   # strided x
+
+
 # group == K: per channel (one scale a row); 32: Q8_0's blocks; in between: a scale per 64 values
 @pytest.mark.parametrize("rows,group,k", [(1, 64, 64), (3, 64, 64), (6, 32, 64), (1, 32, 64), (17, 64, 64),
                                           (1, 64, 192), (2, 192, 192), (1, 32, 32)])
