@@ -247,39 +247,42 @@ class LlamaModel(nn.Module):
 
     # -- weights -------------------------------------------------------------------------------
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), fusing as we go."""
+        """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), fusing as we go.
+        Layers that already hold quantized weights (adopted from a GGUF file's blocks, see
+        quant.quantize_model) have no float weight to load and are skipped."""
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         own = dict(self.named_parameters())
+        held = {n for n, m in self.named_modules() if not isinstance(m, (nn.Linear, nn.Embedding, RMSNorm))}
 
-        def put(name: str, tensor: torch.Tensor) -> None:
+        def put(name: str, *sources: str) -> None:
+            if name not in own and name.rpartition(".")[0] in held:
+                return   # held quantized
+            tensor = w[sources[0]] if len(sources) == 1 else torch.cat([w[n] for n in sources])
             p = own.pop(name)
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             with torch.no_grad():
                 p.copy_(tensor)
 
-        put("embed_tokens.weight", w["embed_tokens.weight"])
-        put("norm.weight", w["norm.weight"])
-        lm = w.get("lm_head.weight")
-        if lm is None:
-            lm = w["embed_tokens.weight"]
-        put("lm_head.weight", lm)
+        put("embed_tokens.weight", "embed_tokens.weight")
+        put("norm.weight", "norm.weight")
+        put("lm_head.weight", "lm_head.weight" if "lm_head.weight" in w else "embed_tokens.weight")
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
             a = p + "self_attn."
-            put(p + "input_layernorm.weight", w[p + "input_layernorm.weight"])
-            put(p + "post_attention_layernorm.weight", w[p + "post_attention_layernorm.weight"])
-            put(a + "qkv_proj.weight", torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]))
+            put(p + "input_layernorm.weight", p + "input_layernorm.weight")
+            put(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
+            put(a + "qkv_proj.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
             if self.cfg.attention_bias:
-                put(a + "qkv_proj.bias", torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))
-            put(a + "o_proj.weight", w[a + "o_proj.weight"])
+                put(a + "qkv_proj.bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+            put(a + "o_proj.weight", a + "o_proj.weight")
             m = p + "mlp."
-            put(m + "gate_up_proj.weight", torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
-            put(m + "down_proj.weight", w[m + "down_proj.weight"])
+            put(m + "gate_up_proj.weight", m + "gate_proj.weight", m + "up_proj.weight")
+            put(m + "down_proj.weight", m + "down_proj.weight")
             if self.cfg.mlp_bias:
-                put(m + "gate_up_proj.bias", torch.cat([w[m + "gate_proj.bias"], w[m + "up_proj.bias"]]))
-                put(m + "down_proj.bias", w[m + "down_proj.bias"])
+                put(m + "gate_up_proj.bias", m + "gate_proj.bias", m + "up_proj.bias")
+                put(m + "down_proj.bias", m + "down_proj.bias")
         if own:
             raise ValueError(f"model: checkpoint lacks weights for {sorted(own)[:5]}")
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and type(self.lm_head) is nn.Linear and type(self.embed_tokens) is nn.Embedding:
             self.lm_head.weight = self.embed_tokens.weight

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from llmserve.model.llama import LlamaModel, ModelConfig, Rotary
+from llmserve.model.quant import Int8Embedding, QuantLinear
 
 log = logging.getLogger("llmserve.loader")
 
@@ -244,8 +246,9 @@ def gguf_as_hf_folder(path: str) -> str:
 
 
 # -- Hugging Face folders -----------------------------------------------------------------------
-def load_hf_weights(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, but those named in `skip` (never read)."""
+    from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {folder!r}")
@@ -256,7 +259,8 @@ def load_hf_weights(folder: str) -> dict[str, torch.Tensor]:
         files = [os.path.join(folder, n) for n in sorted(names)]
     weights: dict[str, torch.Tensor] = {}
     for path in files:
-        weights.update(load_file(path))
+        with safe_open(path, framework="pt") as f:
+            weights.update({k: f.get_tensor(k) for k in f.keys() if k not in skip})
     return weights
 
 
@@ -285,25 +289,42 @@ def load_model_config(source: ModelSource):
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                 dtype: torch.dtype, max_positions: int, quantization: str | None = None,
-                blocks: dict | None = None) -> LlamaModel:
+                model: LlamaModel | None = None) -> LlamaModel:
     """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
-    with `quantization` (int8 | int4) its projections and embedding hold quantized weights, taken from
-    `blocks` (a GGUF file's own, see load_gguf_quantized) where they cover a layer."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
-    model = model.to_empty(device="cpu")
+    with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `model`: one
+    already built on the meta device whose quantized layers were adopted from a GGUF file's blocks
+    (see load_model): only its other tensors are made and loaded from `weights`."""
+    if model is None:
+        with torch.device("meta"):
+            model = LlamaModel(cfg, max_positions)
+    _materialize(model)
     model.rotary = Rotary(cfg, max_positions)
     model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
-    model = model.to(device=device, dtype=dtype)
+    if any(isinstance(m, (QuantLinear, Int8Embedding)) for m in model.modules()):
+        for p in model.parameters():   # (CPU) the float layers only: the adopted ones keep their formats
+            p.data = p.data.to(dtype)
+    else:
+        model = model.to(device=device, dtype=dtype)
     model.rotary.cos = model.rotary.cos.float()
     model.rotary.sin = model.rotary.sin.float()
     model = model.eval().requires_grad_(False)
     if quantization:
         from llmserve.model.quant import quantize_model
         del weights
-        quantize_model(model, quantization, blocks)
+        quantize_model(model, quantization)   # the layers no GGUF block covered: rounded from float32
         _release_freed_memory()   # the float32 copies: ~270 MiB of resident memory for SmolLM2
     return model
+
+
+def _materialize(model: nn.Module) -> None:
+    """Real (uninitialised) float32 CPU tensors for the meta ones; tensors already real are kept
+    (Module.to_empty would replace those too)."""
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is not None and t.device.type == "meta":
+                    real = torch.empty_like(t, device="cpu", dtype=torch.float32 if t.is_floating_point() else t.dtype)
+                    table[k] = nn.Parameter(real, requires_grad=False) if table is m._parameters else real
 
 
 def _release_freed_memory() -> None:
@@ -318,14 +339,18 @@ def _release_freed_memory() -> None:
 def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
                dtype: torch.dtype, max_positions: int, quantization: str | None = None,
                gguf_path: str | None = None) -> LlamaModel:
-    """`gguf_path`: the GGUF file behind a converted folder; with `quantization`, its quantized
-    tensors are kept as they are in the file (see build_model)."""
-    weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path)
-    blocks = None
+    """`gguf_path`: the GGUF file behind a converted folder; with `quantization` on CPU, its Q4_0 / Q4_1 /
+    Q8_0 tensors go straight into the quantized layers as the file's own blocks, and only the other
+    tensors (norms, ...) are read as float32: no float32 copy of the quantized layers is ever made."""
+    model, skip = None, set()
     if quantization and gguf_path and device.type == "cpu":
-        blocks = load_gguf_quantized(gguf_path, cfg)
-    model = build_model(cfg, weights, device, dtype, max_positions, quantization, blocks)
+        from llmserve.model.quant import quantize_model
+        with torch.device("meta"):
+            model = LlamaModel(cfg, max_positions)
+        skip = quantize_model(model, quantization, load_gguf_quantized(gguf_path, cfg), only_blocks=True)
+    weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path, skip)
+    model = build_model(cfg, weights, device, dtype, max_positions, quantization, model)
     if quantization:
-        del weights, blocks
+        del weights
         _release_freed_memory()   # the checkpoint's float32 copies, now that nothing holds them
     return model

@@ -189,11 +189,14 @@ def _from_blocks(blocks: dict, names: list[str], mode: str, bias, fp16_gemm: boo
     return QuantLinear(kind, cat[0], cat[1], cat[2], bias, fp16_gemm)
 
 
-def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only_blocks: bool = False) -> set[str]:
     """Replace every Linear (and the embedding) of `model` in place; float weights are freed.
 
     `blocks` (llmserve.model.loader.load_gguf_quantized): a GGUF file's quantized tensors, used as they
-    are where they cover a layer (no re-rounding); other layers are rounded from their float weights."""
+    are where they cover a layer (no re-rounding); other layers are rounded from their float weights.
+    `only_blocks`: replace only the layers the blocks cover, leaving the others as they are (the model
+    may still be on the meta device: the loader then reads only the float weights nothing adopted).
+    Returns the checkpoint's weight names (Hugging Face's) the blocks stood in for."""
     if mode not in ("int8", "int4"):
         raise ValueError(f"quantization: must be none, int8 or int4, got {mode!r}")
     blocks = blocks or {}
@@ -201,6 +204,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> n
     # int8 (the throughput mode) also keeps float16 copies for fbgemm's GEMM on big batches; int4 (the
     # memory mode) holds only its packed weights: 0.6 byte a weight.
     fp16_gemm = mode == "int8"
+    consumed: set[str] = set()
 
     def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
@@ -210,18 +214,26 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> n
                     names = ["embed_tokens" if tied else "lm_head"]
                 else:
                     names = [prefix + n for n in _FUSED.get(name, (name,))]
-                q = _from_blocks(blocks, names, mode, child.bias, fp16_gemm)
+                q = None if only_blocks and child.bias is not None else \
+                    _from_blocks(blocks, names, mode, child.bias, fp16_gemm)
+                if q is None and only_blocks:
+                    continue
                 if q is None:   # the LM head stays int8, as in llama.cpp's Q4 files
                     q = QuantLinear.from_float(child.weight.detach(), child.bias, "int8" if name == "lm_head" else mode,
                                                fp16_gemm)
+                elif not (name == "lm_head" and tied):   # a tied head reads the embedding's weight
+                    consumed.update(f"model.{n}.weight" if n != "lm_head" else "lm_head.weight" for n in names)
                 setattr(module, name, q)
                 if mode == "int4" and q.kind == "int8":
                     q.act_bits = 8   # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
                     q._bind()
             elif isinstance(child, nn.Embedding):
                 b = blocks.get(path)
-                emb = Int8Embedding(b[1], b[2]) if b is not None and b[0] == "int8" else Int8Embedding.from_float(child.weight)
-                setattr(module, name, emb)
+                if b is not None and b[0] == "int8":
+                    setattr(module, name, Int8Embedding(b[1], b[2]))
+                    consumed.add(f"model.{path}.weight")
+                elif not only_blocks:
+                    setattr(module, name, Int8Embedding.from_float(child.weight))
             else:
                 convert(child, path + ".")
 
@@ -231,4 +243,4 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None) -> n
         if tied and isinstance(emb, Int8Embedding) and isinstance(head, QuantLinear) and head.kind == "int8" \
                 and torch.equal(emb.qweight, head.qweight) and torch.equal(emb.scale, head.scale):
             emb.qweight, emb.scale = head.qweight, head.scale   # one copy of the tied table
-    return model
+    return consumed

@@ -74,6 +74,24 @@ def test_gguf_blocks_kept_as_in_the_file(llm, llm_factory):
     assert torch.equal(q.embed_tokens(ids), ref.embed_tokens(ids))
 
 
+def test_gguf_quantized_layers_never_read_as_float32(monkeypatch):
+    """With --quantization int4 the GGUF's Q4_1 / Q8_0 tensors go straight into the quantized layers:
+    the loader reads only the other tensors (the norms) as float32, nothing for the projections."""
+    from llmserve.model import loader
+    read = []
+
+    def recording(folder, skip=frozenset()):
+        w = real(folder, skip)
+        read.extend(w)
+        return w
+    real = loader.load_hf_weights
+    monkeypatch.setattr(loader, "load_hf_weights", recording)
+    from llmserve import LLM
+    model = LLM(quantization="int4", kv_cache_memory=0.05).engine.model   # a fresh load, not a cached one
+    assert read and all(n.endswith("norm.weight") for n in read), [n for n in read if "norm" not in n][:5]
+    assert len(read) == 2 * len(model.layers) + 1
+
+
 def test_fused_decode_layer_equals_the_module_path(llm_factory):
     """Decode rows run each layer as one C++ call (ops.decode_layer); the same steps through the
     modules give the same logits."""
