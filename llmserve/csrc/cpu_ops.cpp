@@ -34,6 +34,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// [sum(v[0]), ..., sum(v[7])]: eight horizontal sums at once
+inline __m256 hsum8(const __m256 (&v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);   // lanes: v0..v3 low | v0..v3 high
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -528,49 +536,70 @@ at::Tensor silu_and_mul(const at::Tensor& gu_in) {
 // Decode attention over the paged cache, in place: out[b, h] = softmax(q[b, h] . K_b * scale) V_b,
 // K_b / V_b the first context_lens[b] positions of request b, read from the blocks of its table.
 // q, out: [B, H, D] (rows may be strided, heads contiguous); caches [num_blocks, block, Hkv, D].
-// One task per (request, KV head); each query head of the group: scores, softmax, then the
-// weighted sum of values with the D/8 accumulators in registers (D a template parameter).
+// One task per (request, KV head): the positions' offsets into the cache are worked out once (block
+// by block), the group's query heads (G = H / Hkv) score each key while it is in L1, then for each head
+// the softmax and the weighted sum of values with the D/8 accumulators in registers.
 
 template <int D>
-void attend_head(const float* qh, const float* kp, const float* vp, const int64_t* table, int64_t len,
-                 int64_t bs, int64_t Hkv, int64_t kvh, float sc, float* scores, float* o) {
+void attend_group(const float* q0, int64_t G, const float* kp, const float* vp, const int64_t* off, int64_t len,
+                  float sc, float* scores, float* o0) {
   constexpr int R = D / 8;
-  __m256 qv[R];
-  for (int r = 0; r < R; ++r) qv[r] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_set1_ps(sc));
-  for (int64_t j = 0; j < len; ++j) {
-    const float* k = kp + ((table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
-    __m256 s0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-    __m256 s1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
-    for (int r = 2; r < R; r += 2) {
-      s0 = _mm256_fmadd_ps(qv[r], _mm256_loadu_ps(k + 8 * r), s0);
-      s1 = _mm256_fmadd_ps(qv[r + 1], _mm256_loadu_ps(k + 8 * r + 8), s1);
+  const __m256 scv = _mm256_set1_ps(sc);
+  int64_t j0 = 0;
+  for (; j0 + 8 <= len; j0 += 8) {   // 8 keys at a time: their 8 dot products summed across lanes together
+    const float* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = kp + off[j0 + i];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qh = q0 + g * D;
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + 8 * r), a[i]);
+      }
+      _mm256_storeu_ps(scores + g * len + j0, _mm256_mul_ps(hsum8(a), scv));
     }
-    scores[j] = hsum(_mm256_add_ps(s0, s1));
   }
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) mx = std::max(mx, scores[j]);
-  const __m256 mxv = _mm256_set1_ps(mx);
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= len; j += 8) {
-    const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mxv));
-    _mm256_storeu_ps(scores + j, ev);
-    sum8 = _mm256_add_ps(sum8, ev);
+  for (int64_t j = j0; j < len; ++j) {
+    const float* k = kp + off[j];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qh = q0 + g * D;
+      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(k));
+      __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), _mm256_loadu_ps(k + 8));
+      for (int r = 2; r < R; r += 2) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_loadu_ps(k + 8 * r), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r + 8), _mm256_loadu_ps(k + 8 * r + 8), s1);
+      }
+      scores[g * len + j] = hsum(_mm256_add_ps(s0, s1)) * sc;
+    }
   }
-  float sum = hsum(sum8);
-  for (; j < len; ++j) {
-    scores[j] = std::exp(scores[j] - mx);
-    sum += scores[j];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mxv));
+      _mm256_storeu_ps(sg + j, ev);
+      sum8 = _mm256_add_ps(sum8, ev);
+    }
+    float sum = hsum(sum8);
+    for (; j < len; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      sum += sg[j];
+    }
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (j = 0; j < len; ++j) {
+      const float* v = vp + off[j];
+      const __m256 p = _mm256_set1_ps(sg[j]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(o0 + g * D + 8 * r, _mm256_mul_ps(acc[r], inv));
   }
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (j = 0; j < len; ++j) {
-    const float* v = vp + ((table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
-    const __m256 p = _mm256_set1_ps(scores[j]);
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
-  }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum);
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + 8 * r, _mm256_mul_ps(acc[r], inv));
 }
 
 void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -585,23 +614,33 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D &&
               (D == 64 || D == 128) && H % Hkv == 0 && k_cache.size(3) == D, "paged_decode_attention: layout");
-  const int64_t G = H / Hkv, qld = q.stride(0), old = out.stride(0);
+  const int64_t G = H / Hkv, qld = q.stride(0), old = out.stride(0), num_blocks = k_cache.size(0);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= maxb * bs, "paged_decode_attention: context length");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tables[b * maxb + i] >= 0 && tables[b * maxb + i] < num_blocks, "paged_decode_attention: block id");
+  }
   const float sc = (float)scale;
-  at::parallel_for(0, B * H, 1, [&](int64_t b0, int64_t e0) {
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
     std::vector<float> scores;
+    std::vector<int64_t> off;
     for (int64_t task = b0; task < e0; ++task) {
-      const int64_t b = task / H, h = task % H, kvh = h / G;
-      scores.resize(lens[b]);
-      const float* qh = qp + b * qld + h * D;
-      float* o = op + b * old + h * D;
-      if (D == 64) attend_head<64>(qh, kp, vp, tables + b * maxb, lens[b], bs, Hkv, kvh, sc, scores.data(), o);
-      else attend_head<128>(qh, kp, vp, tables + b * maxb, lens[b], bs, Hkv, kvh, sc, scores.data(), o);
+      const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
+      scores.resize(G * len);
+      off.resize(len);
+      const int64_t* table = tables + b * maxb;
+      for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {   // the cache offset of each position
+        const int64_t base = (table[blk] * bs * Hkv + kvh) * D;
+        for (int64_t i = 0; i < std::min(bs, len - j0); ++i) off[j0 + i] = base + i * Hkv * D;
+      }
+      const float* q0 = qp + b * qld + kvh * G * D;
+      float* o0 = op + b * old + kvh * G * D;
+      if (D == 64) attend_group<64>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
+      else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
     }
   });
 }

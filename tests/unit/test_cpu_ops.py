@@ -139,6 +139,10 @@ def test_paged_decode_attention(ext, head_dim):
         v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None]
         ref = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.1, enable_gqa=True)[0, :, 0]
         assert close(out[b], ref, 1e-5)
+    bad = tables.clone()
+    bad[2, 3] = NB   # a block id outside the cache is refused, not read
+    with pytest.raises(RuntimeError):
+        ext.paged_decode_attention_(out, q, kc, vc, bad, lens, 0.1)
 
 
 def test_bad_input_is_an_error_not_a_crash(ext):
