@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from llmserve.model import ops
 
 GROUP_SIZE = 32
-FEW_ROWS = 4       # with float16 copies: up to this many rows through the integer-dot kernels
+# with float16 copies: up to this many rows through the integer-dot kernels, fbgemm's float16 GEMM beyond
+# (int8, all projections of SmolLM2: 8 rows 17 vs 25 ms, 16 rows 31 vs 33-36 ms, 32 rows 63 vs 61-65 ms)
+FEW_ROWS = 16
 # without them: integer dots up to this many rows, float32 tiles + at::mm beyond (measured crossovers,
 # BENCHMARKS.md "Weight kernels")
 INT_DOT_ROWS = {"int4": 48, "int8": 16}

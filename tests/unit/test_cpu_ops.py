@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import ops
+from llmserve.model import ops, quant
 from llmserve.model.llama import _rotate
 from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
 
@@ -70,14 +70,16 @@ def test_q8_linear(ext, rows, group, k):
 def test_quant_linear_bias_and_batch_shapes(ext, fp16_gemm):
     """Every row count through QuantLinear: the integer dots, fbgemm's float16 GEMM (with the float16
     copies) or float32 tiles (without), a bias, 3-D input."""
+    torch.manual_seed(1)
     w, b = torch.randn(64, 64), torch.randn(64)
-    for kind, tol in (("int8", 1e-3), ("int4", 2e-2)):
+    # int4's integer dots round x to int8 per 32 values: up to ~2.3% of the largest output (200 seeds)
+    for kind, tol in (("int8", 1e-3), ("int4", 4e-2)):
         lin = QuantLinear.from_float(w, b, kind, fp16_gemm=fp16_gemm)
         assert (lin._packed is not None) == fp16_gemm
-        for rows in (1, 2, 6, 20, 70):
+        for rows in (1, 2, 6, 16, 20, 70):
             x = torch.randn(rows, 64)
             ref = F.linear(x, lin.dequantize(), b)
-            many = lin._packed is not None and rows > 4 or rows > {"int8": 16, "int4": 48}[kind]
+            many = lin._packed is not None and rows > quant.FEW_ROWS or rows > quant.INT_DOT_ROWS[kind]
             assert close(lin(x), ref, 1e-3 if many else tol), (kind, rows)
         x = torch.randn(2, 3, 64)
         assert lin(x).shape == (2, 3, 64)
