@@ -116,8 +116,9 @@ def main() -> None:
     body = (f"`python benchmarks/decode_step.py --threads {args.threads}`: one request, context 200, the model "
             "forward called directly (no engine), 200 steps; kernel times from a second pass with a timer around "
             "each call. A step reads every weight once; for scale, one streaming read of 256 MB (torch.sum) "
-            "measures 22-33 GB/s here and llmserve's int4 kernel streams 18-22 GB/s over 40 large matrices: the "
-            "gap at ~11 GB/s is 120 short kernel calls a step (each a parallel region) and the non-matmul work.\n\n"
+            "measures 22-35 GB/s here, and a bare AVX2 float32 GEMV over this model's 120 projection matrices "
+            "(one parallel region each, outside torch) ~30 GB/s: the float32 and int4 steps are memory-bound, "
+            "int4's integer dots need ~1.8x the time of a bare read of its bytes (unpacking, scales).\n\n"
             + "\n".join(rows) + "\n")
     print(body)
     if not args.no_write:

@@ -221,7 +221,8 @@ def main() -> None:
         f"16 concurrent {best_c16:.1f} tok/s = {best_c16 / ll['c16']:.2f}x llama.cpp.",
         f"- single stream: best quantized {best_single:.1f} tok/s = {best_single / ll['single']:.2f}x llama.cpp "
         f"(bar 1x); float32 {ours['none']['single']:.1f} tok/s = {ours['none']['single'] / hf['single']:.1f}x "
-        f"transformers (bar 3x).",
+        f"transformers (bar 3x). (One measurement each, minutes apart on a machine whose speed drifts ±25%: "
+        f"`benchmarks/single_stream.py` interleaves the engines round by round.)",
         f"- prefill: TTFT of a 512-token prompt {ours['none']['ttft512']:.2f} s vs transformers "
         f"{hf['ttft512']:.2f} s (bar: at most transformers').",
         f"- memory: `llmserve serve --quantization int4` RSS {srv['int4']['rss_mib']:.0f} MiB"

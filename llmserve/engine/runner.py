@@ -75,9 +75,17 @@ class ModelRunner:
         With speculative tokens a request yields several logits rows (one per verified position);
         `rows` says how many each sampling request has."""
         bs = self.block_size
+        # A speculative verify chunk (the next token + K proposals of a decoding request) runs as decode
+        # rows with the in-place kernel: row i attends to the first c + i + 1 positions of the request's
+        # blocks, which is causal attention over the chunk; small steps then keep the fused decode path.
+        spec_rows = self.in_place_decode and bool(sched.num_spec_tokens)
+
+        def as_decode(r) -> bool:
+            n = sched.num_scheduled_tokens[r.request_id]
+            return n == 1 or spec_rows and sched.num_spec_tokens.get(r.request_id, 0) == n - 1 > 0
+
         # decodes first, shortest context first (so that similar lengths can share a padded group)
-        order = sorted(sched.requests, key=lambda r: (sched.num_scheduled_tokens[r.request_id] != 1,
-                                                       r.num_computed_tokens))
+        order = sorted(sched.requests, key=lambda r: (not as_decode(r), r.num_computed_tokens))
         tokens: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -99,9 +107,9 @@ class ModelRunner:
             table = torch.tensor(block_ids, dtype=torch.long)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
-                decode_tables.append(block_ids)
-                decode_lens.append(c + 1)
+            if as_decode(req):
+                decode_tables.extend([block_ids] * n)
+                decode_lens.extend(range(c + 1, c + n + 1))
             else:
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
             if c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample

@@ -14,6 +14,10 @@ import torch.nn as nn
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, paged_attention
 
+# decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
+# in one C++ call; the few-row kernels read the weights once per 4 rows
+FUSED_DECODE_ROWS = 8
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -225,7 +229,7 @@ class LlamaModel(nn.Module):
         """The extension's DecodeStack (every layer as ops.decode_layer, in one C++ call) when this step
         can use it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
         parallelism, no biases; else None."""
-        if meta.prefills or len(meta.decode_groups) != 1 or x.shape[0] > 4:
+        if meta.prefills or len(meta.decode_groups) != 1 or x.shape[0] > FUSED_DECODE_ROWS:
             return None
         if self._decode_args is None:
             args = ops.decode_layer_args(self)
