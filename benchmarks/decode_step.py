@@ -1,4 +1,6 @@
-"""Where a single-stream decode step goes: one request, one token, context 200, per quantization mode.
+"""Where a single-stream decode step goes: one request, one token, context 200, per quantization mode;
+a greedy step, as the engine runs it (the model answers the token: a float32 head is screened by its int8
+copy, see ops.head_argmax).
 
 The model forward is called directly (no engine), 200 times after a warm-up; then again with a timer
 around each call into llmserve's CPU kernels (llmserve/csrc/cpu_ops.cpp), named by kernel (the LM head
@@ -31,6 +33,9 @@ def weight_bytes(model) -> int:
             total += sum(t.numel() * t.element_size() for t in (mod.qweight, mod.scale, mod.minv) if t is not None)
         elif isinstance(mod, torch.nn.Linear):
             total += mod.weight.numel() * mod.weight.element_size()
+    if model._screen is not None:   # a float32 head read through its int8 screen (greedy steps)
+        w = model.lm_head.weight
+        total += sum(t.numel() * t.element_size() for t in model._screen[2]) - w.numel() * w.element_size()
     return total
 
 
@@ -47,7 +52,7 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
         meta = AttentionMetadata(slot_mapping=p, num_decode_tokens=1,
                                  decode_groups=[DecodeGroup(0, 1, table, torch.tensor([ctx]))])
         with torch.inference_mode():
-            m(torch.tensor([42]), p, kv, meta, torch.zeros(1, dtype=torch.long))
+            m(torch.tensor([42]), p, kv, meta, torch.zeros(1, dtype=torch.long), argmax=True)
 
     for _ in range(20):
         step()
@@ -65,7 +70,7 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
             def call(*a, **k):
                 t0 = time.perf_counter()
                 r = f(*a, **k)
-                spent["lm_head" if name == "f32_linear" else name] += time.perf_counter() - t0   # float32 head
+                spent["lm_head" if name in ("f32_linear", "head_argmax") else name] += time.perf_counter() - t0   # float32 head
                 return r
             return call
     head = m.lm_head
@@ -114,7 +119,7 @@ def main() -> None:
         rows.append(f"| {mode} | {r['step_ms']:.2f} ms | {parts} | {r['step_ms'] - timed:.2f} ms | "
                     f"{r['mb']:.0f} MB | {r['mb'] / r['step_ms']:.1f} GB/s |")
     body = (f"`python benchmarks/decode_step.py --threads {args.threads}`: one request, context 200, the model "
-            "forward called directly (no engine), 200 steps; kernel times from a second pass with a timer around "
+            "forward called directly (no engine) for a greedy token, 200 steps; kernel times from a second pass with a timer around "
             "each call. A step reads every weight once; for scale, one streaming read of 256 MB (torch.sum) "
             "measures 22-35 GB/s here, and a bare AVX2 float32 GEMV over this model's 120 projection matrices "
             "(one parallel region each, outside torch) ~30 GB/s: the float32 and int4 steps are memory-bound, "

@@ -394,6 +394,83 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t many_
   return out;
 }
 
+// Greedy tokens of a float32 head (the LM head) without streaming all of it: an int8 copy (per-row
+// scale s, largest rounding error err per row) screens the rows. With x~ the int16 rounding of x per
+// 32 values (what q8_rows multiplies), every row's approximate value is within
+//   b = err * |x|_1 + s * 127 * sum_j |x_j - x~_j|   (|x_j - x~_j| <= 0.51 * dx of its block)
+// of the exact one (float rounding of both sides: under 0.1% of b; 1% is added). A row can hold the
+// maximum only if approx + b reaches the best approx - b; those few rows (3 a step at the median for
+// SmolLM2) are computed exactly, as f32_linear computes them, so the token is argmax(f32_linear(x, w))
+// (first index on ties) at a quarter of the bytes. A row of x that is not finite answers -1.
+at::Tensor head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& qw, const at::Tensor& scale,
+                       const at::Tensor& err) {
+  check_cpu_f32(x_in, "head_argmax");
+  check_cpu_f32(w, "head_argmax");
+  check_cpu_f32(scale, "head_argmax");
+  check_cpu_f32(err, "head_argmax");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 32 == 0 && w.is_contiguous() && qw.is_contiguous() &&
+              qw.scalar_type() == at::kChar && qw.size(0) == N && qw.size(1) == K && scale.numel() == N &&
+              err.numel() == N && scale.is_contiguous() && err.is_contiguous(), "head_argmax: shape mismatch");
+  at::Tensor approx = at::empty({M, N}, x.options());
+  q8_rows<int16_t>(x, qw.data_ptr<int8_t>(), scale.data_ptr<float>(), N, K, approx);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *sp = scale.data_ptr<float>(),
+              *ep = err.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = xp + m * K;
+      const float* a = approx.data_ptr<float>() + m * N;
+      double l1 = 0, dsum = 0;
+      for (int64_t g = 0; g < K / 32; ++g) {
+        float amax = 0;
+        for (int64_t j = 32 * g; j < 32 * g + 32; ++j) {
+          l1 += std::fabs(xm[j]);
+          amax = std::max(amax, std::fabs(xm[j]));
+        }
+        dsum += amax / 32767.0;
+      }
+      if (!std::isfinite(l1)) {
+        op[m] = -1;
+        continue;
+      }
+      const __m256 c1 = _mm256_set1_ps(static_cast<float>(1.01 * l1));
+      const __m256 c2 = _mm256_set1_ps(static_cast<float>(1.01 * 127 * 0.51 * 32 * dsum));
+      auto bound = [&](int64_t n) {   // 8 rows' b
+        return _mm256_fmadd_ps(_mm256_loadu_ps(ep + n), c1, _mm256_mul_ps(_mm256_loadu_ps(sp + n), c2));
+      };
+      int64_t n = 0;
+      __m256 lo8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (; n + 8 <= N; n += 8) lo8 = _mm256_max_ps(lo8, _mm256_sub_ps(_mm256_loadu_ps(a + n), bound(n)));
+      float lower = hmax(lo8);
+      const float cs1 = static_cast<float>(1.01 * l1), cs2 = static_cast<float>(1.01 * 127 * 0.51 * 32 * dsum);
+      for (; n < N; ++n) lower = std::max(lower, a[n] - (ep[n] * cs1 + sp[n] * cs2));
+      const __m256 lower8 = _mm256_set1_ps(lower);
+      int64_t best = -1;
+      float best_v = 0;
+      auto exact = [&](int64_t r) {
+        float v;
+        f32_block<1>(xm, K, wp + r * K, K, 0, 1, &v, 0);
+        if (best < 0 || v > best_v) best = r, best_v = v;
+      };
+      for (n = 0; n + 8 <= N; n += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + n), bound(n)), lower8, _CMP_GE_OQ));
+        while (mask) {
+          const int i = __builtin_ctz(mask);
+          mask &= mask - 1;
+          exact(n + i);
+        }
+      }
+      for (; n < N; ++n)
+        if (a[n] + (ep[n] * cs1 + sp[n] * cs2) >= lower) exact(n);
+      op[m] = best;
+    }
+  });
+  return out;
+}
+
 // act_bits: the integer width x is rounded to on the few-rows path (16, or 8: faster, less exact).
 at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows,
                      int64_t act_bits) {
@@ -736,6 +813,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min)");
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)");
   m.def("f32_linear", &f32_linear, "x @ W.T, W float32, few rows");
+  m.def("head_argmax", &head_argmax, "argmax(x @ W.T) per row, W float32 screened by its int8 copy");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_write_kv_", &rotary_write_kv_, "neox rotary of the q and k heads of qkv rows in place; K, V into the cache");

@@ -257,7 +257,9 @@ class LLMEngine:
         if not sched:
             return []
         self.steps += 1
-        sampling, logits, rows_per_req = self.runner.execute(sched, self.kv)
+        # every row plain greedy: the model answers tokens, not logits (cheaper for a float32 head)
+        argmax = all(self._plain_greedy(r) for r in sched.requests)
+        sampling, logits, rows_per_req = self.runner.execute(sched, self.kv, argmax=argmax)
         self.scheduler.update_after_step(sched)
         outputs: list[RequestOutput] = []
         if sampling:
@@ -271,7 +273,10 @@ class LLMEngine:
                 rows.extend([row] * n)
                 row_reqs.extend([r] * n)
             now = time.time()
-            results = self._sample_isolated(logits, row_reqs, rows)
+            if argmax:
+                results = [(r, t, None, None) for r, t in zip(row_reqs, logits.tolist())]
+            else:
+                results = self._sample_isolated(logits, row_reqs, rows)
             i = 0
             for r, n in zip(sampling, rows_per_req):
                 out = self._accept(r, results[i:i + n], now)
@@ -279,6 +284,14 @@ class LLMEngine:
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    def _plain_greedy(self, r: Request) -> bool:
+        """The next token is the logits' argmax, untouched: greedy, no logprobs, penalties, grammar or
+        banned tokens (EOS before min_tokens)."""
+        p = r.params
+        row = self._rows.get(r.request_id)
+        return (p.greedy and p.logprobs is None and not p.needs_penalties and (row is None or row.guided is None)
+                and r.num_output_tokens >= p.min_tokens)
 
     def _accept(self, r: Request, results: list, now: float) -> RequestOutput | None:
         """Append a request's sampled token; with proposals, the longest verified run of them and

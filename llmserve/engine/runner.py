@@ -69,8 +69,10 @@ class ModelRunner:
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], torch.Tensor | None, list[int]]:
-        """Run one step. Returns (requests that sample, their logits [n, vocab], rows per request).
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager,
+                argmax: bool = False) -> tuple[list[Request], torch.Tensor | None, list[int]]:
+        """Run one step. Returns (requests that sample, their logits [n, vocab], rows per request);
+        with `argmax` (every row plain greedy), the rows' greedy tokens [n] instead of the logits.
 
         With speculative tokens a request yields several logits rows (one per verified position);
         `rows` says how many each sampling request has."""
@@ -139,7 +141,7 @@ class ModelRunner:
         rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, pos, meta, rows_t)
-        logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t)
+        logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req

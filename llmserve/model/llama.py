@@ -208,8 +208,10 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab])."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+        """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab]);
+        with `argmax`, those rows' greedy tokens instead ([len(logits_indices)], the same tokens as
+        the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax)."""
         x = self.embed_tokens(input_ids)
         residual = None
         stack = self._fused_decode(x, meta)
@@ -221,9 +223,29 @@ class LlamaModel(nn.Module):
                 x, residual = layer(x, residual, positions, self.rotary, kv, meta)
         x = self.norm(x[logits_indices] + residual[logits_indices])
         head = self.lm_head
+        plain = type(head) is nn.Linear and head.bias is None
+        if argmax:
+            tokens = self._head_argmax(x) if plain else None
+            return tokens if tokens is not None else self.forward_head(x).argmax(dim=-1)
+        return self.forward_head(x)
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final-normed rows' logits, float32."""
+        head = self.lm_head
         if type(head) is nn.Linear and head.bias is None:
             return ops.linear(x, head.weight).float()
         return head(x).float()
+
+    _screen = None   # (the head weight it was built from, its version, ops.head_screen's tensors)
+
+    def _head_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        w = self.lm_head.weight
+        if x.dtype is not torch.float32 or w.dtype is not torch.float32 or w.is_cuda:
+            return None
+        if self._screen is None or self._screen[0] is not w or self._screen[1] != w._version:
+            with torch.no_grad():
+                self._screen = (w, w._version, ops.head_screen(w.detach()))
+        return ops.head_argmax(x, w.detach(), self._screen[2])
 
     _decode_args = None   # the layers' ops.DecodeStack, False where the model does not fit it
 

@@ -19,6 +19,7 @@ log = logging.getLogger("llmserve.ops")
 _EXT = None
 _TRIED = False
 IN_PLACE_DECODE = True   # False: decode attention gathers blocks for SDPA (benchmarks/long_context.py compares)
+GEMV_ROWS = 16   # float32 x with up to this many rows: the extension's one-pass GEMV (`linear`, `head_argmax`)
 
 
 def cpu_kernels():
@@ -55,10 +56,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ~30 GB/s here where at::linear's gets ~12: the float32 LM head alone is 113 MB a step; at 16 rows,
     four passes, ~18 ms vs at::linear's ~33)."""
     ext = _fast(x)
-    if ext is not None and x.dim() == 2 and x.shape[0] <= 16 and weight.dtype is torch.float32 \
+    if ext is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and weight.dtype is torch.float32 \
             and weight.device.type == "cpu":
-        return ext.f32_linear(x, weight, 17)
+        return ext.f32_linear(x, weight, GEMV_ROWS + 1)
     return F.linear(x, weight)
+
+
+def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 copy of a float32 head that `head_argmax` screens with: (int8 rows, per-row scale,
+    per-row largest rounding error), a quarter of the head's bytes."""
+    from llmserve.model.quant import quantize_int8_per_channel
+    q, scale = quantize_int8_per_channel(weight)
+    err = (weight.double() - q.double() * scale.double()[:, None]).abs().amax(dim=1)
+    return q, scale, err.float()
+
+
+def head_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> torch.Tensor | None:
+    """argmax(linear(x, weight), -1) for float32 x with up to GEMV_ROWS rows, exactly, reading mostly the int8
+    screen (see head_argmax in cpu_ops.cpp: the few rows that can win are computed in float32 as
+    `linear` computes them); None where the extension cannot (the caller computes the logits)."""
+    ext = _fast(x)
+    if ext is None or x.dim() != 2 or x.shape[0] > GEMV_ROWS or x.shape[-1] % 32 or weight.dtype is not torch.float32 \
+            or weight.device.type != "cpu":
+        return None
+    tokens = ext.head_argmax(x, weight, *screen)
+    return None if bool((tokens < 0).any()) else tokens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

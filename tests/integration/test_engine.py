@@ -16,9 +16,9 @@ def test_new_request_joins_running_batch(llm):
     steps = []
     orig = eng.runner.execute
 
-    def spy(sched, kv):
+    def spy(sched, kv, **kw):
         steps.append(dict(sched.num_scheduled_tokens))
-        return orig(sched, kv)
+        return orig(sched, kv, **kw)
 
     eng.runner.execute = spy
     try:

@@ -55,6 +55,35 @@ def test_greedy_matches_transformers_alone(llm, prompt_ids, reference):
         assert _strip_eos(g) == _strip_eos(reference[i]), f"prompt {i} (len {len(ids)})"
 
 
+def test_greedy_tokens_and_logits_paths_agree(llm, prompt_ids, reference):
+    """Steps whose rows are all plain greedy ask the model for tokens (a float32 head is screened,
+    not read whole: ops.head_argmax); a row with logprobs needs the logits. Both match transformers,
+    alone and in one batch."""
+    eng = llm.engine
+    paths = []
+    orig = eng.runner.execute
+
+    def spy(sched, kv, **kw):
+        paths.append(kw.get("argmax"))
+        return orig(sched, kv, **kw)
+
+    eng.runner.execute = spy
+    try:
+        ids = prompt_ids[:4]
+        params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0 if i == 1 else None)
+                  for i in range(len(ids))]
+        together = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+        assert False in paths
+        paths.clear()
+        alone = _greedy(llm, ids[:1])
+        assert paths and all(paths)
+    finally:
+        eng.runner.execute = orig
+    assert _strip_eos(alone[0]) == _strip_eos(reference[0])
+    for i, g in enumerate(together):
+        assert _strip_eos(g) == _strip_eos(reference[i]), f"prompt {i}"
+
+
 def test_greedy_unchanged_without_prefix_caching(llm_factory, prompt_ids, reference):
     llm = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, enable_prefix_caching=False)
     got = _greedy(llm, prompt_ids + prompt_ids[:3])     # repeats would hit the cache if it were on
@@ -86,10 +115,10 @@ def test_shared_prefix_is_served_from_cache(llm):
     scheduled: dict[str, int] = {}
     orig = eng.runner.execute
 
-    def spy(sched, kv):
+    def spy(sched, kv, **kw):
         for rid, n in sched.num_scheduled_tokens.items():
             scheduled[rid] = scheduled.get(rid, 0) + n
-        return orig(sched, kv)
+        return orig(sched, kv, **kw)
 
     eng.runner.execute = spy
     try:

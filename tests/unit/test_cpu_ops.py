@@ -52,6 +52,26 @@ def test_f32_linear(ext, rows, k):
     assert close(ext.f32_linear(x.t().contiguous().t(), w, 5), x @ w.t(), 1e-5)   # strided x
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 5000, 576), (3, 1000, 64), (16, 300, 96), (2, 9, 32)])
+def test_head_argmax_is_the_argmax_of_the_float32_logits(ext, rows, n, k):
+    torch.manual_seed(n + rows)
+    w = torch.randn(n, k) * 0.05
+    # near-ties the int8 screen cannot tell apart: rows a hair from row 0, and an exact duplicate
+    w[1:n // 2] = w[0] + 1e-6 * torch.randn(n // 2 - 1, k)
+    w[n - 1] = w[0]
+    x = torch.randn(rows, k) * 3
+    x[0] = w[0] / w[0].norm()
+    screen = ops.head_screen(w)
+    got = ops.head_argmax(x, w, screen)
+    logits = ops.linear(x, w)
+    assert torch.equal(got, logits.argmax(dim=-1))   # the same token, first index on ties
+    assert torch.equal(ext.head_argmax(x.t().contiguous().t(), w, *screen), got)   # strided x
+    x[rows - 1, 0] = float("nan")
+    assert ops.head_argmax(x, w, screen) is None      # the caller computes the logits instead
+    with pytest.raises(RuntimeError):
+        ext.head_argmax(x, w[:-1].contiguous(), *screen)
+
+
 # group == K: per channel (one scale a row); 32: Q8_0's blocks; in between: a scale per 64 values
 @pytest.mark.parametrize("rows,group,k", [(1, 64, 64), (3, 64, 64), (6, 32, 64), (1, 32, 64), (17, 64, 64),
                                           (1, 64, 192), (2, 192, 192), (1, 32, 32)])
