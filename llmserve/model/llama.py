@@ -17,8 +17,11 @@ from llmserve.model.attention import AttentionMetadata, paged_attention
 # decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
 # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
 # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,
-# int8 286-333 vs 290-332 (the module path's Python per layer costs more than the extra weight passes)
-FUSED_DECODE_ROWS = 16
+# int8 286-333 vs 290-332 (the module path's Python per layer costs more than the extra weight passes).
+# Decode steps of 32 rows, limit 16 vs 64, four alternated rounds (/tmp A/B, 2026-12-01): float32
+# 191-237 vs 255-270 tok/s, int8 303-366 vs 328-357, int4 190-245 vs 216-241; at 64 rows no gain
+# (float32 even, int8 worse than fbgemm's float16 GEMM): 32.
+FUSED_DECODE_ROWS = 32
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
