@@ -18,10 +18,10 @@ from llmserve.model.attention import AttentionMetadata, paged_attention
 # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
 # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,
 # int8 286-333 vs 290-332 (the module path's Python per layer costs more than the extra weight passes).
-# Decode steps of 32 rows, limit 16 vs 64, four alternated rounds (/tmp A/B, 2026-12-01): float32
-# 191-237 vs 255-270 tok/s, int8 303-366 vs 328-357, int4 190-245 vs 216-241; at 64 rows no gain
-# (float32 even, int8 worse than fbgemm's float16 GEMM): 32.
-FUSED_DECODE_ROWS = 32
+# benchmarks/decode_rows.py (BENCHMARKS.md), limit 16 / 32 / 64, decode tok/s at 64 requests: float32
+# 236 / 248 / 268, int4 194 / 192 / 228 (the module path widens int4 to float32 tiles past 48 rows),
+# int8 320 / 316 / 312 (even); at 32 requests float32 193 / 281 / 281.
+FUSED_DECODE_ROWS = 64
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
