@@ -137,6 +137,24 @@ def test_lru_eviction_keeps_recent_prefixes():
     assert r.num_cached_tokens == 8
 
 
+def test_blocks_without_cached_contents_are_reused_first():
+    """A freed block that holds nothing reusable (the partial last block; every block with caching off)
+    goes to the front of the free list: the next request takes it before touching a fresh one, and the
+    cached full blocks stay cached longer."""
+    for caching in (True, False):
+        sim = Sim(num_blocks=16, block_size=4, max_seqs=1, budget=64, caching=caching)
+        rng = random.Random(3)
+        used: set[int] = set()
+        allocate = sim.kv.pool.allocate
+        sim.kv.pool.allocate = lambda n: [used.add(b.block_id) or b for b in allocate(n)]
+        for base in range(0, 500, 100):   # 5 requests of 2 full blocks + a partial one, one after another
+            sim.add([base + i for i in range(9)], 1)
+            while sim.sched.has_unfinished():
+                sim.step(rng)
+        # with caching: 2 new full blocks per request, the partial one reused; without: the same 3 blocks
+        assert len(used) == (2 * 5 + 1 if caching else 3), (caching, sorted(used))
+
+
 def test_preemption_instead_of_oom():
     sim = Sim(num_blocks=6, block_size=4, max_seqs=4, budget=64, caching=False)
     reqs = [sim.add(list(range(i, i + 6)), 10) for i in range(4)]
