@@ -436,8 +436,8 @@ at::Tensor head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Te
         op[m] = -1;
         continue;
       }
-      const __m256 c1 = _mm256_set1_ps(static_cast<float>(1.01 * l1));
-      const __m256 c2 = _mm256_set1_ps(static_cast<float>(1.01 * 127 * 0.51 * 32 * dsum));
+      const float cs1 = static_cast<float>(1.01 * l1), cs2 = static_cast<float>(1.01 * 127 * 0.51 * 32 * dsum);
+      const __m256 c1 = _mm256_set1_ps(cs1), c2 = _mm256_set1_ps(cs2);
       auto bound = [&](int64_t n) {   // 8 rows' b
         return _mm256_fmadd_ps(_mm256_loadu_ps(ep + n), c1, _mm256_mul_ps(_mm256_loadu_ps(sp + n), c2));
       };
@@ -445,7 +445,6 @@ at::Tensor head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Te
       __m256 lo8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
       for (; n + 8 <= N; n += 8) lo8 = _mm256_max_ps(lo8, _mm256_sub_ps(_mm256_loadu_ps(a + n), bound(n)));
       float lower = hmax(lo8);
-      const float cs1 = static_cast<float>(1.01 * l1), cs2 = static_cast<float>(1.01 * 127 * 0.51 * 32 * dsum);
       for (; n < N; ++n) lower = std::max(lower, a[n] - (ep[n] * cs1 + sp[n] * cs2));
       const __m256 lower8 = _mm256_set1_ps(lower);
       int64_t best = -1;

@@ -225,10 +225,8 @@ class LlamaModel(nn.Module):
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, positions, self.rotary, kv, meta)
         x = self.norm(x[logits_indices] + residual[logits_indices])
-        head = self.lm_head
-        plain = type(head) is nn.Linear and head.bias is None
         if argmax:
-            tokens = self._head_argmax(x) if plain else None
+            tokens = self._head_argmax(x)
             return tokens if tokens is not None else self.forward_head(x).argmax(dim=-1)
         return self.forward_head(x)
 
@@ -242,7 +240,10 @@ class LlamaModel(nn.Module):
     _screen = None   # (the head weight it was built from, its version, ops.head_screen's tensors)
 
     def _head_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        w = self.lm_head.weight
+        head = self.lm_head
+        if type(head) is not nn.Linear or head.bias is not None:
+            return None
+        w = head.weight
         if x.dtype is not torch.float32 or w.dtype is not torch.float32 or w.is_cuda:
             return None
         if self._screen is None or self._screen[0] is not w or self._screen[1] != w._version:
