@@ -631,6 +631,9 @@ class _Generation:
         tasks = [asyncio.create_task(run(i, ids, p)) for i, _, ids, p in self.runs]
         pending = len(tasks)
         deadline = self._deadline()
+        # One getter lives across ticks; asyncio.wait, not wait_for: on Python 3.11 wait_for drops a
+        # cancellation (client gone) that lands as an item arrives, and the request would run on.
+        getter: asyncio.Task | None = None
         try:
             while pending:
                 timeout = self.s.sse_ping_interval
@@ -640,11 +643,12 @@ class _Generation:
                         raise APIError(504, f"the request took longer than the server's request timeout "
                                             f"of {self.s.request_timeout:g} s", code="request_timeout")
                     timeout = min(timeout, left)
-                try:
-                    index, item = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
+                getter = getter or asyncio.ensure_future(queue.get())
+                if not (await asyncio.wait({getter}, timeout=timeout))[0]:
                     yield None
                     continue
+                index, item = getter.result()
+                getter = None
                 if isinstance(item, BaseException):
                     raise _to_api_error(item, self.s)
                 if item.finished and item.error:
@@ -654,6 +658,8 @@ class _Generation:
                     self.finals[index] = item
                 yield index, item
         finally:
+            if getter is not None:
+                getter.cancel()
             for t in tasks:
                 if not t.done():
                     t.cancel()
