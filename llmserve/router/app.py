@@ -294,10 +294,10 @@ class Router:
                                       headers={"Retry-After": "1"})
                 fut = loop.create_future()
                 self._waiters.append(fut)
-                try:
-                    await asyncio.wait_for(fut, remaining)
-                except asyncio.TimeoutError:
-                    pass
+                try:   # asyncio.wait, not wait_for: 3.11's drops a cancellation (client gone) that
+                    await asyncio.wait({fut}, timeout=remaining)   # lands as a slot frees
+                finally:
+                    fut.cancel()   # a no-op once woken (every waiter is woken and looks again)
         finally:
             if queued_since is not None:
                 self.queued -= 1

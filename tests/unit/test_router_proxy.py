@@ -3,6 +3,7 @@
 Each test starts its own fake backends and router and stops them on exit (context managers)."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import time
@@ -332,3 +333,27 @@ def test_router_not_ready_without_backends_and_bad_json():
         rsp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "p"})
         assert rsp.status_code == 503
         assert json.loads(rsp.content)["error"]["type"] == "service_unavailable_error"
+
+
+def test_a_queued_request_cancelled_as_a_slot_frees_stays_cancelled():
+    """The client leaves (its task is cancelled) in the same loop turn a slot frees: the request
+    must not be routed (Python 3.11's asyncio.wait_for returned the wake-up and dropped the cancel)."""
+    from llmserve.router.app import Router, RouterConfig
+    from llmserve.router.policies import RouteRequest
+
+    async def main():
+        r = Router(RouterConfig(backends=["http://127.0.0.1:9"], max_outstanding=1))
+        b = next(iter(r.registry))
+        b.healthy = True
+        loop = asyncio.get_running_loop()
+        held = await r.acquire(RouteRequest(), set(), loop.time() + 30)
+        waiting = asyncio.create_task(r.acquire(RouteRequest(), set(), loop.time() + 30))
+        await asyncio.sleep(0.01)
+        assert r.queued == 1 and not waiting.done()
+        r.release(held)      # wakes the waiter ...
+        waiting.cancel()     # ... and its client goes away in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert b.outstanding == 0 and r.queued == 0
+
+    asyncio.run(main())
