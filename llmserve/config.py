@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # default: 512 on CPU, 2048 on CUDA
     max_model_len: int | None = None      # default: the model's, capped by the KV pool
     kv_cache_memory: float | None = None  # GiB for the KV pool (CPU default: a share of free RAM)
+    kv_cache_dtype: str = "auto"          # auto (= dtype) | float32 | float16 | bfloat16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None      # exact pool size; overrides the memory budget (tests)
     enable_prefix_caching: bool = True
@@ -45,6 +46,10 @@ class EngineConfig:
             raise ValueError("max_model_len: must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"):
             raise ValueError(f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16",
+                                       "fp32"):
+            raise ValueError(f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} "
+                             "(auto, float32, float16, bfloat16)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.quantization in ("none", ""):

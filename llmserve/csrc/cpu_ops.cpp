@@ -122,6 +122,16 @@ inline __m256 load_half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 8 values of a KV cache (float32 or float16) as floats, and back
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return load_half8(p); }
+inline void store_kv(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_kv(const float* src, int64_t n, at::Half* dst) {   // n % 8 == 0; round to nearest even
+  for (int64_t i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // sd[m * G + g] = s[g] * dx[m * G + g]: the float factor of each block's integer dot product.
 template <int MR, typename S>
 inline void block_scales(const S* s, const float* dx, int64_t G, float* sd) {
@@ -553,7 +563,8 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong && D % 16 == 0 &&
               positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0), "rotary: int64 positions, slots");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == num_kv_heads &&
-              k_cache.size(3) == D && k_cache.scalar_type() == at::kFloat, "rotary: cache layout");
+              k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf), "rotary: cache layout");
   const int64_t T = qkv.size(0), ld = qkv.stride(0), half = D / 2, P = cos.size(0);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv = num_kv_heads * D;
   float* p = qkv.data_ptr<float>();
@@ -562,7 +573,7 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < P && slots[t] >= 0 && slots[t] < num_slots, "rotary: position or slot out of range");
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const bool half_cache = k_cache.scalar_type() == at::kHalf;
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pos[t] * D;
@@ -578,8 +589,14 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
           _mm256_storeu_ps(v + i + half, o2);
         }
       }
-      std::copy(row + num_heads * D, row + num_heads * D + kv, kc + slots[t] * kv);
-      std::copy(row + num_heads * D + kv, row + num_heads * D + 2 * kv, vc + slots[t] * kv);
+      const float* knew = row + num_heads * D;
+      if (half_cache) {
+        store_kv(knew, kv, k_cache.data_ptr<at::Half>() + slots[t] * kv);
+        store_kv(knew + kv, kv, v_cache.data_ptr<at::Half>() + slots[t] * kv);
+      } else {
+        store_kv(knew, kv, k_cache.data_ptr<float>() + slots[t] * kv);
+        store_kv(knew + kv, kv, v_cache.data_ptr<float>() + slots[t] * kv);
+      }
     }
   });
 }
@@ -616,14 +633,14 @@ at::Tensor silu_and_mul(const at::Tensor& gu_in) {
 // by block), the group's query heads (G = H / Hkv) score each key while it is in L1, then for each head
 // the softmax and the weighted sum of values with the D/8 accumulators in registers.
 
-template <int D>
-void attend_group(const float* q0, int64_t G, const float* kp, const float* vp, const int64_t* off, int64_t len,
+template <int D, typename C>
+void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const int64_t* off, int64_t len,
                   float sc, float* scores, float* o0) {
   constexpr int R = D / 8;
   const __m256 scv = _mm256_set1_ps(sc);
   int64_t j0 = 0;
   for (; j0 + 8 <= len; j0 += 8) {   // 8 keys at a time: their 8 dot products summed across lanes together
-    const float* kr[8];
+    const C* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = kp + off[j0 + i];
     for (int64_t g = 0; g < G; ++g) {
       const float* qh = q0 + g * D;
@@ -631,20 +648,20 @@ void attend_group(const float* q0, int64_t G, const float* kp, const float* vp, 
       for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + 8 * r), a[i]);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(kr[i] + 8 * r), a[i]);
       }
       _mm256_storeu_ps(scores + g * len + j0, _mm256_mul_ps(hsum8(a), scv));
     }
   }
   for (int64_t j = j0; j < len; ++j) {
-    const float* k = kp + off[j];
+    const C* k = kp + off[j];
     for (int64_t g = 0; g < G; ++g) {
       const float* qh = q0 + g * D;
-      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(k));
-      __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), _mm256_loadu_ps(k + 8));
+      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
+      __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), load8(k + 8));
       for (int r = 2; r < R; r += 2) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_loadu_ps(k + 8 * r), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r + 8), _mm256_loadu_ps(k + 8 * r + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), load8(k + 8 * r), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r + 8), load8(k + 8 * r + 8), s1);
       }
       scores[g * len + j] = hsum(_mm256_add_ps(s0, s1)) * sc;
     }
@@ -669,9 +686,9 @@ void attend_group(const float* q0, int64_t G, const float* kp, const float* vp, 
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (j = 0; j < len; ++j) {
-      const float* v = vp + off[j];
+      const C* v = vp + off[j];
       const __m256 p = _mm256_set1_ps(sg[j]);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, load8(v + 8 * r), acc[r]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(o0 + g * D + 8 * r, _mm256_mul_ps(acc[r], inv));
@@ -686,12 +703,16 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
               context_lens.is_contiguous(), "paged_decode_attention: contiguous caches and tables");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 tables");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "paged_decode_attention: float32 or float16 caches of one shape");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D &&
               (D == 64 || D == 128) && H % Hkv == 0 && k_cache.size(3) == D, "paged_decode_attention: layout");
   const int64_t G = H / Hkv, qld = q.stride(0), old = out.stride(0), num_blocks = k_cache.size(0);
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const bool half_cache = k_cache.scalar_type() == at::kHalf;
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -715,8 +736,12 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
       }
       const float* q0 = qp + b * qld + kvh * G * D;
       float* o0 = op + b * old + kvh * G * D;
-      if (D == 64) attend_group<64>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
-      else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
+      auto attend = [&](auto* kp, auto* vp) {
+        if (D == 64) attend_group<64>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
+        else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
+      };
+      if (half_cache) attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      else attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     }
   });
 }

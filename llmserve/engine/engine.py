@@ -24,7 +24,7 @@ from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, 
 from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model.loader import (ModelSource, gguf_as_hf_folder, load_model, load_model_config,
-                                   resolve_dtype, resolve_model)
+                                   resolve_dtype, resolve_kv_dtype, resolve_model)
 from llmserve.model.sampler import SamplingRow, sample
 from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -70,6 +70,7 @@ class LLMEngine:
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         t0 = time.time()
 
         source = resolve_model(config.model)
@@ -87,12 +88,12 @@ class LLMEngine:
 
         # KV pool size and max_model_len
         block_size = config.block_size
-        per_block = kv_bytes_per_block(mc, block_size, self.dtype)
+        per_block = kv_bytes_per_block(mc, block_size, self.kv_dtype)
         self.tp = None
         if config.tensor_parallel_size > 1:   # plans the split (or refuses it), starts the workers
             from llmserve.engine.tp import TensorParallel
             self.tp = TensorParallel(config, mc)
-            per_block = self.tp.kv_bytes_per_block(block_size, self.dtype)
+            per_block = self.tp.kv_bytes_per_block(block_size, self.kv_dtype)
             self.device = self.tp.device
         try:
             self._init_rest(config, source, mc, reader, block_size, per_block, t0)
@@ -128,7 +129,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.max_queued_requests)
-        self.runner = ModelRunner(self.model, self.model.cfg, num_blocks, block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.model.cfg, num_blocks, block_size, self.device, self.dtype,
+                                  self.kv_dtype)
         if self.tp is not None:
             self.tp.attach(self.runner, num_blocks, block_size)
         self._rows: dict[str, SamplingRow] = {}
@@ -141,11 +143,11 @@ class LLMEngine:
         self.num_spec_accepted = 0
         self.last_step_time = time.time()
         self.load_time = time.time() - t0
-        log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache: %.2f GiB = %d blocks x %d tokens "
+        log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache (%s): %.2f GiB = %d blocks x %d tokens "
                  "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
                  "max_num_batched_tokens %d, prefix caching %s",
                  self.served_model_name, mc.architecture, self.dtype, self.device, self.load_time,
-                 budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
+                 str(self.kv_dtype).removeprefix("torch."), budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
                  capacity // self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off")
 
@@ -184,7 +186,7 @@ class LLMEngine:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         mc = self.model.cfg          # this rank's head counts under tensor parallelism
-        dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
+        dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.kv_dtype,
                                    device=self.device) for _ in range(1)] * mc.num_layers
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)

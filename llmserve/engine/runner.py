@@ -52,20 +52,22 @@ def _zero_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        kv_dtype = kv_dtype or dtype
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # On CPU each layer's cache is an anonymous mapping: zero pages that become resident only as
         # blocks are written, so memory grows with use up to the budget. (torch.empty is not enough:
         # after large frees malloc recycles old memory, and a NaN bit pattern in a masked-out slot
         # still poisons attention's weighted sum. Stale values in reused blocks are finite.)
         alloc = torch.zeros if device.type == "cuda" else _zero_pages
-        self.kv_caches = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.in_place_decode = device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
+        self.kv_caches = [alloc(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)]
+        self.in_place_decode = (device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
+                                and kv_dtype in ops.KV_DTYPES)
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 
     @torch.inference_mode()

@@ -291,7 +291,7 @@ def _spawned_worker(config, rank: int, world: int, init_method: str, ppid: int) 
 def run_worker(config, rank: int, world: int, local_rank: int, init_method: str) -> int:
     """A worker rank: load its shard, then run every step rank 0 broadcasts until told to stop."""
     from llmserve.engine.runner import ModelRunner
-    from llmserve.model.loader import resolve_dtype
+    from llmserve.model.loader import resolve_dtype, resolve_kv_dtype
     torch.set_num_threads(config.resolved_num_threads())
     device = _device(config, local_rank)
     dtype = resolve_dtype(config.dtype, device)
@@ -315,7 +315,8 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     if msg[0] == "stop":
         return 0
     _, num_blocks, block_size = msg
-    runner = ModelRunner(model, model.cfg, num_blocks, block_size, device, dtype)
+    runner = ModelRunner(model, model.cfg, num_blocks, block_size, device, dtype,
+                         resolve_kv_dtype(config.kv_cache_dtype, dtype))
     dist.all_reduce(torch.zeros(1), group=ctrl)            # "loaded" barrier
     with torch.inference_mode():
         while True:

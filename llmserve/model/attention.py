@@ -55,8 +55,8 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     nkv, d = k_cache.shape[-2:]
-    k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
@@ -73,8 +73,9 @@ def _buffer(slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int) -> torch.Tensor:
-    """[..., max_blocks] block ids -> [..., num_kv_heads, max_blocks * block_size, head_dim].
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., max_blocks] block ids -> [..., num_kv_heads, max_blocks * block_size, head_dim], in `dtype`
+    (the queries'; a cache stored narrower, --kv-cache-dtype, is widened here).
 
     One index_select of whole blocks (each a contiguous run of block_size * heads * dim values),
     several times faster on CPU than advanced indexing with a 2-D index."""
@@ -83,7 +84,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int) -> torch.
     out = _buffer(slot, idx.numel() * bs * nkv * d, cache).view(idx.numel(), bs * nkv * d)
     torch.index_select(cache.view(nb, bs * nkv * d), 0, idx, out=out)
     g = out.view(*block_table.shape[:-1], block_table.shape[-1] * bs, nkv, d)
-    return g.transpose(-3, -2)
+    return g.transpose(-3, -2).to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -98,8 +99,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if ops.paged_decode_attention(out[g.start:g.end], q[g.start:g.end], k_cache, v_cache,
                                       g.block_tables, g.context_lens, scale):
             continue   # read in place from the blocks (the fused CPU kernel)
-        kd = _gather(k_cache, g.block_tables, 0)              # [B, Hkv, L, D]
-        vd = _gather(v_cache, g.block_tables, 1)
+        kd = _gather(k_cache, g.block_tables, 0, q.dtype)     # [B, Hkv, L, D]
+        vd = _gather(v_cache, g.block_tables, 1, q.dtype)
         qd = q[g.start:g.end].unsqueeze(2)                    # [B, H, 1, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(k_cache.shape[1]), scale=scale,
                                            enable_gqa=True)
@@ -113,8 +114,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kp = _gather(k_cache, chunk.block_table, 2)[:, :ctx].unsqueeze(0)
-            vp = _gather(v_cache, chunk.block_table, 3)[:, :ctx].unsqueeze(0)
+            kp = _gather(k_cache, chunk.block_table, 2, q.dtype)[:, :ctx].unsqueeze(0)
+            vp = _gather(v_cache, chunk.block_table, 3, q.dtype)[:, :ctx].unsqueeze(0)
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos      # [n, ctx]
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,

@@ -273,6 +273,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: `auto` stores keys and values in the model's dtype."""
+    return model_dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, torch.device("cpu"))
+
+
 def load_model_config(source: ModelSource):
     """(ModelConfig, gguf reader or None)."""
     if source.kind == "gguf":

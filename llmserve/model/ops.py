@@ -113,6 +113,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+KV_DTYPES = (torch.float32, torch.float16)   # caches the extension's attention reads and writes in place
+
+
 def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> bool:
@@ -120,7 +123,7 @@ def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     paged cache at its slot; False when the caller must do both."""
     ext = _fast(qkv)
     if ext is None or head_dim % 16 or qkv.stride(-1) != 1 or cos.dtype != torch.float32 \
-            or k_cache.dtype != torch.float32:
+            or k_cache.dtype not in KV_DTYPES:
         return False
     ext.rotary_write_kv_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping)
     return True
@@ -131,7 +134,7 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     """Decode rows' attention read in place from the paged cache into `out`; False when the
     caller must gather and use SDPA instead."""
     ext = _fast(q)
-    if ext is None or not IN_PLACE_DECODE or q.shape[-1] not in (64, 128):
+    if ext is None or not IN_PLACE_DECODE or q.shape[-1] not in (64, 128) or k_cache.dtype not in KV_DTYPES:
         return False
     ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return True

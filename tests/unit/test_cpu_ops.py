@@ -121,8 +121,9 @@ def test_silu_and_mul(ext):
     assert close(ext.silu_and_mul(gu), F.silu(g) * u, 1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_in_place_and_kv_written(ext, head_dim):
+def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
     T, H, Hk, D = 5, 4, 2, head_dim
     qkv = torch.randn(T, (H + 2 * Hk) * D)
     pos = torch.tensor([0, 3, 9, 31, 2])
@@ -132,11 +133,15 @@ def test_rotary_in_place_and_kv_written(ext, head_dim):
     q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
     rq, rk = _rotate(q, cos[pos][:, None], sin[pos][:, None]), _rotate(k, cos[pos][:, None], sin[pos][:, None])
     v = qkv[:, (H + Hk) * D:].clone()
-    kc, vc = torch.zeros(3, 16, Hk, D), torch.zeros(3, 16, Hk, D)
+    kc, vc = torch.zeros(3, 16, Hk, D, dtype=cache_dtype), torch.zeros(3, 16, Hk, D, dtype=cache_dtype)
     ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, slots)
     assert close(qkv[:, :H * D].view(T, H, D), rq) and close(qkv[:, H * D:(H + Hk) * D].view(T, Hk, D), rk)
     assert torch.equal(qkv[:, (H + Hk) * D:], v)
-    assert close(kc.view(-1, Hk, D)[slots], rk) and torch.equal(vc.view(-1, Hk, D)[slots], v.view(T, Hk, D))
+    # the cache holds the rotated keys and the values, rounded as torch rounds to its dtype (float16:
+    # to nearest, ties to even)
+    written_k = qkv[:, H * D:(H + Hk) * D].view(T, Hk, D).to(cache_dtype)
+    assert torch.equal(kc.view(-1, Hk, D)[slots], written_k)
+    assert torch.equal(vc.view(-1, Hk, D)[slots], v.view(T, Hk, D).to(cache_dtype))
     untouched = torch.ones(48, dtype=torch.bool)
     untouched[slots] = False
     assert kc.view(-1, Hk, D)[untouched].abs().sum() == 0
@@ -144,11 +149,12 @@ def test_rotary_in_place_and_kv_written(ext, head_dim):
         ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, torch.tensor([7, 0, 48, 12, 5]))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_attention(ext, head_dim):
+def test_paged_decode_attention(ext, head_dim, cache_dtype):
     torch.manual_seed(0)
     B, H, Hk, D, NB, BS = 4, 6, 2, head_dim, 40, 16
-    kc, vc = torch.randn(NB, BS, Hk, D), torch.randn(NB, BS, Hk, D)
+    kc, vc = torch.randn(NB, BS, Hk, D).to(cache_dtype), torch.randn(NB, BS, Hk, D).to(cache_dtype)
     lens = torch.tensor([1, 17, 100, 33])
     tables = torch.stack([torch.randperm(NB)[:7] for _ in range(B)])
     qkv = torch.randn(B, (H + 2) * D)   # strided query rows, as the model passes them
@@ -157,14 +163,16 @@ def test_paged_decode_attention(ext, head_dim):
     ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.1)
     for b in range(B):
         n = int(lens[b])
-        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None]
-        v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None]
+        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()   # the stored values, widened
+        v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()
         ref = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.1, enable_gqa=True)[0, :, 0]
         assert close(out[b], ref, 1e-5)
     bad = tables.clone()
     bad[2, 3] = NB   # a block id outside the cache is refused, not read
     with pytest.raises(RuntimeError):
         ext.paged_decode_attention_(out, q, kc, vc, bad, lens, 0.1)
+    with pytest.raises(RuntimeError):   # keys and values of different types are refused
+        ext.paged_decode_attention_(out, q, kc, vc.double(), tables, lens, 0.1)
 
 
 def test_bad_input_is_an_error_not_a_crash(ext):
