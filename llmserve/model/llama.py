@@ -217,7 +217,7 @@ class LlamaModel(nn.Module):
         the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax)."""
         x = self.embed_tokens(input_ids)
         residual = None
-        stack = self._fused_decode(x, meta)
+        stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
         if stack is not None:   # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
             x, residual = stack.run(x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)

@@ -105,6 +105,20 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy_output(llm, ll
     assert half.engine.kv.num_free_blocks == half.engine.num_blocks
 
 
+def test_bfloat16_kv_cache_serves_through_the_sdpa_path(llm_factory, prompt_ids, reference):
+    """bfloat16 blocks are not read by the CPU kernels: every step goes through the module path
+    (write with a cast, gather and widen for SDPA). It serves a chunked batch and returns its blocks;
+    a prompt that fits one chunk attends to its own unrounded keys, so its first token is exact."""
+    bf = llm_factory(max_num_batched_tokens=256, kv_cache_memory=0.25, kv_cache_dtype="bfloat16")
+    assert bf.engine.runner.kv_caches[0].dtype is torch.bfloat16 and not bf.engine.runner.in_place_decode
+    got = _greedy(bf, prompt_ids)
+    assert all(len(g) == MAX_TOKENS or g[-1] == 2 for g in got)
+    for g, r, ids in zip(got, reference, prompt_ids):
+        if len(ids) <= 256:
+            assert g[0] == r[0]
+    assert bf.engine.kv.num_free_blocks == bf.engine.num_blocks
+
+
 def test_greedy_unchanged_without_prefix_caching(llm_factory, prompt_ids, reference):
     llm = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, enable_prefix_caching=False)
     got = _greedy(llm, prompt_ids + prompt_ids[:3])     # repeats would hit the cache if it were on
