@@ -48,6 +48,9 @@ class EngineStats:
     last_step_time: float
     spec_decode_num_draft_tokens: int = 0      # speculative decoding: tokens proposed
     spec_decode_num_accepted_tokens: int = 0   # and accepted by verification
+    block_size: int = 16                       # configuration, for llmserve:cache_config_info
+    cache_dtype: str = "float32"
+    enable_prefix_caching: bool = True
 
 
 def _merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -428,4 +431,6 @@ class LLMEngine:
             prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions, steps=self.steps, last_step_time=self.last_step_time,
             spec_decode_num_draft_tokens=self.num_spec_proposed,
-            spec_decode_num_accepted_tokens=self.num_spec_accepted)
+            spec_decode_num_accepted_tokens=self.num_spec_accepted,
+            block_size=self.block_size, cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            enable_prefix_caching=self.config.enable_prefix_caching)

@@ -56,6 +56,10 @@ class _EngineCollector:
                       s.spec_decode_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted by verification.",
                       s.spec_decode_num_accepted_tokens)
+        info = GaugeMetricFamily(P + "cache_config_info", "KV cache configuration (labels; the value is 1).",
+                                 labels=labels + ["block_size", "cache_dtype", "enable_prefix_caching", "num_blocks"])
+        info.add_metric(v + [str(s.block_size), s.cache_dtype, str(s.enable_prefix_caching), str(s.num_blocks)], 1)
+        yield info
         yield from _cuda_metrics(labels, v)
 
 

@@ -52,6 +52,11 @@ def test_models_and_probes(server, client):
     assert httpx.get(server.url + "/version").json()["version"]
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
+    m = server.metrics(headers=H)   # the KV cache's configuration, as vLLM's cache_config_info
+    (info,) = [k for k in m if k.startswith("llmserve:cache_config_info{")]
+    blocks = int(m["llmserve:kv_cache_num_blocks"])
+    assert m[info] == 1 and 'block_size="16"' in info and 'cache_dtype="float32"' in info
+    assert 'enable_prefix_caching="True"' in info and f'num_blocks="{blocks}"' in info
 
 
 def test_chat_stream_equals_non_stream(client, server):
