@@ -74,6 +74,7 @@ class LLMEngine:
         self.device = torch.device(dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")   # float32, float16, ...
         t0 = time.time()
 
         source = resolve_model(config.model)
@@ -150,7 +151,7 @@ class LLMEngine:
                  "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
                  "max_num_batched_tokens %d, prefix caching %s",
                  self.served_model_name, mc.architecture, self.dtype, self.device, self.load_time,
-                 str(self.kv_dtype).removeprefix("torch."), budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
+                 self.kv_dtype_name, budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
                  capacity // self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off")
 
@@ -189,8 +190,8 @@ class LLMEngine:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         mc = self.model.cfg          # this rank's head counts under tensor parallelism
-        dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.kv_dtype,
-                                   device=self.device) for _ in range(1)] * mc.num_layers
+        dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim,
+                                   dtype=self.kv_dtype, device=self.device) for _ in range(1)] * mc.num_layers
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange((n + 15) // 16, device=self.device))])
@@ -432,5 +433,5 @@ class LLMEngine:
             num_preemptions=s.num_preemptions, steps=self.steps, last_step_time=self.last_step_time,
             spec_decode_num_draft_tokens=self.num_spec_proposed,
             spec_decode_num_accepted_tokens=self.num_spec_accepted,
-            block_size=self.block_size, cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            block_size=self.block_size, cache_dtype=self.kv_dtype_name,
             enable_prefix_caching=self.config.enable_prefix_caching)
