@@ -14,7 +14,40 @@ from llmserve.config import EngineConfig
 from llmserve.engine.engine import LLMEngine
 from llmserve.engine.request import CompletionOutput, RequestOutput, SamplingParams
 
-Prompt = str | list[int]
+# A prompt as vLLM's LLM.generate takes it: text, token ids, or a TextPrompt / TokensPrompt dict
+# ({"prompt": "..."} or {"prompt_token_ids": [...]}, either with an optional "cache_salt").
+Prompt = str | list[int] | dict
+
+
+def _is_one_prompt(prompts) -> bool:
+    return (isinstance(prompts, (str, dict))
+            or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
+
+
+def _parse_prompt(prompt: Prompt, index: int) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, token ids, cache salt) of one prompt; exactly one of text and ids is set."""
+    if isinstance(prompt, str):
+        return prompt, None, None
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown:
+            raise ValueError(f"prompts[{index}]: unsupported keys {sorted(unknown)} (llmserve takes text: "
+                             f"'prompt', or token ids: 'prompt_token_ids', and 'cache_salt')")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"prompts[{index}]: give exactly one of 'prompt' and 'prompt_token_ids'")
+        salt = prompt.get("cache_salt")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"prompts[{index}]: 'prompt' must be a string")
+            return prompt["prompt"], None, salt
+        prompt = prompt["prompt_token_ids"]
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompts[{index}]: 'prompt_token_ids' must be a list of token ids")
+        return None, list(prompt), salt
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt), None
+    raise ValueError(f"prompts[{index}]: a prompt is a string, a list of token ids or a dict, "
+                     f"got {type(prompt).__name__}")
 
 
 class LLM:
@@ -28,7 +61,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -54,7 +87,8 @@ class LLM:
              priority: Sequence[int] | None) -> list[RequestOutput]:
         engine = self.engine
         # Validate everything before queueing anything, so a bad prompt queues nothing.
-        encoded = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        parsed = [_parse_prompt(p, i) for i, p in enumerate(prompts)]
+        encoded = [engine.tokenizer.encode(text) if ids is None else ids for text, ids, _ in parsed]
         for ids, p in zip(encoded, params):
             engine.validate_prompt(ids, p)
         children: dict[str, tuple[int, int]] = {}      # child request id -> (prompt index, sample index)
@@ -63,7 +97,7 @@ class LLM:
                 child = p if p.n == 1 else p.clone(n=1, seed=None if p.seed is None else p.seed + j)
                 rid = f"llm-{next(self._ids)}"
                 engine.add_request(ids, child, request_id=rid,
-                                   priority=priority[i] if priority else 0)
+                                   priority=priority[i] if priority else 0, cache_salt=parsed[i][2])
                 children[rid] = (i, j)
         finals: dict[str, RequestOutput] = {}
         bar = None
@@ -93,7 +127,7 @@ class LLM:
             comp: CompletionOutput = out.outputs[0]
             comp.index = j
             if results[i] is None:
-                out.prompt = prompts[i] if isinstance(prompts[i], str) else None
+                out.prompt = parsed[i][0]
                 results[i] = out
             else:
                 results[i].outputs.append(comp)

@@ -45,7 +45,7 @@ class ServerSettings:
     request_timeout: float | None = None    # seconds; past it a request is aborted
     max_request_body_bytes: int = 4 * 1024 * 1024
     read_timeout: float = 30.0              # seconds for a request's headers, and again for its body
-    sse_ping_interval: float = 10.0
+    sse_ping_interval: float = 0.0          # seconds between ': ping' comments while a stream waits; 0: none
     ready_stall_seconds: float = 120.0      # /ready fails if the engine loop made no progress this long
     log_prompts: bool = False
     retry_after_seconds: int = 1
@@ -182,7 +182,7 @@ class GuardMiddleware:
         except ValueError:
             declared = 0
         if declared > limit:
-            return await self._too_large(scope, receive, send, limit)
+            return await self._too_large(scope, receive, send, limit, headers, s.read_timeout)
         seen = 0
         started = False
         body_done = False
@@ -205,6 +205,8 @@ class GuardMiddleware:
                 if not msg.get("more_body"):
                     body_done = True
                 if seen > limit:
+                    if not body_done:
+                        await _drain_body(receive, read_timeout)
                     raise _BodyRefused(_too_large_error(limit))
             return msg
 
@@ -221,8 +223,38 @@ class GuardMiddleware:
                 await e.error.response()(scope, receive, send)
 
     @staticmethod
-    async def _too_large(scope, receive, send, limit):
+    async def _too_large(scope, receive, send, limit, headers, read_timeout):
+        # A client that waits for "100 Continue" has sent no body: answer at once, it sends none.
+        if headers.get("expect", "").lower() != "100-continue":
+            await _drain_body(receive, read_timeout)
         await _too_large_error(limit).response()(scope, receive, send)
+
+
+DRAIN_MAX_BYTES = 64 * 1024 * 1024   # of an oversize body, read and discarded before the 413
+
+
+async def _drain_body(receive, read_timeout: float) -> None:
+    """Read and discard the rest of a refused body (up to DRAIN_MAX_BYTES, within the read timeout or
+    30 s), as nginx's lingering close does: a client that writes its whole body before reading the answer
+    (urllib, requests) would otherwise have its connection reset mid-upload and never see the 413."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (read_timeout or 30.0)
+    drained = 0
+    while drained <= DRAIN_MAX_BYTES:
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        getter = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({getter}, timeout=left)
+        if not done:
+            getter.cancel()
+            return
+        msg = getter.result()
+        if msg["type"] != "http.request":
+            return   # the client went away
+        drained += len(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -636,16 +668,17 @@ class _Generation:
         getter: asyncio.Task | None = None
         try:
             while pending:
-                timeout = self.s.sse_ping_interval
+                timeout = self.s.sse_ping_interval or None
                 if deadline is not None:
                     left = deadline - time.time()
                     if left <= 0:
                         raise APIError(504, f"the request took longer than the server's request timeout "
                                             f"of {self.s.request_timeout:g} s", code="request_timeout")
-                    timeout = min(timeout, left)
+                    timeout = left if timeout is None else min(timeout, left)
                 getter = getter or asyncio.ensure_future(queue.get())
                 if not (await asyncio.wait({getter}, timeout=timeout))[0]:
-                    yield None
+                    if self.s.sse_ping_interval:
+                        yield None
                     continue
                 index, item = getter.result()
                 getter = None

@@ -81,8 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client has to send a request's headers, and again its body (slow clients "
                         "are cut off: slowloris); 0: no limit")
-    g.add_argument("--sse-ping-interval", type=float, default=10.0,
-                   help="seconds between SSE comment pings while a stream waits (keeps proxies open)")
+    g.add_argument("--sse-ping-interval", type=float, default=0.0,
+                   help="seconds between SSE comment pings (': ping') while a stream waits for its next "
+                        "token; 0 (default): none, as vLLM and OpenAI send none. Set it behind proxies that "
+                        "cut idle streams; some clients (vllm bench serve) drop streams that carry comments")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
