@@ -1,0 +1,143 @@
+"""Random-weight checkpoints of real model shapes, for speed and memory benchmarks (never in CI).
+
+A random-weight model of a real shape costs what the real one costs: same matmuls, same bytes, same KV
+cache. Weights are written tensor by tensor (a safetensors header first, then each tensor generated,
+written and dropped), so an 8B checkpoint never sits in memory whole. The tokenizer is the bundled
+model's (49,152 tokens); benchmarks ignore EOS.
+
+    python benchmarks/make_checkpoint.py --shape 1b --out ~/ckpt/llama-1b            # bfloat16 safetensors
+    python benchmarks/make_checkpoint.py --shape 8b --out ~/ckpt/llama-8b --gguf Q4_K_M
+        # + llama.cpp's convert_hf_to_gguf.py (f16) and llama-quantize: ~/ckpt/llama-8b/model-Q4_K_M.gguf
+
+`--gguf` needs llama.cpp built (`../shared/peers/llama-cpp.sh build`) and `sentencepiece` importable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+SHAPES = {   # Llama-3.x shapes with the bundled 49,152-token vocabulary
+    "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+VOCAB = 49152
+
+
+def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, m, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    out = [("model.embed_tokens.weight", (VOCAB, h))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                (p + "mlp.gate_proj.weight", (m, h)), (p + "mlp.up_proj.weight", (m, h)),
+                (p + "mlp.down_proj.weight", (h, m))]
+    out.append(("model.norm.weight", (h,)))
+    if not c["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (VOCAB, h)))
+    return out
+
+
+def random_bf16(shape: tuple[int, ...], rng: np.random.Generator, norm: bool) -> bytes:
+    """bfloat16 bytes: ones for norms, N(0, 0.02) elsewhere (the upper halves of float32 values)."""
+    if norm:
+        x = np.ones(shape, dtype=np.float32)
+    else:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        x *= 0.02
+    return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def write_safetensors(path: str, shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> None:
+    header, offset = {}, 0
+    for name, shape in shapes:
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    rng = np.random.default_rng(seed)
+    with open(path + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in shapes:
+            f.write(random_bf16(shape, rng, name.endswith("norm.weight")))
+    os.replace(path + ".tmp", path)
+
+
+def bundled_tokenizer_folder() -> str:
+    from llmserve.model.loader import bundled_model_path, gguf_as_hf_folder
+    return gguf_as_hf_folder(bundled_model_path())
+
+
+def write_checkpoint(shape: str, out: str, seed: int = 0) -> str:
+    import transformers
+    c = SHAPES[shape]
+    os.makedirs(out, exist_ok=True)
+    tok = bundled_tokenizer_folder()
+    for name in os.listdir(tok):
+        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
+            shutil.copy(os.path.join(tok, name), out)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                                   bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+                                   rope_theta=500000.0, **c)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(out)
+    target = os.path.join(out, "model.safetensors")
+    if not os.path.exists(target):
+        write_safetensors(target, tensor_shapes(c), seed)
+    return out
+
+
+def llama_cpp_dir() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "..", "shared", "peers", "llama-cpp.sh")
+    return subprocess.run(["bash", script, "dir"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def to_gguf(folder: str, quant: str) -> str:
+    """llama.cpp's converter (to f16, or straight to q8_0) and llama-quantize for the other types."""
+    src = llama_cpp_dir()
+    target = os.path.join(folder, f"model-{quant}.gguf")
+    if os.path.exists(target):
+        return target
+    direct = quant in ("F16", "Q8_0", "BF16")
+    first = target if direct else os.path.join(folder, "model-F16.gguf")
+    if not os.path.exists(first):
+        env = {**os.environ, "PYTHONPATH": os.path.join(src, "gguf-py")}
+        subprocess.run([sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), folder, "--outfile", first,
+                        "--outtype", quant.lower() if direct else "f16"], check=True, env=env)
+    if not direct:
+        subprocess.run([os.path.join(src, "build", "bin", "llama-quantize"), first, target, quant], check=True)
+    return target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gguf", nargs="*", default=[], help="GGUF types to make, e.g. Q8_0 Q4_K_M")
+    args = ap.parse_args()
+    folder = write_checkpoint(args.shape, os.path.expanduser(args.out), args.seed)
+    print(folder)
+    for q in args.gguf:
+        print(to_gguf(folder, q))
+
+
+if __name__ == "__main__":
+    main()
