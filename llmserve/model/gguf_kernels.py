@@ -1,0 +1,118 @@
+"""GGUF's quantized tensors used as the file holds them: dequantization and matmuls on the raw blocks.
+
+`llmserve/csrc/gguf_ops.cpp` (AVX2 + FMA + F16C) is compiled on first use, as ops.cpu_kernels() compiles
+cpu_ops.cpp (its own extension module for now; `LLMSERVE_CPU_KERNELS=0`, a CPU without AVX2 or no
+compiler: the NumPy / PyTorch fallbacks below do the same work, slower). A weight is the tensor's bytes,
+a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's blocks):
+
+* `dequantize(raw, qtype, K)` -> float32 [N, K], bit-exact with `gguf.quants.dequantize`;
+* `linear(x, raw, qtype, K)` -> x [M, K] @ dequantize(raw).T: below MANY_ROWS rows integer dot products
+  straight on the blocks (x rounded to int8 per 256 values for the K-quants, per 32 for the rest),
+  above it weight tiles dequantized to float32 and multiplied with at::mm.
+
+Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
+its number or its name).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+log = logging.getLogger("llmserve.gguf_kernels")
+
+# GGMLQuantizationType's numbers -> (values per block, bytes per block)
+BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}
+NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
+         13: "Q5_K", 14: "Q6_K"}
+# x with fewer rows than this: the integer dots (each pass over the weights serves 4 rows of x; at 16
+# rows, 8B-sized Q4_K / Q6_K matrices, they still beat dequantize-and-at::mm: see benchmarks/gguf_kernels.py)
+MANY_ROWS = 32
+
+_EXT = None
+_TRIED = False
+
+
+def gguf_kernels():
+    """The compiled extension module, or None where it cannot be used (built once per process)."""
+    global _EXT, _TRIED
+    if _TRIED:
+        return _EXT
+    _TRIED = True
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("gguf kernels: this CPU lacks AVX2; using NumPy / PyTorch")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "gguf_ops.cpp")
+        _EXT = load(name="llmserve_gguf_ops", sources=[src], verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:   # no compiler, no ninja
+        log.warning("gguf kernels: could not build llmserve/csrc/gguf_ops.cpp (%s); using NumPy / PyTorch", e)
+        _EXT = None
+    return _EXT
+
+
+def qtype_number(qtype) -> int:
+    """A GGMLQuantizationType, its number or its name -> its number; ValueError for the unsupported."""
+    if isinstance(qtype, str):
+        num = next((n for n, name in NAMES.items() if name == qtype.upper()), None)
+    else:
+        num = int(qtype)
+    if num not in BLOCKS:
+        raise ValueError(f"gguf kernels: unsupported quantization type {qtype!r} "
+                         f"(supported: {', '.join(NAMES.values())})")
+    return num
+
+
+def row_bytes(qtype, K: int) -> int:
+    """Bytes of one row of K values."""
+    block, size = BLOCKS[qtype_number(qtype)]
+    if K <= 0 or K % block:
+        raise ValueError(f"gguf kernels: K = {K} is not a multiple of {NAMES[qtype_number(qtype)]}'s {block}-value blocks")
+    return K // block * size
+
+
+def _check(raw: torch.Tensor, num: int, K: int) -> None:
+    if raw.dtype is not torch.uint8 or raw.dim() != 2:
+        raise ValueError(f"gguf kernels: raw must be a uint8 tensor [N, row_bytes], got {raw.dtype} {tuple(raw.shape)}")
+    if raw.shape[1] != row_bytes(num, K):
+        raise ValueError(f"gguf kernels: raw has {raw.shape[1]} bytes a row; K = {K} of {NAMES[num]} takes "
+                         f"{row_bytes(num, K)}")
+
+
+def _numpy_dequantize(raw: torch.Tensor, num: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+    data = raw.contiguous().numpy()
+    if num == 30:   # older gguf packages lack BF16: the upper half of a float32
+        w = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        w = quants.dequantize(data, GGMLQuantizationType(num))
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def dequantize(raw: torch.Tensor, qtype, K: int) -> torch.Tensor:
+    """float32 [N, K]: the values of raw (uint8 [N, row_bytes], GGUF blocks of qtype), as gguf computes them."""
+    num = qtype_number(qtype)
+    _check(raw, num, K)
+    ext = gguf_kernels()
+    if ext is not None and raw.device.type == "cpu":
+        return ext.dequantize(raw, num, K)
+    return _numpy_dequantize(raw.cpu(), num).to(raw.device)
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = MANY_ROWS) -> torch.Tensor:
+    """x [M, K] @ dequantize(raw).T, float32 [M, N]; fewer than many_rows rows through the integer dots."""
+    num = qtype_number(qtype)
+    _check(raw, num, K)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"gguf kernels: x must be [M, {K}], got {tuple(x.shape)}")
+    ext = gguf_kernels()
+    if ext is not None and x.dtype is torch.float32 and x.device.type == "cpu" and raw.device.type == "cpu":
+        return ext.linear(x, raw, num, K, many_rows)
+    return x.float() @ dequantize(raw, num, K).to(x.device).t()
