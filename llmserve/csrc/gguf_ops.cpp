@@ -312,6 +312,37 @@ at::Tensor dequantize(const at::Tensor& raw, int64_t qtype, int64_t K) {
 // Activations for the integer dots: each row of x rounded to int8 in blocks of B values (256 for the
 // K-quants, 32 otherwise), scale dx = max|x| / 127 per block, and the sums of every 16 rounded values.
 
+// B values of x -> q[0..B-1], *dx, sum16[0..B/16-1].
+void round_block(const float* v, int64_t B, int8_t* q, float* dx, int16_t* sum16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t k = 0; k < B; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  *dx = amax / 127.0f;
+  const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  for (int64_t k = 0; k < B; k += 32) {
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j)
+      i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + k + 8 * j), inv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // packs work within 128-bit lanes; the permute puts the 32 values back in order
+    const __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), p);
+    int32_t t[16];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi32(i[0], i[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 8), _mm256_add_epi32(i[2], i[3]));
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int j = 0; j < 8; ++j) sum += t[8 * h + j];
+      sum16[k / 16 + h] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
 struct Acts {
   int64_t K, B;
   std::vector<int8_t> q;        // [M, K]
@@ -319,37 +350,10 @@ struct Acts {
   std::vector<int16_t> sum16;   // [M, K / 16]
   Acts(const at::Tensor& x, int64_t B) : K(x.size(1)), B(B), q(x.numel()), dx(x.numel() / B), sum16(x.numel() / 16) {
     const float* xp = x.data_ptr<float>();
-    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t blk = 0; blk < x.numel() / B; ++blk) {
-      const float* v = xp + blk * B;
-      __m256 mx = _mm256_setzero_ps();
-      for (int64_t k = 0; k < B; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-      dx[blk] = amax / 127.0f;
-      const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-      for (int64_t k = 0; k < B; k += 32) {
-        __m256i i[4];
-        for (int j = 0; j < 4; ++j)
-          i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + k + 8 * j), inv), rnd));
-        // packs work within 128-bit lanes; the permute puts the 32 values back in order
-        const __m256i p = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + blk * B + k), p);
-        const __m256i s0 = _mm256_add_epi32(i[0], i[1]), s1 = _mm256_add_epi32(i[2], i[3]);
-        int32_t t[16];
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), s0);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 8), s1);
-        for (int h = 0; h < 2; ++h) {
-          int32_t s = 0;
-          for (int j = 0; j < 8; ++j) s += t[8 * h + j];
-          sum16[(blk * B + k) / 16 + h] = static_cast<int16_t>(s);
-        }
-      }
-    }
+    at::parallel_for(0, x.numel() / B, 4096 / B, [&](int64_t b, int64_t e) {
+      for (int64_t blk = b; blk < e; ++blk)
+        round_block(xp + blk * B, B, q.data() + blk * B, dx.data() + blk, sum16.data() + blk * B / 16);
+    });
   }
 };
 
@@ -419,7 +423,8 @@ void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t
         if constexpr (T::kSigned) xv = _mm256_sign_epi8(xv, q);
         __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xv), ones);
         const int32_t xsum = a.sum16[2 * blk] + a.sum16[2 * blk + 1];
-        if constexpr (T::kZero != 0) dot = _mm256_sub_epi32(dot, _mm256_setr_epi32(T::kZero * xsum, 0, 0, 0, 0, 0, 0, 0));
+        if constexpr (T::kZero != 0)   // (in one lane: the lanes are summed in the end)
+          dot = _mm256_sub_epi32(dot, _mm256_setr_epi32(T::kZero * xsum, 0, 0, 0, 0, 0, 0, 0));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(h.d * a.dx[blk]), acc[m]);
         if constexpr (T::kMin) macc[m] += h.m * a.dx[blk] * static_cast<float>(xsum);
       }

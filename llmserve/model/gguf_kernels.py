@@ -6,9 +6,9 @@ compiler: the NumPy / PyTorch fallbacks below do the same work, slower). A weigh
 a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's blocks):
 
 * `dequantize(raw, qtype, K)` -> float32 [N, K], bit-exact with `gguf.quants.dequantize`;
-* `linear(x, raw, qtype, K)` -> x [M, K] @ dequantize(raw).T: below MANY_ROWS rows integer dot products
-  straight on the blocks (x rounded to int8 per 256 values for the K-quants, per 32 for the rest),
-  above it weight tiles dequantized to float32 and multiplied with at::mm.
+* `linear(x, raw, qtype, K, many_rows)` -> x [M, K] @ dequantize(raw).T: below many_rows rows integer dot
+  products straight on the blocks (x rounded to int8 per 256 values for the K-quants, per 32 for the
+  rest), from many_rows on weight tiles dequantized to float32 and multiplied with at::mm.
 
 Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
 its number or its name).
@@ -28,9 +28,11 @@ BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22
           12: (256, 144), 13: (256, 176), 14: (256, 210)}
 NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
          13: "Q5_K", 14: "Q6_K"}
-# x with fewer rows than this: the integer dots (each pass over the weights serves 4 rows of x; at 16
-# rows, 8B-sized Q4_K / Q6_K matrices, they still beat dequantize-and-at::mm: see benchmarks/gguf_kernels.py)
-MANY_ROWS = 32
+# x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
+# float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
+# 1.4x at 256 to 1024 rows, benchmarks/gguf_kernels.py), so by default never (as llama.cpp, whose
+# prefill also rounds activations to int8); a caller wanting float32-exact prefill passes many_rows.
+MANY_ROWS = 1 << 62
 
 _EXT = None
 _TRIED = False
@@ -72,9 +74,10 @@ def qtype_number(qtype) -> int:
 
 def row_bytes(qtype, K: int) -> int:
     """Bytes of one row of K values."""
-    block, size = BLOCKS[qtype_number(qtype)]
+    num = qtype_number(qtype)
+    block, size = BLOCKS[num]
     if K <= 0 or K % block:
-        raise ValueError(f"gguf kernels: K = {K} is not a multiple of {NAMES[qtype_number(qtype)]}'s {block}-value blocks")
+        raise ValueError(f"gguf kernels: K = {K} is not a multiple of {NAMES[num]}'s {block}-value blocks")
     return K // block * size
 
 
@@ -116,3 +119,25 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = M
     if ext is not None and x.dtype is torch.float32 and x.device.type == "cpu" and raw.device.type == "cpu":
         return ext.linear(x, raw, num, K, many_rows)
     return x.float() @ dequantize(raw, num, K).to(x.device).t()
+
+
+# byte offsets of the float16 scale / min fields in each quantized block
+_HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of k values of qtype as random blocks, uint8 [n, row_bytes] (tests and benchmarks): random
+    bytes, the float16 scale fields set to finite values of either sign (|d| in [1e-4, 0.05), 2% of them
+    subnormal); F32 / F16 / BF16: normal values."""
+    num = qtype_number(qtype)
+    rng = np.random.default_rng(seed)
+    if num in (0, 1, 30):
+        w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
+        return w.to({0: torch.float32, 1: torch.float16, 30: torch.bfloat16}[num]).view(torch.uint8)
+    block, size = BLOCKS[num]
+    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in _HALF_FIELDS[num]:
+        h = (rng.uniform(1e-4, 0.05, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
+        h[rng.random(h.shape) < 0.02] = np.float16(3e-6)
+        data[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(data.reshape(n, -1))

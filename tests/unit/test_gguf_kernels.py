@@ -1,5 +1,5 @@
 """llmserve/csrc/gguf_ops.cpp against the gguf package's NumPy dequantization, on synthetic blocks of
-every type: random bytes, with the float16 scale fields set to finite values."""
+every type (gguf_kernels.random_blocks: random bytes, the float16 scale fields set to finite values)."""
 from __future__ import annotations
 
 import shutil
@@ -13,10 +13,7 @@ from llmserve.model import gguf_kernels as gk
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-# byte offsets of each block's float16 fields (scales, mins): finite values in a sane range there
-HALF_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
-               Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-QUANTIZED = list(HALF_FIELDS)
+QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 ALL = [Q.F32, Q.F16, Q.BF16] + QUANTIZED
 
 
@@ -29,23 +26,6 @@ def ext():
     return e
 
 
-def synthetic(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """n rows of k values of qtype: random blocks, uint8 [n, row_bytes]."""
-    rng = np.random.default_rng(seed)
-    if qtype == Q.F32:
-        return torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32).view(np.uint8).copy())
-    if qtype in (Q.F16, Q.BF16):
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-        return w.to(torch.float16 if qtype == Q.F16 else torch.bfloat16).view(torch.uint8)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    for off in HALF_FIELDS[qtype]:   # |scale| in [1e-4, 0.05), either sign; a few subnormal halves too
-        h = (rng.uniform(1e-4, 0.05, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
-        h[rng.random(h.shape) < 0.02] = np.float16(3e-6)
-        data[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // block, 2)
-    return torch.from_numpy(data.reshape(n, -1))
-
-
 def reference(raw: torch.Tensor, qtype) -> torch.Tensor:
     if qtype == Q.BF16:   # (older gguf packages lack BF16's dequantization)
         return (raw.numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -55,7 +35,7 @@ def reference(raw: torch.Tensor, qtype) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (13, 4352)])
 def test_dequantize_is_bit_exact(ext, qtype, n, k):
-    raw = synthetic(qtype, n, k, seed=n + k)
+    raw = gk.random_blocks(qtype, n, k, seed=n + k)
     got = gk.dequantize(raw, qtype, k)
     want = torch.as_tensor(reference(raw, qtype))
     assert got.dtype == torch.float32 and got.shape == (n, k)
@@ -75,7 +55,7 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
 def test_linear(ext, qtype, rows):
     n, k = 37, 768
-    raw = synthetic(qtype, n, k, seed=rows)
+    raw = gk.random_blocks(qtype, n, k, seed=rows)
     w = gk.dequantize(raw, qtype, k).double()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[:, 5] *= 20   # an outlier: the per-block scales must follow it
@@ -94,7 +74,7 @@ def test_linear(ext, qtype, rows):
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
 def test_linear_plain_types(ext, qtype):
-    raw = synthetic(qtype, 9, 40)
+    raw = gk.random_blocks(qtype, 9, 40)
     x = torch.randn(3, 40)
     w = gk.dequantize(raw, qtype, 40).double()
     assert torch.allclose(gk.linear(x, raw, qtype, 40).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
@@ -103,7 +83,7 @@ def test_linear_plain_types(ext, qtype):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
 def test_linear_strided_inputs(ext, qtype):
     k = 512
-    raw = synthetic(qtype, 11, k)
+    raw = gk.random_blocks(qtype, 11, k)
     x = torch.randn(k, 3).t()   # not contiguous
     want = gk.linear(x.contiguous(), raw, qtype, k)
     assert torch.equal(gk.linear(x, raw, qtype, k), want)
@@ -115,19 +95,19 @@ def test_linear_strided_inputs(ext, qtype):
 
 
 def test_empty_shapes(ext):
-    raw = synthetic(Q.Q4_K, 5, 256)
+    raw = gk.random_blocks(Q.Q4_K, 5, 256)
     assert gk.linear(torch.zeros(0, 256), raw, Q.Q4_K, 256).shape == (0, 5)
     assert gk.linear(torch.zeros(2, 256), raw[:0], Q.Q4_K, 256).shape == (2, 0)
 
 
 def test_qtype_spellings(ext):
-    raw = synthetic(Q.Q6_K, 3, 256)
+    raw = gk.random_blocks(Q.Q6_K, 3, 256)
     want = gk.dequantize(raw, Q.Q6_K, 256)
     assert torch.equal(gk.dequantize(raw, 14, 256), want) and torch.equal(gk.dequantize(raw, "q6_k", 256), want)
 
 
 def test_bad_arguments_raise(ext):
-    raw = synthetic(Q.Q4_K, 4, 512)
+    raw = gk.random_blocks(Q.Q4_K, 4, 512)
     x = torch.randn(2, 512)
     with pytest.raises(ValueError, match="unsupported"):
         gk.linear(x, raw, Q.Q2_K, 512)
@@ -158,7 +138,7 @@ def test_fallback_without_the_extension(monkeypatch):
     """LLMSERVE_CPU_KERNELS=0 or no compiler: the NumPy dequantization and a float32 matmul."""
     monkeypatch.setattr(gk, "_TRIED", True)
     monkeypatch.setattr(gk, "_EXT", None)
-    raw = synthetic(Q.Q4_K, 6, 256)
+    raw = gk.random_blocks(Q.Q4_K, 6, 256)
     w = gk.dequantize(raw, Q.Q4_K, 256)
     assert torch.equal(w, torch.as_tensor(reference(raw, Q.Q4_K)))
     x = torch.randn(2, 256)
