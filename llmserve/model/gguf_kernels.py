@@ -121,6 +121,19 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = M
     return x.float() @ dequantize(raw, num, K).to(x.device).t()
 
 
+
+def from_reader(tensor) -> tuple[torch.Tensor, int, int]:
+    """(raw, qtype number, K) of a gguf.GGUFReader tensor, raw read in place from the file's memory map
+    (no copy: the kernels never write to it); a 1-D tensor is one row."""
+    import warnings
+    num = qtype_number(int(tensor.tensor_type))
+    K = int(tensor.shape[0])   # GGUF lists the dimensions innermost first
+    data = tensor.data.reshape(-1, row_bytes(num, K)) if tensor.data.dtype == np.uint8 else \
+        tensor.data.reshape(-1, K).view(np.uint8)
+    with warnings.catch_warnings():   # the memory map is read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data), num, K
+
 # byte offsets of the float16 scale / min fields in each quantized block
 _HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 

@@ -94,6 +94,28 @@ def test_linear_strided_inputs(ext, qtype):
     assert torch.equal(gk.dequantize(wide[:, :raw.shape[1]], qtype, k), gk.dequantize(raw, qtype, k))
 
 
+def test_the_bundled_files_tensors(ext, bundled_gguf):
+    """Real blocks: one tensor of each type in the bundled SmolLM2 file (Q4_1, Q8_0, F32), read in place."""
+    reader = gguf.GGUFReader(bundled_gguf)
+    seen = set()
+    for t in reader.tensors:
+        if t.tensor_type in seen:
+            continue
+        seen.add(t.tensor_type)
+        raw, num, k = gk.from_reader(t)
+        raw = raw[:300]   # (the embeddings: 49,152 rows)
+        want = torch.as_tensor(reference(raw, t.tensor_type)).reshape(raw.shape[0], k)
+        assert torch.equal(gk.dequantize(raw, num, k), want), t.name
+        x = torch.randn(2, k)
+        got = gk.linear(x, raw, num, k).double()
+        exact = x.double() @ want.double().t()
+        tol = 1e-5 * (x.double().abs() @ want.double().abs().t())
+        if t.tensor_type != Q.F32:   # the integer dots: x rounded per 32 values
+            tol += rounding_bound(x.double(), want.double(), 32)
+        assert ((got - exact).abs() <= tol).all(), t.name
+    assert {t.name for t in seen} == {"Q4_1", "Q8_0", "F32"}
+
+
 def test_empty_shapes(ext):
     raw = gk.random_blocks(Q.Q4_K, 5, 256)
     assert gk.linear(torch.zeros(0, 256), raw, Q.Q4_K, 256).shape == (0, 5)
