@@ -374,14 +374,17 @@ void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t 
       const ScalesK h = T::header(b);
       __m256i dot[MR];
       for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {
-        const __m256i q = T::quants(b, i);
-        // 16 int16: scale of group 2i in the low lane, of group 2i + 1 in the high one
+      for (int i = 0; i < 8; i += 2) {   // two 32-value vectors at a time
+        const __m256i q0 = T::quants(b, i), q1 = T::quants(b, i + 1);
+        // hadd of their int16 products leaves groups 2i, 2i + 2 in the low lane, 2i + 1, 2i + 3 in the high
+        // one (4 sums each; at most 4 * 63 * 127 in magnitude, within int16): their scales, as 16 int16
+        const int64_t g = 2 * i, four = 0x01010101;
         const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-            h.sc, _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1), 0x0101010101010101LL * (2 * i))));
+            h.sc, _mm_set_epi64x(four * (g + 3) << 32 | four * (g + 1), four * (g + 2) << 32 | four * g)));
         for (int m = 0; m < MR; ++m) {
-          const __m256i xv = load32(a.q.data() + (m0 + m) * a.K + 256 * s + 32 * i);
-          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sc));
+          const int8_t* xm = a.q.data() + (m0 + m) * a.K + 256 * s + 32 * i;
+          const __m256i p = _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, load32(xm)), _mm256_maddubs_epi16(q1, load32(xm + 32)));
+          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, sc));
         }
       }
       const __m256i sc16 = _mm256_cvtepi8_epi16(h.sc), mn16 = _mm256_cvtepi8_epi16(h.mn);

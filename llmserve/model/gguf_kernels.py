@@ -8,7 +8,8 @@ a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's bl
 * `dequantize(raw, qtype, K)` -> float32 [N, K], bit-exact with `gguf.quants.dequantize`;
 * `linear(x, raw, qtype, K, many_rows)` -> x [M, K] @ dequantize(raw).T: below many_rows rows integer dot
   products straight on the blocks (x rounded to int8 per 256 values for the K-quants, per 32 for the
-  rest), from many_rows on weight tiles dequantized to float32 and multiplied with at::mm.
+  rest), from many_rows on (and always for F32 / F16 / BF16) weight tiles dequantized to float32 and
+  multiplied with at::mm.
 
 Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
 its number or its name).

@@ -72,6 +72,25 @@ def test_linear(ext, qtype, rows):
     assert ((tiled - exact).abs() <= 1e-5 * scale).all()
 
 
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
+def test_linear_extreme_blocks(ext, qtype, fill):
+    """Every byte the same (largest quants, scales and mins; Q6_K's scale -128) and x at +-127 after
+    rounding: the int16 / int32 sums must not overflow."""
+    k = 512
+    raw = gk.random_blocks(qtype, 3, k)
+    scales = raw.clone()
+    raw.fill_(fill)
+    for off in gk._HALF_FIELDS[gk.qtype_number(qtype)]:   # keep the random float16 scales
+        block = gguf.GGML_QUANT_SIZES[qtype][1]
+        cols = torch.arange(0, raw.shape[1], block) + off
+        raw[:, cols], raw[:, cols + 1] = scales[:, cols], scales[:, cols + 1]
+    w = gk.dequantize(raw, qtype, k).double()
+    x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
+    got = gk.linear(x, raw, qtype, k).double()
+    assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
 def test_linear_plain_types(ext, qtype):
     raw = gk.random_blocks(qtype, 9, 40)
