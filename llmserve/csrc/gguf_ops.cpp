@@ -360,8 +360,9 @@ struct Acts {
 // ---------------------------------------------------------------------------------------------
 // Integer dots, few rows: out[m, n] for MR rows of x (from x row m0) and weight rows [n0, n1).
 
-// K-quants. Per super-block and row: sum_i madd(maddubs(q_i, x_i), per-16 scales) in int32, less
-// kZero * sum_g sc[g] * sum16[g]; times d * dx; less dmin * dx * sum_g mn[g] * sum16[g].
+// K-quants. Per super-block and row, in int32: sum_g sc[g] * (sum of q * x over group g), the int16
+// products of two 32-value vectors at a time summed pairwise (maddubs, hadd) and scaled (madd); less
+// kZero * sum_g sc[g] * sum16[g]. Times d * dx; less dmin * dx * sum_g mn[g] * sum16[g].
 template <typename T, int MR>
 void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t S = a.K / 256;
@@ -383,7 +384,8 @@ void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t 
             h.sc, _mm_set_epi64x(four * (g + 3) << 32 | four * (g + 1), four * (g + 2) << 32 | four * g)));
         for (int m = 0; m < MR; ++m) {
           const int8_t* xm = a.q.data() + (m0 + m) * a.K + 256 * s + 32 * i;
-          const __m256i p = _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, load32(xm)), _mm256_maddubs_epi16(q1, load32(xm + 32)));
+          const __m256i p =
+              _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, load32(xm)), _mm256_maddubs_epi16(q1, load32(xm + 32)));
           dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, sc));
         }
       }
