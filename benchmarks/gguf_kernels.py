@@ -15,7 +15,13 @@ kernel itself took (stalls on memory included), not the time others held the cor
 random valid blocks (the gguf package cannot quantize to K-quants; the speed does not depend on the
 values).
 
+3. `--gguf FILE`: one decode token's matmuls on a real file (every 2-D tensor, read in place from the
+   memory map, one row of x each; the embeddings only where they are also the LM head): ms a token and
+   GB/s. With `--threads 1 --clock cpu` this compares with llama.cpp's CPU time a token, e.g.
+   `/usr/bin/time llama-bench -m FILE -p 0 -n N -t 1 -r 2` for two N: user time difference / (2 * dN).
+
     python benchmarks/gguf_kernels.py [--threads 2] [--rounds 5] [--clock wall|cpu] [--rows 1,4,16,64,256]
+    python benchmarks/gguf_kernels.py --gguf model-Q4_K_M.gguf --threads 1 --clock cpu
 """
 from __future__ import annotations
 
@@ -81,16 +87,37 @@ def measure(cases: dict, rounds: int, seconds: float) -> dict:
     return {name: statistics.median(v) for name, v in ms.items()}
 
 
+def file_token(path: str, rounds: int) -> None:
+    import gguf
+    reader = gguf.GGUFReader(path)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    mats = [gk.from_reader(t) for t in reader.tensors
+            if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)]
+    xs = {k: torch.randn(1, k) for _, _, k in mats}
+    size = sum(raw.numel() for raw, _, _ in mats)
+
+    def token(_):
+        for raw, num, k in mats:
+            gk.linear(xs[k], raw, num, k)
+    ms = measure({"token": token}, rounds, 1.0)["token"]
+    print(f"{path}: {len(mats)} matrices, {size / 1e6:.0f} MB a token: {ms:.1f} ms a token, "
+          f"{size / ms / 1e6:.1f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,4,16,64,256")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--gguf", help="time one decode token's matmuls on this file instead")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
+    if args.gguf:
+        file_token(args.gguf, args.rounds)
+        return
     huge = 1 << 40
     print(f"threads {args.threads}, {args.clock} clock, median of {args.rounds} rounds\n")
     print("| shape | kernel | bits/weight | MB | ms, 1 row | GB/s |\n|---|---|---|---|---|---|")
