@@ -2,6 +2,7 @@
 every type (gguf_kernels.random_blocks: random bytes, the float16 scale fields set to finite values)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -19,8 +20,9 @@ ALL = [Q.F32, Q.F16, Q.BF16] + QUANTIZED
 
 @pytest.fixture(scope="module")
 def ext():
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("g++"):
-        pytest.skip("no AVX2 or no compiler: the NumPy / PyTorch fallbacks run instead")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("g++") \
+            or os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+        pytest.skip("no AVX2, no compiler or LLMSERVE_CPU_KERNELS=0: the NumPy / PyTorch fallbacks run instead")
     e = gk.gguf_kernels()
     assert e is not None, "the extension must build where AVX2 and a compiler exist"
     return e
