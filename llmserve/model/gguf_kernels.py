@@ -1,0 +1,157 @@
+"""GGUF's quantized tensors used as the file holds them: dequantization and matmuls on the raw blocks.
+
+`llmserve/csrc/gguf_ops.cpp` (AVX2 + FMA + F16C) is compiled on first use, as ops.cpu_kernels() compiles
+cpu_ops.cpp (its own extension module for now; `LLMSERVE_CPU_KERNELS=0`, a CPU without AVX2 or no
+compiler: the NumPy / PyTorch fallbacks below do the same work, slower). A weight is the tensor's bytes,
+a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's blocks):
+
+* `dequantize(raw, qtype, K)` -> float32 [N, K], bit-exact with `gguf.quants.dequantize`;
+* `linear(x, raw, qtype, K, many_rows)` -> x [M, K] @ dequantize(raw).T: below many_rows rows integer dot
+  products straight on the blocks (x rounded to int8 per 256 values for the K-quants, per 32 for the
+  rest), from many_rows on (and always for F32 / F16 / BF16) weight tiles dequantized to float32 and
+  multiplied with at::mm.
+
+Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
+its number or its name).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+log = logging.getLogger("llmserve.gguf_kernels")
+
+# GGMLQuantizationType's numbers -> (values per block, bytes per block)
+BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}
+NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
+         13: "Q5_K", 14: "Q6_K"}
+# x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
+# float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
+# 1.4x at 256 to 1024 rows, benchmarks/gguf_kernels.py), so by default never (as llama.cpp, whose
+# prefill also rounds activations to int8); a caller wanting float32-exact prefill passes many_rows.
+MANY_ROWS = 1 << 62
+
+_EXT = None
+_TRIED = False
+
+
+def gguf_kernels():
+    """The compiled extension module, or None where it cannot be used (built once per process)."""
+    global _EXT, _TRIED
+    if _TRIED:
+        return _EXT
+    _TRIED = True
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("gguf kernels: this CPU lacks AVX2; using NumPy / PyTorch")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "gguf_ops.cpp")
+        _EXT = load(name="llmserve_gguf_ops", sources=[src], verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:   # no compiler, no ninja
+        log.warning("gguf kernels: could not build llmserve/csrc/gguf_ops.cpp (%s); using NumPy / PyTorch", e)
+        _EXT = None
+    return _EXT
+
+
+def qtype_number(qtype) -> int:
+    """A GGMLQuantizationType, its number or its name -> its number; ValueError for the unsupported."""
+    if isinstance(qtype, str):
+        num = next((n for n, name in NAMES.items() if name == qtype.upper()), None)
+    else:
+        num = int(qtype)
+    if num not in BLOCKS:
+        raise ValueError(f"gguf kernels: unsupported quantization type {qtype!r} "
+                         f"(supported: {', '.join(NAMES.values())})")
+    return num
+
+
+def row_bytes(qtype, K: int) -> int:
+    """Bytes of one row of K values."""
+    num = qtype_number(qtype)
+    block, size = BLOCKS[num]
+    if K <= 0 or K % block:
+        raise ValueError(f"gguf kernels: K = {K} is not a multiple of {NAMES[num]}'s {block}-value blocks")
+    return K // block * size
+
+
+def _check(raw: torch.Tensor, num: int, K: int) -> None:
+    if raw.dtype is not torch.uint8 or raw.dim() != 2:
+        raise ValueError(f"gguf kernels: raw must be a uint8 tensor [N, row_bytes], got {raw.dtype} {tuple(raw.shape)}")
+    if raw.shape[1] != row_bytes(num, K):
+        raise ValueError(f"gguf kernels: raw has {raw.shape[1]} bytes a row; K = {K} of {NAMES[num]} takes "
+                         f"{row_bytes(num, K)}")
+
+
+def _numpy_dequantize(raw: torch.Tensor, num: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+    data = raw.contiguous().numpy()
+    if num == 30:   # older gguf packages lack BF16: the upper half of a float32
+        w = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        w = quants.dequantize(data, GGMLQuantizationType(num))
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def dequantize(raw: torch.Tensor, qtype, K: int) -> torch.Tensor:
+    """float32 [N, K]: the values of raw (uint8 [N, row_bytes], GGUF blocks of qtype), as gguf computes them."""
+    num = qtype_number(qtype)
+    _check(raw, num, K)
+    ext = gguf_kernels()
+    if ext is not None and raw.device.type == "cpu":
+        return ext.dequantize(raw, num, K)
+    return _numpy_dequantize(raw.cpu(), num).to(raw.device)
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = MANY_ROWS) -> torch.Tensor:
+    """x [M, K] @ dequantize(raw).T, float32 [M, N]; fewer than many_rows rows through the integer dots."""
+    num = qtype_number(qtype)
+    _check(raw, num, K)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"gguf kernels: x must be [M, {K}], got {tuple(x.shape)}")
+    ext = gguf_kernels()
+    if ext is not None and x.dtype is torch.float32 and x.device.type == "cpu" and raw.device.type == "cpu":
+        return ext.linear(x, raw, num, K, many_rows)
+    return x.float() @ dequantize(raw, num, K).to(x.device).t()
+
+
+
+def from_reader(tensor) -> tuple[torch.Tensor, int, int]:
+    """(raw, qtype number, K) of a gguf.GGUFReader tensor, raw read in place from the file's memory map
+    (no copy: the kernels never write to it); a 1-D tensor is one row."""
+    import warnings
+    num = qtype_number(int(tensor.tensor_type))
+    K = int(tensor.shape[0])   # GGUF lists the dimensions innermost first
+    data = tensor.data.reshape(-1, row_bytes(num, K)) if tensor.data.dtype == np.uint8 else \
+        tensor.data.reshape(-1, K).view(np.uint8)
+    with warnings.catch_warnings():   # the memory map is read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data), num, K
+
+# byte offsets of the float16 scale / min fields in each quantized block
+_HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of k values of qtype as random blocks, uint8 [n, row_bytes] (tests and benchmarks): random
+    bytes, the float16 scale fields set to finite values of either sign (|d| in [1e-4, 0.05), 2% of them
+    subnormal); F32 / F16 / BF16: normal values."""
+    num = qtype_number(qtype)
+    rng = np.random.default_rng(seed)
+    if num in (0, 1, 30):
+        w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
+        return w.to({0: torch.float32, 1: torch.float16, 30: torch.bfloat16}[num]).view(torch.uint8)
+    block, size = BLOCKS[num]
+    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in _HALF_FIELDS[num]:
+        h = (rng.uniform(1e-4, 0.05, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
+        h[rng.random(h.shape) < 0.02] = np.float16(3e-6)
+        data[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(data.reshape(n, -1))

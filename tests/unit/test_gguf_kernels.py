@@ -1,0 +1,188 @@
+"""llmserve/csrc/gguf_ops.cpp against the gguf package's NumPy dequantization, on synthetic blocks of
+every type (gguf_kernels.random_blocks: random bytes, the float16 scale fields set to finite values)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from llmserve.model import gguf_kernels as gk
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ALL = [Q.F32, Q.F16, Q.BF16] + QUANTIZED
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("g++") \
+            or os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+        pytest.skip("no AVX2, no compiler or LLMSERVE_CPU_KERNELS=0: the NumPy / PyTorch fallbacks run instead")
+    e = gk.gguf_kernels()
+    assert e is not None, "the extension must build where AVX2 and a compiler exist"
+    return e
+
+
+def reference(raw: torch.Tensor, qtype) -> torch.Tensor:
+    if qtype == Q.BF16:   # (older gguf packages lack BF16's dequantization)
+        return (raw.numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (13, 4352)])
+def test_dequantize_is_bit_exact(ext, qtype, n, k):
+    raw = gk.random_blocks(qtype, n, k, seed=n + k)
+    got = gk.dequantize(raw, qtype, k)
+    want = torch.as_tensor(reference(raw, qtype))
+    assert got.dtype == torch.float32 and got.shape == (n, k)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32).reshape(n, k))   # the same bits
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """|x @ w.T - x~ @ w.T| for x~ = x rounded to int8 per `block` values (scale dx = max|x| / 127, each
+    value within dx / 2): at most sum over blocks of dx / 2 * sum |w| over the block; [M, N], float64."""
+    M, K = x.shape
+    dx = x.abs().reshape(M, K // block, block).amax(-1) / 127
+    wsum = w.abs().reshape(w.shape[0], K // block, block).sum(-1)
+    return 0.5 * dx @ wsum.t()
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+def test_linear(ext, qtype, rows):
+    n, k = 37, 768
+    raw = gk.random_blocks(qtype, n, k, seed=rows)
+    w = gk.dequantize(raw, qtype, k).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[:, 5] *= 20   # an outlier: the per-block scales must follow it
+    exact = x.double() @ w.t()
+    scale = x.double().abs() @ w.abs().t()   # float32 accumulation: a relative error of the absolute sum
+    # integer dots: x rounded per 256 values (K-quants) or 32 (the rest), within the rounding's bound
+    block = 256 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 32
+    got = gk.linear(x, raw, qtype, k, many_rows=rows + 1).double()
+    assert ((got - exact).abs() <= rounding_bound(x.double(), w, block) + 1e-5 * scale).all()
+    # the rounding errors are independent: typically far inside the worst case
+    assert (got - exact).abs().mean() < 0.1 * rounding_bound(x.double(), w, block).mean()
+    # dequantized tiles and at::mm: float32 accuracy
+    tiled = gk.linear(x, raw, qtype, k, many_rows=rows).double()
+    assert ((tiled - exact).abs() <= 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
+def test_linear_extreme_blocks(ext, qtype, fill):
+    """Every byte the same (largest quants, scales and mins; Q6_K's scale -128) and x at +-127 after
+    rounding: the int16 / int32 sums must not overflow."""
+    k = 512
+    raw = gk.random_blocks(qtype, 3, k)
+    scales = raw.clone()
+    raw.fill_(fill)
+    for off in gk._HALF_FIELDS[gk.qtype_number(qtype)]:   # keep the random float16 scales
+        block = gguf.GGML_QUANT_SIZES[qtype][1]
+        cols = torch.arange(0, raw.shape[1], block) + off
+        raw[:, cols], raw[:, cols + 1] = scales[:, cols], scales[:, cols + 1]
+    w = gk.dequantize(raw, qtype, k).double()
+    x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
+    got = gk.linear(x, raw, qtype, k).double()
+    assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_linear_plain_types(ext, qtype):
+    raw = gk.random_blocks(qtype, 9, 40)
+    x = torch.randn(3, 40)
+    w = gk.dequantize(raw, qtype, 40).double()
+    assert torch.allclose(gk.linear(x, raw, qtype, 40).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_linear_strided_inputs(ext, qtype):
+    k = 512
+    raw = gk.random_blocks(qtype, 11, k)
+    x = torch.randn(k, 3).t()   # not contiguous
+    want = gk.linear(x.contiguous(), raw, qtype, k)
+    assert torch.equal(gk.linear(x, raw, qtype, k), want)
+    # rows of a wider buffer (raw.stride(0) > row_bytes): read in place
+    wide = torch.zeros(11, raw.shape[1] + 64, dtype=torch.uint8)
+    wide[:, :raw.shape[1]] = raw
+    assert torch.equal(gk.linear(x, wide[:, :raw.shape[1]], qtype, k), want)
+    assert torch.equal(gk.dequantize(wide[:, :raw.shape[1]], qtype, k), gk.dequantize(raw, qtype, k))
+
+
+def test_the_bundled_files_tensors(ext, bundled_gguf):
+    """Real blocks: one tensor of each type in the bundled SmolLM2 file (Q4_1, Q8_0, F32), read in place."""
+    reader = gguf.GGUFReader(bundled_gguf)
+    seen = set()
+    for t in reader.tensors:
+        if t.tensor_type in seen:
+            continue
+        seen.add(t.tensor_type)
+        raw, num, k = gk.from_reader(t)
+        raw = raw[:300]   # (the embeddings: 49,152 rows)
+        want = torch.as_tensor(reference(raw, t.tensor_type)).reshape(raw.shape[0], k)
+        assert torch.equal(gk.dequantize(raw, num, k), want), t.name
+        x = torch.randn(2, k)
+        got = gk.linear(x, raw, num, k).double()
+        exact = x.double() @ want.double().t()
+        tol = 1e-5 * (x.double().abs() @ want.double().abs().t())
+        if t.tensor_type != Q.F32:   # the integer dots: x rounded per 32 values
+            tol += rounding_bound(x.double(), want.double(), 32)
+        assert ((got - exact).abs() <= tol).all(), t.name
+    assert {t.name for t in seen} == {"Q4_1", "Q8_0", "F32"}
+
+
+def test_empty_shapes(ext):
+    raw = gk.random_blocks(Q.Q4_K, 5, 256)
+    assert gk.linear(torch.zeros(0, 256), raw, Q.Q4_K, 256).shape == (0, 5)
+    assert gk.linear(torch.zeros(2, 256), raw[:0], Q.Q4_K, 256).shape == (2, 0)
+
+
+def test_qtype_spellings(ext):
+    raw = gk.random_blocks(Q.Q6_K, 3, 256)
+    want = gk.dequantize(raw, Q.Q6_K, 256)
+    assert torch.equal(gk.dequantize(raw, 14, 256), want) and torch.equal(gk.dequantize(raw, "q6_k", 256), want)
+
+
+def test_bad_arguments_raise(ext):
+    raw = gk.random_blocks(Q.Q4_K, 4, 512)
+    x = torch.randn(2, 512)
+    with pytest.raises(ValueError, match="unsupported"):
+        gk.linear(x, raw, Q.Q2_K, 512)
+    with pytest.raises(ValueError, match="unsupported"):
+        gk.dequantize(raw, "Q7_Z", 512)
+    with pytest.raises(ValueError, match="bytes a row"):
+        gk.linear(x, raw, Q.Q4_K, 256)
+    with pytest.raises(ValueError, match="multiple"):
+        gk.dequantize(raw, Q.Q4_K, 300)
+    with pytest.raises(ValueError, match=r"x must be \[M, 512\]"):
+        gk.linear(torch.randn(2, 256), raw, Q.Q4_K, 512)
+    with pytest.raises(ValueError, match="uint8"):
+        gk.dequantize(raw.float(), Q.Q4_K, 512)
+    # the extension checks too, for callers that skip the Python layer
+    with pytest.raises(RuntimeError, match="unsupported"):
+        ext.linear(x, raw, 10, 512, 32)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        ext.dequantize(raw, 12, 256)
+    with pytest.raises(RuntimeError, match="columns"):
+        ext.linear(torch.randn(2, 256), raw, 12, 512, 32)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.dequantize(torch.zeros(4, 2 * raw.shape[1], dtype=torch.uint8)[:, ::2], 12, 512)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.linear(x.double(), raw, 12, 512, 32)
+
+
+def test_fallback_without_the_extension(monkeypatch):
+    """LLMSERVE_CPU_KERNELS=0 or no compiler: the NumPy dequantization and a float32 matmul."""
+    monkeypatch.setattr(gk, "_TRIED", True)
+    monkeypatch.setattr(gk, "_EXT", None)
+    raw = gk.random_blocks(Q.Q4_K, 6, 256)
+    w = gk.dequantize(raw, Q.Q4_K, 256)
+    assert torch.equal(w, torch.as_tensor(reference(raw, Q.Q4_K)))
+    x = torch.randn(2, 256)
+    assert torch.allclose(gk.linear(x, raw, Q.Q4_K, 256), x @ w.t())
