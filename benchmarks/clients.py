@@ -121,13 +121,15 @@ def wait_ready(url: str, path: str, timeout: float, proc=None) -> None:
 class Server:
     """One server at a time on `port`: `llmserve serve` (default flags) or `vllm serve` (vllm-cpu.sh)."""
 
-    def __init__(self, kind: str, port: int, out: str) -> None:
-        self.kind, self.port, self.url = kind, port, f"http://127.0.0.1:{port}"
+    def __init__(self, kind: str, port: int, out: str, attach: bool = False) -> None:
+        self.kind, self.port, self.url, self.attach = kind, port, f"http://127.0.0.1:{port}", attach
         self.log = os.path.join(out, f"{kind}-server.log")
         self.proc = None
 
     def __enter__(self):
-        if self.kind == "llmserve":
+        if self.attach:     # a server already running on the port: use it, leave it running
+            wait_ready(self.url, "/v1/models", 60)
+        elif self.kind == "llmserve":
             self.proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port)],
                                          cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
             wait_ready(self.url, "/ready", 900, self.proc)
@@ -138,6 +140,8 @@ class Server:
         return self
 
     def __exit__(self, *exc):
+        if self.attach:
+            return
         if self.proc is not None:
             self.proc.terminate()
             try:
@@ -228,13 +232,9 @@ def parse_result(client: str, d: str) -> dict:
         return dict(ok=stat("request_count") or 0, failed=int(failed), out_tok_s=stat("output_token_throughput"),
                     ttft_ms=stat("time_to_first_token", "p50"), errors=sorted(set(errs))[:3])
     if client.startswith("llmserve-bench-"):
-        r = json.load(open(os.path.join(d, "bench.json")))
-        p = r["phases"][0] if "phases" in r else r
-        s = p.get("summary", p)
-        errs = [str(x.get("error"))[:300] for x in p.get("requests", []) if x.get("error")]
+        s = json.load(open(os.path.join(d, "bench.json")))["phases"][0]["summary"]
         return dict(ok=s["completed"], failed=s["failed"], out_tok_s=s["output_throughput"],
-                    ttft_ms=s["ttft_ms"]["p50"] if isinstance(s.get("ttft_ms"), dict) else s.get("median_ttft_ms"),
-                    errors=sorted(set(errs))[:3])
+                    ttft_ms=s["ttft_ms"]["median"], errors=sorted(str(e)[:300] for e in s["errors"])[:3])
     raise ValueError(client)
 
 
@@ -247,6 +247,7 @@ def run_client(client: str, server: Server, a, out: str) -> dict:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=d,
                             env={**os.environ, **OFFLINE, "PYTHONPATH": ROOT}).returncode
     res = dict(client=client, server=server.kind, rc=rc, seconds=round(time.time() - t, 1),
+               load=f"{a.num_prompts} x {a.input_len}/{a.output_len} @ {a.concurrency}",
                cmd=" ".join(cmd), started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)))
     try:
         res.update(parse_result(client, d))
@@ -263,7 +264,7 @@ def run_client(client: str, server: Server, a, out: str) -> dict:
 def run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     for kind in a.servers.split(","):
-        with Server(kind, a.port, a.out) as server:
+        with Server(kind, a.port, a.out, a.attach) as server:
             for client in a.clients.split(","):
                 run_client(client, server, a, a.out)
 
@@ -477,8 +478,12 @@ def wire(a) -> None:
         if a.reuse and os.path.exists(path):
             caps[kind] = json.load(open(path))
             continue
-        with Server(kind, a.port, a.out) as server:
+        if a.only and a.only != kind:
+            continue
+        with Server(kind, a.port, a.out, a.attach) as server:
             caps[kind] = capture(server.port, a.out, kind)
+    if a.only:
+        return
     lines = []
     for name in WIRE_CASES:
         dv, dl = describe(caps["vllm"][name]), describe(caps["llmserve"][name])
@@ -506,8 +511,9 @@ def report(a) -> None:
         raise SystemExit(f"no results under {a.out}")
     servers = [s for s in ("llmserve", "vllm") if any(k[1] == s for k in rows)]
     clients = [c for c in CLIENTS if any(k[0] == c for k in rows)]
-    head = "| client | " + " | ".join(f"{s}: ok / failed | out tok/s | TTFT p50" for s in servers) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * len(servers))]
+    head = "| client | requests x in/out tokens @ concurrency | " + " | ".join(
+        f"{s}: ok / failed | out tok/s | TTFT p50" for s in servers) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(servers))]
     for c in clients:
         cells = []
         for s in servers:
@@ -517,7 +523,8 @@ def report(a) -> None:
                 continue
             cells += [f"{r['ok']} / {r['failed']}", f"{r['out_tok_s']:.1f}" if r["out_tok_s"] else "-",
                       f"{r['ttft_ms'] / 1000:.1f} s" if r["ttft_ms"] else "-"]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        loads = sorted({r["load"] for (c2, _), r in rows.items() if c2 == c})
+        lines.append(f"| {c} | {' / '.join(loads)} | " + " | ".join(cells) + " |")
     errs = [f"- {r['server']} / {r['client']}: {e}" for r in rows.values() for e in r["errors"]]
     started = sorted(r["started"] for r in rows.values())
     v = versions()
@@ -526,8 +533,8 @@ def report(a) -> None:
         "~/.cache/llmserve-peers): each load client in its own venv against `llmserve serve` (default flags, "
         "bundled model), then against vLLM's CPU build (`peers/vllm-cpu.sh serve`, float32 folder of the same "
         "GGUF, served as the same name), one server at a time; "
-        f"{a.num_prompts} requests of {a.input_len} random/synthetic tokens, {a.output_len} output tokens "
-        f"(EOS ignored), {a.concurrency} concurrent, streamed. Runs from {started[0]} to {started[-1]}.",
+        "random/synthetic prompts, EOS ignored, streamed (load per row: requests x prompt/output tokens @ "
+        f"concurrency). Runs started from {started[0]} to {started[-1]}.",
         "",
         "**The figures are for failures, not speed**: this 2-core machine was shared with other engineers' "
         "test runs during the measurement (load average 10-15), so tok/s and TTFT are noisy and not comparable "
@@ -553,11 +560,13 @@ def main() -> None:
         p.add_argument("--concurrency", type=int, default=64)
         p.add_argument("--input-len", type=int, default=256)
         p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--attach", action="store_true", help="use the server already on --port (one kind)")
         if name == "run":
             p.add_argument("--servers", default="llmserve,vllm")
             p.add_argument("--clients", default=",".join(CLIENTS))
         if name == "wire":
             p.add_argument("--reuse", action="store_true", help="diff captures already in --out")
+            p.add_argument("--only", choices=["vllm", "llmserve"], help="capture this server only (no diff)")
         if name == "report":
             p.add_argument("--no-write", action="store_true")
             p.add_argument("--extra", default="", help="markdown appended to the section")
