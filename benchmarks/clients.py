@@ -275,6 +275,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello
         "max_tokens": 6, "temperature": 0}
 CMPL = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
 USAGE = {"stream_options": {"include_usage": True}}
+LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 110
 WIRE_CASES = {
     "chat": ("POST", "/v1/chat/completions", CHAT),
     "chat stream": ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
@@ -296,6 +297,11 @@ WIRE_CASES = {
     "completions logprobs": ("POST", "/v1/completions", {**CMPL, "logprobs": 2}),
     "completions logprobs stream": ("POST", "/v1/completions", {**CMPL, "logprobs": 2, "stream": True}),
     "completions echo": ("POST", "/v1/completions", {**CMPL, "echo": True, "max_tokens": 2}),
+    # a long prompt makes the prefill visible: when does the first chunk come, when the first token?
+    "chat stream, 1.5k-token prompt": ("POST", "/v1/chat/completions", {**CHAT, "stream": True, "messages": [
+        {"role": "user", "content": LONG + "Summarize."}]}),
+    "completions stream, 1.5k-token prompt": ("POST", "/v1/completions", {**CMPL, "stream": True,
+                                                                          "prompt": LONG}),
     "error: unknown model (chat)": ("POST", "/v1/chat/completions", {**CHAT, "model": "no-such-model"}),
     "error: unknown model (completions, stream)": ("POST", "/v1/completions",
                                                    {**CMPL, "model": "no-such-model", "stream": True}),
@@ -311,34 +317,45 @@ WIRE_CASES = {
 
 def raw_exchange(port: int, method: str, path: str, body, timeout: float = 300) -> dict:
     """One HTTP/1.1 request over a plain socket; the response as sent: status, headers in order, the body's
-    transfer chunks (one per server write) and each network read's size."""
+    transfer chunks (one per server write) with their arrival times (s after the request was sent), and each
+    network read's size and time."""
     data = b"" if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
     head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUser-Agent: llmserve-wire/1\r\n"
             "Accept: */*\r\nConnection: close\r\n")
     if body is not None:
         head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-    reads = []
+    reads, times = [], []
     with socket.create_connection(("127.0.0.1", port), timeout) as s:
+        t0 = time.perf_counter()
         s.sendall(head.encode() + b"\r\n" + data)
         while chunk := s.recv(65536):
             reads.append(chunk)
+            times.append(round(time.perf_counter() - t0, 4))
     raw = b"".join(reads)
+    ends = [sum(len(r) for r in reads[:i + 1]) for i in range(len(reads))]   # byte offset after each read
+
+    def arrival(offset: int) -> float:   # when the byte at `offset` had arrived
+        return next(t for e, t in zip(ends, times) if e > offset)
     head_b, _, rest = raw.partition(b"\r\n\r\n")
+    pos = len(head_b) + 4
     lines = head_b.decode("latin-1").split("\r\n")
     headers = [tuple(x.strip() for x in ln.split(":", 1)) for ln in lines[1:]]
-    chunks = []
+    chunks, chunk_times = [], []
     if any(k.lower() == "transfer-encoding" and "chunked" in v.lower() for k, v in headers):
         while rest:
             size_line, _, rest = rest.partition(b"\r\n")
+            pos += len(size_line) + 2
             size = int(size_line.split(b";")[0], 16)
             if size == 0:
                 break
             chunks.append(rest[:size].decode("utf-8", "replace"))
-            rest = rest[size + 2:]
+            chunk_times.append(arrival(pos + size - 1))
+            rest, pos = rest[size + 2:], pos + size + 2
         text = "".join(chunks)
     else:
         text = rest.decode("utf-8", "replace")
-    return dict(status=lines[0], headers=headers, body=text, chunks=chunks, reads=[len(r) for r in reads])
+    return dict(status=lines[0], headers=headers, body=text, chunks=chunks, chunk_times=chunk_times,
+                reads=[len(r) for r in reads], read_times=times)
 
 
 def flatten(obj, prefix: str = "") -> dict[str, str]:
@@ -348,6 +365,8 @@ def flatten(obj, prefix: str = "") -> dict[str, str]:
         if not obj:
             out[prefix or "."] = "{}"
         for k, v in obj.items():
+            if prefix.endswith("top_logprobs[]") and not isinstance(v, (dict, list)):
+                k = "<token>"     # completions' logprobs: {token: logprob} maps
             out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
     elif isinstance(obj, list):
         if not obj:
@@ -406,6 +425,13 @@ def describe(resp: dict) -> dict:
                 else:
                     other.append(line[:40])
         desc["events"] = compress(kinds)
+        firsts: dict[str, float] = {}
+        for chunk, t in zip(resp.get("chunks", []), resp.get("chunk_times", [])):
+            for line in chunk.split("\n"):
+                if line.startswith("data: {"):
+                    firsts.setdefault(event_kind(json.loads(line[6:])), t)
+        desc["first chunk at"] = f"{min(firsts.values()):.2f} s" if firsts else None
+        desc["first content at"] = f"{firsts['content']:.2f} s" if "content" in firsts else None
         desc["non-data lines"] = sorted(set(other))
         desc["events split across writes"] = sum(1 for c in resp["chunks"] if not c.endswith("\n\n"))
         desc["writes"] = len(resp["chunks"])
@@ -488,8 +514,10 @@ def wire(a) -> None:
     for name in WIRE_CASES:
         dv, dl = describe(caps["vllm"][name]), describe(caps["llmserve"][name])
         lines.append(f"### {name}\n")
-        lines.append(f"- vllm: {dv['status']}" + (f", events: {dv['events']}" if "events" in dv else ""))
-        lines.append(f"- llmserve: {dl['status']}" + (f", events: {dl['events']}" if "events" in dl else ""))
+        for who, dd in (("vllm", dv), ("llmserve", dl)):
+            lines.append(f"- {who}: {dd['status']}" + (
+                f", events: {dd['events']}; first chunk at {dd['first chunk at']}, first content at "
+                f"{dd['first content at']}" if "events" in dd else ""))
         lines += [f"  - {x}" for x in diff(dv, dl)] or ["  - (no difference)"]
         lines.append("")
     path = os.path.join(a.out, "wire-diff.md")
