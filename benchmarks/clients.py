@@ -134,9 +134,10 @@ class Server:
                                          cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
             wait_ready(self.url, "/ready", 900, self.proc)
         else:
+            # the script waits 4 minutes; on a loaded machine the compile takes longer, so wait here too
             subprocess.run(["bash", vllm_sh(), "serve", hf_folder(), str(self.port), "--served-model-name",
-                            MODEL_NAME], check=True, env={**os.environ, **OFFLINE})
-            wait_ready(self.url, "/health", 60)
+                            MODEL_NAME], env={**os.environ, **OFFLINE})
+            wait_ready(self.url, "/v1/models", 900)
         return self
 
     def __exit__(self, *exc):
