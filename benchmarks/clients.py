@@ -189,7 +189,8 @@ def client_command(client: str, url: str, a, d: str) -> list[str]:
         return [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--model", MODEL_NAME,
                 "--endpoint", client.rsplit("-", 1)[1], "--concurrency", c, "--num-requests", n,
                 "--dataset", "random", "--input-len", isl, "--output-len", osl, "--ignore-eos",
-                "--tokenizer", tok, "--metrics-url", "none", "--no-progress", "--output-json", f"{d}/bench.json"]
+                "--tokenizer", tok, "--metrics-url", "none", "--no-progress", "--output-json", f"{d}/bench.json",
+                "--timeout", "3600"]   # its automatic deadline (60 s + per token) is short for a loaded 2-core box
     raise ValueError(client)
 
 
@@ -219,19 +220,14 @@ def parse_result(client: str, d: str) -> dict:
                     ttft_ms=m["time_to_first_token_ms"]["successful"]["median"], errors=sorted(set(errs))[:3])
     if client.startswith("aiperf-"):
         r = json.load(open(_find(d, r"profile_export_aiperf\.json")))
+
         def stat(key, s="avg"):
             v = r.get(key)
             return v.get(s) if isinstance(v, dict) else None
-        errs = []
-        rec = _find(d, r"profile_export\.jsonl")
-        if rec:
-            for line in open(rec):
-                e = json.loads(line).get("error")
-                if e:
-                    errs.append(str(e)[:300])
-        failed = stat("error_request_count") or len(errs)
-        return dict(ok=stat("request_count") or 0, failed=int(failed), out_tok_s=stat("output_token_throughput"),
-                    ttft_ms=stat("time_to_first_token", "p50"), errors=sorted(set(errs))[:3])
+        errs = [str(e)[:300] for e in r.get("error_summary") or []]
+        return dict(ok=int(stat("completed_request_count") or stat("request_count") or 0),
+                    failed=int(stat("error_request_count") or 0), out_tok_s=stat("output_token_throughput"),
+                    ttft_ms=stat("time_to_first_token", "p50"), errors=errs[:3])
     if client.startswith("llmserve-bench-"):
         s = json.load(open(os.path.join(d, "bench.json")))["phases"][0]["summary"]
         return dict(ok=s["completed"], failed=s["failed"], out_tok_s=s["output_throughput"],
@@ -244,9 +240,11 @@ def run_client(client: str, server: Server, a, out: str) -> dict:
     os.makedirs(d, exist_ok=True)
     cmd = client_command(client, server.url, a, d)
     t = time.time()
+    # AIPerf 0.13.0 in HF offline mode looks a tokenizer path up in the hub cache and fails on a local
+    # folder; without it, a local path is loaded as such (no network either way)
+    env = {**os.environ, **({} if client.startswith("aiperf-") else OFFLINE), "PYTHONPATH": ROOT}
     with open(os.path.join(d, "client.log"), "wb") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=d,
-                            env={**os.environ, **OFFLINE, "PYTHONPATH": ROOT}).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=d, env=env).returncode
     res = dict(client=client, server=server.kind, rc=rc, seconds=round(time.time() - t, 1),
                load=f"{a.num_prompts} x {a.input_len}/{a.output_len} @ {a.concurrency}",
                cmd=" ".join(cmd), started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)))
@@ -535,6 +533,10 @@ def report(a) -> None:
     for base, _, files in os.walk(a.out):
         if "summary.json" in files:
             r = json.load(open(os.path.join(base, "summary.json")))
+            try:    # the client's own result file, read again (the parsers may have been corrected since)
+                r.update(parse_result(r["client"], base))
+            except (OSError, KeyError, TypeError, ValueError):
+                pass
             rows[(r["client"], r["server"])] = r
     if not rows:
         raise SystemExit(f"no results under {a.out}")
