@@ -30,7 +30,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -103,12 +102,10 @@ def versions() -> dict[str, str]:
 
 # -- servers ------------------------------------------------------------------------------------------------
 
-def wait_ready(url: str, path: str, timeout: float, proc=None) -> None:
+def wait_ready(url: str, path: str, timeout: float) -> None:
     import httpx
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             if httpx.get(url + path, timeout=5).status_code == 200:
                 return
@@ -130,9 +127,9 @@ class Server:
         if self.attach:     # a server already running on the port: use it, leave it running
             wait_ready(self.url, "/v1/models", 60)
         elif self.kind == "llmserve":
-            self.proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port)],
-                                         cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
-            wait_ready(self.url, "/ready", 900, self.proc)
+            from tests.server_proc import ServerProcess
+            self.proc = ServerProcess(port=self.port, log_path=self.log)
+            self.proc.wait_ready(timeout=900)
         else:
             # the script waits 4 minutes; on a loaded machine the compile takes longer, so wait here too
             subprocess.run(["bash", vllm_sh(), "serve", hf_folder(), str(self.port), "--served-model-name",
@@ -145,10 +142,6 @@ class Server:
             return
         if self.proc is not None:
             self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
         else:
             subprocess.run(["bash", vllm_sh(), "stop", str(self.port)])
             src = os.path.join(PEERS, f"vllm-serve-{self.port}.log")
