@@ -25,12 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
 from llmserve.server.errors import APIError, from_validation_errors
-from llmserve.server.faults import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER  # noqa: F401 - imported from here
+from llmserve.server.faults import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
 from llmserve.server.middleware import BodyRefused, install_middleware
 from llmserve.server.routes import add_routes
 from llmserve.server.state import ServerSettings, ServerState
 
-__all__ = ["build_app", "ServerSettings", "ServerState", "FAULT_LOOP_MARKER", "FAULT_REQUEST_MARKER"]
+# what other modules and the tests import from here
+__all__ = ["FAULT_LOOP_MARKER", "FAULT_REQUEST_MARKER", "ServerSettings", "ServerState", "build_app"]
 
 log = logging.getLogger("llmserve.server")
 
