@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status."""
+"""The server's OpenAI-shaped errors: APIError (raised anywhere, answered as JSON or as an SSE event)
+and the conversions of pydantic's and the engine's ValueErrors. The shape itself is llmserve/errors.py's."""
 from __future__ import annotations
 
 import json
@@ -6,12 +7,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-    413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-    500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error",
-}
+from llmserve.errors import error_body, error_type
 
 
 class APIError(Exception):
@@ -20,10 +16,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
-        self.type = type or _TYPES.get(status, "api_error")
+        self.type = type or error_type(status)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, self.param, self.code, self.type)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -1,6 +1,6 @@
 """uvicorn's httptools protocol with two limits it lacks: request headers must arrive within a
 timeout (slowloris, and connections opened and left idle before their first request), and their total
-size is capped. Bodies are timed by GuardMiddleware (llmserve/server/app.py)."""
+size is capped. Bodies are timed by GuardMiddleware (llmserve/server/middleware.py)."""
 from __future__ import annotations
 
 try:

@@ -88,7 +88,8 @@ def plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
         schemas = [call_schema(f) for f in funcs]
         return ToolPlan(tools, "required", forced_schema=schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type", "function") == "function" else None
+        is_function = tool_choice.get("type", "function") == "function"
+        name = (tool_choice.get("function") or {}).get("name") if is_function else None
         if not name:
             raise ToolError('tool_choice: must be "auto", "none", "required" or '
                             '{"type": "function", "function": {"name": ...}}')

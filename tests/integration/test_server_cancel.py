@@ -8,11 +8,13 @@ import time
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import SamplingParams
-from llmserve.server.app import ServerSettings, ServerState, _Generation
+from llmserve.server.rendering import CompletionRendering
+from llmserve.server.serving import Generation
+from llmserve.server.state import ServerSettings, ServerState
 
 
 class _CancelOnToken:
-    """Stands in for ServerMetrics' one counter that _events touches: the first streamed token
+    """Stands in for ServerMetrics' one counter that Generation.events touches: the first streamed token
     schedules the consumer's cancellation, so it lands while that token travels to the consumer."""
 
     def __init__(self) -> None:
@@ -43,10 +45,11 @@ def test_cancel_as_an_output_arrives_aborts_the_engine_request(llm):
         seen: list = []
 
         async def main():
-            gen = _Generation(state, aeng, "cancel-test", [(0, 0, ids, params)], 0, "completion", "m", None)
+            runs = [(0, 0, ids, params)]
+            gen = Generation(state, aeng, "cancel-test", runs, 0, "m", None, CompletionRendering(aeng.tokenizer, runs))
 
             async def consume():
-                async for ev in gen._events():
+                async for ev in gen.events():
                     seen.append(ev)
             counter.task = asyncio.create_task(consume())
             try:

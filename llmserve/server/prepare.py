@@ -1,0 +1,127 @@
+"""From a validated request body to what the engine runs: the chat rendered and tokenized (refusing
+special tokens in message content), SamplingParams (context length checks, guided decoding and forced
+tool calls), the grammar compiled, n choices fanned out into runs, and admission checked before the
+answer starts. Every refusal is an APIError (400, or 429 / 503 at admission)."""
+from __future__ import annotations
+
+import asyncio
+
+from llmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from llmserve.engine.request import SamplingParams
+from llmserve.engine.scheduler import QueueFullError
+from llmserve.server import protocol as P
+from llmserve.server import tools as tools_mod
+from llmserve.server.errors import APIError, from_value_error
+from llmserve.server.serving import to_api_error
+from llmserve.server.state import ServerSettings
+
+
+def encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs,
+                 tool_plan=None) -> list[int]:
+    msgs = []
+    specials = _special_strings(tok)
+    for m in messages:
+        for text in (m.text(), m.name or ""):
+            hit = next((sp for sp in specials if sp in text), None)
+            if hit is not None:   # rendered text is tokenized with special tokens parsed: refuse injection
+                raise APIError(400, f"messages: content must not contain the special token {hit!r}",
+                               param="messages", code="invalid_value")
+        d = {"role": m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        msgs.append(d)
+    native = tools_mod.template_supports_tools(tok)
+    if tool_plan is not None or any(m.get("tool_calls") for m in msgs):
+        msgs, tools = tools_mod.render_messages(msgs, tool_plan, native)
+        if tools:
+            kwargs = dict(kwargs or {}, tools=tools)
+    try:
+        return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+    except ValueError as e:
+        raise from_value_error(e) from e
+    except Exception as e:  # noqa: BLE001 - a template that raises is the request's fault
+        raise APIError(400, f"messages: the chat template could not render them: {e}", param="messages") from e
+
+
+def _special_strings(tok) -> tuple[str, ...]:
+    """The special-token strings the chat template is built of ('<|im_start|>', ...; and bos/eos), which
+    message content must not hold: the rendered chat is tokenized with special tokens parsed, so they
+    would forge turns (a chat template injection)."""
+    cached = getattr(tok, "_llmserve_specials", None)
+    if cached is None:
+        hf = tok.hf
+        names = set(getattr(hf, "all_special_tokens", []) or [])
+        for t in (getattr(hf, "added_tokens_decoder", None) or {}).values():
+            if getattr(t, "special", False):
+                names.add(str(t.content if hasattr(t, "content") else t))
+        try:   # only those the chat template itself uses (turn markers) and bos/eos: "<filename>" stays text
+            sample = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": "a"}], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - no template: no chat requests either
+            sample = ""
+        keep = {getattr(hf, "eos_token", None), getattr(hf, "bos_token", None)}
+        cached = tuple(sorted((n for n in names if n and (n in sample or n in keep)), key=len, reverse=True))
+        tok._llmserve_specials = cached
+    return cached
+
+
+async def compile_guided(eng: AsyncEngine, params: SamplingParams) -> None:
+    """Compile (and cache) the grammar in a worker thread, so the engine loop never waits on it and
+    a bad schema is a 400 before the request is admitted."""
+    if params.guided:
+        try:
+            await asyncio.to_thread(eng.engine.guided.compile, params)
+        except ValueError as e:
+            raise from_value_error(e) from e
+
+
+def sampling_params(body, eng: AsyncEngine, prompt_len: int, max_tokens: int | None,
+                     logprobs: int | None, tool_plan=None) -> SamplingParams:
+    max_len = eng.engine.max_model_len
+    if prompt_len == 0:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    if prompt_len >= max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
+                            f"prompt has {prompt_len} tokens ({prompt_len - max_len + 1} too many, leaving "
+                            f"room for at least one output token). Please shorten the prompt.",
+                       param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_len - prompt_len
+    elif prompt_len + max_tokens > max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
+                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                            f"{max_tokens} in the completion): {prompt_len + max_tokens - max_len} too many. "
+                            f"Please reduce the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        guided = tools_mod.guided_kwargs(body, tool_plan)
+        return SamplingParams(
+            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            seed=body.seed, max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
+            stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, **guided)
+    except ValueError as e:
+        raise from_value_error(e) from e
+
+
+def admit(eng: AsyncEngine, runs, settings: ServerSettings) -> None:
+    try:
+        eng.check_admission(runs)
+    except (ValueError, QueueFullError, EngineDeadError) as e:
+        raise to_api_error(e, settings) from e
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    if params.n == 1:
+        return [params]
+    return [params.clone(n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)]
+

@@ -1,0 +1,103 @@
+"""The server's settings and its one piece of state: the engine (loaded in the background), the metrics,
+readiness, and the record of each finished engine request (metrics and the request log line)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.request import RequestOutput
+from llmserve.server.faults import install_fault_injection
+from llmserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("llmserve.server")
+req_log = logging.getLogger("llmserve.requests")
+
+
+@dataclass
+class ServerSettings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api_key: str | None = None
+    protect_metrics: bool = False           # /metrics, /health, /ready and /version need the key too
+    allowed_origins: list[str] = field(default_factory=list)
+    request_timeout: float | None = None    # seconds; past it a request is aborted
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    read_timeout: float = 30.0              # seconds for a request's headers, and again for its body
+    sse_ping_interval: float = 0.0          # seconds between ': ping' comments while a stream waits; 0: none
+    ready_stall_seconds: float = 120.0      # /ready fails if the engine loop made no progress this long
+    log_prompts: bool = False
+    retry_after_seconds: int = 1
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.metrics: ServerMetrics | None = None
+        self.model_names: list[str] = []
+        self.draining = False
+        self.on_fatal = None   # set by the CLI: called when the process should exit non-zero
+
+    @property
+    def ready(self) -> bool:
+        e = self.engine
+        if e is None or e.dead is not None or self.draining:
+            return False
+        return time.time() - e.last_progress < self.settings.ready_stall_seconds
+
+    def load(self) -> None:
+        try:
+            engine = AsyncEngine.from_config(self.settings.engine)
+        except BaseException as e:  # noqa: BLE001 - reported, and the process exits non-zero
+            log.error("model failed to load: %s", e)
+            self.load_error = e
+            if self.on_fatal:
+                self.on_fatal(e)
+            return
+        name = engine.engine.served_model_name
+        self.model_names = [name]
+        self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
+        engine.on_dead = self._engine_died
+        engine.on_aborted = self._request_aborted
+        if os.environ.get("LLMSERVE_FAULT_INJECTION") == "1":
+            install_fault_injection(engine)
+        self.engine = engine
+        log.info("ready: serving %s", name)
+
+    def _request_aborted(self, out: RequestOutput) -> None:
+        """A request aborted in the engine (its client went away, or it timed out): counted in
+        request_success_total{finished_reason="abort"} as vLLM does, and logged like any other."""
+        arrival = out.metrics.arrival_time if out.metrics else time.time()
+        self.record_finished(out, len(out.prompt_token_ids), [], arrival)
+
+    def _engine_died(self, e: BaseException) -> None:
+        log.error("engine loop died (%r): exiting so that a supervisor restarts the server", e)
+        if self.on_fatal:
+            self.on_fatal(e)
+
+    def record_finished(self, out: RequestOutput, num_prompt_tokens: int, times: list[float],
+                        arrival: float) -> None:
+        """Metrics and the request log line for one finished engine request (aborted ones included)."""
+        m = self.metrics
+        if m is not None:
+            m.token_times(arrival, times)
+            m.finished(out, num_prompt_tokens)
+        met = out.metrics
+        comp = out.outputs[0]
+        fields = {
+            "request_id": out.request_id, "prompt_tokens": num_prompt_tokens, "output_tokens": len(comp.token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "queue_time": round((met.first_scheduled_time or met.arrival_time) - met.arrival_time, 4) if met else None,
+            "ttft": round(times[0] - met.arrival_time, 4) if met and times else None,
+            "total_time": round((met.finished_time or time.time()) - met.arrival_time, 4) if met else None,
+            "finish_reason": comp.finish_reason, "preemptions": met.num_preemptions if met else 0,
+        }
+        if self.settings.log_prompts:
+            fields["prompt"] = out.prompt
+            fields["completion"] = comp.text
+        req_log.info(json.dumps(fields))
