@@ -3,7 +3,7 @@
 serving.Generation runs the request and builds the envelopes (JSON answer, SSE chunks, usage); a
 rendering turns one choice's output into its `choices[]` entries:
 - `choice(i, out)`: the finished choice of a JSON answer;
-- `opening(i)`: the stream's first chunks for a choice, before any output (chat: the assistant role;
+- `opening(i)`: a choice's first chunks, sent with its first output (chat: the assistant role;
   completions with echo: the prompt);
 - `deltas(i, out)`: the stream's chunks for one output (none when it carries nothing to send).
 Logprobs are formatted here too, in each API's shape.

@@ -40,6 +40,7 @@ class Generation:
         self.arrival = time.time()
         self.s = state.settings
         self.finals: dict[int, RequestOutput] = {}
+        self.latest: dict[int, RequestOutput] = {}   # each choice's newest output (continuous usage stats)
 
     def _deadline(self) -> float | None:
         t = self.s.request_timeout
@@ -91,6 +92,7 @@ class Generation:
                     raise to_api_error(item, self.s)
                 if item.finished and item.error:
                     raise APIError(500, f"the request failed in the engine: {item.error}", code="engine_error")
+                self.latest[index] = item
                 if item.finished:
                     pending -= 1
                     self.finals[index] = item
@@ -112,8 +114,8 @@ class Generation:
         for i, pi, ids, _ in self.runs:
             firsts.setdefault(pi, (i, len(ids)))
         prompt = sum(n for _, n in firsts.values())
-        completion = sum(len(o.outputs[0].token_ids) for o in self.finals.values())
-        cached = sum(self.finals[i].num_cached_tokens for i, _ in firsts.values() if i in self.finals)
+        completion = sum(len(o.outputs[0].token_ids) for o in self.latest.values())
+        cached = sum(self.latest[i].num_cached_tokens for i, _ in firsts.values() if i in self.latest)
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                            prompt_tokens_details={"cached_tokens": cached}).model_dump(exclude_none=True)
 
@@ -139,7 +141,9 @@ class Generation:
         """The answer: SSE when the request streams, else one JSON body once every choice is done."""
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
-            return StreamingResponse(self.sse(include_usage), media_type="text/event-stream", headers=SSE_HEADERS)
+            continuous = include_usage and stream_options.continuous_usage_stats
+            return StreamingResponse(self.sse(include_usage, continuous), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
         return await self.json()
 
     async def json(self) -> JSONResponse:
@@ -156,20 +160,27 @@ class Generation:
             d["usage"] = usage
         return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
-    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         """The answer as server-sent events: a chunk per choice delta, pings while waiting (with
-        --sse-ping-interval), the usage chunk if asked, an error event on failure, then [DONE]."""
+        --sse-ping-interval), the usage chunk if asked, an error event on failure, then [DONE].
+        A choice's opening chunks (chat: the assistant role) go out with its first output, as vLLM
+        sends them: clients time the first token from the first chunk. `continuous_usage`
+        (stream_options.continuous_usage_stats, vLLM's): usage so far on every chunk too."""
         r = self.rendering
+        opened: set[int] = set()
         try:
-            for i, _, _, _ in self.runs:
-                for choice in r.opening(i):
-                    yield self._chunk([choice])
             async for ev in self.events():
                 if ev is None:
                     yield ": ping\n\n"
                     continue
-                for choice in r.deltas(*ev):
-                    yield self._chunk([choice])
+                i = ev[0]
+                choices = r.deltas(*ev)
+                if i not in opened:
+                    opened.add(i)
+                    choices = r.opening(i) + choices
+                usage = self._usage() if continuous_usage else None
+                for choice in choices:
+                    yield self._chunk([choice], usage)
             if include_usage:
                 yield self._chunk([], self._usage())
         except APIError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -138,3 +139,36 @@ def test_oversize_body_written_whole_first_gets_the_413(server):
     # and the server still serves
     r = httpx.post(server.url + "/v1/completions", json={**PROMPT, "stream": False}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_chat_stream_opens_with_its_first_token(server):
+    """vLLM sends the assistant-role chunk with the first token, and `vllm bench serve` times the first
+    token from the first chunk: a role chunk sent as the request is queued would fake the TTFT. With one
+    running request at a time, the second stream's first chunk comes after the first stream's last."""
+    chat = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(delay: float) -> list[tuple[float, dict]]:
+                await asyncio.sleep(delay)
+                got = []
+                async with client.stream("POST", server.url + "/v1/chat/completions", json=chat) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            got.append((time.monotonic(), json.loads(line[6:])))
+                return got
+            return await asyncio.gather(one(0), one(0.2))
+
+    first, second = asyncio.run(main())
+    assert first[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert second[0][0] >= first[-1][0]
+
+
+def test_continuous_usage_stats(server):
+    body = {**PROMPT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 24 and counts[0] < 24
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0 for c in chunks)
