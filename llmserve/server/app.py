@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmserve import __version__
+from llmserve import __version__, envs
 from llmserve.config import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine, EngineDeadError
 from llmserve.engine.request import RequestOutput, SamplingParams
@@ -82,7 +82,7 @@ class ServerState:
         self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
         engine.on_dead = self._engine_died
         engine.on_aborted = self._request_aborted
-        if os.environ.get("LLMSERVE_FAULT_INJECTION") == "1":
+        if envs.LLMSERVE_FAULT_INJECTION:
             _install_fault_injection(engine)
         self.engine = engine
         log.info("ready: serving %s", name)
