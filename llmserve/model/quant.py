@@ -111,9 +111,11 @@ class QuantLinear(nn.Module):
             self._kernel = None
             return
         k = ops.kernel_config()
-        self._few_rows = k.few_rows if self._packed is not None else None
-        many = (k.few_rows if self._packed is not None else
-                k.int4_dot_rows if self.kind == "int4" else k.int8_dot_rows) + 1
+        if self._packed is not None:   # beyond few_rows: fbgemm's float16 GEMM
+            limit = self._few_rows = k.few_rows
+        else:                          # all rows here: the kernel tiles float32 beyond its limit
+            limit, self._few_rows = k.int4_dot_rows if self.kind == "int4" else k.int8_dot_rows, None
+        many = limit + 1
         self._kernel = ops.weight_kernel(self.kind)
         if self.kind == "int4":
             self._kargs = (self.qweight, self.scale, self.minv, many)
