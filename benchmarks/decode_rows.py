@@ -1,5 +1,5 @@
-"""How many decode rows the fused C++ path should take (`llama.FUSED_DECODE_ROWS`, with the float32
-GEMV's `ops.GEMV_ROWS`): decode tok/s of a batch of N requests with each limit, alternated round by round
+"""How many decode rows the fused C++ path should take (`KernelConfig.fused_decode_rows`, with the float32
+GEMV's `gemv_rows`): decode tok/s of a batch of N requests with each limit, alternated round by round
 in one process (the machine drifts ±25% minute to minute).
 
 Each round queues N chat prompts (48 output tokens, EOS ignored), runs the prefill unmeasured, then times
@@ -23,15 +23,16 @@ from benchmarks.common import chat_prompts, write_section  # noqa: E402
 
 def measure(mode: str, n: int, limits: list[int], rounds: int, threads: int) -> dict[int, list[float]]:
     from llmserve import LLM, SamplingParams
-    from llmserve.model import llama, ops
+    from llmserve.config import KernelConfig
+    from llmserve.model import ops
     llm = LLM(num_threads=threads, quantization=None if mode == "none" else mode)
     eng = llm.engine
     ids = [llm.get_tokenizer().encode_chat(p) for p in chat_prompts(n)]
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    saved = llama.FUSED_DECODE_ROWS, ops.GEMV_ROWS
+    saved = ops.kernel_config()
 
     def run(limit: int) -> float:
-        llama.FUSED_DECODE_ROWS = ops.GEMV_ROWS = limit
+        ops.configure(KernelConfig(fused_decode_rows=limit, gemv_rows=limit))
         for i in ids:
             eng.add_request(i, sp)
         while eng.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -49,7 +50,7 @@ def measure(mode: str, n: int, limits: list[int], rounds: int, threads: int) -> 
             for lim in limits:
                 res[lim].append(run(lim))
     finally:
-        llama.FUSED_DECODE_ROWS, ops.GEMV_ROWS = saved
+        ops.configure(saved)
     print(mode, n, {k: [round(v, 1) for v in vs] for k, vs in res.items()}, flush=True)
     return res
 
@@ -72,7 +73,8 @@ def main() -> None:
             rows.append(f"| {mode} | {n} | {cells} |")
     body = (f"`python benchmarks/decode_rows.py --rounds {args.rounds} --threads {args.threads}`: decode tok/s "
             "(median, range) of N requests decoding together, 48 tokens each, each fused-path row limit in turn "
-            "every round. Chosen: `llama.FUSED_DECODE_ROWS = ops.GEMV_ROWS = 64` (better or even in every row here).\n\n" + "\n".join(rows) + "\n")
+            "every round. Chosen: `KernelConfig(fused_decode_rows=64, gemv_rows=64)` (better or even in every row "
+            "here).\n\n" + "\n".join(rows) + "\n")
     print(body)
     if not args.no_write:
         write_section("Decode rows through the fused path (issue: performance)", body)

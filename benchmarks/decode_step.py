@@ -49,7 +49,7 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
 
     def step():
         p = torch.tensor([ctx - 1])
-        meta = AttentionMetadata(slot_mapping=p, num_decode_tokens=1,
+        meta = AttentionMetadata(slot_mapping=p,
                                  decode_groups=[DecodeGroup(0, 1, table, torch.tensor([ctx]))])
         with torch.inference_mode():
             m(torch.tensor([42]), p, kv, meta, torch.zeros(1, dtype=torch.long), argmax=True)
@@ -81,7 +81,7 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
         r = head_fwd(x)
         spent["lm_head"] += time.perf_counter() - t0
         return r
-    stack = m._decode_args
+    stack = m._decode_stack
 
     class TimedStack:   # the model's DecodeStack (all layers in one call), timed
         def run(self, *a):
@@ -91,12 +91,12 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
             return r
     ops._EXT, head.forward = Timed(), timed_head
     if stack:
-        m._decode_args = TimedStack()
+        m._decode_stack = TimedStack()
     try:
         for _ in range(n):
             step()
     finally:
-        ops._EXT, head.forward, m._decode_args = ext, head_fwd, stack
+        ops._EXT, head.forward, m._decode_stack = ext, head_fwd, stack
     nbytes = weight_bytes(m)
     out = dict(step_ms=total * 1e3, parts={k: v / n * 1e3 for k, v in spent.most_common()}, mb=nbytes / 1e6)
     print(mode, out, flush=True)

@@ -62,10 +62,11 @@ def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float, int]:
 
 def use_kernel(llm, on: bool) -> None:
     """Switch decode attention between the in-place kernel and gather + SDPA."""
+    from llmserve.config import KernelConfig
     from llmserve.model import ops
     llm.engine.runner.in_place_decode = on and ops.cpu_kernels() is not None
-    ops.IN_PLACE_DECODE = on
-    llm.engine.model._decode_args = False   # the module path for both, so the timer sees attention
+    ops.configure(KernelConfig(in_place_decode=on))
+    llm.engine.model._decode_stack = False   # the module path for both, so the timer sees attention
 
 
 def main() -> None:
@@ -88,7 +89,7 @@ def main() -> None:
             rows.append(f"| {length} | {n} | {name} | {step * 1000:.0f} ms | {step / 8 * 1000:.1f} ms | {share:.0%} |")
             print(rows[-1], flush=True)
     use_kernel(llm, True)
-    llm.engine.model._decode_args = None
+    llm.engine.model._decode_stack = None
     body = (f"`python benchmarks/long_context.py --threads {args.threads}`: 8 requests decoding together, float32, "
             "prefix caching off; decode-only steps timed; attention share = time inside `paged_attention` (KV "
             "write + attention) over 4 steps. Both attention paths in one process.\n\n" + "\n".join(rows) + "\n")

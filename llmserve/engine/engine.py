@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, 
                                      RequestStatus, SamplingParams)
 from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
+from llmserve.model import ops
 from llmserve.model.loader import (ModelSource, gguf_as_hf_folder, load_model, load_model_config,
                                    resolve_dtype, resolve_kv_dtype, resolve_model)
 from llmserve.model.sampler import SamplingRow, sample
@@ -68,6 +70,7 @@ class LLMEngine:
         config = config or EngineConfig(**kwargs)
         self.config = config
         torch.set_num_threads(config.resolved_num_threads())
+        ops.configure(config.kernels)   # the model layer's kernel settings, before any layer is built
         dev = config.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,6 +145,7 @@ class LLMEngine:
         self.fault_hook = None   # tests: called with each request before its token is appended
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)   # --seed: the seeds of requests that bring none
         self.steps = 0
         self.num_spec_proposed = 0   # speculative decoding: proposed and accepted tokens
         self.num_spec_accepted = 0
@@ -236,10 +240,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(request_id, ids, params, self.eos_token_ids, priority, arrival_time, text, cache_salt)
         self.scheduler.add_request(req)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
+        gen = torch.Generator(device=self.device)   # unseeded requests: the next seed of --seed's stream
+        gen.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))
         self._rows[request_id] = SamplingRow(params, gen, ids, req.output_token_ids, guided=matcher)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)

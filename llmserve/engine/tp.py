@@ -40,6 +40,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from llmserve import envs
+from llmserve.model import ops
 from llmserve.model.llama import ModelConfig
 from llmserve.model.parallel import load_sharded_model, local_config, plan_heads
 
@@ -53,14 +55,15 @@ class TensorParallelError(RuntimeError):
 
 
 def step_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120")))
+    return datetime.timedelta(seconds=envs.LLMSERVE_TP_TIMEOUT)
 
 
 def external_launch() -> tuple[int, int, int] | None:
     """(rank, world_size, local_rank) when the processes were started from outside (torchrun, or
     RANK/WORLD_SIZE set by hand); None when rank 0 spawns its own workers."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world = envs.RANK, envs.WORLD_SIZE
+    if rank is not None and world is not None:
+        return rank, world, envs.LOCAL_RANK
     return None
 
 
@@ -95,7 +98,7 @@ def _to(obj, device: torch.device):
         return obj.to(device)
     if isinstance(obj, AttentionMetadata):
         return AttentionMetadata(
-            slot_mapping=_to(obj.slot_mapping, device), num_decode_tokens=obj.num_decode_tokens,
+            slot_mapping=_to(obj.slot_mapping, device),
             decode_groups=[_to(g, device) for g in obj.decode_groups],
             prefills=[_to(p, device) for p in obj.prefills])
     if isinstance(obj, DecodeGroup):
@@ -293,6 +296,7 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     from llmserve.engine.runner import ModelRunner
     from llmserve.model.loader import resolve_dtype, resolve_kv_dtype
     torch.set_num_threads(config.resolved_num_threads())
+    ops.configure(config.kernels)
     device = _device(config, local_rank)
     dtype = resolve_dtype(config.dtype, device)
     ctrl = _init_groups(device, init_method, rank, world)

@@ -22,6 +22,8 @@ import os
 import numpy as np
 import torch
 
+from llmserve import envs
+
 log = logging.getLogger("llmserve.gguf_kernels")
 
 # GGMLQuantizationType's numbers -> (values per block, bytes per block)
@@ -45,7 +47,7 @@ def gguf_kernels():
     if _TRIED:
         return _EXT
     _TRIED = True
-    if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+    if not envs.LLMSERVE_CPU_KERNELS:
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.info("gguf kernels: this CPU lacks AVX2; using NumPy / PyTorch")

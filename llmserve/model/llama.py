@@ -14,14 +14,16 @@ import torch.nn as nn
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, paged_attention
 
-# decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
-# in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
-# tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,
-# int8 286-333 vs 290-332 (the module path's Python per layer costs more than the extra weight passes).
-# benchmarks/decode_rows.py (BENCHMARKS.md), limit 16 / 32 / 64, decode tok/s at 64 requests: float32
-# 236 / 248 / 268, int4 194 / 192 / 228 (the module path widens int4 to float32 tiles past 48 rows),
-# int8 320 / 316 / 312 (even); at 32 requests float32 193 / 281 / 281.
-FUSED_DECODE_ROWS = 64
+# llmserve's packed projections -> the checkpoint's (Hugging Face's) layers they are made of, in row order
+PACKED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_parts(name: str) -> tuple[str, ...]:
+    """The checkpoint layers behind one of this model's: `layers.0.mlp.gate_up_proj` ->
+    (`layers.0.mlp.gate_proj`, `layers.0.mlp.up_proj`); any other name stands for itself."""
+    prefix, dot, leaf = name.rpartition(".")
+    return tuple(prefix + dot + part for part in PACKED_PROJECTIONS.get(leaf, (leaf,)))
+
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -251,23 +253,17 @@ class LlamaModel(nn.Module):
                 self._screen = (w, w._version, ops.head_screen(w.detach()))
         return ops.head_argmax(x, w.detach(), self._screen[2])
 
-    _decode_args = None   # the layers' ops.DecodeStack, False where the model does not fit it
+    _decode_stack = None   # ops.decode_stack(self) once built, False where the model does not fit it
 
     def _fused_decode(self, x: torch.Tensor, meta: AttentionMetadata):
-        """The extension's DecodeStack (every layer as ops.decode_layer, in one C++ call) when this step
-        can use it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
+        """The model's DecodeStack (every layer in one C++ call, see ops.decode_stack) when this step can use
+        it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
         parallelism, no biases; else None."""
-        if meta.prefills or len(meta.decode_groups) != 1 or x.shape[0] > FUSED_DECODE_ROWS:
+        if meta.prefills or len(meta.decode_groups) != 1 or not ops.decode_stack_fits(x):
             return None
-        if self._decode_args is None:
-            args = ops.decode_layer_args(self)
-            c = self.cfg
-            self._decode_args = args and ops.cpu_kernels().DecodeStack(
-                args, c.rms_norm_eps, self.rotary.cos, self.rotary.sin, c.num_heads, c.num_kv_heads, c.head_dim,
-                self.layers[0].self_attn.scale) or False
-        if not self._decode_args or not ops.IN_PLACE_DECODE or ops._fast(x) is None:
-            return None
-        return self._decode_args
+        if self._decode_stack is None:
+            self._decode_stack = ops.decode_stack(self) or False
+        return self._decode_stack or None
 
     def set_all_reduce(self, fn) -> None:
         """Tensor parallelism (llmserve.model.parallel): `fn(t) -> t` summed over the ranks, called
@@ -275,46 +271,27 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.all_reduce = fn
             layer.mlp.all_reduce = fn
-        self._decode_args = None
+        self._decode_stack = None
 
     # -- weights -------------------------------------------------------------------------------
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), fusing as we go.
-        Layers that already hold quantized weights (adopted from a GGUF file's blocks, see
-        quant.quantize_model) have no float weight to load and are skipped."""
+        """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), packing as we go
+        (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's
+        blocks, see quant.quantize_model) have no float parameter to load and are skipped."""
         w = {k.removeprefix("model."): v for k, v in weights.items()}
-        own = dict(self.named_parameters())
-        held = {n for n, m in self.named_modules() if not isinstance(m, (nn.Linear, nn.Embedding, RMSNorm))}
-
-        def put(name: str, *sources: str) -> None:
-            if name not in own and name.rpartition(".")[0] in held:
-                return   # held quantized
+        for name, p in self.named_parameters():
+            layer, _, kind = name.rpartition(".")
+            if name == "lm_head.weight" and name not in w:
+                sources = ["embed_tokens.weight"]   # tied: the head reads the embedding
+            else:
+                sources = [f"{part}.{kind}" for part in checkpoint_parts(layer)]
+            missing = [n for n in sources if n not in w]
+            if missing:
+                raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
             tensor = w[sources[0]] if len(sources) == 1 else torch.cat([w[n] for n in sources])
-            p = own.pop(name)
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             with torch.no_grad():
                 p.copy_(tensor)
-
-        put("embed_tokens.weight", "embed_tokens.weight")
-        put("norm.weight", "norm.weight")
-        put("lm_head.weight", "lm_head.weight" if "lm_head.weight" in w else "embed_tokens.weight")
-        for i in range(self.cfg.num_layers):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            put(p + "input_layernorm.weight", p + "input_layernorm.weight")
-            put(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
-            put(a + "qkv_proj.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
-            if self.cfg.attention_bias:
-                put(a + "qkv_proj.bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-            put(a + "o_proj.weight", a + "o_proj.weight")
-            m = p + "mlp."
-            put(m + "gate_up_proj.weight", m + "gate_proj.weight", m + "up_proj.weight")
-            put(m + "down_proj.weight", m + "down_proj.weight")
-            if self.cfg.mlp_bias:
-                put(m + "gate_up_proj.bias", m + "gate_proj.bias", m + "up_proj.bias")
-                put(m + "down_proj.bias", m + "down_proj.bias")
-        if own:
-            raise ValueError(f"model: checkpoint lacks weights for {sorted(own)[:5]}")
         if self.cfg.tie_word_embeddings and type(self.lm_head) is nn.Linear and type(self.embed_tokens) is nn.Embedding:
             self.lm_head.weight = self.embed_tokens.weight

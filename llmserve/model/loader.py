@@ -16,8 +16,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from llmserve import envs
+from llmserve.config import DTYPE_ALIASES
 from llmserve.model.llama import LlamaModel, ModelConfig, Rotary
-from llmserve.model.quant import Int8Embedding, QuantLinear
+from llmserve.model.quant import is_quantized, quantize_model
 
 log = logging.getLogger("llmserve.loader")
 
@@ -63,7 +65,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if os.path.exists(path):
         raise ValueError(f"model: {path!r} is neither a .gguf file nor a checkpoint folder")
     # A hub id: only where the user has a network and huggingface_hub; tests never get here.
-    if "/" in model and not model.startswith((".", "/")) and not os.environ.get("HF_HUB_OFFLINE"):
+    if "/" in model and not model.startswith((".", "/")) and not envs.HF_HUB_OFFLINE:
         try:
             from huggingface_hub import snapshot_download
             local = snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
@@ -206,11 +208,6 @@ def load_gguf_quantized(path: str, cfg: ModelConfig) -> dict[str, tuple]:
     return out
 
 
-def _cache_root() -> str:
-    return os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
-
-
 def gguf_as_hf_folder(path: str) -> str:
     """Convert a GGUF file once into a Hugging Face folder (config.json, float32 safetensors,
     tokenizer) in the cache, and return that folder. Reading a GGUF means parsing its metadata and
@@ -225,7 +222,7 @@ def gguf_as_hf_folder(path: str) -> str:
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:"
                          f"{transformers.__version__}:1".encode()).hexdigest()[:16]
-    folder = os.path.join(_cache_root(), "gguf", f"{os.path.basename(path).removesuffix('.gguf')}-{key}")
+    folder = os.path.join(envs.LLMSERVE_CACHE_DIR, "gguf", f"{os.path.basename(path).removesuffix('.gguf')}-{key}")
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
     log.info("converting %s to a float32 checkpoint in %s (once)", path, folder)
@@ -266,8 +263,7 @@ def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> dict[str, torc
 
 # -- the entry point ----------------------------------------------------------------------------
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    aliases = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
-    dtype = aliases.get(dtype, dtype)
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -305,7 +301,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     _materialize(model)
     model.rotary = Rotary(cfg, max_positions)
     model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
-    if any(isinstance(m, (QuantLinear, Int8Embedding)) for m in model.modules()):
+    if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():   # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
     else:
@@ -314,7 +310,6 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     model.rotary.sin = model.rotary.sin.float()
     model = model.eval().requires_grad_(False)
     if quantization:
-        from llmserve.model.quant import quantize_model
         del weights
         quantize_model(model, quantization)   # the layers no GGUF block covered: rounded from float32
         _release_freed_memory()   # the float32 copies: ~270 MiB of resident memory for SmolLM2
@@ -349,7 +344,6 @@ def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.devi
     tensors (norms, ...) are read as float32: no float32 copy of the quantized layers is ever made."""
     model, skip = None, set()
     if quantization and gguf_path and device.type == "cpu":
-        from llmserve.model.quant import quantize_model
         with torch.device("meta"):
             model = LlamaModel(cfg, max_positions)
         skip = quantize_model(model, quantization, load_gguf_quantized(gguf_path, cfg), only_blocks=True)

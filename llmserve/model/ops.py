@@ -1,10 +1,14 @@
-"""The model's fused CPU operations, with plain PyTorch equivalents.
+"""The model's fused CPU operations, with plain PyTorch equivalents: the model layer's one seam to its kernels.
 
 `llmserve/csrc/cpu_ops.cpp` (AVX2 + FMA) is compiled on first use with torch's C++ extension
 builder (about a minute, cached under ~/.cache/torch_extensions) and used for float32 tensors on
 CPU: RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode
 attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights. Elsewhere (CUDA,
 bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
+
+The rest of llmserve calls the functions here and never the extension itself. Where each kernel stops
+and the general path takes over is `KernelConfig` (llmserve/config.py): `configure` applies an engine's
+(EngineConfig.kernels) at start-up, for the whole process.
 """
 from __future__ import annotations
 
@@ -14,13 +18,27 @@ import os
 import torch
 import torch.nn.functional as F
 
+from llmserve import envs
+from llmserve.config import KernelConfig
+
 log = logging.getLogger("llmserve.ops")
 
 _EXT = None
 _TRIED = False
-IN_PLACE_DECODE = True   # False: decode attention gathers blocks for SDPA (benchmarks/long_context.py compares)
-GEMV_ROWS = 64   # float32 x with up to this many rows: the extension's GEMV (faster than at::linear here up to
-# ~48 rows: 30 layers' projections at 17 / 32 rows 61 / 82 ms vs 74 / 100; at 64 even)
+_KERNELS = KernelConfig()
+
+
+def configure(kernels: KernelConfig) -> KernelConfig:
+    """Use `kernels`' settings from now on (process-wide); returns the previous ones. Quantized layers
+    take their row limits when built: configure before loading a model (the engine does)."""
+    global _KERNELS
+    previous, _KERNELS = _KERNELS, kernels
+    return previous
+
+
+def kernel_config() -> KernelConfig:
+    """The settings in force."""
+    return _KERNELS
 
 
 def cpu_kernels():
@@ -29,7 +47,7 @@ def cpu_kernels():
     if _TRIED:
         return _EXT
     _TRIED = True
-    if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+    if not envs.LLMSERVE_CPU_KERNELS:
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.info("cpu kernels: this CPU lacks AVX2; using PyTorch ops")
@@ -53,20 +71,27 @@ def _fast(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T; float32 with up to GEMV_ROWS rows through the extension's GEMV (streams the weights at
+    """x @ weight.T; float32 with up to KernelConfig.gemv_rows rows through the extension's GEMV (streams the weights at
     ~30 GB/s here where at::linear's gets ~12: the float32 LM head alone is 113 MB a step; at 16 rows,
     four passes, ~18 ms vs at::linear's ~33)."""
-    ext = _fast(x)
-    if ext is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and weight.dtype is torch.float32 \
+    ext, rows = _fast(x), _KERNELS.gemv_rows
+    if ext is not None and x.dim() == 2 and x.shape[0] <= rows and weight.dtype is torch.float32 \
             and weight.device.type == "cpu":
-        return ext.f32_linear(x, weight, GEMV_ROWS + 1)
+        return ext.f32_linear(x, weight, rows + 1)
     return F.linear(x, weight)
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weights, float32 scale per row) with w ~= q * scale[:, None]."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The int8 copy of a float32 head that `head_argmax` screens with: (int8 rows, per-row scale,
     per-row largest rounding error), a quarter of the head's bytes."""
-    from llmserve.model.quant import quantize_int8_per_channel
     q, scale = quantize_int8_per_channel(weight)
     err = (weight.double() - q.double() * scale.double()[:, None]).abs().amax(dim=1)
     return q, scale, err.float()
@@ -75,7 +100,7 @@ def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 def head_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> torch.Tensor | None:
     """argmax(linear(x, weight), -1) for float32 x, exactly, reading mostly the int8 screen (see
     head_argmax in cpu_ops.cpp: the few vocabulary rows that can win are computed in float32 as `linear`
-    computes them for up to GEMV_ROWS rows, whatever the batch); None where the extension cannot (the
+    computes them for up to KernelConfig.gemv_rows rows, whatever the batch); None where the extension cannot (the
     caller computes the logits). Cheaper at any batch: 64 rows of SmolLM2's head 22 ms vs at::linear's 44."""
     ext = _fast(x)
     if ext is None or x.dim() != 2 or x.shape[-1] % 32 or weight.dtype is not torch.float32 \
@@ -134,16 +159,26 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     """Decode rows' attention read in place from the paged cache into `out`; False when the
     caller must gather and use SDPA instead."""
     ext = _fast(q)
-    if ext is None or not IN_PLACE_DECODE or q.shape[-1] not in (64, 128) or k_cache.dtype not in KV_DTYPES:
+    if ext is None or not _KERNELS.in_place_decode or q.shape[-1] not in (64, 128) or k_cache.dtype not in KV_DTYPES:
         return False
     ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return True
 
 
+def weight_kernel(kind: str):
+    """The extension's matmul over packed `kind` weights ("int4": q4_linear(x, q, scale, min, many_rows);
+    "int8": q8_linear(x, q, scale, many_rows, act_bits)), or None without the kernels. Quantized layers
+    bind it once and call it on their hot path directly."""
+    ext = cpu_kernels()
+    if ext is None:
+        return None
+    return ext.q4_linear if kind == "int4" else ext.q8_linear
+
+
 def decode_layer_args(model) -> list | None:
     """Per layer ([tensors], [kind per projection], [activation bits]) for the extension's
-    decode_layer, or None where a layer does not fit it (see LlamaModel._fused_decode)."""
-    from llmserve.model.quant import QuantLinear
+    decode_layer, or None where a layer does not fit it (see `decode_stack`). A quantized projection
+    fits through its `kernel_args()` (llmserve.model.quant's interface)."""
     if cpu_kernels() is None:
         return None
     out = []
@@ -154,10 +189,14 @@ def decode_layer_args(model) -> list | None:
         w = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         kinds, bits = [], []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if isinstance(lin, QuantLinear) and lin._kernel is not None and lin.bias is None:
-                kinds.append(4 if lin.kind == "int4" else 8)
-                bits.append(lin.act_bits)
-                w += [lin.qweight, lin.scale] + ([lin.minv] if lin.kind == "int4" else [])
+            quantized = getattr(lin, "kernel_args", None)
+            if quantized is not None:
+                args = quantized()
+                if args is None:
+                    return None
+                kinds.append(args[0])
+                bits.append(args[1])
+                w += args[2]
             elif isinstance(lin, torch.nn.Linear) and lin.bias is None and lin.weight.dtype == torch.float32 \
                     and lin.weight.device.type == "cpu":
                 kinds.append(0)
@@ -169,3 +208,20 @@ def decode_layer_args(model) -> list | None:
             return None
         out.append((w, kinds, bits))
     return out
+
+
+def decode_stack(model):
+    """The extension's DecodeStack over `model` (a LlamaModel): every layer's decode_layer in one C++ call,
+    `.run(x, kv_caches, positions, slot_mapping, block_tables, context_lens) -> (x, residual)`; None where
+    the model does not fit it (no kernels, tensor parallelism, biases, other head sizes or layer kinds)."""
+    args = decode_layer_args(model)
+    if not args:
+        return None
+    c = model.cfg
+    return _EXT.DecodeStack(args, c.rms_norm_eps, model.rotary.cos, model.rotary.sin, c.num_heads, c.num_kv_heads,
+                            c.head_dim, model.layers[0].self_attn.scale)
+
+
+def decode_stack_fits(x: torch.Tensor) -> bool:
+    """Whether a decode step of rows `x` (decode rows only, one group) may run through a DecodeStack."""
+    return _KERNELS.in_place_decode and x.shape[0] <= _KERNELS.fused_decode_rows and _fast(x) is not None

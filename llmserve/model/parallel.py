@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.model.llama import LlamaModel, ModelConfig
+from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel, ModelConfig
 from llmserve.model.loader import build_model
 
 
@@ -104,24 +104,27 @@ def local_config(cfg: ModelConfig, shard: RankShard) -> ModelConfig:
 
 def shard_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
                         shard: RankShard) -> dict[str, torch.Tensor]:
-    """Hugging Face-named weights -> this rank's slices, still Hugging Face-named (unfused)."""
+    """Hugging Face-named weights -> this rank's slices, still Hugging Face-named (unpacked: the parts
+    of llama.PACKED_PROJECTIONS are column-parallel, o_proj and down_proj row-parallel)."""
     d = cfg.head_dim
     q_rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in shard.q_heads])
     kv_rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in shard.kv_heads])
     s, e = shard.mlp_cols
+    q_part, *kv_parts = PACKED_PROJECTIONS["qkv_proj"]
     out = {}
     for name, w in weights.items():
-        if ".self_attn.q_proj." in name:
+        layer = name.split(".")[-2]   # model.layers.0.self_attn.q_proj.weight -> q_proj
+        if layer == q_part:
             out[name] = w.index_select(0, q_rows)
-        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        elif layer in kv_parts:
             out[name] = w.index_select(0, kv_rows)
-        elif ".self_attn.o_proj.weight" in name:
-            out[name] = w.index_select(1, q_rows)                     # row-parallel: input columns
-        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+        elif layer in PACKED_PROJECTIONS["gate_up_proj"]:
             out[name] = w[s:e]
-        elif ".mlp.down_proj.weight" in name:
+        elif name.endswith(".o_proj.weight"):
+            out[name] = w.index_select(1, q_rows)                     # row-parallel: input columns
+        elif name.endswith(".down_proj.weight"):
             out[name] = w[:, s:e]
-        elif ".mlp.down_proj.bias" in name or ".self_attn.o_proj.bias" in name:
+        elif name.endswith((".down_proj.bias", ".o_proj.bias")):
             out[name] = w if shard.rank == 0 else torch.zeros_like(w)  # added once, after the sum
         else:
             out[name] = w                                              # replicated

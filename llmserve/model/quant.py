@@ -6,7 +6,8 @@ values); the LM head stays int8, as llama.cpp keeps its output tensor at 6-8 bit
 is int8 rows with a scale per row (shared with the LM head when the two are tied).
 
 Kernels (CPU, float32 activations), chosen per call by the number of rows (BENCHMARKS.md, "Weight
-kernels"):
+kernels"; the row limits are KernelConfig's `few_rows`, `int4_dot_rows`, `int8_dot_rows`, read when a
+layer is built):
   * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/cpu_ops.cpp) read the
     packed int8 / int4 weights directly, activations rounded per 32 values (int4: to int8, as
     llama.cpp's Q4_1 x Q8_1 dot; int8: to int16, relative error ~1e-5), dot products summed in int32.
@@ -19,6 +20,17 @@ kernels"):
     float32 on this AVX2 CPU, and fbgemm's int8 GEMM rounds activations per tensor to 7 bits, which
     costs this model 3.7x in perplexity.
 Elsewhere (CUDA): int8 values and a per-channel scale, widened per call, the scale applied to the output.
+
+The interface the model, the loader and the kernels' seam (ops.py) use; nothing else of this module is
+read from outside it:
+  * `quantize_model(model, mode, blocks, only_blocks)`: replace a LlamaModel's Linear layers and its
+    embedding in place (the loader; `blocks` are a GGUF file's own, from loader.load_gguf_quantized);
+  * `QuantLinear`: a drop-in for nn.Linear (`forward`, `in_features`, `out_features`), plus `kind`
+    ("int8" | "int4"), `dequantize()` (the float32 weights it stands for), its buffers `qweight`, `scale`,
+    `minv` (int4), `bias`, and `kernel_args()` (ops.decode_layer_args: how the fused decode stack reads it);
+  * `Int8Embedding`: a drop-in for nn.Embedding (`forward(ids)`), buffers `qweight` and `scale`;
+  * `is_quantized(module)`: whether a module is one of these two (it holds no float parameters).
+The tensor-parallel shards (parallel.py) are float only: the engine refuses quantization with them.
 """
 from __future__ import annotations
 
@@ -29,22 +41,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model import ops
+from llmserve.model.llama import checkpoint_parts
+from llmserve.model.ops import quantize_int8_per_channel
 
 GROUP_SIZE = 32
-# with float16 copies: up to this many rows through the integer-dot kernels, fbgemm's float16 GEMM beyond
-# (int8, all projections of SmolLM2: 8 rows 17 vs 25 ms, 16 rows 31 vs 33-36 ms, 32 rows 63 vs 61-65 ms)
-FEW_ROWS = 16
-# without them: integer dots up to this many rows, float32 tiles + at::mm beyond (measured crossovers,
-# BENCHMARKS.md "Weight kernels")
-INT_DOT_ROWS = {"int4": 48, "int8": 16}
-
-
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weights, float32 scale per row) with w ~= q * scale[:, None]."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
@@ -95,7 +95,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("minv", None if minv is None else minv.to(sdt).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         cpu = qweight.device.type == "cpu"
-        self.kernels = cpu and ops.cpu_kernels() is not None and self.in_features % 32 == 0
+        self.kernels = cpu and ops.weight_kernel(kind) is not None and self.in_features % 32 == 0
         self._packed = None
         if cpu and (fp16_gemm or not self.kernels) and "fbgemm" in torch.backends.quantized.supported_engines:
             with warnings.catch_warnings():   # torch.ao is deprecated; its fbgemm kernels are not gone
@@ -104,17 +104,23 @@ class QuantLinear(nn.Module):
         self._bind()
 
     def _bind(self) -> None:
-        """(kernel, its weight arguments) for the few-rows path, kept as plain attributes: the hot
-        path avoids nn.Module's attribute lookup. Rebound whenever the buffers are replaced."""
+        """(kernel, its weight arguments, the rows it takes) for the few-rows path, kept as plain
+        attributes: the hot path avoids nn.Module's attribute lookup. Rebound whenever the buffers are
+        replaced. The row limits are ops.kernel_config()'s at this moment."""
         if not self.kernels:
             self._kernel = None
             return
-        ext = ops.cpu_kernels()
-        many = (FEW_ROWS if self._packed is not None else INT_DOT_ROWS[self.kind]) + 1
+        k = ops.kernel_config()
+        if self._packed is not None:   # beyond few_rows: fbgemm's float16 GEMM
+            limit = self._few_rows = k.few_rows
+        else:                          # all rows here: the kernel tiles float32 beyond its limit
+            limit, self._few_rows = k.int4_dot_rows if self.kind == "int4" else k.int8_dot_rows, None
+        many = limit + 1
+        self._kernel = ops.weight_kernel(self.kind)
         if self.kind == "int4":
-            self._kernel, self._kargs = ext.q4_linear, (self.qweight, self.scale, self.minv, many)
+            self._kargs = (self.qweight, self.scale, self.minv, many)
         else:
-            self._kernel, self._kargs = ext.q8_linear, (self.qweight, self.scale, many, self.act_bits)
+            self._kargs = (self.qweight, self.scale, many, self.act_bits)
         self._bias = self.bias
 
     def _apply(self, fn, *args, **kwargs):
@@ -143,7 +149,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._kernel is not None and x2.dtype is torch.float32 and (self._packed is None or x2.shape[0] <= FEW_ROWS):
+        if self._kernel is not None and x2.dtype is torch.float32 and (self._few_rows is None
+                                                                     or x2.shape[0] <= self._few_rows):
             y = self._kernel(x2, *self._kargs)   # the decode hot path
             if self._bias is not None:
                 y += self._bias
@@ -152,6 +159,15 @@ class QuantLinear(nn.Module):
         else:   # CUDA, or a CPU without the kernels and fbgemm
             y = F.linear(x2, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[int, int, list[torch.Tensor]] | None:
+        """(4 | 8 for int4 | int8, activation bits, [qweight, scale(, minv)]): this layer as the fused decode
+        stack reads it (ops.decode_layer_args); None where it does not run on the CPU kernels."""
+        if self._kernel is None or self.bias is not None:
+            return None
+        if self.kind == "int4":
+            return 4, self.act_bits, [self.qweight, self.scale, self.minv]
+        return 8, self.act_bits, [self.qweight, self.scale]
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
@@ -174,8 +190,9 @@ class Int8Embedding(nn.Module):
         return (q.view(*q.shape[:-1], s.shape[-1], -1) * s.unsqueeze(-1)).view(q.shape)
 
 
-# fused llmserve layer -> the checkpoint layers it is made of, in row order
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+def is_quantized(module: nn.Module) -> bool:
+    """A QuantLinear or an Int8Embedding: quantized weights, no float parameters."""
+    return isinstance(module, (QuantLinear, Int8Embedding))
 
 
 def _from_blocks(blocks: dict, names: list[str], mode: str, bias, fp16_gemm: bool) -> QuantLinear | None:
@@ -215,7 +232,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
                 if name == "lm_head":
                     names = ["embed_tokens" if tied else "lm_head"]
                 else:
-                    names = [prefix + n for n in _FUSED.get(name, (name,))]
+                    names = list(checkpoint_parts(path))
                 q = None if only_blocks and child.bias is not None else \
                     _from_blocks(blocks, names, mode, child.bias, fp16_gemm)
                 if q is None and only_blocks:

@@ -32,7 +32,7 @@ _OWN = {"host", "port", "num_threads", "api_key", "help"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     serve_actions: list[argparse.Action] = []
     try:
-        from llmserve.server.cli import add_arguments as add_serve_arguments
+        from llmserve.server.flags import add_serve_arguments
     except ImportError:          # the server is not installed: launch still works with
         add_serve_arguments = None  # --replica-command
     if add_serve_arguments is not None:

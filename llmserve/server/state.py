@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
+from llmserve import envs
 from llmserve.config import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
@@ -64,7 +64,7 @@ class ServerState:
         self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
         engine.on_dead = self._engine_died
         engine.on_aborted = self._request_aborted
-        if os.environ.get("LLMSERVE_FAULT_INJECTION") == "1":
+        if envs.LLMSERVE_FAULT_INJECTION:
             install_fault_injection(engine)
         self.engine = engine
         log.info("ready: serving %s", name)

@@ -89,6 +89,7 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy_output(llm, ll
     float16 (read by the C++ decode kernel in place, widened for SDPA elsewhere) leave greedy output
     all but unchanged. Not exact by contract, so the bar is agreement; the fused decode path and the
     SDPA path read the same stored values and must agree with each other."""
+    from llmserve.config import KernelConfig
     from llmserve.model import ops
     half = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, kv_cache_dtype="float16")
     assert half.engine.runner.kv_caches[0].dtype is torch.float16
@@ -96,11 +97,11 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy_output(llm, ll
     got = _greedy(half, prompt_ids)
     pairs = [(a, b) for g, r in zip(got, reference) for a, b in zip(_strip_eos(g), _strip_eos(r))]
     assert sum(a == b for a, b in pairs) >= 0.95 * len(pairs), (got, reference)
-    ops.IN_PLACE_DECODE = False   # decode through the gather + SDPA path
+    saved = ops.configure(KernelConfig(in_place_decode=False))   # decode through the gather + SDPA path
     try:
         sdpa = _greedy(half, prompt_ids[:3])
     finally:
-        ops.IN_PLACE_DECODE = True
+        ops.configure(saved)
     assert sdpa == got[:3]
     assert half.engine.kv.num_free_blocks == half.engine.num_blocks
 

@@ -100,8 +100,8 @@ def test_fused_decode_layer_equals_the_module_path(llm_factory):
     for mode in ("int4", "int8"):
         model = llm_factory(quantization=mode, kv_cache_memory=0.1).engine.model
         fused = sequence_logits(model, ids, decode=True)
-        assert model._decode_args, "the fused path must be available here"
-        model._decode_args = False
+        assert model._decode_stack, "the fused path must be available here"
+        model._decode_stack = False
         modules = sequence_logits(model, ids, decode=True)
-        model._decode_args = None
+        model._decode_stack = None
         assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (mode, (fused - modules).abs().max())

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import ops, quant
+from llmserve.model import ops
 from llmserve.model.llama import _rotate
 from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
 
@@ -99,7 +99,8 @@ def test_quant_linear_bias_and_batch_shapes(ext, fp16_gemm):
         for rows in (1, 2, 6, 16, 20, 70):
             x = torch.randn(rows, 64)
             ref = F.linear(x, lin.dequantize(), b)
-            many = lin._packed is not None and rows > quant.FEW_ROWS or rows > quant.INT_DOT_ROWS[kind]
+            k = ops.kernel_config()
+            many = rows > (k.few_rows if fp16_gemm else k.int4_dot_rows if kind == "int4" else k.int8_dot_rows)
             assert close(lin(x), ref, 1e-3 if many else tol), (kind, rows)
         x = torch.randn(2, 3, 64)
         assert lin(x).shape == (2, 3, 64)

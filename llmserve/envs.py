@@ -1,0 +1,63 @@
+"""Every environment variable llmserve reads, with its default and meaning (as vLLM's vllm/envs.py).
+
+Other modules never read `os.environ` themselves; they ask this one, when the value is needed (so a
+variable set after import still counts):
+
+    from llmserve import envs
+    if envs.LLMSERVE_CPU_KERNELS: ...
+
+Settings a user chooses per run are flags (EngineConfig, `llmserve serve --help`); variables are for
+what must reach a process before or beside its flags: test facilities, caches, launchers' conventions.
+Tests also read LLMSERVE_CHROMIUM (tests/e2e/test_web_page.py: the browser to drive, default
+/usr/bin/chromium); nothing in the package does.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+def _cache_dir() -> str:
+    return os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
+
+
+def _int_or_none(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value is None else int(value)
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # -- llmserve's own --------------------------------------------------------------------------
+    # "0": run the model on plain PyTorch ops; llmserve/csrc/cpu_ops.cpp is not built (default: used where
+    # the CPU has AVX2 and a compiler exists). Read once per process, when the kernels are first asked for.
+    "LLMSERVE_CPU_KERNELS": lambda: os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0",
+    # where converted GGUF checkpoints and tokenizers are cached (default: $XDG_CACHE_HOME/llmserve, else
+    # ~/.cache/llmserve)
+    "LLMSERVE_CACHE_DIR": _cache_dir,
+    # the API key `llmserve serve` requires when --api-key is not given (default: none, the API is open)
+    "LLMSERVE_API_KEY": lambda: os.environ.get("LLMSERVE_API_KEY") or None,
+    # seconds a tensor-parallel all-reduce may wait for a peer before the step fails (default 120)
+    "LLMSERVE_TP_TIMEOUT": lambda: float(os.environ.get("LLMSERVE_TP_TIMEOUT", "120")),
+    # "1": the server fails or kills its engine loop on marked prompts (a test facility, see
+    # llmserve/server/faults.py; default off)
+    "LLMSERVE_FAULT_INJECTION": lambda: os.environ.get("LLMSERVE_FAULT_INJECTION") == "1",
+    # -- other tools' conventions, as llmserve reads them ----------------------------------------
+    # any value: never download from the Hugging Face hub (a --model that is not a local path fails)
+    "HF_HUB_OFFLINE": lambda: bool(os.environ.get("HF_HUB_OFFLINE")),
+    # torchrun's (or by hand, for tensor parallelism over several machines): this process's rank, the
+    # number of processes, the rank on this machine. RANK and WORLD_SIZE both set: started from outside.
+    "RANK": lambda: _int_or_none("RANK"),
+    "WORLD_SIZE": lambda: _int_or_none("WORLD_SIZE"),
+    "LOCAL_RANK": lambda: int(os.environ.get("LOCAL_RANK", "0")),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
