@@ -34,7 +34,7 @@ def one(mode: str, rows: int, ctx: int = 200) -> dict:
 
     def step():
         slots = table[:, -1] * bs + (ctx - 1) % bs
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=rows,
+        meta = AttentionMetadata(slot_mapping=slots,
                                  decode_groups=[DecodeGroup(0, rows, table, torch.full((rows,), ctx))])
         with torch.inference_mode():
             return fwd(torch.full((rows,), 42), torch.full((rows,), ctx - 1), kv, meta, torch.arange(rows))

@@ -49,7 +49,7 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
 
     def step():
         p = torch.tensor([ctx - 1])
-        meta = AttentionMetadata(slot_mapping=p, num_decode_tokens=1,
+        meta = AttentionMetadata(slot_mapping=p,
                                  decode_groups=[DecodeGroup(0, 1, table, torch.tensor([ctx]))])
         with torch.inference_mode():
             m(torch.tensor([42]), p, kv, meta, torch.zeros(1, dtype=torch.long), argmax=True)

@@ -95,7 +95,7 @@ def _to(obj, device: torch.device):
         return obj.to(device)
     if isinstance(obj, AttentionMetadata):
         return AttentionMetadata(
-            slot_mapping=_to(obj.slot_mapping, device), num_decode_tokens=obj.num_decode_tokens,
+            slot_mapping=_to(obj.slot_mapping, device),
             decode_groups=[_to(g, device) for g in obj.decode_groups],
             prefills=[_to(p, device) for p in obj.prefills])
     if isinstance(obj, DecodeGroup):
