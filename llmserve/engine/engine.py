@@ -255,7 +255,9 @@ class LLMEngine:
         if not sched:
             return []
         self.steps += 1
-        sampled = self.runner.execute(sched, self.kv)
+        # every row plain greedy (no logprobs): the model answers tokens, not logits (cheaper for a float32 head)
+        argmax = all(r.next_token_is_argmax and r.params.logprobs is None for r in sched.requests)
+        sampled = self.runner.execute(sched, self.kv, argmax=argmax)
         appended = self.scheduler.update_from_output(sched, sampled)
         return self.output_processor.process(appended)
 

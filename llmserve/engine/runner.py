@@ -73,11 +73,10 @@ class ModelRunner:
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[SampledTokens]:
-        """Run one step and sample: the tokens of each request that reached the end of its known tokens."""
-        # Every row plain greedy (the model's argmax as is, no logprobs): the model answers tokens, not
-        # logits, which is cheaper for a float32 head (see LlamaModel.forward and ops.head_argmax).
-        argmax = all(r.next_token_is_argmax and r.params.logprobs is None for r in sched.requests)
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager, argmax: bool = False) -> list[SampledTokens]:
+        """Run one step and sample: the tokens of each request that reached the end of its known tokens.
+        With `argmax` (the caller has checked that every row is plain greedy), the model answers its
+        greedy tokens instead of logits and they are taken as they are."""
         sampling, logits, rows_per_req = self._forward(sched, kv, argmax)
         if not sampling:
             return []
