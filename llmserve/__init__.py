@@ -11,6 +11,6 @@ def __getattr__(name):  # lazy: `import llmserve` must not import torch
         from llmserve.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from llmserve.engine.request import SamplingParams
+        from llmserve.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

@@ -81,9 +81,6 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def num_unfinished(self) -> int:
-        return len(self._sinks)
-
     def check_admission(self, runs) -> None:
         """Raise now (before a streaming response starts) what adding these runs would raise.
         `runs` are tuples ending in (prompt_token_ids, params)."""

@@ -1,9 +1,11 @@
 """LLMEngine: requests in, a step at a time, outputs out.
 
-    step():  schedule -> run the model -> sample -> append tokens, check stops -> outputs
+    step():  schedule -> run the model and sample -> append tokens, stop, roll back -> text, outputs
+             Scheduler     ModelRunner                Scheduler.update_from_output    OutputProcessor
 
-The engine owns the tokenizer, the scheduler (policy), the KV cache manager (bookkeeping) and the
-model runner (tensors); each of those knows only what it needs.
+The engine owns the tokenizer, the scheduler (policy and request state), the KV cache manager
+(bookkeeping), the model runner (tensors) and the output processor (text); each of those knows only
+what it needs.
 """
 from __future__ import annotations
 
@@ -20,15 +22,14 @@ from llmserve.config import EngineConfig
 from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.ngram import propose_ngram
-from llmserve.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
-                                     RequestStatus, SamplingParams)
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import (ModelSource, gguf_as_hf_folder, load_model, load_model_config,
                                    resolve_dtype, resolve_kv_dtype, resolve_model)
-from llmserve.model.sampler import SamplingRow, sample
-from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from llmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
 
@@ -53,16 +54,6 @@ class EngineStats:
     block_size: int = 16                       # configuration, for llmserve:cache_config_info
     cache_dtype: str = "float32"
     enable_prefix_caching: bool = True
-
-
-def _merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for several tokens appended in one step (verified speculative tokens)."""
-    a, b = first.outputs[0], later.outputs[0]
-    b.delta_text = a.delta_text + b.delta_text
-    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
-    if a.delta_logprobs is not None or b.delta_logprobs is not None:
-        b.delta_logprobs = (a.delta_logprobs or []) + (b.delta_logprobs or [])
-    return later
 
 
 class LLMEngine:
@@ -140,15 +131,11 @@ class LLMEngine:
                                   self.kv_dtype)
         if self.tp is not None:
             self.tp.attach(self.runner, num_blocks, block_size)
-        self._rows: dict[str, SamplingRow] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
-        self.fault_hook = None   # tests: called with each request before its token is appended
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)   # --seed: the seeds of requests that bring none
         self.steps = 0
-        self.num_spec_proposed = 0   # speculative decoding: proposed and accepted tokens
-        self.num_spec_accepted = 0
         self.last_step_time = time.time()
         self.load_time = time.time() - t0
         log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache (%s): %.2f GiB = %d blocks x %d tokens "
@@ -236,25 +223,31 @@ class LLMEngine:
         self.validate_prompt(ids, params)
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; fan out with LLM or the server")
-        matcher = self.guided.matcher(params) if params.guided else None  # compiled once, cached
         request_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(request_id, ids, params, self.eos_token_ids, priority, arrival_time, text, cache_salt)
+        req.guided = self.guided.matcher(params) if params.guided else None  # compiled once, cached
         self.scheduler.add_request(req)
-        gen = torch.Generator(device=self.device)   # unseeded requests: the next seed of --seed's stream
-        gen.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))
-        self._rows[request_id] = SamplingRow(params, gen, ids, req.output_token_ids, guided=matcher)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+        req.generator = torch.Generator(device=self.device)   # unseeded requests: the next seed of --seed's stream
+        req.generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))
+        self.output_processor.add_request(req)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        if req is None:
-            return None
-        return self._finish_output(req, [], "")
+        return None if req is None else self.output_processor.output(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def fault_hook(self):
+        """Tests: called with each request before its token is appended; what it raises fails that request
+        (an Exception) or the engine loop (any other BaseException)."""
+        return self.scheduler.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook) -> None:
+        self.scheduler.fault_hook = hook
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -265,78 +258,20 @@ class LLMEngine:
         if not sched:
             return []
         self.steps += 1
-        # every row plain greedy: the model answers tokens, not logits (cheaper for a float32 head)
-        argmax = all(self._plain_greedy(r) for r in sched.requests)
-        sampling, logits, rows_per_req = self.runner.execute(sched, self.kv, argmax=argmax)
-        self.scheduler.update_after_step(sched)
-        outputs: list[RequestOutput] = []
-        if sampling:
-            # one sampling row per logits row: a request verifying k proposals has k + 1
-            rows, row_reqs = [], []
-            for r, n in zip(sampling, rows_per_req):
-                row = self._rows[r.request_id]
-                ban = (list(r.eos_token_ids) + r.params.stop_token_ids
-                       if r.num_output_tokens < r.params.min_tokens else [])
-                row.banned_ids = ban
-                rows.extend([row] * n)
-                row_reqs.extend([r] * n)
-            now = time.time()
-            if argmax:
-                results = [(r, t, None, None) for r, t in zip(row_reqs, logits.tolist())]
-            else:
-                results = self._sample_isolated(logits, row_reqs, rows)
-            i = 0
-            for r, n in zip(sampling, rows_per_req):
-                out = self._accept(r, results[i:i + n], now)
-                i += n
-                if out is not None:
-                    outputs.append(out)
-        return outputs
-
-    def _plain_greedy(self, r: Request) -> bool:
-        """The next token is the logits' argmax, untouched: greedy, no logprobs, penalties, grammar or
-        banned tokens (EOS before min_tokens)."""
-        p = r.params
-        row = self._rows.get(r.request_id)
-        return (p.greedy and p.logprobs is None and not p.needs_penalties and (row is None or row.guided is None)
-                and r.num_output_tokens >= p.min_tokens)
-
-    def _accept(self, r: Request, results: list, now: float) -> RequestOutput | None:
-        """Append a request's sampled token; with proposals, the longest verified run of them and
-        the model's token after it. Positions past the accepted run are recomputed next step."""
-        proposals = r.spec_token_ids[:len(results) - 1]
-        r.spec_token_ids = []
-        out = None
-        emitted = 0
-        try:
-            for j, (_, tok, lp, err) in enumerate(results):
-                if err is not None:
-                    raise err
-                if self.fault_hook is not None:
-                    self.fault_hook(r)
-                step_out = self._append(r, tok, lp, now)
-                emitted += 1
-                out = step_out if out is None else _merge_outputs(out, step_out)
-                if r.is_finished or j >= len(proposals) or tok != proposals[j]:
-                    break
-        except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
-            return self._fail(r, e)
-        if proposals:
-            self.num_spec_proposed += len(proposals)
-            self.num_spec_accepted += emitted - 1
-            if not r.is_finished:   # KV is valid only up to the last verified proposal
-                r.num_computed_tokens -= len(results) - emitted
-        return out
+        # every row plain greedy (no logprobs): the model answers tokens, not logits (cheaper for a float32 head)
+        argmax = all(r.next_token_is_argmax and r.params.logprobs is None for r in sched.requests)
+        sampled = self.runner.execute(sched, self.kv, argmax=argmax)
+        appended = self.scheduler.update_from_output(sched, sampled)
+        return self.output_processor.process(appended)
 
     def _propose(self) -> None:
-        """n-gram proposals for greedy decoding requests (sampled, guided, penalised or
-        min_tokens-constrained ones decode plainly)."""
+        """n-gram proposals for decoding requests whose next token is the logits' argmax (sampled,
+        guided, penalised or min_tokens-constrained ones decode plainly)."""
         k = self.config.speculative_ngram
         for r in self.scheduler.running:
             p = r.params
             r.spec_token_ids = []
-            if (not p.greedy or p.guided or p.needs_penalties or r.num_output_tokens < p.min_tokens
-                    or r.num_tokens - r.num_computed_tokens != 1):
+            if not r.next_token_is_argmax or r.num_tokens - r.num_computed_tokens != 1:
                 continue
             room = k
             if p.max_tokens is not None:
@@ -345,84 +280,13 @@ class LLMEngine:
             if room > 0:
                 r.spec_token_ids = propose_ngram(r.all_token_ids, room)
 
-    def _sample_isolated(self, logits, sampling, rows):
-        """Sample the batch; if that fails, sample row by row so only the faulty rows fail."""
-        try:
-            result = sample(logits, rows)
-            return [(r, t, lp, None) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)]
-        except Exception:  # noqa: BLE001
-            log.exception("batched sampling failed; retrying row by row")
-        out = []
-        for i, (r, row) in enumerate(zip(sampling, rows)):
-            try:
-                one = sample(logits[i:i + 1], [row])
-                out.append((r, one.token_ids[0], one.logprobs[0], None))
-            except Exception as e:  # noqa: BLE001
-                out.append((r, None, None, e))
-        return out
+    @property
+    def num_spec_proposed(self) -> int:
+        return self.scheduler.num_spec_proposed
 
-    def _fail(self, req: Request, e: BaseException) -> RequestOutput | None:
-        """Finish one request with an error; its blocks go back to the pool at once."""
-        log.error("request %s failed: %r", req.request_id, e)
-        req.error = f"{type(e).__name__}: {e}"
-        if self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR) is None:
-            return None
-        return self._finish_output(req, [], "")
-
-    def _append(self, req: Request, token: int, lp, now: float) -> RequestOutput | None:
-        row = self._rows.get(req.request_id)
-        guided = row.guided if row is not None else None
-        if guided is not None and not guided.accept(token):
-            raise RuntimeError(f"guided decoding: token {token} is not allowed by the grammar")
-        req.append_token(token)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.last_token_time = now
-        if lp is not None:
-            req.logprobs.append(lp)
-            req.cumulative_logprob += lp.logprob
-        p = req.params
-        status = None
-        if token in req.eos_token_ids and req.num_output_tokens > p.min_tokens - 1:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-        elif token in p.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        elif req.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if guided is not None and guided.finished and status != RequestStatus.FINISHED_STOPPED:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None   # the grammar is complete
-        detok = self._detok[req.request_id]
-        new_ids = [] if status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None else [token]
-        delta = detok.add(new_ids, finished=status is not None)
-        if detok.stopped is not None and req.num_output_tokens >= p.min_tokens:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped
-        if status is not None:
-            self.scheduler.finish_request(req.request_id, status)
-            return self._finish_output(req, [token], delta, [lp] if lp is not None else None)
-        return self._output(req, [token], delta, [lp] if lp is not None else None)
-
-    def _output(self, req: Request, new_ids, delta: str, new_lps=None) -> RequestOutput:
-        detok = self._detok.get(req.request_id)
-        comp = CompletionOutput(
-            index=0, text=detok.output_text if detok else "", token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
-            logprobs=req.logprobs if req.params.logprobs is not None else None,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            delta_text=delta, delta_token_ids=list(new_ids), delta_logprobs=new_lps)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[comp], finished=req.is_finished, num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                   req.last_token_time, req.finished_time, req.num_preemptions),
-            error=req.error)
-
-    def _finish_output(self, req: Request, new_ids, delta: str, new_lps=None) -> RequestOutput:
-        out = self._output(req, new_ids, delta, new_lps)
-        self._rows.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
-        return out
+    @property
+    def num_spec_accepted(self) -> int:
+        return self.scheduler.num_spec_accepted
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

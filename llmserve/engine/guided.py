@@ -8,9 +8,9 @@ EBNF grammars become a per-request token bitmask applied to the logits before sa
                                       only on tokens the engine appends (so preemption and recompute
                                       leave it consistent), and says when the grammar is complete
 
-The sampler calls `apply_bitmask(logits, rows)`: one int32 bitmask for the guided rows of the batch,
-unpacked with shifts and applied with one masked_fill; unconstrained rows are not touched. When the
-grammar is complete only the stop tokens stay allowed, so the request ends with EOS.
+The sampler (model/sampler.py, `apply_bitmask`) asks each guided row's matcher to fill its row of one
+int32 bitmask for the batch, unpacks it and applies it with one masked_fill; unconstrained rows are not
+touched. When the grammar is complete only the stop tokens stay allowed, so the request ends with EOS.
 
 Why xgrammar (measured here on CPU with the bundled tokenizer, vocab 49152; see
 docs/structured-output.md): masks for 16 rows of a nested JSON schema take ~0.02 ms a row per step
@@ -24,7 +24,6 @@ import re
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
@@ -148,24 +147,3 @@ class GuidedMatcher:
     def finished(self) -> bool:
         """The grammar has accepted its stop token: the request must end."""
         return self.m.is_terminated()
-
-
-def apply_bitmask(logits: torch.Tensor, rows) -> None:
-    """In place: -inf on the logits of tokens the guided rows' grammars do not allow. A row whose
-    mask allows nothing (its grammar is complete and EOS is banned, e.g. by min_tokens) gets its stop
-    tokens back. The bits are unpacked with numpy (single-threaded, ~50 us) and applied with one
-    masked_fill per guided row: few torch ops, since each costs thread start-up on a busy CPU."""
-    idx = [i for i, r in enumerate(rows) if getattr(r, "guided", None) is not None]
-    if not idx:
-        return
-    vocab = logits.shape[-1]
-    words = (vocab + 31) // 32
-    bm = torch.full((len(idx), words), -1, dtype=torch.int32)
-    for j, i in enumerate(idx):
-        rows[i].guided.fill(bm, j)
-    bits = np.unpackbits(bm.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    disallowed = torch.from_numpy(bits == 0).to(logits.device)
-    for j, i in enumerate(idx):
-        if rows[i].banned_ids and bool(disallowed[j].all()):
-            disallowed[j, rows[i].guided.stop_token_ids] = False
-        logits[i].masked_fill_(disallowed[j], float("-inf"))

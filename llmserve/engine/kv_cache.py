@@ -132,14 +132,6 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        if self.num_free != len(self.blocks):
-            return False
-        self.cached.clear()
-        for b in self.blocks:
-            b.block_hash = None
-        return True
-
 
 class KVCacheManager:
     """Blocks per request: prefix-cache look-up, allocation for the tokens of a step, freeing."""
@@ -244,6 +236,3 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()

@@ -1,8 +1,9 @@
-"""Batch -> tensors -> model -> logits. Owns the model and the KV cache tensors.
+"""Batch -> tensors -> model -> logits -> sampled tokens. Owns the model and the KV cache tensors.
 
 Rows of the flat batch: decode requests first (one token each), then prefill chunks. Only the last
 row of a request that has reached the end of its known tokens yields logits (the others are
-mid-prompt chunks whose next token is already known).
+mid-prompt chunks whose next token is already known); a request verifying k speculative proposals
+yields k + 1.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request
-from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.engine.scheduler import SampledTokens, SchedulerOutput
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmserve.model.llama import LlamaModel, ModelConfig
+from llmserve.model.sampler import SamplingRow, sample
 
 log = logging.getLogger("llmserve.runner")
 
@@ -71,9 +73,35 @@ class ModelRunner:
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager,
-                argmax: bool = False) -> tuple[list[Request], torch.Tensor | None, list[int]]:
-        """Run one step. Returns (requests that sample, their logits [n, vocab], rows per request);
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager, argmax: bool = False) -> list[SampledTokens]:
+        """Run one step and sample: the tokens of each request that reached the end of its known tokens.
+        With `argmax` (the caller has checked that every row is plain greedy), the model answers its
+        greedy tokens instead of logits and they are taken as they are."""
+        sampling, logits, rows_per_req = self._forward(sched, kv, argmax)
+        if not sampling:
+            return []
+        if argmax:
+            results = [(t, None, None) for t in logits.tolist()]
+        else:
+            rows = []   # one sampling row per logits row: a request verifying k proposals has k + 1
+            for r, n in zip(sampling, rows_per_req):
+                p = r.params
+                ban = list(r.eos_token_ids) + p.stop_token_ids if r.num_output_tokens < p.min_tokens else []
+                row = SamplingRow(p, r.generator, r.prompt_token_ids, r.output_token_ids, ban, r.guided)
+                rows.extend([row] * n)
+            results = _sample_isolated(logits, rows)
+        out, i = [], 0
+        for r, n in zip(sampling, rows_per_req):
+            mine, i = results[i:i + n], i + n
+            ok = next((j for j, res in enumerate(mine) if res[2] is not None), n)   # the rows before a failed one
+            out.append(SampledTokens(r, [res[0] for res in mine[:ok]],
+                                     None if argmax else [res[1] for res in mine[:ok]],
+                                     mine[ok][2] if ok < n else None))
+        return out
+
+    def _forward(self, sched: SchedulerOutput, kv: KVCacheManager,
+                 argmax: bool = False) -> tuple[list[Request], torch.Tensor | None, list[int]]:
+        """Run the model. Returns (requests that sample, their logits [n, vocab], rows per request);
         with `argmax` (every row plain greedy), the rows' greedy tokens [n] instead of the logits.
 
         With speculative tokens a request yields several logits rows (one per verified position);
@@ -123,8 +151,7 @@ class ModelRunner:
             row += n
 
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
-                                 num_decode_tokens=len(decode_tables))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
         # The in-place decode kernel reads each request's own length: one group. The gather + SDPA
         # path reads every padded position: groups of similar lengths.
         groups = [(0, len(decode_lens))] if decode_lens and self.in_place_decode else decode_groups(decode_lens)
@@ -147,3 +174,21 @@ class ModelRunner:
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req
+
+
+def _sample_isolated(logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple]:
+    """(token, logprobs, None) per row; if sampling the batch fails, rows are sampled one by one so
+    that only the faulty ones fail: (None, None, error)."""
+    try:
+        result = sample(logits, rows)
+        return [(t, lp, None) for t, lp in zip(result.token_ids, result.logprobs)]
+    except Exception:  # noqa: BLE001
+        log.exception("batched sampling failed; retrying row by row")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            one = sample(logits[i:i + 1], [row])
+            out.append((one.token_ids[0], one.logprobs[0], None))
+        except Exception as e:  # noqa: BLE001
+            out.append((None, None, e))
+    return out

@@ -6,16 +6,24 @@ ones (up to `max_num_seqs` running). Chunked prefill, prefix-cache hits and deco
 When the KV pool runs out, the lowest-priority running request is preempted (its blocks are freed
 and it is recomputed later) instead of failing with out-of-memory.
 
-Pure policy: no tensors, no model.
+After the step, `update_from_output` is where its results change the requests: `num_computed_tokens`
+advances, sampled tokens are appended, stop conditions that need no text finish requests (EOS, stop
+token ids, max_tokens, max_model_len, a complete grammar) and rejected speculative tokens are rolled
+back. Stop strings need text; the output processor finds them and calls `stop_request`.
+
+Pure policy and bookkeeping: no tensors, no model, no tokenizer.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.request import Request, RequestStatus, TokenLogprobs
+
+log = logging.getLogger("llmserve.scheduler")
 
 
 class QueueFullError(RuntimeError):
@@ -40,6 +48,17 @@ class SchedulerOutput:
         return bool(self.num_scheduled_tokens)
 
 
+@dataclass
+class SampledTokens:
+    """What the runner sampled for one request that reached the end of its known tokens: one token
+    per logits row, i.e. its next token, or with k speculative proposals k + 1 tokens (the model's
+    pick after each verified position). If sampling failed at a row, the tokens before it and `error`."""
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None   # one per token, when the request asks for them
+    error: BaseException | None = None
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs",
@@ -54,6 +73,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_spec_proposed = 0   # speculative decoding: tokens proposed and accepted by verification
+        self.num_spec_accepted = 0
+        self.fault_hook = None       # tests: called with each request before its token is appended
 
     # -- queue ---------------------------------------------------------------------------------
     def num_queued_after(self, extra: int = 0) -> int:
@@ -201,7 +223,94 @@ class Scheduler:
         self._preempt(victim, out)
         return True
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance `num_computed_tokens` of every request that ran this step."""
+    # -- after the step -----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> list[tuple[Request, int]]:
+        """Apply a step's results: every request that ran has computed its scheduled tokens; each one
+        that sampled gets its token appended, or with proposals the longest verified run of them and
+        the model's token after it (positions past that run are rolled back and recomputed next step).
+        A request whose token fails (sampling error, grammar, fault hook) fails alone.
+        Returns (request, number of tokens appended) for the requests that sampled, in batch order."""
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+        now = time.time()
+        appended = []
+        for s in sampled:
+            r = s.request
+            proposals = r.spec_token_ids[:out.num_spec_tokens.get(r.request_id, 0)]
+            r.spec_token_ids = []
+            n = 0
+            try:
+                for j, token in enumerate(s.token_ids):
+                    if self.fault_hook is not None:
+                        self.fault_hook(r)
+                    self._append(r, token, s.logprobs[j] if s.logprobs else None, now)
+                    n += 1
+                    if r.is_finished or j >= len(proposals) or token != proposals[j]:
+                        break
+                else:
+                    if s.error is not None:
+                        raise s.error
+            except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
+                self.fail_request(r, e)
+                appended.append((r, n))
+                continue
+            if proposals:
+                self.num_spec_proposed += len(proposals)
+                self.num_spec_accepted += n - 1
+                if not r.is_finished:   # KV is valid only up to the last verified proposal
+                    r.num_computed_tokens -= len(proposals) + 1 - n
+            appended.append((r, n))
+        return appended
+
+    def _append(self, request: Request, token: int, lp: TokenLogprobs | None, now: float) -> None:
+        """Append one token; finish the request if it stops there (all but stop strings)."""
+        guided = request.guided
+        if guided is not None and not guided.accept(token):
+            raise RuntimeError(f"guided decoding: token {token} is not allowed by the grammar")
+        request.append_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        if lp is not None:
+            request.logprobs.append(lp)
+            request.cumulative_logprob += lp.logprob
+        p = request.params
+        status = None
+        if token in request.eos_token_ids and request.num_output_tokens > p.min_tokens - 1:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif token in p.stop_token_ids:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif p.max_tokens is not None and request.num_output_tokens >= p.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if guided is not None and guided.finished and status != RequestStatus.FINISHED_STOPPED:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None   # the grammar is complete
+        if status is not None:
+            self.finish_request(request.request_id, status)
+
+    def stop_request(self, request: Request, stop: str, num_output_tokens: int) -> None:
+        """A stop string ends the request's text at output token `num_output_tokens` (the output processor
+        found it): the request stops there. Tokens appended after it in this step (verified speculative
+        ones) are dropped, and not counted as accepted."""
+        extra = request.num_output_tokens - num_output_tokens
+        if extra > 0:
+            del request.output_token_ids[num_output_tokens:]
+            del request.all_token_ids[request.num_prompt_tokens + num_output_tokens:]
+            if request.logprobs:
+                del request.logprobs[num_output_tokens:]
+                request.cumulative_logprob = sum((lp.logprob for lp in request.logprobs), 0.0)
+            self.num_spec_accepted -= extra
+        self._finish_now(request, RequestStatus.FINISHED_STOPPED)
+        request.stop_reason = stop
+
+    def fail_request(self, request: Request, error: BaseException) -> None:
+        """Finish one request with an error; its blocks go back to the pool at once."""
+        log.error("request %s failed: %r", request.request_id, error)
+        request.error = f"{type(error).__name__}: {error}"
+        self._finish_now(request, RequestStatus.FINISHED_ERROR)
+
+    def _finish_now(self, request: Request, status: RequestStatus) -> None:
+        # also for a request that this step has just finished otherwise: the later reason wins
+        if self.finish_request(request.request_id, status) is None:
+            request.status = status

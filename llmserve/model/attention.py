@@ -47,7 +47,6 @@ class DecodeGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [num_tokens] where each new token's K/V goes
-    num_decode_tokens: int = 0                   # rows [0, num_decode_tokens) are decodes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 

@@ -33,7 +33,8 @@ def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16, dec
     rows = []
     for i in range(n):
         p = pos[i:i + 1]
-        meta = AttentionMetadata(slot_mapping=p, decode_groups=[DecodeGroup(0, 1, table, torch.tensor([i + 1]))])
+        meta = AttentionMetadata(slot_mapping=p,
+                                 decode_groups=[DecodeGroup(0, 1, table, torch.tensor([i + 1]))])
         rows.append(model(torch.tensor(ids[i:i + 1]), p, kv, meta, torch.zeros(1, dtype=torch.long)).float())
     return torch.cat(rows)
 

@@ -1,9 +1,11 @@
 """Property-based tests of the block manager and scheduler alone (no model, no tensors).
 
 A simulated engine drives Scheduler + KVCacheManager through random interleavings of add, step,
-finish, abort and forced preemption. "Writing" a token records it in the block's slot, so the test
-can check that every computed position of every running request reads its own token: a block is
-never shared between requests whose contents differ.
+finish, abort and forced preemption. Its "runner" writes each scheduled token into its block's slot
+and samples random tokens; the real `Scheduler.update_from_output` appends them, stops requests and
+rolls back rejected speculative proposals. So the test can check that every computed position of every
+running request reads its own token: a block is never shared between requests whose contents differ,
+and a rollback never leaves a rejected proposal inside the computed prefix.
 """
 from __future__ import annotations
 
@@ -14,17 +16,19 @@ from hypothesis import strategies as st
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus, SamplingParams
-from llmserve.engine.scheduler import QueueFullError, Scheduler
+from llmserve.engine.scheduler import QueueFullError, SampledTokens, Scheduler, SchedulerOutput
 
 
 class Sim:
-    def __init__(self, num_blocks, block_size, max_seqs, budget, caching, policy="fcfs", max_queued=None):
+    def __init__(self, num_blocks, block_size, max_seqs, budget, caching, policy="fcfs", max_queued=None,
+                 spec=0):
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.max_model_len = num_blocks * block_size
         self.sched = Scheduler(self.kv, max_seqs, budget, self.max_model_len, policy, max_queued)
         self.slots: dict[tuple[int, int], int] = {}    # (block id, offset) -> token written there
         self.bs = block_size
         self.n = 0
+        self.spec = spec   # up to this many speculative proposals per decoding request and step
 
     def add(self, prompt, max_tokens, priority=0):
         self.n += 1
@@ -40,20 +44,30 @@ class Sim:
                 key = (ids[pos // self.bs], pos % self.bs)
                 assert self.slots.get(key) == r.all_token_ids[pos], (r, pos)
 
+    def propose(self, rng):
+        # random proposals for decoding requests (the engine's n-gram ones, without the n-grams)
+        for r in self.sched.running:
+            decoding = r.num_tokens - r.num_computed_tokens == 1
+            r.spec_token_ids = [rng.randrange(50) for _ in range(rng.randrange(self.spec + 1))] if decoding else []
+
     def step(self, rng):
+        if self.spec:
+            self.propose(rng)
         out = self.sched.schedule()
-        for r in out.requests:
+        sampled = []
+        for r in out.requests:   # the runner: write the scheduled tokens, sample where the known ones end
             n = out.num_scheduled_tokens[r.request_id]
+            k = out.num_spec_tokens.get(r.request_id, 0)
+            c = r.num_computed_tokens
             ids = self.kv.get_block_ids(r.request_id)
-            assert len(ids) * self.bs >= r.num_computed_tokens + n
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
-                self.slots[(ids[pos // self.bs], pos % self.bs)] = r.all_token_ids[pos]
-        self.sched.update_after_step(out)
-        for r in list(out.requests):
-            if r.num_computed_tokens == r.num_tokens:      # sampled a token
-                r.append_token(rng.randrange(50))
-                if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                    self.sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+            assert len(ids) * self.bs >= c + n
+            for pos, token in zip(range(c, c + n), r.all_token_ids[c:c + n - k] + r.spec_token_ids[:k]):
+                self.slots[(ids[pos // self.bs], pos % self.bs)] = token
+            if c + n - k >= r.num_tokens:
+                # one token per verified position: the proposal itself half of the time
+                tokens = [t if rng.random() < 0.5 else rng.randrange(50) for t in r.spec_token_ids[:k]]
+                sampled.append(SampledTokens(r, tokens + [rng.randrange(50)]))
+        self.sched.update_from_output(out, sampled)
         self.check_contents()
         return out
 
@@ -77,9 +91,10 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
        max_seqs=st.integers(1, 6), budget=st.integers(1, 64), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_interleavings_never_leak_or_corrupt(ops, num_blocks, block_size, max_seqs, budget, caching, policy):
-    sim = Sim(num_blocks, block_size, max_seqs, budget, caching, policy)
+       policy=st.sampled_from(["fcfs", "priority"]), spec=st.sampled_from([0, 0, 3]))
+def test_random_interleavings_never_leak_or_corrupt(ops, num_blocks, block_size, max_seqs, budget, caching, policy,
+                                                    spec):
+    sim = Sim(num_blocks, block_size, max_seqs, budget, caching, policy, spec=spec)
     rng = random.Random(0)
     # A few documents, so that prompts often repeat prefixes of each other (and of evicted blocks).
     docs = [[random.Random(d).randrange(50) for _ in range(40)] for d in range(3)]
@@ -95,7 +110,6 @@ def test_random_interleavings_never_leak_or_corrupt(ops, num_blocks, block_size,
             status = RequestStatus.FINISHED_ABORTED if op == "abort" else RequestStatus.FINISHED_STOPPED
             sim.sched.finish_request(rid, status)
         elif op == "preempt" and sim.sched.running:
-            from llmserve.engine.scheduler import SchedulerOutput
             sim.sched._preempt(sim.sched.running[x % len(sim.sched.running)], SchedulerOutput())
         sim.check_pool()
     # drain: everything finishes, nothing leaks
@@ -207,5 +221,8 @@ def test_full_queue_raises_typed_error_and_keeps_serving():
     rng = random.Random(6)
     while sim.sched.has_unfinished():
         sim.step(rng)
-    sim.add([7, 8, 9], 2)          # room again
-    assert sim.kv.num_free_blocks == 16 or sim.sched.has_unfinished()
+    last = sim.add([7, 8, 9], 2)   # room again
+    while sim.sched.has_unfinished():
+        sim.step(rng)
+    assert last.is_finished and last.num_output_tokens == 2
+    assert sim.kv.num_free_blocks == 16

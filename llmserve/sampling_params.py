@@ -1,0 +1,141 @@
+"""Sampling parameters and logprob records.
+
+Shared by the engine (requests carry them) and the model layer (the sampler reads them), so that neither
+imports the other: this module imports nothing of llmserve. `llmserve.engine.request` re-exports them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion. Names and defaults follow vLLM's `SamplingParams`."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16         # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None         # top-N logprobs per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # accepted for compatibility; not computed
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # guided decoding (structured output), at most one of these; see docs/structured-output.md
+    guided_json: dict | str | None = None       # a JSON schema (dict or JSON text)
+    guided_json_object: bool = False            # any JSON object (response_format json_object)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None      # the output is exactly one of these strings
+    guided_grammar: str | None = None           # an EBNF (GBNF) grammar, rule `root`
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k in (-1, None):
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}")
+
+        def finite(name: str, value: float) -> None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            finite(name, getattr(self, name))
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        self._check_guided(bad)
+
+    def _check_guided(self, bad) -> None:
+        given = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, n) is not None] + (["guided_json_object"] if self.guided_json_object else [])
+        if len(given) > 1:
+            raise bad(given[1], f"only one guided decoding constraint per request, got {', '.join(given)}")
+        if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
+            raise bad("guided_json", f"must be a JSON schema (an object or its JSON text), got {self.guided_json!r}")
+        for name in ("guided_regex", "guided_grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise bad(name, f"must be a non-empty string, got {v!r}")
+        if self.guided_choice is not None:
+            if isinstance(self.guided_choice, str) or not self.guided_choice or any(
+                    not isinstance(c, str) or not c for c in self.guided_choice):
+                raise bad("guided_choice", "must be a non-empty list of non-empty strings")
+            self.guided_choice = list(self.guided_choice)
+
+    @property
+    def guided(self) -> bool:
+        return any(getattr(self, n) is not None for n in ("guided_json", "guided_regex", "guided_choice",
+                                                             "guided_grammar")) or self.guided_json_object
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        values = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    decoded: str = ""
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and the top-N alternatives at one position."""
+    token_id: int
+    logprob: float
+    top: list[Logprob] = field(default_factory=list)
