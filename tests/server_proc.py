@@ -80,14 +80,16 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args} exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"{self.proc.args} exited with {self.proc.returncode}; {self.log_path}:\n"
+                                   + self.log()[-3000:])
             try:
                 if httpx.get(self.url + self.ready_path, timeout=2, headers=headers).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"{self.url}{self.ready_path} not ready in {timeout}s; see {self.log_path}")
+        raise TimeoutError(f"{self.url}{self.ready_path} not ready in {timeout}s; {self.log_path}:\n"
+                           + self.log()[-3000:])
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """/metrics -> {'name{labels}': value} and bare names summed over labels."""

@@ -283,8 +283,7 @@ def test_no_secrets_or_prompts_in_logs_and_cors_closed(server):
     r = httpx.get(server.url + "/v1/models", headers={**H, "Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers
     time.sleep(0.5)
-    with open(server.log_path, encoding="utf-8", errors="replace") as f:
-        log = f.read()
+    log = server.log()
     assert KEY not in log and secret_prompt not in log
 
 

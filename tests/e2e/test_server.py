@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from llmserve.bench.loadgen import iter_sse
 from tests.server_proc import ServerProcess
 
 KEY = "test-key-123"
@@ -184,13 +185,11 @@ def test_disconnect_aborts(server):
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/chat/completions", headers=H,
                       json={"messages": Q, "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
-            n = 0
-            lines = r.iter_lines()   # kept referenced: a dropped generator closes the connection early
-            for line in lines:
-                if line.startswith("data:"):
-                    n += 1
-                    if n == 3:
-                        break
+            # kept referenced: a dropped generator closes the connection early
+            events = iter_sse(r.iter_bytes())
+            for n, _ in enumerate(events, 1):
+                if n == 3:
+                    break
             m = server.metrics(headers=H)
             assert m["llmserve:num_requests_running"] == 1
     t0 = time.time()
