@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
+from llmserve.bench.loadgen import aiter_sse  # noqa: E402
+
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 TOPICS = ["Docker", "TCP", "a hash table", "photosynthesis", "the Moon", "Python", "a compiler", "rain"]
 
@@ -93,13 +95,11 @@ async def _good(c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, di
                 text = (await r.aread()).decode("utf-8", "replace")
                 return ("error" if _is_openai_error(text) else "lost", r.status_code, time.time() - t0)
             finish, done, usage, err = None, False, None, None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            async for ev in aiter_sse(r.aiter_bytes()):
+                if ev.done:
                     done = True
                     break
-                d = json.loads(line[6:])
+                d = ev.json()
                 if "error" in d:
                     err = d
                 for ch in d.get("choices") or []:
