@@ -72,7 +72,8 @@ def main() -> None:
             rows.append(f"| {mode} | {n} | {cells} |")
     body = (f"`python benchmarks/decode_rows.py --rounds {args.rounds} --threads {args.threads}`: decode tok/s "
             "(median, range) of N requests decoding together, 48 tokens each, each fused-path row limit in turn "
-            "every round. Chosen: `llama.FUSED_DECODE_ROWS = ops.GEMV_ROWS = 64` (better or even in every row here).\n\n" + "\n".join(rows) + "\n")
+            "every round. Chosen: `llama.FUSED_DECODE_ROWS = ops.GEMV_ROWS = 64` (better or even in every row "
+            "here).\n\n" + "\n".join(rows) + "\n")
     print(body)
     if not args.no_write:
         write_section("Decode rows through the fused path (issue: performance)", body)

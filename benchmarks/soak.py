@@ -218,7 +218,8 @@ def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int 
         "rss_warm_first_half_peak_mib": round(max(warm[:half] or warm) / 2 ** 20),
         "rss_warm_second_half_peak_mib": round(max(warm[half:] or warm) / 2 ** 20),
         "rss_end_mib": round(samples[-1] / 2 ** 20),
-        "rss_peak_by_tenth_mib": [round(max(samples[i:i + tenth]) / 2 ** 20) for i in range(0, len(samples), tenth)][:10],
+        "rss_peak_by_tenth_mib": [round(max(samples[i:i + tenth]) / 2 ** 20)
+                                  for i in range(0, len(samples), tenth)][:10],
         "latency_p50_s": round(lat[len(lat) // 2], 2) if lat else None,
         "latency_p99_s": round(lat[int(len(lat) * 0.99)], 2) if lat else None,
     }

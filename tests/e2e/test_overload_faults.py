@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
-import pytest
 
 from llmserve.bench.loadgen import iter_sse
 from llmserve.server.app import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
@@ -135,8 +134,8 @@ def test_unbounded_queue_all_finish_memory_bounded():
         bound = memory_bound(srv)
         assert max(rss.samples) < bound, (max(rss.samples), bound)
         assert kv_idle(srv)["kv_cache_usage"] == 0
-        print(f"\nunbounded: {n} queued at 4 running, all answered correctly in {wall:.1f} s; peak RSS {max(rss.samples) / 2**20:.0f} MiB "
-              f"(bound {bound / 2**20:.0f} MiB)")
+        print(f"\nunbounded: {n} queued at 4 running, all answered correctly in {wall:.1f} s; "
+              f"peak RSS {max(rss.samples) / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)")
     finally:
         srv.kill()
 

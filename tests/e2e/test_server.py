@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 import time
@@ -123,7 +122,8 @@ def test_error_statuses(client, server, small_server):
         bad.chat.completions.create(model="smol", messages=Q, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smol", messages=Q, max_tokens=4, temperature=-1)
-    assert e.value.body["param"] == "temperature" if isinstance(e.value.body, dict) and "param" in e.value.body else True
+    body = e.value.body
+    assert body["param"] == "temperature" if isinstance(body, dict) and "param" in body else True
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smol", messages=Q, max_tokens=10 ** 9)
     with pytest.raises(openai.BadRequestError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
 import openai
@@ -261,8 +260,9 @@ def test_session_header_sticks_to_a_backend():
 
 
 def test_length_policy_from_yaml(tmp_path):
-    from llmserve.router.cli import add_arguments, build_router
     import argparse
+
+    from llmserve.router.cli import add_arguments, build_router
 
     with fake_backends("m", "m") as (short, long_):
         cfg = tmp_path / "fleet.yaml"
