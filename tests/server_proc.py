@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import httpx
 
+from llmserve.bench.scrape import parse_prometheus
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SERVE = ("-m", "llmserve.cli", "serve")
@@ -93,7 +95,6 @@ class ServerProcess:
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """/metrics -> {'name{labels}': value} and bare names summed over labels."""
-        from llmserve.bench.scrape import parse_prometheus
         return parse_prometheus(httpx.get(self.url + "/metrics", timeout=5, headers=headers).text,
                                 labelled=True)
 
