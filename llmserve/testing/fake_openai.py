@@ -7,7 +7,7 @@ It speaks the slice of the llmserve server API that clients and the router rely 
 
 Answers are words (`tok0 tok1 ...`) and `/tokenize` counts words, so re-tokenising an answer gives
 its length exactly. Token i arrives `ttft + i * itl` seconds after the request (an absolute schedule,
-so sleep overshoot does not add up); the first byte of a stream comes with the first token. A toy
+so sleep overshoot does not add up); a stream's first event comes with the first token. A toy
 prefix cache (chained hashes of 16-character blocks, LRU) makes cache-aware routing show in
 `llmserve:prefix_cache_hits_total`, and each prompt character it misses adds `prefill_per_char` to
 the TTFT. A request whose client goes away is counted as aborted
