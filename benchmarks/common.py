@@ -69,7 +69,8 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
 def write_section(title: str, body: str, path: str | None = None) -> None:
     """Replace (or append) the `## title` section of BENCHMARKS.md."""
     path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\nMeasured, not asserted: each section says how it was run.\n"
+    text = open(path).read() if os.path.exists(path) else \
+        "# Benchmarks\n\nMeasured, not asserted: each section says how it was run.\n"
     stamp = datetime.date.today().isoformat()
     section = f"## {title}\n\n_{stamp}, {machine()}_\n\n{body.strip()}\n"
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)

@@ -70,7 +70,8 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
             def call(*a, **k):
                 t0 = time.perf_counter()
                 r = f(*a, **k)
-                spent["lm_head" if name in ("f32_linear", "head_argmax") else name] += time.perf_counter() - t0   # float32 head
+                # the float32 head
+                spent["lm_head" if name in ("f32_linear", "head_argmax") else name] += time.perf_counter() - t0
                 return r
             return call
     head = m.lm_head
@@ -119,8 +120,9 @@ def main() -> None:
         rows.append(f"| {mode} | {r['step_ms']:.2f} ms | {parts} | {r['step_ms'] - timed:.2f} ms | "
                     f"{r['mb']:.0f} MB | {r['mb'] / r['step_ms']:.1f} GB/s |")
     body = (f"`python benchmarks/decode_step.py --threads {args.threads}`: one request, context 200, the model "
-            "forward called directly (no engine) for a greedy token, 200 steps; kernel times from a second pass with a timer around "
-            "each call. A step reads every weight once; for scale, one streaming read of 256 MB (torch.sum) "
+            "forward called directly (no engine) for a greedy token, 200 steps; kernel times from a second pass "
+            "with a timer around each call. A step reads every weight once; for scale, one streaming read of 256 MB "
+            "(torch.sum) "
             "measures 22-35 GB/s here, and a bare AVX2 float32 GEMV over this model's 120 projection matrices "
             "(one parallel region each, outside torch) ~30 GB/s: the float32 and int4 steps are memory-bound, "
             "int4's integer dots need ~1.8x the time of a bare read of its bytes (unpacking, scales).\n\n"

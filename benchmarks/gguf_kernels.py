@@ -124,7 +124,7 @@ def main() -> None:
     for shape, (n, k) in SHAPES.items():
         w = weights(n, k)
         x = torch.randn(1, k)
-        cases = {name: (lambda i, c=cs, f=fn: f(x, c[i % len(c)], huge)) for name, (_, cs, fn) in w.items()}
+        cases = {name: (lambda i, c=cs, f=fn, x=x: f(x, c[i % len(c)], huge)) for name, (_, cs, fn) in w.items()}
         res = measure(cases, args.rounds, 0.3)
         for name, (size, _, _) in w.items():
             print(f"| {shape} | {name} | {size * 8 / (n * k):.3g} | {size / 1e6:.1f} | {res[name]:.2f} | "
@@ -143,7 +143,7 @@ def main() -> None:
             for name, (_, cs, fn) in w.items():
                 paths = {"float32": {"": m + 1 if m <= 64 else 0}}.get(name, {" dots": m + 1, " tiles": 0})
                 for path, mr in paths.items():
-                    cases[name + path] = lambda i, c=cs, f=fn, mr=mr: f(x, c[i % len(c)], mr)
+                    cases[name + path] = lambda i, c=cs, f=fn, mr=mr, x=x: f(x, c[i % len(c)], mr)
             for name, v in measure(cases, max(1, args.rounds // 2), 0.2).items():
                 table.setdefault(name, {})[m] = v
         for name, by_m in table.items():

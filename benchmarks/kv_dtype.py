@@ -27,7 +27,8 @@ def long_context_decode(context: int, rounds: int, new_tokens: int = 64) -> dict
     engines = {d: LLM(kv_cache_memory=1.0, kv_cache_dtype=d, enable_prefix_caching=False)
                for d in ("float32", "float16")}
     tok = engines["float32"].get_tokenizer()
-    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(400))
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
+                    for i in range(400))
     ids = tok.encode(text)[:context]
     speeds: dict[str, list[float]] = {d: [] for d in engines}
     for _ in range(rounds):

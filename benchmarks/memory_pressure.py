@@ -48,7 +48,7 @@ def main() -> None:
     threading.Thread(target=sample_rss, daemon=True).start()
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
-    for i in range(args.requests):
+    for _ in range(args.requests):
         eng.add_request([rng.randrange(100, vocab) for _ in range(args.prompt_tokens)],
                         SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
     t = time.perf_counter()
@@ -70,7 +70,8 @@ def main() -> None:
         f"| wall time | {dt:.1f} s |\n"
         f"| KV budget (stated) | {budget / mib:.0f} MiB |\n"
         f"| weights | {weights / mib:.0f} MiB |\n"
-        f"| RSS before load / after load / peak | {rss0 / mib:.0f} / {rss_loaded / mib:.0f} / {peak[0] / mib:.0f} MiB |\n"
+        f"| RSS before load / after load / peak | {rss0 / mib:.0f} / {rss_loaded / mib:.0f} / "
+        f"{peak[0] / mib:.0f} MiB |\n"
         f"| peak RSS - RSS before load | {(peak[0] - rss0) / mib:.0f} MiB (budget + weights = "
         f"{(budget + weights) / mib:.0f} MiB) |\n\n"
         f"All blocks were back in the pool at the end. (RSS includes the Python runtime, torch and the "

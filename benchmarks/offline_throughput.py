@@ -30,7 +30,8 @@ def run_llmserve(prompts, max_tokens, threads, **engine_kwargs):
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     t = time.perf_counter()
-    single = llm.generate(ids[:1], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+    single = llm.generate(ids[:1], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
     dt1 = time.perf_counter() - t
     return llm, ids, n / dt, len(single[0].outputs[0].token_ids) / dt1
 
@@ -65,8 +66,9 @@ def main() -> None:
 
     llm, ids, ours, ours_single = run_llmserve(prompts, args.max_tokens, args.threads)
     print(f"llmserve LLM.generate: {ours:.1f} tok/s (64 requests), single request {ours_single:.1f} tok/s", flush=True)
-    from llmserve.model.loader import bundled_model_path
     from transformers import AutoModelForCausalLM
+
+    from llmserve.model.loader import bundled_model_path
     path = bundled_model_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  torch_dtype=torch.float32).eval()
@@ -82,7 +84,8 @@ def main() -> None:
     table = ["| engine | output tok/s | llmserve ratio |", "|---|---|---|",
              f"| **llmserve `LLM.generate`, 64 requests** | **{ours:.1f}** | 1.0 |"]
     table += [f"| {name} | {r:.1f} | {ours / r:.1f}x |" for name, r in rows]
-    table += [f"| llmserve, one request alone | {ours_single:.1f} | vs transformers alone: {ours_single / serial:.1f}x |"]
+    table += [f"| llmserve, one request alone | {ours_single:.1f} | "
+              f"vs transformers alone: {ours_single / serial:.1f}x |"]
     body = (f"`python benchmarks/offline_throughput.py --threads {args.threads}`: {args.num_prompts} chat prompts "
             f"of varied length, {args.max_tokens} output tokens each (EOS ignored), fp32, {args.threads} threads, "
             f"bundled SmolLM2-135M-Instruct; transformers one-at-a-time timed on {args.serial_requests} requests.\n\n"

@@ -29,12 +29,14 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llmserve.router.fake_backend import Process, free_port  # noqa: E402
+from llmserve.bench.loadgen import aiter_sse  # noqa: E402
+from llmserve.bench.scrape import parse_prometheus, parse_samples  # noqa: E402
+from tests.server_proc import FAKE, ROUTE, ServerProcess, free_port  # noqa: E402
 
 WORDS = ("time year people way day man thing woman life child world school state family student "
          "group country problem hand part place case week company system program question work "
@@ -80,10 +82,10 @@ async def send(client: httpx.AsyncClient, url: str, req: Req) -> Rec:
             if r.status_code != 200:
                 await r.aread()
                 return Rec(req.kind, False, error=f"{r.status_code} {r.text[:200]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for ev in aiter_sse(r.aiter_bytes()):
+                if ev.done:
                     continue
-                d = json.loads(line[6:])
+                d = ev.json()
                 if "error" in d:
                     return Rec(req.kind, False, error=str(d["error"]))
                 c = (d.get("choices") or [{}])[0]
@@ -127,13 +129,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def backend_metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            name = key.split("{")[0]
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
+    return parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,38 +139,27 @@ def backend_metrics(url: str) -> dict[str, float]:
 class Fleet:
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
-        self.procs: list[Process] = []
+        self.procs: list[ServerProcess] = []
+
+    def start(self, *flags: str, cmd: tuple[str, ...], log: str, timeout: float) -> str:
+        p = ServerProcess(*flags, cmd=cmd, log_path=os.path.join(self.log_dir, log))
+        self.procs.append(p)
+        return p.wait_ready(timeout).url
 
     def replicas(self, n: int, flags: list[str]) -> list[str]:
-        ps = []
-        for i in range(n):
-            port = free_port()
-            ps.append(Process(["-m", "llmserve.cli", "serve", "--port", str(port),
-                               "--num-threads", "1", "--log-level", "warning", *flags],
-                              f"http://127.0.0.1:{port}",
-                              log_path=os.path.join(self.log_dir, f"serve-{port}.log")))
+        ports = [free_port() for _ in range(n)]
+        ps = [ServerProcess("--num-threads", "1", "--log-level", "warning", *flags, port=port,
+                            log_path=os.path.join(self.log_dir, f"serve-{port}.log")) for port in ports]
         self.procs += ps
-        for p in ps:
-            p.wait_ready(300)
-        return [p.url for p in ps]
+        return [p.wait_ready(300).url for p in ps]
 
     def router(self, backends: list[str], policy: str, *extra: str) -> str:
-        port = free_port()
-        p = Process(["-m", "llmserve.cli", "route", "--port", str(port), "--policy", policy,
-                     "--log-level", "warning", "--health-interval", "2", *extra,
-                     *[x for b in backends for x in ("--backend", b)]],
-                    f"http://127.0.0.1:{port}", log_path=os.path.join(self.log_dir, f"route-{policy}.log"))
-        self.procs.append(p)
-        p.wait_ready(60)
-        return p.url
+        return self.start("--policy", policy, "--log-level", "warning", "--health-interval", "2", *extra,
+                          *[x for b in backends for x in ("--backend", b)], cmd=ROUTE,
+                          log=f"route-{policy}.log", timeout=60)
 
     def fake(self, *flags: str) -> str:
-        port = free_port()
-        p = Process(["-m", "llmserve.router.fake_backend", "--port", str(port), "--model", "fake",
-                     *flags],
-                    f"http://127.0.0.1:{port}", log_path=os.path.join(self.log_dir, "fake.log"))
-        self.procs.append(p)
-        return p.wait_ready(60).url
+        return self.start("--model", "fake", *flags, cmd=FAKE, log="fake.log", timeout=60)
 
     def stop(self, urls: list[str] | None = None) -> None:
         for p in list(self.procs):
@@ -285,10 +270,9 @@ def run_tenants(fleet: Fleet, args) -> dict:
                "prefix_cache_queries": q, "prefix_cache_hits": h,
                "mean_ttft_s": statistics.mean(ttft), "p95_ttft_s": pct(ttft, 95),
                "mean_e2e_s": statistics.mean(r.e2e for r in ok)}
-        dec = httpx.get(url + "/metrics").text
         res["routing_decisions"] = {
-            line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in dec.splitlines() if line.startswith("llmserve_router:routing_decisions_total{")}
+            x.labels["reason"]: x.value for x in parse_samples(httpx.get(url + "/metrics").text)
+            if x.name == "llmserve_router:routing_decisions_total"}
         out["policies"][policy] = res
         print(f"  tenants {policy:14s} hit rate {res['prefix_cache_hit_rate']:.1%}  mean TTFT "
               f"{res['mean_ttft_s']:.2f}s  ok {res['ok']}/{len(recs)}", flush=True)
@@ -319,7 +303,7 @@ def run_overhead(fleet: Fleet, args) -> dict:
     # a backend that takes ~0.25 s per request (first token after 0.1 s, then 8 tokens 20 ms
     # apart), like a small model would: 20 in flight keep the CPU far from saturation, so the
     # difference is the router's own latency, not queueing for a core
-    fake = fleet.fake("--first-byte-delay", "0.1", "--token-delay", "0.02")
+    fake = fleet.fake("--ttft", "0.1", "--itl", "0.02")
     router = fleet.router([fake], "cache_aware")
     asyncio.run(timed_closed_loop(router, 5, args.overhead_concurrency, 0))    # warm up
     asyncio.run(timed_closed_loop(fake, 5, args.overhead_concurrency, 0))
@@ -327,13 +311,9 @@ def run_overhead(fleet: Fleet, args) -> dict:
     for rnd in range(args.overhead_rounds):          # interleave, to share any drift
         direct += asyncio.run(timed_closed_loop(fake, args.overhead_requests, args.overhead_concurrency, rnd))
         routed += asyncio.run(timed_closed_loop(router, args.overhead_requests, args.overhead_concurrency, rnd))
-    text = httpx.get(router + "/metrics").text
-    s = c = 0.0
-    for line in text.splitlines():
-        if line.startswith("llmserve_router:proxy_overhead_seconds_sum"):
-            s = float(line.rsplit(" ", 1)[1])
-        if line.startswith("llmserve_router:proxy_overhead_seconds_count"):
-            c = float(line.rsplit(" ", 1)[1])
+    m = parse_prometheus(httpx.get(router + "/metrics").text)
+    s = m.get("llmserve_router:proxy_overhead_seconds_sum", 0.0)
+    c = m.get("llmserve_router:proxy_overhead_seconds_count", 0.0)
     out = {"concurrency": args.overhead_concurrency, "requests_each": len(direct),
            "direct_p50_ms": pct(direct, 50) * 1e3, "routed_p50_ms": pct(routed, 50) * 1e3,
            "direct_p95_ms": pct(direct, 95) * 1e3, "routed_p95_ms": pct(routed, 95) * 1e3,

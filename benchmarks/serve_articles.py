@@ -89,7 +89,8 @@ def table(name: str, rows: list[dict], rate: float) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = r["flops"] / r["wall"] / rate
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['wall']:.2f} s | {r['wall'] / r['requests'] * 1000:.0f} ms"
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['wall']:.2f} s | "
+                     f"{r['wall'] / r['requests'] * 1000:.0f} ms"
                      f" | {r['requests'] / r['wall']:.2f} | {r['out'] / r['wall']:.1f} | "
                      f"{r['prompt'] - r['cached']} + {r['out']} | {share:.0%} |")
     return "\n".join(lines)

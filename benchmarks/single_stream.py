@@ -129,7 +129,8 @@ def main() -> None:
     ref = "llama.cpp Q4_1" if llama else None
     bars = []
     if ref:
-        bars += [f"- llmserve {q} / llama.cpp: median of per-round ratios **{ratio(f'llmserve {q}', ref):.2f}x** (bar 1x)"
+        bars += [f"- llmserve {q} / llama.cpp: median of per-round ratios "
+                 f"**{ratio(f'llmserve {q}', ref):.2f}x** (bar 1x)"
                  for q in ("int4", "int8")]
     bars.append(f"- llmserve none / transformers float32: **{ratio('llmserve none', 'transformers float32'):.2f}x** "
                 "(bar 3x)")
@@ -140,7 +141,8 @@ def main() -> None:
         " --llama-server PATH" if llama else "")
     body = (f"`{cmd}`: one request at a time, {mt} output tokens (EOS ignored), every engine once per round "
             f"on the same prompt, then a 512-token prompt for its TTFT, {args.rounds} rounds; through each "
-            "server's HTTP API (transformers: `generate` in process).\n\n" + "\n".join(rows) + "\n\n" + "\n".join(bars) + "\n")
+            "server's HTTP API (transformers: `generate` in process).\n\n"
+            + "\n".join(rows) + "\n\n" + "\n".join(bars) + "\n")
     print(body)
     if not args.no_write:
         write_section("Single stream, engines interleaved (issue: performance)", body)

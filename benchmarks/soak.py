@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
+from llmserve.bench.loadgen import aiter_sse  # noqa: E402
+
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 TOPICS = ["Docker", "TCP", "a hash table", "photosynthesis", "the Moon", "Python", "a compiler", "rain"]
 
@@ -93,13 +95,11 @@ async def _good(c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, di
                 text = (await r.aread()).decode("utf-8", "replace")
                 return ("error" if _is_openai_error(text) else "lost", r.status_code, time.time() - t0)
             finish, done, usage, err = None, False, None, None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            async for ev in aiter_sse(r.aiter_bytes()):
+                if ev.done:
                     done = True
                     break
-                d = json.loads(line[6:])
+                d = ev.json()
                 if "error" in d:
                     err = d
                 for ch in d.get("choices") or []:
@@ -218,7 +218,8 @@ def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int 
         "rss_warm_first_half_peak_mib": round(max(warm[:half] or warm) / 2 ** 20),
         "rss_warm_second_half_peak_mib": round(max(warm[half:] or warm) / 2 ** 20),
         "rss_end_mib": round(samples[-1] / 2 ** 20),
-        "rss_peak_by_tenth_mib": [round(max(samples[i:i + tenth]) / 2 ** 20) for i in range(0, len(samples), tenth)][:10],
+        "rss_peak_by_tenth_mib": [round(max(samples[i:i + tenth]) / 2 ** 20)
+                                  for i in range(0, len(samples), tenth)][:10],
         "latency_p50_s": round(lat[len(lat) // 2], 2) if lat else None,
         "latency_p99_s": round(lat[int(len(lat) * 0.99)], 2) if lat else None,
     }

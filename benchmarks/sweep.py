@@ -14,46 +14,15 @@ import json
 import os
 import platform
 import shlex
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmserve.bench import report  # noqa: E402
 from llmserve.cli import main as llmserve_main  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(extra: list[str], log: Path, timeout: float = 300.0):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--port",
-                                 str(port), *extra], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llmserve serve exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"llmserve serve not ready after {timeout:.0f} s; see {log}")
+from tests.server_proc import ServerProcess  # noqa: E402
 
 
 def main() -> int:
@@ -68,19 +37,19 @@ def main() -> int:
     a = p.parse_args()
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    proc, url = None, a.base_url
-    if url is None:
-        proc, url = start_server(shlex.split(a.serve_args), out / "server.log")
+    srv, url = None, a.base_url
     try:
+        if url is None:
+            srv = ServerProcess(*shlex.split(a.serve_args), log_path=str(out / "server.log"))
+            url = srv.wait_ready(300).url
         args = ["bench", "--base-url", url, "--concurrency", a.concurrency,
                 "--num-requests", a.num_requests, "--output-dir", str(out), *a.bench_args]
         if a.output_len:
             args += ["--output-len", a.output_len]
         rc = llmserve_main(args)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        if srv is not None:
+            srv.stop()
     if rc:
         return rc
     result = json.loads((out / "bench.json").read_text())

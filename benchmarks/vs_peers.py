@@ -192,7 +192,8 @@ def main() -> None:
             for q in ("none", "int8", "int4")}
     spec = {int(k): v for k, v in phase("speculative", lambda: speculative(th)).items()}
     hf = phase("transformers", lambda: transformers_numbers(th, prompts, mt))
-    srv = {q: phase(f"serve-{q}", lambda q=q: serve_numbers([] if q == "none" else ["--quantization", q], th, prompts, mt))
+    srv = {q: phase(f"serve-{q}",
+                    lambda q=q: serve_numbers([] if q == "none" else ["--quantization", q], th, prompts, mt))
            for q in ("none", "int8", "int4")}
     llama = phase("llama", lambda: llama_numbers(args.llama_server, th, prompts, mt)) if args.llama_server else None
     src = "this run" if llama else "quoted from the issue (no llama-server given)"

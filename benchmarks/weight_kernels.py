@@ -81,7 +81,7 @@ def main() -> None:
         ks = kernels(torch.randn(n, k) * 0.05)
         for m in (1, 4, 16, 64):
             x = torch.randn(m, k)
-            times = [bench(lambda f=f: f(x)) for f in ks.values()]
+            times = [bench(lambda f=f, x=x: f(x)) for f in ks.values()]
             lines.append(f"| {name} | {m} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
             print(lines[-1], flush=True)
     body = (f"`python benchmarks/weight_kernels.py --threads {args.threads}`: ms per call (lower is better), "

@@ -1,4 +1,6 @@
-"""Shared fixtures: the bundled model, a transformers reference, cached engines."""
+"""Shared fixtures (the bundled model, a transformers reference, cached engines), and the layer markers:
+every test under tests/unit, tests/integration or tests/e2e gets the marker `unit`, `integration` or
+`e2e` (registered in pyproject.toml), so that `pytest -m unit` runs the fast model-free layer."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,16 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+LAYERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.join(ROOT, "tests")
+    for item in items:
+        layer = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
+        if layer in LAYERS:
+            item.add_marker(getattr(pytest.mark, layer))
 
 
 @pytest.fixture(scope="session")

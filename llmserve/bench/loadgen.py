@@ -18,7 +18,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import httpx
 
@@ -30,6 +30,14 @@ import httpx
 class SSEEvent:
     data: str
     event: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """The OpenAI stream's end marker, `data: [DONE]`."""
+        return self.data.strip() == "[DONE]"
+
+    def json(self):
+        return json.loads(self.data)
 
 
 class SSEParser:
@@ -92,6 +100,25 @@ class SSEParser:
         elif name == "event":
             self._event = value
         return None  # id: and retry: do not matter here
+
+
+def iter_sse(chunks: Iterable[bytes]) -> Iterator[SSEEvent]:
+    """The events of a `text/event-stream` body given as byte chunks (e.g. httpx's `iter_bytes()`),
+    each as soon as it is complete."""
+    parser = SSEParser()
+    for chunk in chunks:
+        yield from parser.feed(chunk)
+    yield from parser.close()
+
+
+async def aiter_sse(chunks: AsyncIterable[bytes]) -> AsyncIterator[SSEEvent]:
+    """`iter_sse` for an async byte stream (e.g. httpx's `aiter_bytes()`)."""
+    parser = SSEParser()
+    async for chunk in chunks:
+        for ev in parser.feed(chunk):
+            yield ev
+    for ev in parser.close():
+        yield ev
 
 
 def _line_end(buf: bytes) -> tuple[int, int] | None:
@@ -250,7 +277,7 @@ class OpenAIClient:
     def _on_event(self, ev: SSEEvent, rec: RequestRecord, now: float,
                   on_chunk: Callable[[], None] | None) -> bool:
         """Handle one SSE event; True when it is the final `[DONE]`."""
-        if ev.data.strip() == "[DONE]":
+        if ev.done:
             return True
         if rec.error:
             return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from typing import NamedTuple
 
 import httpx
 
@@ -34,11 +35,20 @@ GAUGES = ("running", "waiting", "kv_usage")
 COUNTERS = ("prefix_queries", "prefix_hits", "preemptions", "prompt_tokens", "generation_tokens")
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text format -> {sample name: value summed over label sets}."""
-    out: dict[str, float] = {}
+class Sample(NamedTuple):
+    name: str
+    labels: dict[str, str]
+    value: float
+    key: str  # the name and labels as written: 'name{a="1",b="2"}' (the bare name if no labels)
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Prometheus text format -> its samples, in order (comments and unparsable lines skipped)."""
+    out = []
     for line in text.splitlines():
         m = _SAMPLE.match(line.strip())
         if m is None:  # comments (# HELP / # TYPE) and blank lines
@@ -47,8 +57,28 @@ def parse_prometheus(text: str) -> dict[str, float]:
             value = float(m.group(3))
         except ValueError:
             continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+        raw = m.group(2) or ""
+        labels = {k: _ESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v)
+                  for k, v in _LABEL.findall(raw)}
+        out.append(Sample(m.group(1), labels, value, m.group(1) + raw))
     return out
+
+
+def parse_prometheus(text: str, labelled: bool = False) -> dict[str, float]:
+    """Prometheus text format -> {sample name: value summed over label sets}; with `labelled`,
+    also every labelled sample under its key as written ('name{a="1"}': value)."""
+    out: dict[str, float] = {}
+    for s in parse_samples(text):
+        out[s.name] = out.get(s.name, 0.0) + s.value
+        if labelled and s.labels:
+            out[s.key] = s.value
+    return out
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels` (0 when there are none)."""
+    return sum(s.value for s in parse_samples(text)
+               if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()))
 
 
 def pick(samples: dict[str, float]) -> dict[str, float]:

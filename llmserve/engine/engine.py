@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -27,8 +26,15 @@ from llmserve.engine.request import Request, RequestOutput, RequestStatus, Sampl
 from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
-from llmserve.model.loader import (ModelSource, gguf_as_hf_folder, load_model, load_model_config,
-                                   resolve_dtype, resolve_kv_dtype, resolve_model)
+from llmserve.model.loader import (
+    ModelSource,
+    gguf_as_hf_folder,
+    load_model,
+    load_model_config,
+    resolve_dtype,
+    resolve_kv_dtype,
+    resolve_model,
+)
 from llmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
@@ -185,7 +191,8 @@ class LLMEngine:
                                    dtype=self.kv_dtype, device=self.device) for _ in range(1)] * mc.num_layers
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange((n + 15) // 16, device=self.device))])
+        blocks = torch.arange((n + 15) // 16, device=self.device)
+        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, blocks)])
         import contextlib
         with self.tp.local_only() if self.tp is not None else contextlib.nullcontext():
             self.model(ids, pos, dummy_cache, meta, torch.tensor([n - 1], device=self.device))

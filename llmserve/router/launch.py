@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 log = logging.getLogger("llmserve.launch")
 

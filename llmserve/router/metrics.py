@@ -4,8 +4,7 @@ One registry per router instance, so several routers can live in one process (te
 """
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 disable_created_metrics()  # no *_created series (as vLLM does)

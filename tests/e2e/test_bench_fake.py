@@ -11,9 +11,10 @@ import json
 
 import pytest
 
-from llmserve.bench.fakeserver import FakeServerProcess
 from llmserve.bench.loadgen import BenchRequest, OpenAIClient, auto_timeout
 from llmserve.cli import main
+from llmserve.testing.fake_openai import control
+from tests.server_proc import FAKE, ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,8 +24,13 @@ E2E = TTFT + (TOKENS - 1) * ITL
 
 @pytest.fixture(scope="module")
 def fake():
-    with FakeServerProcess() as server:
-        yield server
+    with ServerProcess(cmd=FAKE) as server:
+        yield server.wait_ready(30)
+
+
+def configure(fake, **fields) -> None:
+    """The fake's whole config (unset fields take their defaults); request numbering restarts."""
+    control(fake.url, reset=True, **fields)
 
 
 def bench(fake, tmp_path, *args: str) -> dict:
@@ -40,7 +46,7 @@ def close(measured: float, truth: float, tol: float = 0.10) -> bool:
 
 
 def test_timings_and_throughput_match_the_truth(fake, tmp_path):
-    fake.configure(ttft=TTFT, itl=ITL, tokens=TOKENS)
+    configure(fake, ttft=TTFT, itl=ITL, tokens=TOKENS)
     out_dir = tmp_path / "out"
     result = bench(fake, tmp_path, "--concurrency", "1,4", "--num-requests", "4,8",
                    "--output-dir", str(out_dir))
@@ -72,7 +78,7 @@ def test_timings_and_throughput_match_the_truth(fake, tmp_path):
 
 
 def test_injected_errors_are_counted_not_crashed_on(fake, tmp_path):
-    fake.configure(ttft=0.01, itl=0.005, tokens=8,
+    configure(fake, ttft=0.01, itl=0.005, tokens=8,
                    errors={1: "http_500", 2: "http_429", 3: "cut", 4: "abort", 5: "error_event"})
     result = bench(fake, tmp_path, "--concurrency", "2", "--num-requests", "10")
     s = result["phases"][0]["summary"]
@@ -84,7 +90,7 @@ def test_injected_errors_are_counted_not_crashed_on(fake, tmp_path):
 
 
 def test_a_hung_request_times_out(fake, tmp_path):
-    fake.configure(ttft=0.01, itl=0.005, tokens=4, errors={0: "hang"})
+    configure(fake, ttft=0.01, itl=0.005, tokens=4, errors={0: "hang"})
     result = bench(fake, tmp_path, "--concurrency", "2", "--num-requests", "3", "--timeout", "1")
     s = result["phases"][0]["summary"]
     assert s["errors"] == {"timeout": 1} and s["completed"] == 2
@@ -95,7 +101,7 @@ def test_a_hung_request_times_out(fake, tmp_path):
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_no_usage_chunk_split_lines_pings_and_utf8(fake, endpoint):
     """N re-counted by the server's /tokenize; events cut mid-line; pings; multi-byte text."""
-    fake.configure(ttft=0.01, itl=0.005, tokens=12, send_usage=False, split_lines=True,
+    configure(fake, ttft=0.01, itl=0.005, tokens=12, send_usage=False, split_lines=True,
                    ping_every=3, word="tök")
 
     async def go():
@@ -112,7 +118,7 @@ def test_no_usage_chunk_split_lines_pings_and_utf8(fake, endpoint):
 
 
 def test_without_usage_the_bench_retokenises(fake, tmp_path):
-    fake.configure(ttft=0.01, itl=0.005, tokens=9, send_usage=False)
+    configure(fake, ttft=0.01, itl=0.005, tokens=9, send_usage=False)
     result = bench(fake, tmp_path, "--endpoint", "completions", "--num-requests", "3",
                    "--dataset", "random", "--input-len", "10-20", "--output-len", "9")
     s = result["phases"][0]["summary"]
@@ -121,7 +127,7 @@ def test_without_usage_the_bench_retokenises(fake, tmp_path):
 
 
 def test_rate_burst_and_users_modes(fake, tmp_path):
-    fake.configure(ttft=0.05, itl=0.01, tokens=5)
+    configure(fake, ttft=0.05, itl=0.01, tokens=5)
     result = bench(fake, tmp_path, "--request-rate", "inf,20", "--num-requests", "6,10")
     burst, paced = (p["summary"] for p in result["phases"])
     assert burst["peak_concurrency"] == 6 and burst["completed"] == 6
@@ -137,7 +143,7 @@ def test_rate_burst_and_users_modes(fake, tmp_path):
 
 
 def test_server_without_metrics_and_unreachable_server(fake, tmp_path, capsys):
-    fake.configure(ttft=0.01, itl=0.005, tokens=4, metrics=False)
+    configure(fake, ttft=0.01, itl=0.005, tokens=4, metrics=False)
     result = bench(fake, tmp_path, "--num-requests", "2")
     assert result["phases"][0]["summary"]["server"] == {}
     rc = main(["bench", "--base-url", "http://127.0.0.1:9", "--no-progress"])

@@ -7,53 +7,22 @@ increase of its /metrics token counters over the run).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from llmserve.bench.scrape import parse_prometheus, pick  # noqa: E402
-from llmserve.cli import main  # noqa: E402
+from llmserve.bench.scrape import parse_prometheus, pick
+from llmserve.cli import main
+from tests.server_proc import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "serve", "--port",
-                                 str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"llmserve serve exited:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with ServerProcess(log_path=str(log)) as srv:
+        yield srv.wait_ready(180).url
 
 
 def counters(url: str) -> dict:

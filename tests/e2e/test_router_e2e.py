@@ -12,7 +12,9 @@ import httpx
 import openai
 import pytest
 
-from llmserve.router.fake_backend import Process, free_port, wait_until
+from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.scrape import parse_prometheus
+from tests.server_proc import ROUTE, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,30 +23,21 @@ SERVE_FLAGS = ["--num-threads", "1", "--max-model-len", "1024", "--num-kv-blocks
                "--max-num-seqs", "16", "--log-level", "warning"]
 
 
-def replica(port: int, name: str, log_dir) -> Process:
-    return Process(["-m", "llmserve.cli", "serve", "--port", str(port), "--served-model-name", name,
-                    *SERVE_FLAGS], f"http://127.0.0.1:{port}",
-                   log_path=str(log_dir / f"serve-{name}-{port}.log"))
+def replica(port: int, name: str, log_dir) -> ServerProcess:
+    return ServerProcess("--served-model-name", name, *SERVE_FLAGS, port=port,
+                         log_path=str(log_dir / f"serve-{name}-{port}.log"))
 
 
 def metrics(url: str) -> dict[str, float]:
-    """Prometheus text -> {name: value summed over labels, 'name{labels}': value}."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-            bare = key.split("{")[0]
-            if bare != key:
-                out[bare] = out.get(bare, 0.0) + float(value)
-    return out
+    """{name: value summed over labels, 'name{labels}': value}."""
+    return parse_prometheus(httpx.get(url + "/metrics", timeout=5).text, labelled=True)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("router-e2e")
     ports = {"a1": free_port(), "a2": free_port(), "b": free_port()}
-    procs: dict[str, Process] = {}
+    procs: dict[str, ServerProcess] = {}
     try:
         procs["a1"] = replica(ports["a1"], "smol", log_dir)
         procs["a2"] = replica(ports["a2"], "smol", log_dir)
@@ -52,20 +45,19 @@ def fleet(tmp_path_factory):
         for p in procs.values():
             p.wait_ready(180)
         rport = free_port()
-        procs["router"] = Process(
-            ["-m", "llmserve.cli", "route", "--port", str(rport),
-             *[x for p in ("a1", "a2", "b") for x in ("--backend", procs[p].url)],
-             "--policy", "least_outstanding", "--max-retries", "2",
-             "--health-interval", str(HEALTH_INTERVAL), "--unhealthy-threshold", "2",
-             "--log-level", "warning"],
-            f"http://127.0.0.1:{rport}", log_path=str(log_dir / "router.log")).wait_ready(30)
+        procs["router"] = ServerProcess(
+            *[x for p in ("a1", "a2", "b") for x in ("--backend", procs[p].url)],
+            "--policy", "least_outstanding", "--max-retries", "2",
+            "--health-interval", str(HEALTH_INTERVAL), "--unhealthy-threshold", "2",
+            "--log-level", "warning", cmd=ROUTE, port=rport,
+            log_path=str(log_dir / "router.log")).wait_ready(30)
         assert wait_until(lambda: httpx.get(procs["router"].url + "/ready").json()
                           ["healthy_backends"] == 3, timeout=30)
         procs["_log_dir"] = log_dir
         yield procs
     finally:
-        for k, p in procs.items():
-            if isinstance(p, Process):
+        for p in procs.values():
+            if isinstance(p, ServerProcess):
                 p.stop()
 
 
@@ -114,10 +106,8 @@ def test_client_disconnect_at_the_router_aborts_the_backend_request(fleet):
     with httpx.stream("POST", fleet["router"].url + "/v1/completions", timeout=60, json={
             "model": "smol-b", "prompt": "Write a very long story about a dragon.",
             "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
-        got = 0
-        for line in s.iter_lines():
-            if line.startswith("data: {"):
-                got += 1
+        events = iter_sse(s.iter_bytes())
+        for got, _ in enumerate(events, 1):
             if got == 3:
                 break                           # hang up mid-stream
     # the backend stops generating: nothing running, the request never finished normally,
@@ -140,7 +130,7 @@ def test_client_disconnect_at_the_router_aborts_the_backend_request(fleet):
 
 
 def test_sigkill_a_replica_during_40_requests(fleet):
-    router, a1, a2 = fleet["router"].url, fleet["a1"], fleet["a2"]
+    router, a1 = fleet["router"].url, fleet["a1"]
     routed = client(router)
     results = []
 

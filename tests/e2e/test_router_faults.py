@@ -13,17 +13,17 @@ import httpx
 import openai
 import pytest
 
-from llmserve.router.fake_backend import Process, free_port, wait_until
+from llmserve.bench.loadgen import iter_sse
+from tests.server_proc import FAKE, ROUTE, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 HEALTH_INTERVAL = 0.5
 
 
-def fake(port: int, tmp_path, token_delay: float = 0.02) -> Process:
-    return Process(["-m", "llmserve.router.fake_backend", "--port", str(port), "--model", "m",
-                    "--token-delay", str(token_delay)], f"http://127.0.0.1:{port}",
-                   log_path=str(tmp_path / f"fake-{port}.log"))
+def fake(port: int, tmp_path, itl: float = 0.02) -> ServerProcess:
+    return ServerProcess("--model", "m", "--itl", str(itl), cmd=FAKE, port=port,
+                         log_path=str(tmp_path / f"fake-{port}.log"))
 
 
 @pytest.fixture
@@ -36,13 +36,12 @@ def fleet(tmp_path):
             procs[p] = fake(p, tmp_path)
         for p in ports:
             procs[p].wait_ready(30)
-        router = Process(["-m", "llmserve.cli", "route", "--port", str(rport),
-                          "--backend", f"http://127.0.0.1:{ports[0]}",
-                          "--backend", f"http://127.0.0.1:{ports[1]}",
-                          "--policy", "least_outstanding", "--max-retries", "2",
-                          "--health-interval", str(HEALTH_INTERVAL), "--unhealthy-threshold", "2",
-                          "--log-level", "warning"],
-                         f"http://127.0.0.1:{rport}", log_path=str(tmp_path / "router.log"))
+        router = ServerProcess("--backend", f"http://127.0.0.1:{ports[0]}",
+                               "--backend", f"http://127.0.0.1:{ports[1]}",
+                               "--policy", "least_outstanding", "--max-retries", "2",
+                               "--health-interval", str(HEALTH_INTERVAL), "--unhealthy-threshold", "2",
+                               "--log-level", "warning", cmd=ROUTE, port=rport,
+                               log_path=str(tmp_path / "router.log"))
         procs["router"] = router.wait_ready(30)
         yield procs, ports, router.url, tmp_path
     finally:
@@ -96,7 +95,7 @@ def test_sigkill_one_backend_during_40_requests(fleet):
     failed = [r for r in results if not r[3]]
     # every request that had not started streaming succeeded (retried on the other backend);
     # the only failures are streams already under way on the killed backend (never replayed)
-    for i, stream, first_from, ok, err in failed:
+    for i, stream, first_from, _ok, err in failed:
         assert stream and first_from == victim_url, (i, stream, first_from, err)
     assert all(ok for _, stream, _, ok, _ in results if not stream)
     assert len(failed) < 10
@@ -129,12 +128,12 @@ def test_stream_cut_mid_way_is_not_replayed(fleet):
     with httpx.stream("POST", router_url + "/v1/completions", timeout=30, json={
             "model": "m", "prompt": "long", "max_tokens": 500, "stream": True}) as s:
         victim = s.headers["x-llmserve-backend"]
-        lines = s.iter_lines()
-        assert next(lines).startswith("data: ")
+        events = iter_sse(s.iter_bytes())
+        assert next(events).json()["choices"]
         victim_port = int(victim.rsplit(":", 1)[1])
         procs[victim_port].kill()
-        rest = [x for x in lines if x]
+        rest = list(events)
     other = procs[ports[1] if victim_port == ports[0] else ports[0]]
-    assert '"error"' in rest[-1] and "[DONE]" not in rest[-1]
+    assert "error" in rest[-1].json() and not any(e.done for e in rest)
     stats = httpx.get(other.url + "/_stats").json()
     assert stats["requests"] == 0         # not replayed on the surviving backend

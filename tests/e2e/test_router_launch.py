@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from llmserve.router.fake_backend import Process, free_port, wait_until
+from tests.server_proc import LAUNCH, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,12 +32,11 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
     port, base = free_port(), free_port()
     while base + 1 == port or base == port:
         base = free_port()
-    replica = (f"{sys.executable} -m llmserve.router.fake_backend --host {{host}} "
+    replica = (f"{sys.executable} -m llmserve.testing.fake_openai --host {{host}} "
                f"--port {{port}} --model m")
-    launcher = Process(["-m", "llmserve.cli", "launch", "--replicas", "2", "--port", str(port),
-                        "--base-port", str(base), "--replica-command", replica,
-                        "--router-policy", "round_robin", "--router-health-interval", "0.3"],
-                       f"http://127.0.0.1:{port}", log_path=str(tmp_path / "launch.log"))
+    launcher = ServerProcess("--replicas", "2", "--base-port", str(base), "--replica-command", replica,
+                             "--router-policy", "round_robin", "--router-health-interval", "0.3",
+                             cmd=LAUNCH, port=port, log_path=str(tmp_path / "launch.log"))
     pids = []
     try:
         launcher.wait_ready(60)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 import time
@@ -11,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from llmserve.bench.loadgen import iter_sse
 from tests.server_proc import ServerProcess
 
 KEY = "test-key-123"
@@ -122,7 +122,8 @@ def test_error_statuses(client, server, small_server):
         bad.chat.completions.create(model="smol", messages=Q, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smol", messages=Q, max_tokens=4, temperature=-1)
-    assert e.value.body["param"] == "temperature" if isinstance(e.value.body, dict) and "param" in e.value.body else True
+    body = e.value.body
+    assert body["param"] == "temperature" if isinstance(body, dict) and "param" in body else True
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smol", messages=Q, max_tokens=10 ** 9)
     with pytest.raises(openai.BadRequestError):
@@ -184,13 +185,11 @@ def test_disconnect_aborts(server):
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/chat/completions", headers=H,
                       json={"messages": Q, "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
-            n = 0
-            lines = r.iter_lines()   # kept referenced: a dropped generator closes the connection early
-            for line in lines:
-                if line.startswith("data:"):
-                    n += 1
-                    if n == 3:
-                        break
+            # kept referenced: a dropped generator closes the connection early
+            events = iter_sse(r.iter_bytes())
+            for n, _ in enumerate(events, 1):
+                if n == 3:
+                    break
             m = server.metrics(headers=H)
             assert m["llmserve:num_requests_running"] == 1
     t0 = time.time()

@@ -94,8 +94,8 @@ def test_stats_endpoint_is_open_like_metrics(server):
 
 def test_router_page_shows_backends_health_and_routing(browser):
     """`llmserve route`'s page, over two fake backends: health, load, where requests went and why."""
-    from llmserve.router.fake_backend import fake_backends, router_thread
-    with fake_backends("fake", "fake", token_delay=0.005) as (a, b), router_thread(
+    from tests.server_proc import fake_backends, router_thread
+    with fake_backends("fake", "fake", itl=0.005) as (a, b), router_thread(
             backends=[a.url, b.url], health_interval=0.2, unhealthy_threshold=1,
             scrape_metrics=True, policy="least_outstanding") as r:
         ctx = browser.new_context(viewport={"width": 1280, "height": 900})

@@ -99,7 +99,8 @@ def test_n_stop_logprobs_and_finish_reasons(llm):
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
     words = greedy.text.split()
     stop = words[2]
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == greedy.text[:greedy.text.index(stop)]
     lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0].outputs[0]

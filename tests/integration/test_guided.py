@@ -20,7 +20,8 @@ SCHEMAS = [
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                 "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -10, "maximum": 10}, "y": {"type": "integer", "minimum": -10, "maximum": 10}},
+        "x": {"type": "integer", "minimum": -10, "maximum": 10},
+        "y": {"type": "integer", "minimum": -10, "maximum": 10}},
         "required": ["x", "y"]}}, "required": ["point"]},
     {"type": "object", "properties": {"city": S, "country": {"enum": ["FR", "DE", "US"]}},
      "required": ["city", "country"]},

@@ -5,7 +5,6 @@ import pytest
 
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.request import SamplingParams
-
 from tests.integration.prompts import chat_messages, long_document
 
 

@@ -10,11 +10,26 @@ import random
 import pytest
 
 from llmserve.bench import advice, cli, report
-from llmserve.bench.datasets import (DatasetConfig, WordTokenizer, build_requests,
-                                     exact_length_text, load_sharegpt, parse_range, sample_path)
+from llmserve.bench.datasets import (
+    DatasetConfig,
+    WordTokenizer,
+    build_requests,
+    exact_length_text,
+    load_sharegpt,
+    parse_range,
+    sample_path,
+)
 from llmserve.bench.loadgen import LoadPhase, PhaseRun, RequestRecord, _arrival_gaps
-from llmserve.bench.metrics import (best_under_slo, distribution, find_knee, meets_slo,
-                                    parse_slo, peak_concurrency, request_tpot, summarize)
+from llmserve.bench.metrics import (
+    best_under_slo,
+    distribution,
+    find_knee,
+    meets_slo,
+    parse_slo,
+    peak_concurrency,
+    request_tpot,
+    summarize,
+)
 from llmserve.bench.scrape import parse_prometheus, pick
 
 

@@ -74,7 +74,7 @@ class Sim:
     def check_pool(self):
         pool = self.kv.pool
         held = {}
-        for rid, blocks in self.kv.req_blocks.items():
+        for blocks in self.kv.req_blocks.values():
             for b in blocks:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for b in pool.blocks:
@@ -126,7 +126,7 @@ def test_random_interleavings_never_leak_or_corrupt(ops, num_blocks, block_size,
 def test_prefix_hit_skips_cached_blocks():
     sim = Sim(num_blocks=64, block_size=4, max_seqs=4, budget=64, caching=True)
     prompt = list(range(30))
-    a = sim.add(prompt, 2)
+    sim.add(prompt, 2)
     while sim.sched.has_unfinished():
         sim.step(random.Random(1))
     b = sim.add(prompt[:28] + [99, 98], 2)
@@ -160,7 +160,7 @@ def test_blocks_without_cached_contents_are_reused_first():
         rng = random.Random(3)
         used: set[int] = set()
         allocate = sim.kv.pool.allocate
-        sim.kv.pool.allocate = lambda n: [used.add(b.block_id) or b for b in allocate(n)]
+        sim.kv.pool.allocate = lambda n, used=used, allocate=allocate: [used.add(b.block_id) or b for b in allocate(n)]
         for base in range(0, 500, 100):   # 5 requests of 2 full blocks + a partial one, one after another
             sim.add([base + i for i in range(9)], 1)
             while sim.sched.has_unfinished():
@@ -196,7 +196,7 @@ def test_priority_request_scheduled_at_once_when_pool_full():
 
 def test_priority_request_scheduled_at_once_when_batch_full():
     sim = Sim(num_blocks=64, block_size=4, max_seqs=2, budget=64, caching=False, policy="priority")
-    for i in range(2):
+    for _ in range(2):
         sim.add(list(range(5)), 50, priority=5)
     rng = random.Random(5)
     sim.step(rng)

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import socket
 
 import httpx
 import pytest
 
-from llmserve.router.discovery import (DnsDiscovery, DnsSource, Registry, load_config,
-                                       normalize_url)
-from llmserve.router.fake_backend import (FakeState, ServerThread, build_fake_app,
-                                          router_thread, wait_until)
+from llmserve.bench.loadgen import iter_sse
+from llmserve.router.discovery import DnsDiscovery, DnsSource, Registry, load_config, normalize_url
 from llmserve.router.policies import Backend
+from tests.server_proc import fake_backends, free_port, router_thread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,30 +84,12 @@ dns:
     assert cfg.settings == {"policy": "session"}
 
 
-def _free_port_on(*hosts: str) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for h in hosts[1:]:
-                with socket.socket() as s:
-                    s.bind((h, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no common free port")
-
-
 def test_backend_dns_follows_the_name_and_spares_in_flight_requests():
-    port = _free_port_on("127.0.0.2", "127.0.0.3")
-    fakes = {}
+    port = free_port("127.0.0.2", "127.0.0.3")
     answer = ["127.0.0.2"]                       # what the name resolves to, set by the test
-    try:
-        for host in ("127.0.0.2", "127.0.0.3"):
-            st = FakeState(models=["m"], name=host, token_delay=0.02)
-            fakes[host] = ServerThread(build_fake_app(st), host=host, port=port).start()
-            fakes[host].state = st
+    with contextlib.ExitStack() as stack:
+        fakes = {host: stack.enter_context(fake_backends("m", host=host, port=port, itl=0.02))[0]
+                 for host in ("127.0.0.2", "127.0.0.3")}
 
         async def resolver(name, p):
             assert (name, p) == ("llm-headless.test.svc", port)
@@ -139,19 +121,16 @@ def test_backend_dns_follows_the_name_and_spares_in_flight_requests():
                     with httpx.stream("POST", r.url + "/v1/completions", timeout=30, json={
                             "model": "m", "prompt": "p", "max_tokens": 60, "stream": True},
                             headers={"X-Request-Timeout": "30"}) as s:
-                        return s.headers["x-llmserve-backend"], list(s.iter_lines())
+                        return s.headers["x-llmserve-backend"], list(iter_sse(s.iter_bytes()))
                 futures = [pool.submit(long_stream)]
-                assert wait_until(lambda: fakes["127.0.0.2"].state.running >= 1
-                                  or fakes["127.0.0.3"].state.running >= 1, timeout=5)
-                on = "127.0.0.2" if fakes["127.0.0.2"].state.running else "127.0.0.3"
+                assert wait_until(lambda: fakes["127.0.0.2"].fake.running >= 1
+                                  or fakes["127.0.0.3"].fake.running >= 1, timeout=5)
+                on = "127.0.0.2" if fakes["127.0.0.2"].fake.running else "127.0.0.3"
                 answer.remove(on)                # its address leaves the name
                 other = url3 if on == "127.0.0.2" else url2
                 assert wait_until(lambda: backends() == {other}, timeout=5)
                 assert {served_by() for _ in range(3)} == {other}
-                who, lines = futures[0].result()
+                who, events = futures[0].result()
             assert who.startswith(f"http://{on}:")
-            assert lines[-2] == "data: [DONE]" and not any('"error"' in x for x in lines)
-            assert fakes[on].state.aborted == 0 and fakes[on].state.completed >= 1
-    finally:
-        for s in fakes.values():
-            s.stop()
+            assert events[-1].done and not any("error" in e.json() for e in events[:-1])
+            assert fakes[on].fake.aborted == 0 and fakes[on].fake.completed >= 1

@@ -8,8 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.router.policies import (Backend, CacheAware, HashRing, Length, LeastOutstanding,
-                                      PrefixTree, RoundRobin, RouteRequest, Session, make_policy)
+from llmserve.router.policies import (
+    Backend,
+    CacheAware,
+    HashRing,
+    LeastOutstanding,
+    Length,
+    PrefixTree,
+    RoundRobin,
+    RouteRequest,
+    Session,
+    make_policy,
+)
 
 
 def backends(n: int, **kw) -> list[Backend]:

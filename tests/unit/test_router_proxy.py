@@ -6,36 +6,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from llmserve.router.fake_backend import (ServerThread, fake_backends, free_port,
-                                          router_thread, wait_until)
+from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.scrape import metric_sum
+from tests.server_proc import ServerThread, fake_backends, free_port, router_thread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 CHAT = [{"role": "user", "content": "Say hi"}]
 
 
-def metric(text: str, name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if head.split("{")[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
 def test_openai_client_stream_and_non_stream_pass_through_intact():
-    with fake_backends("m", token_delay=0.001) as (a,), router_thread(
+    with fake_backends("m", itl=0.001) as (a,), router_thread(
             backends=[a.url], health_interval=0.2) as r:
         direct = openai.OpenAI(base_url=a.url + "/v1", api_key="x")
         routed = openai.OpenAI(base_url=r.url + "/v1", api_key="x")
@@ -54,15 +40,15 @@ def test_openai_client_stream_and_non_stream_pass_through_intact():
 
 def test_stream_is_not_buffered():
     """The first token reaches the client long before the backend finishes."""
-    with fake_backends("m", token_delay=0.1) as (a,), router_thread(backends=[a.url]) as r:
+    with fake_backends("m", itl=0.1) as (a,), router_thread(backends=[a.url]) as r:
         with httpx.stream("POST", r.url + "/v1/chat/completions", timeout=10, json={
                 "model": "m", "messages": CHAT, "max_tokens": 20, "stream": True}) as s:
-            lines = s.iter_lines()
-            first = next(lines)
-            assert a.state.running == 1 and a.state.completed == 0   # still generating
-            rest = list(lines)
-        assert first.startswith("data: ") and rest[-2] == "data: [DONE]"
-        assert a.state.completed == 1
+            events = iter_sse(s.iter_bytes())
+            first = next(events)
+            assert a.fake.running == 1 and a.fake.completed == 0   # still generating
+            rest = list(events)
+        assert first.json()["choices"] and rest[-1].done
+        assert a.fake.completed == 1
 
 
 def test_models_union_routing_by_name_and_unknown_model_404():
@@ -81,23 +67,23 @@ def test_models_union_routing_by_name_and_unknown_model_404():
         assert e.value.body["code"] == "model_not_found" and e.value.body["type"]
         raw = httpx.post(r.url + "/v1/completions", json={"model": "gamma", "prompt": "x"})
         assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
-        assert b.state.requests == 3 and a.state.requests == 0
+        assert b.fake.requests == 3 and a.fake.requests == 0
 
 
 def test_503_and_429_before_first_byte_are_retried_elsewhere():
     with fake_backends("m", "m") as (a, b), router_thread(
             backends=[a.url, b.url], policy="round_robin", max_retries=1) as r:
-        a.state.fail_next.extend([503, 429])
-        b.state.fail_next.extend([])
+        a.fake.fail_next.extend([503, 429])
+        b.fake.fail_next.extend([])
         for _ in range(4):
             rsp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "p",
                                                               "max_tokens": 2})
             assert rsp.status_code == 200
         m = httpx.get(r.url + "/metrics").text
-        assert metric(m, "llmserve_router:retries_total", backend=a.url) == 2
+        assert metric_sum(m, "llmserve_router:retries_total", backend=a.url) == 2
         # every backend says 429: the last answer is passed through, not a router error
-        a.state.fail_next.extend([429])
-        b.state.fail_next.extend([429])
+        a.fake.fail_next.extend([429])
+        b.fake.fail_next.extend([429])
         rsp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "p"})
         assert rsp.status_code == 429 and rsp.json()["error"]["message"] == "injected 429"
 
@@ -112,8 +98,8 @@ def test_refused_connection_is_retried_and_the_backend_ejected_passively():
         backends = {x["url"]: x for x in httpx.get(r.url + "/router/backends").json()["backends"]}
         assert backends[a.url]["healthy"] is False
         m = httpx.get(r.url + "/metrics").text
-        assert metric(m, "llmserve_router:ejections_total", backend=a.url, reason="passive") == 1
-        assert metric(m, "llmserve_router:retries_total", backend=a.url) == 1
+        assert metric_sum(m, "llmserve_router:ejections_total", backend=a.url, reason="passive") == 1
+        assert metric_sum(m, "llmserve_router:retries_total", backend=a.url) == 1
 
 
 def test_active_health_checks_eject_and_readmit():
@@ -122,51 +108,51 @@ def test_active_health_checks_eject_and_readmit():
         router = r.router
         ba = router.registry.get(a.url)
         assert wait_until(lambda: len(router.healthy_backends()) == 2)
-        a.state.ready = False
+        a.fake.cfg.ready = False
         assert wait_until(lambda: not ba.healthy, timeout=5)
         assert httpx.get(r.url + "/ready").status_code == 200   # b is still there
-        b.state.ready = False
+        b.fake.cfg.ready = False
         assert wait_until(lambda: httpx.get(r.url + "/ready").status_code == 503, timeout=5)
         rsp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "p"})
         assert rsp.status_code == 503 and rsp.json()["error"]["code"] == "no_healthy_backend"
-        a.state.ready = True
+        a.fake.cfg.ready = True
         assert wait_until(lambda: ba.healthy, timeout=5)
         assert httpx.get(r.url + "/ready").json()["healthy_backends"] == 1
         m = httpx.get(r.url + "/metrics").text
-        assert metric(m, "llmserve_router:ejections_total", backend=a.url, reason="active") == 1
-        assert metric(m, "llmserve_router:readmissions_total", backend=a.url) == 1
+        assert metric_sum(m, "llmserve_router:ejections_total", backend=a.url, reason="active") == 1
+        assert metric_sum(m, "llmserve_router:readmissions_total", backend=a.url) == 1
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_backend_request(stream):
-    with fake_backends("m", token_delay=0.05) as (a,), router_thread(backends=[a.url]) as r:
+    with fake_backends("m", itl=0.05) as (a,), router_thread(backends=[a.url]) as r:
         body = {"model": "m", "messages": CHAT, "max_tokens": 200, "stream": stream}
         if stream:
             with httpx.stream("POST", r.url + "/v1/chat/completions", json=body) as s:
-                lines = s.iter_lines()
-                next(lines), next(lines)                # two chunks, then hang up
+                events = iter_sse(s.iter_bytes())
+                next(events), next(events)              # two chunks, then hang up
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(r.url + "/v1/chat/completions", json=body, timeout=0.5)
-        assert wait_until(lambda: a.state.aborted == 1, timeout=10)
-        assert a.state.completed == 0
+        assert wait_until(lambda: a.fake.aborted == 1, timeout=10)
+        assert a.fake.completed == 0
         backend_metrics = httpx.get(a.url + "/metrics").text
-        assert metric(backend_metrics, "llmserve:request_success_total",
+        assert metric_sum(backend_metrics, "llmserve:request_success_total",
                       finished_reason="abort") == 1
         assert wait_until(lambda: r.router.registry.get(a.url).outstanding == 0)
         m = httpx.get(r.url + "/metrics").text
-        assert metric(m, "llmserve_router:client_disconnects_total") == 1
+        assert metric_sum(m, "llmserve_router:client_disconnects_total") == 1
 
 
 def test_back_pressure_queues_then_answers_429_with_retry_after():
-    with fake_backends("m", first_byte_delay=1.0) as (a,), router_thread(
+    with fake_backends("m", ttft=1.0) as (a,), router_thread(
             backends=[a.url], max_outstanding=1, max_queued=1, queue_timeout=30) as r:
         def post():
             return httpx.post(r.url + "/v1/completions", timeout=30,
                               json={"model": "m", "prompt": "p", "max_tokens": 1})
         with cf.ThreadPoolExecutor(3) as pool:
             first = pool.submit(post)
-            assert wait_until(lambda: a.state.running == 1)
+            assert wait_until(lambda: a.fake.running == 1)
             second = pool.submit(post)
             assert wait_until(lambda: r.router.queued == 1)
             third = post()
@@ -174,17 +160,17 @@ def test_back_pressure_queues_then_answers_429_with_retry_after():
             assert third.json()["error"]["code"] == "router_queue_full"
             assert first.result().status_code == 200
             assert second.result().status_code == 200   # waited at the router, then ran
-        assert a.state.completed == 2
+        assert a.fake.completed == 2
         m = httpx.get(r.url + "/metrics").text
-        assert metric(m, "llmserve_router:rejected_requests_total", reason="queue_full") == 1
+        assert metric_sum(m, "llmserve_router:rejected_requests_total", reason="queue_full") == 1
 
 
 def test_request_timeout_header_gives_504_and_aborts_the_backend():
-    with fake_backends("m", first_byte_delay=5.0) as (a,), router_thread(backends=[a.url]) as r:
+    with fake_backends("m", ttft=5.0) as (a,), router_thread(backends=[a.url]) as r:
         rsp = httpx.post(r.url + "/v1/completions", headers={"X-Request-Timeout": "0.3"},
                          json={"model": "m", "prompt": "p"}, timeout=10)
         assert rsp.status_code == 504 and rsp.json()["error"]["type"] == "timeout_error"
-        assert wait_until(lambda: a.state.aborted == 1, timeout=5)
+        assert wait_until(lambda: a.fake.aborted == 1, timeout=5)
 
 
 def test_timeout_grows_with_prompt_and_max_tokens():
@@ -206,14 +192,14 @@ def test_timeout_grows_with_prompt_and_max_tokens():
 def test_router_api_key_and_backend_key():
     with fake_backends("m") as (a,), router_thread(backends=[a.url], api_key="router-key",
                                                    backend_api_key="backend-key") as r:
-        a.state.api_key = "backend-key"
+        a.fake.cfg.api_key = "backend-key"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=r.url + "/v1", api_key="wrong").models.list()
         client = openai.OpenAI(base_url=r.url + "/v1", api_key="router-key")
         assert [m.id for m in client.models.list()] == ["m"]
         out = client.completions.create(model="m", prompt="p", max_tokens=2)
         assert out.choices[0].text == "tok0 tok1"
-        assert a.state.headers[-1]["authorization"] == "Bearer backend-key"
+        assert a.fake.headers[-1]["authorization"] == "Bearer backend-key"
         assert httpx.get(r.url + "/health").status_code == 200   # probes need no key
 
 
@@ -221,12 +207,12 @@ def test_client_key_not_forwarded_by_default():
     with fake_backends("m") as (a,), router_thread(backends=[a.url]) as r:
         client = openai.OpenAI(base_url=r.url + "/v1", api_key="client-secret")
         assert client.completions.create(model="m", prompt="p", max_tokens=1).choices[0].text
-        assert "authorization" not in a.state.headers[-1]
+        assert "authorization" not in a.fake.headers[-1]
 
 
 def test_api_key_passthrough_when_configured():
     with fake_backends("m") as (a,), router_thread(backends=[a.url], forward_client_key=True) as r:
-        a.state.api_key = "k"
+        a.fake.cfg.api_key = "k"
         client = openai.OpenAI(base_url=r.url + "/v1", api_key="k")
         assert client.completions.create(model="m", prompt="p", max_tokens=1).choices[0].text
         with pytest.raises(openai.AuthenticationError):
@@ -247,14 +233,14 @@ def test_cache_aware_keeps_tenants_on_one_backend_and_raises_hit_rate():
                     client.chat.completions.create(model="m", max_tokens=1, messages=[
                         {"role": "system", "content": s},
                         {"role": "user", "content": f"user {u} question"}])
-            q = a.state.queries + b.state.queries
-            results[policy] = (a.state.hits + b.state.hits) / q
+            q = a.fake.queries + b.fake.queries
+            results[policy] = (a.fake.hits + b.fake.hits) / q
             if policy == "cache_aware":
                 for s in systems:   # each system prompt lives on one backend only
-                    assert sum(any(p.startswith("<system>" + s) for p in x.state.prompts)
+                    assert sum(any(p.startswith("<system>" + s) for p in x.fake.prompts)
                                for x in (a, b)) == 1
                 m = httpx.get(r.url + "/metrics").text
-                assert metric(m, "llmserve_router:routing_decisions_total",
+                assert metric_sum(m, "llmserve_router:routing_decisions_total",
                               reason="cache_hit") == 15
     assert results["cache_aware"] > results["round_robin"]
 
@@ -274,8 +260,9 @@ def test_session_header_sticks_to_a_backend():
 
 
 def test_length_policy_from_yaml(tmp_path):
-    from llmserve.router.cli import add_arguments, build_router
     import argparse
+
+    from llmserve.router.cli import add_arguments, build_router
 
     with fake_backends("m", "m") as (short, long_):
         cfg = tmp_path / "fleet.yaml"
@@ -299,11 +286,11 @@ backends:
                                  json={"model": "m", "prompt": text, "max_tokens": 1})
                 assert rsp.headers["x-llmserve-backend"] == who.url
             m = httpx.get(r.url + "/metrics").text
-            assert metric(m, "llmserve_router:routing_decisions_total", reason="length") == 3
+            assert metric_sum(m, "llmserve_router:routing_decisions_total", reason="length") == 3
 
 
 def test_scraped_backend_load_is_visible_and_used():
-    with fake_backends("m", "m", token_delay=0.05) as (a, b), router_thread(
+    with fake_backends("m", "m", itl=0.05) as (a, b), router_thread(
             backends=[a.url, b.url], policy="least_outstanding", scrape_metrics=True,
             health_interval=0.1) as r:
         # someone else keeps `a` busy, directly, behind the router's back

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from llmserve.router.fake_backend import free_port
 from llmserve.router.upstream import ConnectFailed, ConnectionLost, UpstreamPool
+from tests.server_proc import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
