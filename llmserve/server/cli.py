@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cut idle streams; some clients (vllm bench serve) drop streams that carry comments")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in chat, "
+                        "a reasoning item in /v1/responses, a thinking block in /v1/messages. deepseek_r1: the "
+                        "output starts inside the reasoning; qwen3: only an output that opens with the marker")
+    g.add_argument("--reasoning-start-marker", default="<think>", help="with --reasoning-parser: the start marker")
+    g.add_argument("--reasoning-end-marker", default="</think>", help="with --reasoning-parser: the end marker")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-prompts", action="store_true", help="log prompts and completions (off by default)")
 
@@ -118,6 +124,9 @@ def settings_from_args(args: argparse.Namespace):
         read_timeout=args.read_timeout,
         sse_ping_interval=args.sse_ping_interval,
         log_prompts=args.log_prompts,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_start_marker=args.reasoning_start_marker,
+        reasoning_end_marker=args.reasoning_end_marker,
     )
 
 
