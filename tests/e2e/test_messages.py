@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from llmserve.router.fake_backend import Process, free_port
 from tests.server_proc import ServerProcess
 
 KEY = "messages-key"
@@ -176,3 +177,35 @@ def test_errors_in_anthropic_shape(server, client):
                    headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 200
     assert "param" in httpx.post(server.url + "/v1/chat/completions", json={}).json()["error"]
+
+
+def test_through_the_router(server, tmp_path):
+    """`llmserve route` forwards the Messages and Responses APIs (streams unbuffered) and answers its own
+    errors on /v1/messages in Anthropic's shape."""
+    port = free_port()
+    router = Process(["-m", "llmserve.cli", "route", "--port", str(port), "--backend", server.url, "--api-key", KEY,
+                      "--backend-api-key", KEY, "--health-interval", "0.5", "--log-level", "warning"],
+                     f"http://127.0.0.1:{port}", log_path=str(tmp_path / "router.log"))
+    try:
+        router.wait_ready(60)
+        via = anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0, timeout=120)
+        m = via.messages.with_raw_response.create(model="x", max_tokens=6, messages=Q, extra_body=GREEDY)
+        assert m.headers["x-llmserve-backend"] == server.url and m.parse().content[0].text
+        with via.messages.stream(model="x", max_tokens=6, messages=Q, extra_body=GREEDY) as stream:
+            assert "".join(stream.text_stream) == m.parse().content[0].text
+        assert via.messages.count_tokens(model="x", messages=Q).input_tokens > 0
+        r = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, max_retries=0).responses.create(
+            model="x", input="What is Docker?", max_output_tokens=6, temperature=0, stream=True)
+        assert [e.type for e in r][-1] == "response.incomplete"
+        with pytest.raises(anthropic.NotFoundError) as e:
+            via.messages.create(model="claude-opus-4-1", max_tokens=6, messages=Q)
+        _check(e.value, 404, "not_found_error")
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=router.url, api_key="wrong", max_retries=0).messages.create(
+                model="x", max_tokens=6, messages=Q)
+        _check(e.value, 401, "authentication_error")
+        r = httpx.post(router.url + "/v1/responses", json={"model": "nope", "input": "x"},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    finally:
+        router.kill()

@@ -276,3 +276,32 @@ def test_error_shapes_by_path():
         assert errors.anthropic_error_type(status) == kind
     assert errors.error_body_for("/v1/responses", 400, "bad", "input", "invalid_value") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "input", "code": "invalid_value"}}
+
+
+# -- the router's routing facts for the new bodies -------------------------------------------------------
+def test_router_reads_responses_and_messages_bodies():
+    from starlette.datastructures import Headers
+
+    from llmserve.router.proxy import route_request
+    from llmserve.router.state import RouterConfig
+    cfg = RouterConfig(chars_per_token=1.0)
+    msgs = route_request({"model": "m", "max_tokens": 7, "system": [{"type": "text", "text": "Be brief."}],
+                          "metadata": {"user_id": "u1"}, "stream": True, "messages": [
+                              {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                              {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                                 "input": {"a": 1}}]},
+                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                            "content": [{"type": "text", "text": "42"}]}]}]},
+                         Headers({}), cfg)
+    assert msgs.prompt_text == '<system>Be brief.\n<user>Hi\n<assistant>{"a": 1}\n<user>42\n'
+    assert (msgs.max_tokens, msgs.session_key, msgs.stream, msgs.model) == (7, "u1", True, "m")
+    resp = route_request({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                                    {"type": "function_call_output", "call_id": "c", "output": "42"}],
+                          "instructions": "Be brief.", "max_output_tokens": 9}, Headers({}), cfg)
+    assert resp.prompt_text == "<system>Be brief.\n<user>Hi\n<function_call_output>42\n"
+    assert resp.max_tokens == 9 and resp.prompt_tokens == len(resp.prompt_text)
+    assert route_request({"input": "Hi", "instructions": "Be brief."}, Headers({}), cfg).prompt_text == (
+        "<system>Be brief.\n<user>Hi\n")
+    emb = route_request({"input": [[1, 2, 3], [4]]}, Headers({}), cfg)
+    assert emb.prompt_text == "1 2 3\n4"
+    assert route_request({"input": [5, 6]}, Headers({}), cfg).prompt_tokens == 2
