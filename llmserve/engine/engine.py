@@ -141,6 +141,7 @@ class LLMEngine:
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self.fault_hook = None   # tests: called with each request before its token is appended
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pools: dict[str, torch.Tensor] = {}   # pooling requests: the sum of their hidden states so far
         self._ids = itertools.count()
         self.steps = 0
         self.num_spec_proposed = 0   # speculative decoding: proposed and accepted tokens
@@ -246,6 +247,7 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self._pools.pop(request_id, None)
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if req is None:
             return None
@@ -267,7 +269,7 @@ class LLMEngine:
         argmax = all(self._plain_greedy(r) for r in sched.requests)
         sampling, logits, rows_per_req = self.runner.execute(sched, self.kv, argmax=argmax)
         self.scheduler.update_after_step(sched)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._pool() if self.runner.pooled else []
         if sampling:
             # one sampling row per logits row: a request verifying k proposals has k + 1
             rows, row_reqs = [], []
@@ -289,6 +291,27 @@ class LLMEngine:
                 i += n
                 if out is not None:
                     outputs.append(out)
+        return outputs
+
+    def _pool(self) -> list[RequestOutput]:
+        """Pooling requests (embeddings): this step's final hidden states join the request's pool; one whose
+        whole prompt is computed finishes with its normalized vector, its blocks freed at once. A request
+        recomputed after preemption starts again at position 0, and so does its pool."""
+        outputs = []
+        for req, start, hidden in self.runner.pooled:
+            rid = req.request_id
+            total = hidden.float().sum(0)
+            if start > 0:
+                total += self._pools[rid]
+            self._pools[rid] = total
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            vec = total / req.num_tokens if req.params.pooling == "mean" else hidden[-1].float()
+            del self._pools[rid]
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            out = self._finish_output(req, [], "")
+            out.embedding = torch.nn.functional.normalize(vec, dim=0).tolist()
+            outputs.append(out)
         return outputs
 
     def _plain_greedy(self, r: Request) -> bool:
@@ -333,7 +356,7 @@ class LLMEngine:
         for r in self.scheduler.running:
             p = r.params
             r.spec_token_ids = []
-            if (not p.greedy or p.guided or p.needs_penalties or r.num_output_tokens < p.min_tokens
+            if (not p.greedy or p.guided or p.needs_penalties or p.pooling or r.num_output_tokens < p.min_tokens
                     or r.num_tokens - r.num_computed_tokens != 1):
                 continue
             room = k

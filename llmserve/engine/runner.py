@@ -69,6 +69,8 @@ class ModelRunner:
         self.in_place_decode = (device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
                                 and kv_dtype in ops.KV_DTYPES)
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
+        # the last step's final hidden states of pooling requests: (request, first position, [rows, hidden])
+        self.pooled: list[tuple[Request, int, torch.Tensor]] = []
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager,
@@ -99,6 +101,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        pooled: list[tuple[Request, int, int, int]] = []   # pooling requests: (request, first row, rows, start)
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
@@ -116,7 +119,9 @@ class ModelRunner:
                 decode_lens.extend(range(c + 1, c + n + 1))
             else:
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
-            if c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
+            if req.params.pooling is not None:   # embeddings: every row's hidden state, nothing to sample
+                pooled.append((req, row, n, c))
+            elif c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
                 sampling.append(req)
                 logits_rows.extend(range(row + n - 1 - spec, row + n))
                 rows_per_req.append(spec + 1)
@@ -143,7 +148,18 @@ class ModelRunner:
         rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, pos, meta, rows_t)
-        logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
+        self.pooled = []
+        if pooled:
+            hidden_rows = torch.tensor([r for _, first, n, _ in pooled for r in range(first, first + n)],
+                                       dtype=torch.long, device=dev)
+            logits, hidden = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax,
+                                        hidden_indices=hidden_rows)
+            k = 0
+            for req, _, n, c in pooled:
+                self.pooled.append((req, c, hidden[k:k + n]))
+                k += n
+        else:
+            logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req

@@ -170,7 +170,8 @@ class Scheduler:
                 if self.policy != "priority" or not self._preempt_for(request, out):
                     break
             computed, num_cached = [], 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and request.params.pooling is None:
+                # (a pooling request computes every position: mean pooling reads all their hidden states)
                 computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, num_new, computed) is None:
