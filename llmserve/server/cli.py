@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "output starts inside the reasoning; qwen3: only an output that opens with the marker")
     g.add_argument("--reasoning-start-marker", default="<think>", help="with --reasoning-parser: the start marker")
     g.add_argument("--reasoning-end-marker", default="</think>", help="with --reasoning-parser: the end marker")
+    g.add_argument("--pooling", default="last", choices=["last", "mean"],
+                   help="/v1/embeddings: pool the prompt's final hidden states by its last token (as vLLM pools "
+                        "decoder models) or their mean; the vector is normalized")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-prompts", action="store_true", help="log prompts and completions (off by default)")
 
@@ -127,6 +130,7 @@ def settings_from_args(args: argparse.Namespace):
         reasoning_parser=args.reasoning_parser,
         reasoning_start_marker=args.reasoning_start_marker,
         reasoning_end_marker=args.reasoning_end_marker,
+        pooling=args.pooling,
     )
 
 

@@ -1,6 +1,6 @@
 """The HTTP routes, thin: each checks readiness and the model name, prepares the engine runs
 (prepare.py) and hands them to a serving.Generation with the API's rendering (rendering.py; the
-Responses and Messages APIs: openai_responses.py, anthropic_messages.py)."""
+Responses, Messages and embeddings APIs: openai_responses.py, anthropic_messages.py, embeddings.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +13,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from llmserve import __version__
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import anthropic_messages as A
+from llmserve.server import embeddings as E
 from llmserve.server import openai_responses as R
 from llmserve.server import protocol as P
 from llmserve.server import tools as tools_mod
@@ -176,6 +177,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         rendering = R.ResponsesRendering(eng.tokenizer, body, tool_plan, reasoning)
         gen = Generation(state, eng, rendering.rid, runs, body.priority, model, request, rendering)
         return await gen.response(body.stream)
+
+    @app.post("/v1/embeddings", response_model=E.EmbeddingResponse, responses=ERROR_RESPONSES,
+              summary="Embeddings: the served model's pooled hidden states (--pooling)")
+    async def embeddings(body: E.EmbeddingRequest, request: Request):
+        eng = engine_or_503(state)
+        model = check_model(state, body.model)
+        runs = await E.runs(eng, body, settings.pooling)
+        admit(eng, runs, settings)
+        gen = Generation(state, eng, P.random_id("embd"), runs, body.priority, model, request,
+                         E.EmbeddingRendering(body.encoding_format))
+        return await gen.response(False)
 
     # -- Anthropic's Messages API (errors in Anthropic's shape on these paths: app.py) --------------------
     def anthropic_chat(body: A._MessagesFields):

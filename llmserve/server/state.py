@@ -34,6 +34,7 @@ class ServerSettings:
     reasoning_parser: str | None = None     # deepseek_r1 | qwen3: split <think>...</think> (reasoning.py)
     reasoning_start_marker: str | None = None
     reasoning_end_marker: str | None = None
+    pooling: str = "last"                   # /v1/embeddings: last | mean (embeddings.py)
 
 
 class ServerState:

@@ -97,9 +97,10 @@ def test_sweep_1_5_writes_json_and_plots_with_the_servers_token_counts(server, t
     assert "## Comparison across phases" in (out / "report.md").read_text()
 
 
-@pytest.mark.parametrize("endpoint", ["responses", "messages"])
-def test_the_responses_and_messages_apis(server, tmp_path, endpoint):
-    """--endpoint responses / messages: the typed event streams are timed, and their usage is the server's."""
+@pytest.mark.parametrize("endpoint", ["responses", "messages", "embeddings"])
+def test_the_responses_messages_and_embeddings_apis(server, tmp_path, endpoint):
+    """--endpoint responses / messages: the typed event streams are timed, and their usage is the server's;
+    embeddings: one answer each, no output tokens."""
     before = counters(server)
     out = tmp_path / "bench.json"
     assert main(["bench", "--base-url", server, "--endpoint", endpoint, "--concurrency", "2",
@@ -109,6 +110,8 @@ def test_the_responses_and_messages_apis(server, tmp_path, endpoint):
     phase = json.loads(out.read_text())["phases"][0]
     s = phase["summary"]
     assert s["completed"] == 4, s["errors"]
-    assert s["output_tokens_source"] == {"usage": 4} and s["ttft_ms"]["mean"] > 0 and s["itl_ms"]["mean"] > 0
+    assert s["output_tokens_source"] == {"usage": 4} and s["ttft_ms"]["mean"] > 0
+    assert (s["itl_ms"]["mean"] is None) == (endpoint == "embeddings")
+    assert (s["total_output_tokens"] == 0) == (endpoint == "embeddings")
     assert after["generation_tokens"] - before["generation_tokens"] == s["total_output_tokens"]
     assert after["prompt_tokens"] - before["prompt_tokens"] == s["total_input_tokens"]

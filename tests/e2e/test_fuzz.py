@@ -4,8 +4,8 @@ OpenAI's error shape, and 2xx JSON answers conform to the documented response sc
 
 Generation lengths are clamped (max_tokens <= 4 when the example gives a valid one or none) and the
 server runs with --max-model-len 256, so that the run fits CI's time budget; FUZZ_EXAMPLES sets the
-examples per operation and mode (default 12). The Responses and Messages APIs are fuzzed too: 4xx answers
-on /v1/messages are checked for Anthropic's shape instead.
+examples per operation and mode (default 12). The Responses, Messages and embeddings APIs are fuzzed too:
+4xx answers on /v1/messages are checked for Anthropic's shape instead.
 
 The cases are drawn with hypothesis from each operation's `as_strategy()` inside one plain test, not
 through `schemathesis.pytest.from_fixture`: that lazy loader reaches into pytest internals
@@ -33,7 +33,9 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
 OPEN = {"/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs"}
 API = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
        ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"), ("POST", "/v1/messages"),
-       ("POST", "/v1/messages/count_tokens")}
+       ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/embeddings")}
+# operations whose generated cases must include answered ones (embeddings' random token ids and strings are
+# mostly refused, as they should be: their answers are covered by tests/e2e/test_embeddings.py)
 GENERATING = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages")
 TIMEOUT = 150
 
@@ -54,7 +56,7 @@ def server():
 def _clamp(body, path: str = ""):
     """Keep generations short: a positive max_tokens (the Responses API's max_output_tokens) above 4 becomes 4;
     none given becomes 4."""
-    if isinstance(body, dict):
+    if isinstance(body, dict) and path != "/v1/embeddings":
         keys = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
         for k in keys:
             v = body.get(k)

@@ -196,6 +196,30 @@ BAD_MESSAGES = {
 }
 
 
+BAD_EMBEDDINGS = {
+    "invalid_json": b'{"input": ',
+    "empty_body": b"",
+    "input_missing": b"{}",
+    "input_wrong_type": json.dumps({"input": {"text": "x"}}).encode(),
+    "empty_string": json.dumps({"input": ""}).encode(),
+    "empty_list": json.dumps({"input": []}).encode(),
+    "mixed_list": json.dumps({"input": ["a", 1]}).encode(),
+    "token_ids_out_of_range": json.dumps({"input": [10 ** 9, -5]}).encode(),
+    "too_many_inputs": json.dumps({"input": ["a"] * 5000}).encode(),
+    "too_long": json.dumps({"input": "word " * 5000}).encode(),
+    "dimensions": json.dumps({"input": "a", "dimensions": 8}).encode(),
+    "bad_encoding_format": json.dumps({"input": "a", "encoding_format": "int8"}).encode(),
+    "unknown_model": json.dumps({"input": "a", "model": "text-embedding-3-large"}).encode(),
+    "deeply_nested": b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_EMBEDDINGS))
+def test_bad_embeddings_bodies(server, name):
+    with Concurrent(server.url) if name.startswith("deeply") else _nothing():
+        assert_openai_error(raw(server, "/v1/embeddings", BAD_EMBEDDINGS[name]))
+
+
 @pytest.mark.parametrize("name", sorted(BAD_RESPONSES))
 def test_bad_responses_bodies(server, name):
     with Concurrent(server.url) if name.startswith("deeply") else _nothing():
