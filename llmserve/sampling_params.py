@@ -38,6 +38,9 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: list[str] | None = None      # the output is exactly one of these strings
     guided_grammar: str | None = None           # an EBNF (GBNF) grammar, rule `root`
+    # embeddings: "mean" or "last" pools the prompt's final hidden states (normalized) into
+    # RequestOutput.embedding and samples nothing
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +90,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.pooling not in (None, "mean", "last"):
+            raise bad("pooling", f"must be mean or last, got {self.pooling!r}")
         self._check_guided(bad)
 
     def _check_guided(self, bad) -> None:

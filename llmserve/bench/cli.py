@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import advice, report
 from .datasets import DatasetConfig, build_requests, parse_range, pick_tokenizer
-from .loadgen import LoadPhase, OpenAIClient, PhaseRun, RequestRecord, run_phase
+from .loadgen import ENDPOINTS, LoadPhase, OpenAIClient, PhaseRun, RequestRecord, run_phase
 from .metrics import best_under_slo, find_knee, parse_slo, summarize
 from .scrape import MetricsScraper
 
@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
-    g.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
-                   help="/v1/chat/completions or /v1/completions")
+    g.add_argument("--endpoint", choices=list(ENDPOINTS), default="chat",
+                   help="the API to load: " + ", ".join(f"{k} ({v})" for k, v in ENDPOINTS.items())
+                        + "; embeddings are not streamed (TTFT = latency, no output tokens)")
     g.add_argument("--metrics-url", default="auto",
                    help="Prometheus endpoint to scrape during each phase: auto (BASE/metrics, "
                         "skipped when absent), a URL or path, or none")

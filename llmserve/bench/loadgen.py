@@ -1,4 +1,9 @@
-"""Load generation: the SSE parser, the streaming OpenAI client and the load modes.
+"""Load generation: the SSE parser, the streaming client and the load modes.
+
+The client speaks every generating API llmserve serves (`endpoint`): OpenAI's chat and text completions
+(`choices` deltas, `[DONE]`), OpenAI's Responses API (response.output_text.delta ... response.completed)
+and Anthropic's Messages API (content_block_delta ... message_stop), all streamed, and embeddings (one
+JSON answer: its TTFT is its latency, it has no output tokens).
 
 One request is one `RequestRecord`: when it was sent, when the first non-empty content arrived, the
 gap before every later content chunk, when the stream finished, and the token counts the server's
@@ -178,8 +183,13 @@ def auto_timeout(req: BenchRequest, per_token: float = 0.5, base: float = 60.0) 
     return base + per_token * req.output_len + 0.002 * req.prompt_len
 
 
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+             "messages": "/v1/messages", "embeddings": "/v1/embeddings"}
+
+
 class OpenAIClient:
-    """Streams completions from an OpenAI-compatible server and times every content chunk."""
+    """Streams answers from an OpenAI-compatible (or Anthropic-compatible) server and times every content
+    chunk; `endpoint` is a key of ENDPOINTS."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  endpoint: str = "chat", temperature: float | None = 0.0, ignore_eos: bool = False,
@@ -194,6 +204,8 @@ class OpenAIClient:
         self.fixed_timeout = timeout
         self.timeout_per_token = timeout_per_token
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if endpoint == "messages":   # Anthropic's clients send the key as x-api-key
+            headers.update({"anthropic-version": "2023-06-01", **({"x-api-key": api_key} if api_key else {})})
         # No client-side connection cap: a pool limit would queue requests here and inflate TTFT.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.http = httpx.AsyncClient(base_url=self.root, headers=headers, limits=limits,
@@ -213,20 +225,29 @@ class OpenAIClient:
         return self.fixed_timeout or auto_timeout(req, self.timeout_per_token)
 
     def body(self, req: BenchRequest) -> tuple[str, dict]:
-        body: dict = {"model": self.model, "max_tokens": req.output_len, "stream": True,
-                      "stream_options": {"include_usage": True}}
+        messages = req.messages or [{"role": "user", "content": req.prompt}]
+        body: dict = {"model": self.model}
+        if self.endpoint == "embeddings":
+            return ENDPOINTS["embeddings"], {**body, "input": req.prompt, **self.extra_body}
+        body["stream"] = True
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
-            body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
-            path = "/v1/chat/completions"
+            body.update(messages=messages, max_tokens=req.output_len, stream_options={"include_usage": True})
+        elif self.endpoint == "completions":
+            body.update(prompt=req.prompt, max_tokens=req.output_len, stream_options={"include_usage": True})
+        elif self.endpoint == "responses":
+            body.update(input=messages, max_output_tokens=req.output_len)
+        elif self.endpoint == "messages":
+            system = "\n".join(m["content"] for m in messages if m.get("role") == "system")
+            body.update(messages=[m for m in messages if m.get("role") != "system"], max_tokens=req.output_len,
+                        **({"system": system} if system else {}))
         else:
-            body["prompt"] = req.prompt
-            path = "/v1/completions"
+            raise ValueError(f"unknown endpoint {self.endpoint!r}")
         body.update(self.extra_body)
-        return path, body
+        return ENDPOINTS[self.endpoint], body
 
     async def send(self, req: BenchRequest, index: int = 0,
                    on_chunk: Callable[[], None] | None = None) -> RequestRecord:
@@ -254,6 +275,8 @@ class OpenAIClient:
 
     async def _stream(self, path: str, body: dict, rec: RequestRecord,
                       on_chunk: Callable[[], None] | None) -> None:
+        if self.endpoint == "embeddings":
+            return await self._embed(path, body, rec, on_chunk)
         async with self.http.stream("POST", path, json=body,
                                     timeout=httpx.Timeout(rec.timeout)) as resp:
             if resp.status_code != 200:
@@ -274,9 +297,26 @@ class OpenAIClient:
                 done = self._on_event(ev, rec, time.perf_counter(), on_chunk) or done
             self._finish(rec, done)
 
+    async def _embed(self, path: str, body: dict, rec: RequestRecord,
+                     on_chunk: Callable[[], None] | None) -> None:
+        """One embeddings request: the whole answer is its first (and only) chunk."""
+        resp = await self.http.post(path, json=body, timeout=httpx.Timeout(rec.timeout))
+        if resp.status_code != 200:
+            return _fail(rec, f"http_{resp.status_code}", resp.text[:500])
+        data = resp.json()
+        if not data.get("data"):
+            return _fail(rec, "empty_response", "no embeddings in the answer")
+        rec.ttft, rec.chunks, rec.finish_reason = time.perf_counter() - rec.start, 1, "embedding"
+        rec.output_tokens, rec.output_tokens_source = 0, "usage"
+        if (data.get("usage") or {}).get("prompt_tokens") is not None:
+            rec.prompt_tokens = int(data["usage"]["prompt_tokens"])
+        if on_chunk:
+            on_chunk()
+        rec.success = True
+
     def _on_event(self, ev: SSEEvent, rec: RequestRecord, now: float,
                   on_chunk: Callable[[], None] | None) -> bool:
-        """Handle one SSE event; True when it is the final `[DONE]`."""
+        """Handle one SSE event; True when it ends the stream (`[DONE]`, response.completed, message_stop)."""
         if ev.done:
             return True
         if rec.error:
@@ -286,11 +326,26 @@ class OpenAIClient:
         except json.JSONDecodeError:
             _fail(rec, "bad_response", ev.data[:200])
             return False
-        if ev.event == "error" or "error" in data:
+        if ev.event == "error" or "error" in data or data.get("type") == "response.failed":
             _fail(rec, "server_error", json.dumps(data.get("error", data))[:500])
             return False
+        if self.endpoint in ("responses", "messages"):
+            return self._on_typed_event(data, rec, now, on_chunk)
         self._on_data(data, rec, now, on_chunk)
         return False
+
+    def _content(self, text: str, rec: RequestRecord, now: float, on_chunk: Callable[[], None] | None) -> None:
+        if not text:
+            return
+        if rec.ttft is None:
+            rec.ttft = now - rec.start
+        else:
+            rec.itl.append(now - rec.last_chunk)
+        rec.last_chunk = now
+        rec.chunks += 1
+        rec.text += text
+        if on_chunk:
+            on_chunk()
 
     def _on_data(self, data: dict, rec: RequestRecord, now: float,
                  on_chunk: Callable[[], None] | None) -> None:
@@ -300,16 +355,7 @@ class OpenAIClient:
                 text = (part.get("content") or "") + (part.get("reasoning_content") or "")
             else:
                 text = choice.get("text") or ""
-            if text:
-                if rec.ttft is None:
-                    rec.ttft = now - rec.start
-                else:
-                    rec.itl.append(now - rec.last_chunk)
-                rec.last_chunk = now
-                rec.chunks += 1
-                rec.text += text
-                if on_chunk:
-                    on_chunk()
+            self._content(text, rec, now, on_chunk)
             rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
         usage = data.get("usage")
         if usage:
@@ -319,12 +365,49 @@ class OpenAIClient:
             if usage.get("prompt_tokens") is not None:
                 rec.prompt_tokens = int(usage["prompt_tokens"])
 
+    def _on_typed_event(self, data: dict, rec: RequestRecord, now: float,
+                        on_chunk: Callable[[], None] | None) -> bool:
+        """The Responses and Messages APIs' events: text deltas (reasoning and tool-call arguments count as
+        content), usage at the end; True at the terminal event."""
+        kind = data.get("type", "")
+        if kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                    "response.function_call_arguments.delta"):
+            self._content(data.get("delta") or "", rec, now, on_chunk)
+        elif kind == "content_block_delta":
+            d = data.get("delta") or {}
+            self._content(d.get("text") or d.get("thinking") or d.get("partial_json") or "", rec, now, on_chunk)
+        elif kind in ("response.completed", "response.incomplete"):
+            resp = data.get("response") or {}
+            usage = resp.get("usage") or {}
+            self._usage(rec, usage.get("input_tokens"), usage.get("output_tokens"))
+            rec.finish_reason = resp.get("status")
+            return True
+        elif kind in ("message_start", "message_delta"):
+            usage = (data.get("message") or {}).get("usage") if kind == "message_start" else data.get("usage")
+            usage = usage or {}
+            prompt = usage.get("input_tokens")
+            if prompt is not None:
+                prompt += usage.get("cache_read_input_tokens") or 0
+            self._usage(rec, prompt, usage.get("output_tokens") if kind == "message_delta" else None)
+            rec.finish_reason = (data.get("delta") or {}).get("stop_reason") or rec.finish_reason
+        elif kind == "message_stop":
+            return True
+        return False
+
+    @staticmethod
+    def _usage(rec: RequestRecord, prompt: int | None, output: int | None) -> None:
+        if prompt is not None:
+            rec.prompt_tokens = int(prompt)
+        if output is not None:
+            rec.output_tokens, rec.output_tokens_source = int(output), "usage"
+
     @staticmethod
     def _finish(rec: RequestRecord, done: bool) -> None:
         if rec.error:
             return
         if not done:
-            _fail(rec, "incomplete_stream", "the stream ended without [DONE]")
+            _fail(rec, "incomplete_stream", "the stream ended without its final event ([DONE], response.completed, "
+                                        "message_stop)")
         elif rec.ttft is None:
             _fail(rec, "empty_response", "no content in the answer")
         else:

@@ -278,7 +278,7 @@ class LLMEngine:
         for r in self.scheduler.running:
             p = r.params
             r.spec_token_ids = []
-            if not r.next_token_is_argmax or r.num_tokens - r.num_computed_tokens != 1:
+            if p.pooling or not r.next_token_is_argmax or r.num_tokens - r.num_computed_tokens != 1:
                 continue
             room = k
             if p.max_tokens is not None:

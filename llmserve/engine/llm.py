@@ -83,6 +83,12 @@ class LLM:
             out.prompt = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         return outs
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Embeddings: each prompt's final hidden states pooled ("last" token or "mean"), normalized, in
+        the outputs' `embedding`."""
+        return self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling), use_tqdm)
+
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
              priority: Sequence[int] | None) -> list[RequestOutput]:
         engine = self.engine

@@ -69,4 +69,4 @@ class OutputProcessor:
             outputs=[comp], finished=req.is_finished, num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                    req.last_token_time, req.finished_time, req.num_preemptions),
-            error=req.error)
+            error=req.error, embedding=req.embedding)

@@ -46,6 +46,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.pooled_sum = None               # a pooling request: the sum of its final hidden states so far
+        self.embedding: list[float] | None = None   # ... and its normalized vector when the prompt is done
         self.logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.block_hashes: list = []         # chained hashes of full blocks, filled by KVCacheManager
@@ -128,3 +130,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    embedding: list[float] | None = None   # a pooling request's vector (SamplingParams.pooling)

@@ -71,6 +71,8 @@ class ModelRunner:
         self.in_place_decode = (device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
                                 and kv_dtype in ops.KV_DTYPES)
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
+        # the last step's final hidden states of pooling requests: (request, first position, [rows, hidden])
+        self.pooled: list[tuple[Request, int, torch.Tensor]] = []
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, argmax: bool = False) -> list[SampledTokens]:
@@ -78,8 +80,9 @@ class ModelRunner:
         With `argmax` (the caller has checked that every row is plain greedy), the model answers its
         greedy tokens instead of logits and they are taken as they are."""
         sampling, logits, rows_per_req = self._forward(sched, kv, argmax)
+        pooled = [SampledTokens(r, [], hidden=h, hidden_start=c) for r, c, h in self.pooled]
         if not sampling:
-            return []
+            return pooled
         if argmax:
             results = [(t, None, None) for t in logits.tolist()]
         else:
@@ -97,7 +100,7 @@ class ModelRunner:
             out.append(SampledTokens(r, [res[0] for res in mine[:ok]],
                                      None if argmax else [res[1] for res in mine[:ok]],
                                      mine[ok][2] if ok < n else None))
-        return out
+        return out + pooled
 
     def _forward(self, sched: SchedulerOutput, kv: KVCacheManager,
                  argmax: bool = False) -> tuple[list[Request], torch.Tensor | None, list[int]]:
@@ -127,6 +130,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        pooled: list[tuple[Request, int, int, int]] = []   # pooling requests: (request, first row, rows, start)
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
@@ -144,7 +148,9 @@ class ModelRunner:
                 decode_lens.extend(range(c + 1, c + n + 1))
             else:
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
-            if c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
+            if req.params.pooling is not None:   # embeddings: every row's hidden state, nothing to sample
+                pooled.append((req, row, n, c))
+            elif c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
                 sampling.append(req)
                 logits_rows.extend(range(row + n - 1 - spec, row + n))
                 rows_per_req.append(spec + 1)
@@ -170,7 +176,18 @@ class ModelRunner:
         rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, pos, meta, rows_t)
-        logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
+        self.pooled = []
+        if pooled:
+            hidden_rows = torch.tensor([r for _, first, n, _ in pooled for r in range(first, first + n)],
+                                       dtype=torch.long, device=dev)
+            logits, hidden = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax,
+                                        hidden_indices=hidden_rows)
+            k = 0
+            for req, _, n, c in pooled:
+                self.pooled.append((req, c, hidden[k:k + n]))
+                k += n
+        else:
+            logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req

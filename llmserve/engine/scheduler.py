@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus, TokenLogprobs
 
@@ -57,6 +59,10 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None   # one per token, when the request asks for them
     error: BaseException | None = None
+    # a pooling request (embeddings) samples nothing: this step's final hidden states of its positions
+    # hidden_start.. instead
+    hidden: torch.Tensor | None = None
+    hidden_start: int = 0
 
 
 class Scheduler:
@@ -192,7 +198,8 @@ class Scheduler:
                 if self.policy != "priority" or not self._preempt_for(request, out):
                     break
             computed, num_cached = [], 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and request.params.pooling is None:
+                # (a pooling request computes every position: mean pooling reads all their hidden states)
                 computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, num_new, computed) is None:
@@ -236,6 +243,10 @@ class Scheduler:
         appended = []
         for s in sampled:
             r = s.request
+            if s.hidden is not None:
+                if self._pool(r, s):
+                    appended.append((r, 0))
+                continue
             proposals = r.spec_token_ids[:out.num_spec_tokens.get(r.request_id, 0)]
             r.spec_token_ids = []
             n = 0
@@ -261,6 +272,20 @@ class Scheduler:
                     r.num_computed_tokens -= len(proposals) + 1 - n
             appended.append((r, n))
         return appended
+
+    def _pool(self, r: Request, s: SampledTokens) -> bool:
+        """A pooling request's hidden states join its sum; when its whole prompt is computed it finishes
+        with the normalized vector (mean or last position), its blocks freed at once. A request recomputed
+        after preemption starts again at position 0, and so does its sum."""
+        total = s.hidden.float().sum(0)
+        r.pooled_sum = total if s.hidden_start == 0 else r.pooled_sum + total
+        if r.num_computed_tokens < r.num_tokens:
+            return False
+        vec = r.pooled_sum / r.num_tokens if r.params.pooling == "mean" else s.hidden[-1].float()
+        r.pooled_sum = None
+        r.embedding = torch.nn.functional.normalize(vec, dim=0).tolist()
+        self.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _append(self, request: Request, token: int, lp: TokenLogprobs | None, now: float) -> None:
         """Append one token; finish the request if it stops there (all but stop strings)."""

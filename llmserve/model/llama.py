@@ -213,10 +213,13 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, logits_indices: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor, argmax: bool = False,
+                hidden_indices: torch.Tensor | None = None):
         """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab]);
         with `argmax`, those rows' greedy tokens instead ([len(logits_indices)], the same tokens as
-        the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax)."""
+        the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax).
+        With `hidden_indices` (pooling requests: embeddings), (that, the final-normed hidden states of
+        those rows)."""
         x = self.embed_tokens(input_ids)
         residual = None
         stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
@@ -226,11 +229,14 @@ class LlamaModel(nn.Module):
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, positions, self.rotary, kv, meta)
+        hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])
         x = self.norm(x[logits_indices] + residual[logits_indices])
         if argmax:
             tokens = self._head_argmax(x)
-            return tokens if tokens is not None else self.forward_head(x).argmax(dim=-1)
-        return self.forward_head(x)
+            out = tokens if tokens is not None else self.forward_head(x).argmax(dim=-1)
+        else:
+            out = self.forward_head(x)
+        return out if hidden_indices is None else (out, hidden)
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """The final-normed rows' logits, float32."""

@@ -23,8 +23,8 @@ from .state import Router, RouterConfig
 __all__ = ["PROXY_PATHS", "Router", "RouterApp", "RouterConfig", "build_app"]
 
 # Requests the router proxies (POST). Any other POST under /v1/ is proxied too.
-PROXY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize",
-               "/detokenize")
+PROXY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+               "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
 
 
 def build_app(router: Router) -> "RouterApp":

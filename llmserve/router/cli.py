@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("listening")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
-    g.add_argument("--api-key", default=None, help="clients must send this key (Bearer)")
+    g.add_argument("--api-key", default=None, help="clients must send this key (Bearer, or x-api-key)")
     g.add_argument("--backend-api-key", default=None,
                    help="key sent to backends (default: none; the client's key is not passed on)")
     g.add_argument("--forward-client-key", action="store_true",

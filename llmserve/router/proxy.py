@@ -65,32 +65,58 @@ else:                                       # 3.10: cancel the task at the deadl
 
 
 def _flatten_content(content) -> str:
+    """A message's content as text: a string, or parts / blocks (OpenAI's text parts, the Responses API's
+    input_text / output_text, Anthropic's text, thinking, tool_result and tool_use blocks)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    if isinstance(content, list):
+        return "".join(_part_text(p) for p in content)
     return "" if content is None else str(content)
 
 
+def _part_text(p) -> str:
+    if not isinstance(p, dict):
+        return str(p)
+    for key in ("text", "thinking", "output", "arguments"):
+        if isinstance(p.get(key), str):
+            return p[key]
+    if "content" in p:
+        return _flatten_content(p["content"])
+    return json.dumps(p.get("input"), sort_keys=True) if "input" in p else ""
+
+
+def _turns(items: list, system=None) -> str:
+    """Messages (chat, Anthropic) or input items (Responses) as role-tagged text, the system prompt first."""
+    head = f"<system>{_flatten_content(system)}\n" if system else ""
+    return head + "".join(f"<{m.get('role') or m.get('type', '')}>{_part_text(m)}\n"
+                          for m in items if isinstance(m, dict))
+
+
 def route_request(payload: dict, headers: Headers, cfg: RouterConfig) -> RouteRequest:
-    """The facts a policy routes on, read from the JSON body (no tokenizer at the router: the
-    prompt length is estimated as characters / chars_per_token)."""
+    """The facts a policy routes on, read from the JSON body of any proxied API (chat and text
+    completions, Responses, Anthropic's Messages, embeddings). No tokenizer at the router: the prompt
+    length is estimated as characters / chars_per_token."""
     text, ntok = "", None
-    if isinstance(payload.get("messages"), list):
-        text = "".join(f"<{m.get('role', '')}>{_flatten_content(m.get('content'))}\n"
-                       for m in payload["messages"] if isinstance(m, dict))
+    prompt = payload.get("prompt", payload.get("input", ""))
+    if isinstance(payload.get("messages"), list):               # chat; Anthropic (with `system`)
+        text = _turns(payload["messages"], payload.get("system"))
+    elif isinstance(prompt, list) and any(isinstance(x, dict) for x in prompt):   # Responses input items
+        text = _turns(prompt, payload.get("instructions"))
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        text, ntok = " ".join(map(str, prompt)), len(prompt)
+    elif isinstance(prompt, list):
+        text = "\n".join(p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt)
     else:
-        prompt = payload.get("prompt", payload.get("input", ""))
-        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-            text, ntok = " ".join(map(str, prompt)), len(prompt)
-        elif isinstance(prompt, list):
-            text = "\n".join(p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt)
-        else:
-            text = str(prompt or "")
+        text = str(prompt or "")
+        if payload.get("instructions"):                          # Responses, input as a string
+            text = _turns([{"role": "user", "content": text}], payload["instructions"])
     if ntok is None:
         ntok = math.ceil(len(text) / cfg.chars_per_token)
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    session = headers.get(cfg.session_header) or payload.get("user")
+    max_tokens = (payload.get("max_completion_tokens") or payload.get("max_tokens")
+                  or payload.get("max_output_tokens"))
+    metadata = payload.get("metadata")
+    session = (headers.get(cfg.session_header) or payload.get("user")
+               or (metadata.get("user_id") if isinstance(metadata, dict) else None))
     model = payload.get("model")
     return RouteRequest(model=model if isinstance(model, str) and model else None,
                         prompt_text=text, prompt_tokens=ntok,
@@ -110,9 +136,9 @@ async def _read_body(receive) -> bytes:
             return b"".join(chunks)
 
 
-async def _send_sse_error(send, err: RouterError) -> None:
-    """A stream that fails after it started: an error event, as OpenAI sends it."""
-    await send({"type": "http.response.body", "more_body": True, "body": b"data: " + err.body() + b"\n\n"})
+async def _send_sse_error(send, err: RouterError, path: str) -> None:
+    """A stream that fails after it started: an error event, as the path's API sends it."""
+    await send({"type": "http.response.body", "more_body": True, "body": err.sse(path)})
 
 
 class _Retry(Exception):
@@ -157,7 +183,7 @@ class ProxyEndpoint:
                                   "invalid_request_error", "model_not_found", "model")
         except RouterError as e:
             r.metrics.requests.labels("none", str(e.status)).inc()
-            await send_error(send, e)
+            await send_error(send, e, scope["path"])
             return
 
         started = False
@@ -180,7 +206,7 @@ class ProxyEndpoint:
                 if not started:
                     r.metrics.requests.labels("none", "502").inc()
                     await send_error(send, RouterError(502, f"router error: {work.exception()!r}",
-                                                        "bad_gateway", "router_error"))
+                                                        "bad_gateway", "router_error"), scope["path"])
         finally:
             for t in (work, watch):
                 if not t.done():
@@ -224,7 +250,7 @@ class ProxyEndpoint:
                     await self._send_buffered(send, *fallback, request_id)
                 else:
                     r.metrics.requests.labels("none", str(e.status)).inc()
-                    await send_error(send, e)
+                    await send_error(send, e, scope["path"])
                 return
             tried.add(id(backend))
             t_sent = time.perf_counter()
@@ -238,7 +264,7 @@ class ProxyEndpoint:
                 async with timeout_at(loop.time() + budget):
                     upstream, first = await self._open(
                         backend, path, scope["method"], body, up_headers, last)
-                await self._relay(send, backend, upstream, first, req, deadline, request_id, t0)
+                await self._relay(send, backend, upstream, first, req, deadline, request_id, t0, scope["path"])
                 return
             except _Retry as e:
                 r.metrics.retries.labels(backend.url, e.reason).inc()
@@ -248,13 +274,13 @@ class ProxyEndpoint:
                 else:
                     fallback = (502, {"content-type": "application/json"},
                                 RouterError(502, f"backend {backend.url} failed: {e.reason}",
-                                            "bad_gateway", "backend_error").body(), backend)
+                                            "bad_gateway", "backend_error").body(scope["path"]), backend)
             except asyncio.TimeoutError:
                 r.metrics.requests.labels(backend.url, "504").inc()
                 what = "first byte" if req.stream else "response"
                 await send_error(send, RouterError(
                     504, f"backend {backend.url} sent no {what} within {budget:.1f}s",
-                    "timeout_error", "backend_timeout"))
+                    "timeout_error", "backend_timeout"), scope["path"])
                 return
             finally:
                 if upstream is not None:
@@ -290,7 +316,7 @@ class ProxyEndpoint:
             raise
 
     async def _relay(self, send, backend: Backend, upstream: UpstreamResponse, first: bytes,
-                     req: RouteRequest, deadline: float, request_id: str, t0: float) -> None:
+                     req: RouteRequest, deadline: float, request_id: str, t0: float, path: str) -> None:
         r = self.router
         status = upstream.status_code
         out = [(k.lower(), v) for k, v in upstream.raw_headers
@@ -312,7 +338,7 @@ class ProxyEndpoint:
             log.warning("request %s timed out mid-stream on %s", request_id, backend.url)
             if sse:
                 await _send_sse_error(send, RouterError(504, "request timed out at the router", "timeout_error",
-                                                        "request_timeout"))
+                                                        "request_timeout"), path)
         except ConnectionLost as e:
             # Cut mid-stream: never replayed. Tell an SSE client in OpenAI's way.
             outcome = "stream_error"
@@ -321,7 +347,7 @@ class ProxyEndpoint:
             log.warning("stream %s from %s cut: %s", request_id, backend.url, e)
             if sse:
                 await _send_sse_error(send, RouterError(502, f"backend {backend.url} failed mid-stream",
-                                                        "bad_gateway", "backend_stream_error"))
+                                                        "bad_gateway", "backend_stream_error"), path)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         r.metrics.requests.labels(backend.url, outcome).inc()
         r.metrics.duration.labels(backend.url).observe(time.perf_counter() - t0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -56,26 +56,27 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
         if state.engine is not None:
             state.engine.shutdown()
 
+    # errors answer in the shape of the API the path belongs to (Anthropic's on /v1/messages)
     @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
         if state.metrics is not None and exc.status != 404:
             state.metrics.error(str(exc.status))
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_, exc: RequestValidationError):
-        return from_validation_errors(exc.errors()).response()
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return from_validation_errors(exc.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         if isinstance(exc, BodyRefused):
-            return exc.error.response()
-        return APIError(exc.status_code, str(exc.detail)).response()
+            return exc.error.response(request.url.path)
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):
+    async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}").response(request.url.path)
 
     add_routes(app, state)
     return app

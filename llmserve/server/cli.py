@@ -40,6 +40,10 @@ def settings_from_args(args: argparse.Namespace):
         read_timeout=args.read_timeout,
         sse_ping_interval=args.sse_ping_interval,
         log_prompts=args.log_prompts,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_start_marker=args.reasoning_start_marker,
+        reasoning_end_marker=args.reasoning_end_marker,
+        pooling=args.pooling,
     )
 
 

@@ -1,5 +1,6 @@
-"""The server's OpenAI-shaped errors: APIError (raised anywhere, answered as JSON or as an SSE event)
-and the conversions of pydantic's and the engine's ValueErrors. The shape itself is llmserve/errors.py's."""
+"""The server's errors: APIError (raised anywhere, answered as JSON or as an SSE event) and the
+conversions of pydantic's and the engine's ValueErrors. The shapes are llmserve/errors.py's: OpenAI's,
+or Anthropic's on /v1/messages (an answer names the request's path to get its API's shape)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from llmserve.errors import error_body, error_type
+from llmserve.errors import error_body_for, error_type
 
 
 class APIError(Exception):
@@ -18,21 +19,22 @@ class APIError(Exception):
         self.headers = headers
         self.type = type or error_type(status)
 
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code, self.type)
+    def body(self, path: str = "") -> dict:
+        return error_body_for(path, self.status, self.message, self.param, self.code, self.type)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
     def sse(self) -> str:
+        """OpenAI's in-stream error: a `data:` event holding the error body."""
         return f"data: {json.dumps(self.body())}\n\n"
 
 
-_FIELD_RE = re.compile(r"^(\w+)\s*:")
+_FIELD_RE = re.compile(r"^(\w[\w.\[\]]*)\s*:")   # "top_p: ...", "input[2].role: ..."
 
 
 def from_value_error(e: ValueError) -> APIError:
-    """The engine's ValueErrors start with the field they are about: "top_p: must be ..."."""
+    """The engine's (and the converters') ValueErrors start with the field they are about: "top_p: must be ..."."""
     msg = str(e)
     m = _FIELD_RE.match(msg)
     return APIError(400, msg, param=m.group(1) if m else None, code="invalid_value")

@@ -32,5 +32,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "cut idle streams; some clients (vllm bench serve) drop streams that carry comments")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in chat, "
+                        "a reasoning item in /v1/responses, a thinking block in /v1/messages. deepseek_r1: the "
+                        "output starts inside the reasoning; qwen3: only an output that opens with the marker")
+    g.add_argument("--reasoning-start-marker", default="<think>", help="with --reasoning-parser: the start marker")
+    g.add_argument("--reasoning-end-marker", default="</think>", help="with --reasoning-parser: the end marker")
+    g.add_argument("--pooling", default="last", choices=["last", "mean"],
+                   help="/v1/embeddings: pool the prompt's final hidden states by its last token (as vLLM pools "
+                        "decoder models) or their mean; the vector is normalized")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-prompts", action="store_true", help="log prompts and completions (off by default)")

@@ -49,10 +49,13 @@ def _too_slow_error(timeout: float) -> APIError:
 OPEN_PATHS = ("/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs", "/")
 
 
-def _key_ok(header: str | None, key: str) -> bool:
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[7:].strip().encode(), key.encode())
+def _key_ok(headers: dict[str, str], key: str) -> bool:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
+    want = key.encode()
+    auth = headers.get("authorization") or ""
+    bearer = auth[7:].strip().encode() if auth.startswith("Bearer ") else b""
+    xkey = (headers.get("x-api-key") or "").strip().encode()
+    return hmac.compare_digest(bearer, want) | hmac.compare_digest(xkey, want)
 
 
 class GuardMiddleware:
@@ -69,17 +72,17 @@ class GuardMiddleware:
         if s.api_key and scope.get("method") != "OPTIONS":
             open_path = (path in OPEN_PATHS or path.startswith("/static/")) and not (
                 s.protect_metrics and path in ("/health", "/ready", "/version", "/metrics", "/stats"))
-            if not open_path and not _key_ok(headers.get("authorization"), s.api_key):
-                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
-                return await err.response()(scope, receive, send)
+            if not open_path and not _key_ok(headers, s.api_key):
+                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' "
+                                    "or 'x-api-key: <key>')", code="invalid_api_key")
+                return await err.response(path)(scope, receive, send)
         limit = s.max_request_body_bytes
         try:
             declared = int(headers.get("content-length", "0") or 0)
         except ValueError:
             declared = 0
         if declared > limit:
-            return await self._too_large(scope, receive, send, limit, headers, s.read_timeout)
+            return await self._too_large(scope, receive, send, limit, headers, s.read_timeout, path)
         seen = 0
         started = False
         body_done = False
@@ -117,14 +120,14 @@ class GuardMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyRefused as e:
             if not started:
-                await e.error.response()(scope, receive, send)
+                await e.error.response(path)(scope, receive, send)
 
     @staticmethod
-    async def _too_large(scope, receive, send, limit, headers, read_timeout):
+    async def _too_large(scope, receive, send, limit, headers, read_timeout, path):
         # A client that waits for "100 Continue" has sent no body: answer at once, it sends none.
         if headers.get("expect", "").lower() != "100-continue":
             await _drain_body(receive, read_timeout)
-        await _too_large_error(limit).response()(scope, receive, send)
+        await _too_large_error(limit).response(path)(scope, receive, send)
 
 
 DRAIN_MAX_BYTES = 64 * 1024 * 1024   # of an oversize body, read and discarded before the 413

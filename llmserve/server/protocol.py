@@ -48,34 +48,39 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
-class _SamplingFields(_Request):
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+class EngineExtras(_Request):
+    """vLLM's sampling and structured-output extras, accepted by every generating API (the Responses and
+    Messages APIs too, where clients send them as extra body fields)."""
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
     priority: int = Field(default=0, ge=-(2 ** 31), lt=2 ** 31)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured output (docs/structured-output.md)
-    response_format: dict[str, Any] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+
+class _SamplingFields(EngineExtras):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: Union[str, list[str], None] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -1,5 +1,6 @@
 """The HTTP routes, thin: each checks readiness and the model name, prepares the engine runs
-(prepare.py) and hands them to a serving.Generation with the API's rendering (rendering.py)."""
+(prepare.py) and hands them to a serving.Generation with the API's rendering (rendering.py; the
+Responses, Messages and embeddings APIs: openai_responses.py, anthropic_messages.py, embeddings.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,10 +12,14 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
 from llmserve import __version__
 from llmserve.engine.async_engine import AsyncEngine
+from llmserve.server import anthropic_messages as A
+from llmserve.server import embeddings as E
+from llmserve.server import openai_responses as R
 from llmserve.server import protocol as P
 from llmserve.server import tools as tools_mod
 from llmserve.server.errors import APIError, from_value_error
-from llmserve.server.prepare import admit, compile_guided, encode_chat, fan_out, sampling_params
+from llmserve.server.prepare import admit, chat_runs, compile_guided, encode_chat, fan_out, sampling_params
+from llmserve.server.reasoning import ReasoningParser
 from llmserve.server.rendering import ChatRendering, CompletionRendering
 from llmserve.server.serving import Generation
 from llmserve.server.state import ServerState
@@ -23,6 +28,7 @@ STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 ERROR_RESPONSES = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
                    404: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse},
                    429: {"model": P.ErrorResponse}, 503: {"model": P.ErrorResponse}}
+ANTHROPIC_ERROR_RESPONSES = {status: {"model": A.AnthropicErrorResponse} for status in ERROR_RESPONSES}
 
 
 def engine_or_503(state: ServerState) -> AsyncEngine:
@@ -41,6 +47,8 @@ def check_model(state: ServerState, name: str | None) -> str:
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
+    reasoning = ReasoningParser.from_name(settings.reasoning_parser, settings.reasoning_start_marker,
+                                          settings.reasoning_end_marker)
 
     # -- probes and info ------------------------------------------------------------------------
     @app.get("/health", summary="Liveness: the process answers")
@@ -118,18 +126,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             tool_plan = tools_mod.plan(body.tools, body.tool_choice)
         except ValueError as e:
             raise from_value_error(e) from e
-        ids = await asyncio.to_thread(encode_chat, eng.tokenizer, body.messages,
-                                      body.add_generation_prompt, body.chat_template_kwargs, tool_plan)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = sampling_params(body, eng, len(ids), max_tokens,
-                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                 tool_plan=tool_plan)
-        await compile_guided(eng, params)
-        rid = P.random_id("chatcmpl")
-        runs = [(i, 0, ids, p) for i, p in enumerate(fan_out(params))]
-        admit(eng, runs, settings)
-        gen = Generation(state, eng, rid, runs, body.priority, model, request,
-                         ChatRendering(eng.tokenizer, tool_plan))
+        runs = await chat_runs(eng, settings, body, body.messages, body.max_completion_tokens or body.max_tokens,
+                               tool_plan, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                               template_kwargs=body.chat_template_kwargs,
+                               add_generation_prompt=body.add_generation_prompt)
+        gen = Generation(state, eng, P.random_id("chatcmpl"), runs, body.priority, model, request,
+                         ChatRendering(eng.tokenizer, tool_plan, reasoning))
         return await gen.response(body.stream, body.stream_options)
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERROR_RESPONSES)
@@ -157,3 +159,60 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         gen = Generation(state, eng, rid, runs, body.priority, model, request,
                          CompletionRendering(eng.tokenizer, runs, echo=body.echo))
         return await gen.response(body.stream, body.stream_options)
+
+    @app.post("/v1/responses", response_model=R.ResponseObject, responses=ERROR_RESPONSES,
+              summary="OpenAI's Responses API (stateless)")
+    async def responses(body: R.ResponsesRequest, request: Request):
+        eng = engine_or_503(state)
+        model = check_model(state, body.model)
+        R.check_stateless(body)
+        try:
+            messages = R.chat_messages(body)
+            tool_plan = tools_mod.plan(*R.chat_tools(body.tools, body.tool_choice))
+        except ValueError as e:
+            raise from_value_error(e) from e
+        runs = await chat_runs(eng, settings, body, messages, body.max_output_tokens, tool_plan,
+                               template_kwargs=body.chat_template_kwargs, prompt_param="input",
+                               max_tokens_param="max_output_tokens")
+        rendering = R.ResponsesRendering(eng.tokenizer, body, tool_plan, reasoning)
+        gen = Generation(state, eng, rendering.rid, runs, body.priority, model, request, rendering)
+        return await gen.response(body.stream)
+
+    @app.post("/v1/embeddings", response_model=E.EmbeddingResponse, responses=ERROR_RESPONSES,
+              summary="Embeddings: the served model's pooled hidden states (--pooling)")
+    async def embeddings(body: E.EmbeddingRequest, request: Request):
+        eng = engine_or_503(state)
+        model = check_model(state, body.model)
+        runs = await E.runs(eng, body, settings.pooling)
+        admit(eng, runs, settings)
+        gen = Generation(state, eng, P.random_id("embd"), runs, body.priority, model, request,
+                         E.EmbeddingRendering(body.encoding_format))
+        return await gen.response(False)
+
+    # -- Anthropic's Messages API (errors in Anthropic's shape on these paths: app.py) --------------------
+    def anthropic_chat(body: A._MessagesFields):
+        try:
+            return A.chat_messages(body), tools_mod.plan(*A.chat_tools(body.tools, body.tool_choice))
+        except ValueError as e:
+            raise from_value_error(e) from e
+
+    @app.post("/v1/messages", response_model=A.MessageObject, responses=ANTHROPIC_ERROR_RESPONSES,
+              summary="Anthropic's Messages API")
+    async def messages(body: A.MessagesRequest, request: Request):
+        eng = engine_or_503(state)
+        model = check_model(state, body.model)
+        msgs, tool_plan = anthropic_chat(body)
+        runs = await chat_runs(eng, settings, body, msgs, body.max_tokens, tool_plan,
+                               template_kwargs=body.template_kwargs())
+        rendering = A.MessagesRendering(body, tool_plan, reasoning)
+        gen = Generation(state, eng, rendering.mid, runs, body.priority, model, request, rendering)
+        return await gen.response(body.stream)
+
+    @app.post("/v1/messages/count_tokens", response_model=A.CountTokensResponse,
+              responses=ANTHROPIC_ERROR_RESPONSES, summary="Anthropic's token count of a Messages request")
+    async def count_tokens(body: A.CountTokensRequest):
+        eng = engine_or_503(state)
+        check_model(state, body.model)
+        msgs, tool_plan = anthropic_chat(body)
+        ids = await asyncio.to_thread(encode_chat, eng.tokenizer, msgs, True, body.template_kwargs(), tool_plan)
+        return A.CountTokensResponse(input_tokens=len(ids))

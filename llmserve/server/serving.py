@@ -1,12 +1,12 @@
-"""The one serving loop, for chat and text completions alike: one HTTP request's engine requests (n
-choices, or several prompts) run on the engine and merged into one stream, with keep-alive pings, the
-request timeout, abort when the client goes away, usage, metrics and the request log line. The answer
-is a JSON body or SSE chunks; how a choice looks in them is the rendering's (rendering.py).
+"""The one serving loop, for every generating API (chat and text completions, Responses, Messages): one
+HTTP request's engine requests (n choices, or several prompts) run on the engine and merged into one
+stream, with keep-alive pings, the request timeout, abort when the client goes away, usage counts,
+metrics and the request log line. The answer is a JSON body or SSE events; what they look like is the
+rendering's (rendering.py, openai_responses.py, anthropic_messages.py).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import AsyncIterator
@@ -29,8 +29,8 @@ Run = tuple[int, int, list[int], SamplingParams]
 
 
 class Generation:
-    """One HTTP request's engine requests, merged into one stream; `rendering` is a
-    rendering.ChatRendering or rendering.CompletionRendering."""
+    """One HTTP request's engine requests, merged into one stream; `rendering` is a rendering.Rendering
+    (chat, completions, responses, messages)."""
 
     def __init__(self, state: ServerState, eng: AsyncEngine, rid: str, runs: list[Run], priority: int,
                  model: str, request: Request | None, rendering) -> None:
@@ -41,6 +41,7 @@ class Generation:
         self.s = state.settings
         self.finals: dict[int, RequestOutput] = {}
         self.latest: dict[int, RequestOutput] = {}   # each choice's newest output (continuous usage stats)
+        self.stream_options: P.StreamOptions | None = None
 
     def _deadline(self) -> float | None:
         t = self.s.request_timeout
@@ -109,13 +110,19 @@ class Generation:
     def _record(self, out: RequestOutput, ids: list[int], times: list[float]) -> None:
         self.state.record_finished(out, len(ids), times, out.metrics.arrival_time if out.metrics else self.arrival)
 
-    def _usage(self) -> dict:
+    def counts(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached prompt) tokens so far: each prompt once, however many choices."""
         firsts = {}   # prompt index -> (choice index of its first run, prompt length)
         for i, pi, ids, _ in self.runs:
             firsts.setdefault(pi, (i, len(ids)))
         prompt = sum(n for _, n in firsts.values())
         completion = sum(len(o.outputs[0].token_ids) for o in self.latest.values())
         cached = sum(self.latest[i].num_cached_tokens for i, _ in firsts.values() if i in self.latest)
+        return prompt, completion, cached
+
+    def usage(self) -> dict:
+        """OpenAI's usage object."""
+        prompt, completion, cached = self.counts()
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                            prompt_tokens_details={"cached_tokens": cached}).model_dump(exclude_none=True)
 
@@ -137,55 +144,32 @@ class Generation:
         finally:
             gone.cancel()
 
-    async def response(self, stream: bool, stream_options: P.StreamOptions | None) -> Response:
+    async def response(self, stream: bool, stream_options: P.StreamOptions | None = None) -> Response:
         """The answer: SSE when the request streams, else one JSON body once every choice is done."""
         if stream:
-            include_usage = bool(stream_options and stream_options.include_usage)
-            continuous = include_usage and stream_options.continuous_usage_stats
-            return StreamingResponse(self.sse(include_usage, continuous), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        return await self.json()
-
-    async def json(self) -> JSONResponse:
-        """The whole answer as one JSON body."""
+            self.stream_options = stream_options
+            return StreamingResponse(self.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
         await self._collect()
-        choices = [self.rendering.choice(i, self.finals[i]) for i in sorted(self.finals)]
-        return JSONResponse({"id": self.rid, "object": self.rendering.object, "created": self.created,
-                             "model": self.model, "choices": choices, "usage": self._usage()})
+        return JSONResponse(self.rendering.body(self))
 
-    def _chunk(self, choices: list, usage=None) -> str:
-        d = {"id": self.rid, "object": self.rendering.chunk_object, "created": self.created, "model": self.model,
-             "choices": choices}
-        if usage is not None:
-            d["usage"] = usage
-        return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
-
-    async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
-        """The answer as server-sent events: a chunk per choice delta, pings while waiting (with
-        --sse-ping-interval), the usage chunk if asked, an error event on failure, then [DONE].
-        A choice's opening chunks (chat: the assistant role) go out with its first output, as vLLM
-        sends them: clients time the first token from the first chunk. `continuous_usage`
-        (stream_options.continuous_usage_stats, vLLM's): usage so far on every chunk too."""
+    async def sse(self) -> AsyncIterator[str]:
+        """The answer as server-sent events, as the rendering writes them: its opening events, events for each
+        output, pings while waiting (with --sse-ping-interval), its closing events, or its error events."""
         r = self.rendering
-        opened: set[int] = set()
         try:
+            for event in r.stream_open(self):
+                yield event
             async for ev in self.events():
                 if ev is None:
-                    yield ": ping\n\n"
+                    yield r.ping()
                     continue
-                i = ev[0]
-                choices = r.deltas(*ev)
-                if i not in opened:
-                    opened.add(i)
-                    choices = r.opening(i) + choices
-                usage = self._usage() if continuous_usage else None
-                for choice in choices:
-                    yield self._chunk([choice], usage)
-            if include_usage:
-                yield self._chunk([], self._usage())
+                for event in r.stream_output(self, *ev):
+                    yield event
+            closing = r.stream_close(self)
         except APIError as e:
-            yield e.sse()
-        yield "data: [DONE]\n\n"
+            closing = r.stream_error(self, e)
+        for event in closing:
+            yield event
 
 
 async def _wait_disconnect(request: Request) -> None:

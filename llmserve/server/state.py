@@ -31,6 +31,10 @@ class ServerSettings:
     ready_stall_seconds: float = 120.0      # /ready fails if the engine loop made no progress this long
     log_prompts: bool = False
     retry_after_seconds: int = 1
+    reasoning_parser: str | None = None     # deepseek_r1 | qwen3: split <think>...</think> (reasoning.py)
+    reasoning_start_marker: str | None = None
+    reasoning_end_marker: str | None = None
+    pooling: str = "last"                   # /v1/embeddings: last | mean (embeddings.py)
 
 
 class ServerState:

@@ -64,3 +64,23 @@ def test_sweep_1_5_writes_json_and_plots_with_the_servers_token_counts(server, t
     for png in ("throughput.png", "latency_percentiles.png", "latency_cdf.png"):
         assert mpimg.imread(out / png).ndim == 3
     assert "## Comparison across phases" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("endpoint", ["responses", "messages", "embeddings"])
+def test_the_responses_messages_and_embeddings_apis(server, tmp_path, endpoint):
+    """--endpoint responses / messages: the typed event streams are timed, and their usage is the server's;
+    embeddings: one answer each, no output tokens."""
+    before = counters(server)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base-url", server, "--endpoint", endpoint, "--concurrency", "2",
+                 "--num-requests", "4", "--output-len", "8", "--output-json", str(out), "--no-progress",
+                 "--metrics-url", "none"]) == 0
+    after = counters(server)
+    phase = json.loads(out.read_text())["phases"][0]
+    s = phase["summary"]
+    assert s["completed"] == 4, s["errors"]
+    assert s["output_tokens_source"] == {"usage": 4} and s["ttft_ms"]["mean"] > 0
+    assert (s["itl_ms"]["mean"] is None) == (endpoint == "embeddings")
+    assert (s["total_output_tokens"] == 0) == (endpoint == "embeddings")
+    assert after["generation_tokens"] - before["generation_tokens"] == s["total_output_tokens"]
+    assert after["prompt_tokens"] - before["prompt_tokens"] == s["total_input_tokens"]

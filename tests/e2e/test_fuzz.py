@@ -4,7 +4,8 @@ OpenAI's error shape, and 2xx JSON answers conform to the documented response sc
 
 Generation lengths are clamped (max_tokens <= 4 when the example gives a valid one or none) and the
 server runs with --max-model-len 256, so that the run fits CI's time budget; FUZZ_EXAMPLES sets the
-examples per operation and mode (default 12).
+examples per operation and mode (default 12). The Responses, Messages and embeddings APIs are fuzzed too:
+4xx answers on /v1/messages are checked for Anthropic's shape instead.
 
 The cases are drawn with hypothesis from each operation's `as_strategy()` inside one plain test, not
 through `schemathesis.pytest.from_fixture`: that lazy loader reaches into pytest internals
@@ -31,7 +32,11 @@ H = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
 OPEN = {"/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs"}
 API = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-       ("POST", "/tokenize"), ("POST", "/detokenize")}
+       ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"), ("POST", "/v1/messages"),
+       ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/embeddings")}
+# operations whose generated cases must include answered ones (embeddings' random token ids and strings are
+# mostly refused, as they should be: their answers are covered by tests/e2e/test_embeddings.py)
+GENERATING = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages")
 TIMEOUT = 150
 
 
@@ -48,20 +53,26 @@ def server():
         srv.kill()
 
 
-def _clamp(body):
-    """Keep generations short: a positive max_tokens above 4 becomes 4; none given becomes 4."""
-    if isinstance(body, dict):
-        for k in ("max_tokens", "max_completion_tokens"):
+def _clamp(body, path: str = ""):
+    """Keep generations short: a positive max_tokens (the Responses API's max_output_tokens) above 4 becomes 4;
+    none given becomes 4."""
+    if isinstance(body, dict) and path != "/v1/embeddings":
+        keys = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
+        for k in keys:
             v = body.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v > 4:
                 body[k] = 4
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = 4
+        if not any(k in body for k in keys):
+            body[keys[0]] = 4
 
 
-def _check_shape(resp, label: str) -> None:
+def _check_shape(resp, label: str, path: str = "") -> None:
     assert resp.status_code < 500, f"{label}: {resp.status_code} {resp.text[:400]}"
-    if 400 <= resp.status_code < 500:
+    if 400 <= resp.status_code < 500 and path.startswith("/v1/messages"):
+        body = resp.json()
+        assert body.get("type") == "error", f"{label}: 4xx not in Anthropic's shape: {resp.text[:300]}"
+        assert isinstance(body["error"].get("type"), str) and body["error"].get("message"), label
+    elif 400 <= resp.status_code < 500:
         err = resp.json().get("error")
         assert isinstance(err, dict), f"{label}: 4xx not in OpenAI's shape: {resp.text[:300]}"
         assert isinstance(err.get("message"), str) and err["message"], label
@@ -70,12 +81,12 @@ def _check_shape(resp, label: str) -> None:
 
 def _check_case(case, url: str, tally: dict) -> None:
     if not isinstance(case.body, schemathesis.core.NotSet):
-        _clamp(case.body)
+        _clamp(case.body, case.path)
     # with the key, as JSON: schemathesis' own checks plus ours
     resp = case.call(base_url=url, headers=H, timeout=TIMEOUT)
     key = (f"{case.method.upper()} {case.path}", f"{resp.status_code // 100}xx")
     tally[key] = tally.get(key, 0) + 1
-    _check_shape(resp, f"{case.method} {case.path} with key")
+    _check_shape(resp, f"{case.method} {case.path} with key", case.path)
     checks = [not_a_server_error]
     ctype = resp.headers.get("content-type") or ""
     ctype = ctype[0] if isinstance(ctype, list) else ctype   # schemathesis' Response: lists of values
@@ -84,7 +95,7 @@ def _check_case(case, url: str, tally: dict) -> None:
     case.validate_response(resp, checks=checks)
     # without the key: 401 for the API, the probes stay open
     resp = case.call(base_url=url, headers={}, timeout=TIMEOUT)
-    _check_shape(resp, f"{case.method} {case.path} without key")
+    _check_shape(resp, f"{case.method} {case.path} without key", case.path)
     if case.path not in OPEN:
         assert resp.status_code == 401, (case.path, resp.status_code)
     tally["calls"] = tally.get("calls", 0) + 2
@@ -96,7 +107,7 @@ def _check_case(case, url: str, tally: dict) -> None:
             raw = str(case.body).encode()
         r = httpx.post(url + case.formatted_path, content=raw, timeout=TIMEOUT,
                        headers={**H, "Content-Type": "text/plain"})
-        _check_shape(r, f"POST {case.path} as text/plain")
+        _check_shape(r, f"POST {case.path} as text/plain", case.path)
         tally["calls"] += 1
 
 
@@ -126,5 +137,5 @@ def test_openapi_operations(server):
     print(f"\nfuzz: {len(ops)} operations, {tally.get('calls', 0)} calls in {time.time() - t0:.0f} s; "
           f"answers with the key: " + ", ".join(f"{k[0]} {k[1]}: {v}" for k, v in tally.items() if k != "calls"))
     assert not failures, "\n\n".join(failures)
-    for label in ("POST /v1/chat/completions", "POST /v1/completions"):   # valid and invalid cases both sent
+    for label in GENERATING:   # valid and invalid cases both sent
         assert tally.get((label, "2xx")) and tally.get((label, "4xx")), (label, tally)

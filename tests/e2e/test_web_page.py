@@ -8,6 +8,7 @@ not root (apt unavailable), where it is skipped with a message.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -48,7 +49,7 @@ def _until(cond, timeout: float, what: str, interval: float = 0.2):
 @pytest.fixture(scope="module")
 def server():
     _need_browser()
-    s = ServerProcess("--num-threads", "1", "--api-key", KEY, "--max-model-len", "2048")
+    s = ServerProcess("--num-threads", "1", "--api-key", KEY, "--max-model-len", "2048", "--reasoning-parser", "qwen3")
     try:
         s.wait_ready()
         yield s
@@ -181,6 +182,29 @@ def test_chat_streams_and_stop_aborts_on_server(server, page):
     tokens = int(page.locator(".msg.assistant .fig-tokens").last.text_content().split()[-1])
     assert 1 <= tokens < 1000, tokens
     assert "stopped" in page.locator(".msg.assistant .answer-stats").last.text_content()
+
+
+def test_reasoning_is_shown_folded(server, page):
+    """With --reasoning-parser, reasoning_content streams into a folded box above the answer. The bundled
+    model does not think: the request is rewritten on its way out to add a grammar that makes it."""
+    _open(page, server)
+
+    def think(route):
+        body = json.loads(route.request.post_data)
+        body.update(temperature=0, guided_regex="<think>[a-z ]{5,40}</think>[A-Za-z ]{5,40}[.]")
+        route.continue_(post_data=json.dumps(body))
+    page.route("**/v1/chat/completions", think)
+    page.get_by_label("Message", exact=True).fill("What is two plus two?")
+    page.get_by_label("Message", exact=True).press("Enter")
+    page.locator(".msg.assistant[data-done=finished]").last.wait_for(timeout=60_000)
+    box = page.locator(".msg.assistant details.reasoning").last
+    assert box.get_attribute("open") is None and not box.locator(".reasoning-text").is_visible()
+    assert box.locator("summary").text_content().startswith("Reasoning (")
+    answer = page.locator(".msg.assistant .text").last.text_content()
+    assert answer and "think>" not in answer
+    box.locator("summary").click()
+    thought = box.locator(".reasoning-text")
+    assert thought.is_visible() and thought.text_content() and "think>" not in thought.text_content()
 
 
 def _load(server, stop: threading.Event, counts: list[int]):

@@ -137,17 +137,17 @@ def test_stream_deltas_split_the_arguments():
     assert tools.stream_deltas([]) == []
 
 
-def _out(text: str, finished: bool, finish_reason: str | None = None):
-    c = SimpleNamespace(text=text, delta_text=text, finish_reason=finish_reason, stop_reason=None,
-                        logprobs=None, delta_logprobs=None)
+def _out(text: str, finished: bool, finish_reason: str | None = None, delta: str | None = None):
+    c = SimpleNamespace(text=text, delta_text=text if delta is None else delta, finish_reason=finish_reason,
+                        stop_reason=None, logprobs=None, delta_logprobs=None)
     return SimpleNamespace(outputs=[c], finished=finished)
 
 
 def test_chat_rendering_holds_the_text_back_and_streams_the_calls():
     r = ChatRendering(tokenizer=None, tool_plan=auto())
-    assert r.deltas(0, _out("<tool_call>{", finished=False)) == []
+    assert r.deltas(0, _out("Sure. <tool_call>{", finished=False)) == []
     text = 'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-    chunks = r.deltas(0, _out(text, finished=True, finish_reason="stop"))
+    chunks = r.deltas(0, _out(text, finished=True, finish_reason="stop", delta=text[len("Sure. <tool_call>{"):]))
     assert chunks[0]["delta"] == {"content": "Sure."}
     calls = [d for ch in chunks for d in ch["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_time"

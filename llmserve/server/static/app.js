@@ -51,6 +51,20 @@ function addBubble(role, text) {
   return div;
 }
 
+// A thinking model's reasoning (reasoning_content), folded above the answer: open it to read it.
+function showReasoning(bubble, text, streaming) {
+  let box = bubble.querySelector("details.reasoning");
+  if (!box) {
+    box = document.createElement("details");
+    box.className = "reasoning";
+    box.append(document.createElement("summary"), document.createElement("div"));
+    box.lastChild.className = "reasoning-text";
+    bubble.insertBefore(box, bubble.querySelector(".text"));
+  }
+  box.firstChild.textContent = streaming ? "Thinking…" : `Reasoning (${text.length} characters)`;
+  box.lastChild.textContent = text;
+}
+
 function setBusy(busy) {
   state.busy = busy;
   $("send").disabled = busy;
@@ -90,7 +104,7 @@ async function send(text) {
   state.controller = controller;
   setBusy(true);
   const t0 = performance.now();
-  let tFirst = null, chunks = 0, usageTokens = null, text_ = "", finish = null, stopped = false;
+  let tFirst = null, chunks = 0, usageTokens = null, text_ = "", reasoning_ = "", finish = null, stopped = false;
   const showStats = () => {
     const now = performance.now();
     const tokens = usageTokens !== null ? usageTokens : chunks;
@@ -145,9 +159,16 @@ async function send(text) {
         if (ev.usage) usageTokens = ev.usage.completion_tokens;
         for (const ch of ev.choices || []) {
           const d = ch.delta && ch.delta.content;
-          if (d) {
+          const r = ch.delta && ch.delta.reasoning_content;   // --reasoning-parser: shown folded
+          if (d || r) {
             if (tFirst === null) tFirst = performance.now();
             chunks++;
+          }
+          if (r) {
+            reasoning_ += r;
+            showReasoning(bubble, reasoning_, true);
+          }
+          if (d) {
             text_ += d;
             body.textContent = text_;
           }
@@ -163,6 +184,7 @@ async function send(text) {
   } finally {
     bubble.classList.remove("streaming");
     bubble.dataset.done = stopped ? "stopped" : "finished";
+    if (reasoning_) showReasoning(bubble, reasoning_, false);
     showStats();
     if (text_) state.messages.push({ role: "assistant", content: text_ });
     state.controller = null;
