@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmserve.router.fake_backend import Process, free_port
-from tests.server_proc import ServerProcess
+from tests.server_proc import ROUTE, ServerProcess
 
 KEY = "messages-key"
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
@@ -182,10 +181,9 @@ def test_errors_in_anthropic_shape(server, client):
 def test_through_the_router(server, tmp_path):
     """`llmserve route` forwards the Messages and Responses APIs (streams unbuffered) and answers its own
     errors on /v1/messages in Anthropic's shape."""
-    port = free_port()
-    router = Process(["-m", "llmserve.cli", "route", "--port", str(port), "--backend", server.url, "--api-key", KEY,
-                      "--backend-api-key", KEY, "--health-interval", "0.5", "--log-level", "warning"],
-                     f"http://127.0.0.1:{port}", log_path=str(tmp_path / "router.log"))
+    router = ServerProcess("--backend", server.url, "--api-key", KEY, "--backend-api-key", KEY,
+                           "--health-interval", "0.5", "--log-level", "warning", cmd=ROUTE,
+                           log_path=str(tmp_path / "router.log"))
     try:
         router.wait_ready(60)
         via = anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0, timeout=120)
