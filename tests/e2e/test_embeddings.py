@@ -20,13 +20,9 @@ TEXTS = ["The capital of France is Paris.", "Paris is the capital city of France
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--num-threads", "1", "--served-model-name", "x", "--api-key", KEY, "--pooling", "mean",
-                        "--max-model-len", "512")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
+    with ServerProcess("--num-threads", "1", "--served-model-name", "x", "--api-key", KEY, "--pooling", "mean",
+                       "--max-model-len", "512") as srv:
+        yield srv.wait_ready()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.server_proc import ROUTE, ServerProcess
 
-KEY = "messages-key"
+KEY = "sk-apis"   # the reasoning_server fixture's key (tests/e2e/conftest.py)
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {
                "city": {"type": "string", "maxLength": 16},
@@ -29,14 +29,8 @@ THINK = {"temperature": 0, "guided_regex": "<think>[a-z ]{5,40}</think>[A-Za-z ]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--num-threads", "1", "--served-model-name", "x", "--api-key", KEY,
-                        "--reasoning-parser", "qwen3", "--max-model-len", "1024")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
+def server(reasoning_server):
+    return reasoning_server
 
 
 @pytest.fixture(scope="module")

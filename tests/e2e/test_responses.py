@@ -11,9 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_proc import ServerProcess
-
-KEY = "responses-key"
+KEY = "sk-apis"   # the reasoning_server fixture's key (tests/e2e/conftest.py)
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "maxLength": 16},
@@ -27,14 +25,8 @@ THINK = {"guided_regex": "<think>[a-z ]{5,40}</think>[A-Za-z ]{5,40}[.]"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--num-threads", "1", "--served-model-name", "x", "--api-key", KEY,
-                        "--reasoning-parser", "qwen3", "--max-model-len", "1024")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
+def server(reasoning_server):
+    return reasoning_server
 
 
 @pytest.fixture(scope="module")
