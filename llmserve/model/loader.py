@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from llmserve import envs
 from llmserve.config import DTYPE_ALIASES
-from llmserve.model.llama import LlamaModel, ModelConfig, Rotary
+from llmserve.model.llama import LlamaModel, ModelConfig
 from llmserve.model.quant import is_quantized, quantize_model
 
 log = logging.getLogger("llmserve.loader")
@@ -262,6 +262,41 @@ def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> dict[str, torc
     return weights
 
 
+# -- per-architecture weight names ----------------------------------------------------------------
+# checkpoint name fragments -> the model's, per architecture
+RENAMES = {"MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."),)}
+# an expert's (gate, up, down) layer names in the checkpoint: `...mlp.experts.N.<name>.weight`
+EXPERT_PARTS = {"MixtralForCausalLM": ("w1", "w3", "w2"), "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj")}
+
+
+def checkpoint_names(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict): the
+    architecture's renames, and per-expert tensors stacked into `...mlp.experts.gate_up_proj` [E, 2I, H]
+    and `...mlp.experts.down_proj` [E, H, I] (llmserve.model.moe)."""
+    for old, new in RENAMES.get(cfg.architecture, ()):
+        weights = {k.replace(old, new): v for k, v in weights.items()}
+    parts = EXPERT_PARTS.get(cfg.architecture)
+    if not parts:
+        return weights
+    out, experts = {}, {}
+    for k, v in weights.items():
+        prefix, sep, rest = k.partition(".experts.")
+        index, _, leaf = rest.partition(".")
+        if sep and index.isdigit() and leaf.removesuffix(".weight") in parts:
+            experts.setdefault(prefix, {})[(int(index), leaf.removesuffix(".weight"))] = v
+        else:
+            out[k] = v
+    gate, up, down = parts
+    for prefix, t in experts.items():
+        n = cfg.num_experts
+        missing = [f"{prefix}.experts.{e}.{p}" for e in range(n) for p in parts if (e, p) not in t]
+        if missing:
+            raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([t[e, gate], t[e, up]]) for e in range(n)])
+        out[f"{prefix}.experts.down_proj"] = torch.stack([t[e, down] for e in range(n)])
+    return out
+
+
 # -- the entry point ----------------------------------------------------------------------------
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     dtype = DTYPE_ALIASES.get(dtype, dtype)
@@ -300,15 +335,14 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
         with torch.device("meta"):
             model = LlamaModel(cfg, max_positions)
     _materialize(model)
-    model.rotary = Rotary(cfg, max_positions)
+    weights = checkpoint_names(cfg, weights)
     model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
     if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():   # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
     else:
         model = model.to(device=device, dtype=dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
+    model.make_rotary(max_positions, device)   # float32 tables, whatever the dtype
     model = model.eval().requires_grad_(False)
     if quantization:
         del weights
