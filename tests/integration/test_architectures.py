@@ -33,7 +33,8 @@ def _configs():
         "qwen3-moe-unnormed": (T.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=48, head_dim=16,
                                                       norm_topk_prob=False, **moe)),
         "gemma2": (T.Gemma2Config, dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
-                                        layer_types=["sliding_attention", "full_attention"])),
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
         "gemma3": (T.Gemma3TextConfig, dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
                                             layer_types=["sliding_attention", "full_attention"],
                                             rope_parameters={
@@ -75,11 +76,13 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
     with torch.inference_mode():
         want = [ref.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                              do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in _prompts()]
-    return request.param, d, want
+        first = _prompts()[0]
+        logprob = ref(torch.tensor([first])).logits[0, -1].float().log_softmax(-1)[want[0][0]].item()
+    return request.param, d, want, logprob
 
 
 def test_greedy_equals_transformers_batched_and_alone(checkpoint):
-    name, d, want = checkpoint
+    name, d, want, logprob = checkpoint
     llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
     assert llm.engine.config.enable_prefix_caching
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -88,9 +91,12 @@ def test_greedy_equals_transformers_batched_and_alone(checkpoint):
     assert batched == want, name
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert alone == want, name
-    # with logits (a logprobs row): the soft-capped head and the screened argmax agree
+    # with logits (a logprobs row): the same tokens, and the first one's logprob is transformers'
+    # (Gemma 2's final soft-capping shows only there: tanh keeps the argmax)
     lp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    assert llm.generate(prompts[:1], lp, use_tqdm=False)[0].outputs[0].token_ids == want[0]
+    out = llm.generate(prompts[:1], lp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want[0]
+    assert out.logprobs[0].logprob == pytest.approx(logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
