@@ -76,7 +76,7 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _field(reader, key: str, default=None):
@@ -102,7 +102,8 @@ def gguf_hf_config(reader):
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
         num_hidden_layers=g("block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=g("rope.dimension_count", hidden // heads) if arch == "llama" else hidden // heads,
+        head_dim={"llama": g("rope.dimension_count", hidden // heads),
+                  "qwen3": g("attention.key_length", hidden // heads)}.get(arch, hidden // heads),
         rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=g("context_length", 2048),
         tie_word_embeddings=not has_output,
@@ -111,7 +112,8 @@ def gguf_hf_config(reader):
         architectures=[GGUF_ARCHS[arch]],
     )
     theta = g("rope.freq_base", 10000.0)
-    cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[arch]
     cfg = cls(**kwargs)
     if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict):
         cfg.rope_parameters["rope_theta"] = theta
@@ -136,6 +138,7 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",   # Qwen3
 }
 
 

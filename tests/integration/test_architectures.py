@@ -112,6 +112,55 @@ def test_quantized_new_layers_run(checkpoint, mode):
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
 
 
+def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
+    """The checkpoint in `folder` as a float32 GGUF file of `arch`, with the bundled model's tokenizer."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from safetensors.torch import load_file
+
+    from llmserve.model.loader import _GGUF_LAYER_NAMES, _GGUF_NAMES
+    cfg = json.loads((folder / "config.json").read_text())
+    w = GGUFWriter(path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    for key, f in GGUFReader(bundled_gguf).fields.items():
+        if key.startswith("tokenizer."):
+            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    names = {v: k for k, v in _GGUF_NAMES.items()}
+    layer_names = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name not in names:   # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
+            parts = name.split(".")
+            names[name] = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        w.add_tensor(names[name], t.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen3_from_gguf(checkpoint, tmp_path, monkeypatch, bundled_gguf):
+    """The same Qwen3 weights written as a GGUF file (llama.cpp's names: attn_q_norm, attn_k_norm)."""
+    name, d, want, _ = checkpoint
+    if name != "qwen3":
+        pytest.skip("the Qwen3 checkpoint only")
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "qwen3-tiny.gguf")
+    _write_gguf(d, path, "qwen3", bundled_gguf)
+    llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    assert llm.engine.model_config.architecture == "Qwen3ForCausalLM" and llm.engine.model_config.qk_norm
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)] == want
+
+
 def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError) as e:
@@ -129,3 +178,16 @@ def test_longrope_is_refused_clearly():
                                                 "long_factor": [2.0] * 8})
     with pytest.raises(ValueError, match="longrope"):
         LlamaModel(ModelConfig.from_hf(cfg))
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split():
+    import dataclasses
+
+    from llmserve.model.llama import ModelConfig
+    from llmserve.model.parallel import plan_heads
+    base = ModelConfig("LlamaForCausalLM", 100, 128, 256, 2, 4, 2, 32, 1e-5, 1e4, 128, False)
+    assert len(plan_heads(base, 2)) == 2
+    for cfg in (dataclasses.replace(base, architecture="MixtralForCausalLM", num_experts=4),
+                dataclasses.replace(base, architecture="Phi3ForCausalLM")):
+        with pytest.raises(ValueError, match="not split yet"):
+            plan_heads(cfg, 2)
