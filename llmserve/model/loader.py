@@ -266,38 +266,16 @@ def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> dict[str, torc
 
 
 # -- per-architecture weight names ----------------------------------------------------------------
-# checkpoint name fragments -> the model's, per architecture
-RENAMES = {"MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."),)}
-# an expert's (gate, up, down) layer names in the checkpoint: `...mlp.experts.N.<name>.weight`
-EXPERT_PARTS = {"MixtralForCausalLM": ("w1", "w3", "w2"), "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj")}
+# checkpoint name fragments -> the model's (Hugging Face's Llama / Qwen3-MoE names), per architecture
+RENAMES = {"MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                                  (".w2.", ".down_proj."))}
 
 
 def checkpoint_names(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict): the
-    architecture's renames, and per-expert tensors stacked into `...mlp.experts.gate_up_proj` [E, 2I, H]
-    and `...mlp.experts.down_proj` [E, H, I] (llmserve.model.moe)."""
+    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict)."""
     for old, new in RENAMES.get(cfg.architecture, ()):
         weights = {k.replace(old, new): v for k, v in weights.items()}
-    parts = EXPERT_PARTS.get(cfg.architecture)
-    if not parts:
-        return weights
-    out, experts = {}, {}
-    for k, v in weights.items():
-        prefix, sep, rest = k.partition(".experts.")
-        index, _, leaf = rest.partition(".")
-        if sep and index.isdigit() and leaf.removesuffix(".weight") in parts:
-            experts.setdefault(prefix, {})[(int(index), leaf.removesuffix(".weight"))] = v
-        else:
-            out[k] = v
-    gate, up, down = parts
-    for prefix, t in experts.items():
-        n = cfg.num_experts
-        missing = [f"{prefix}.experts.{e}.{p}" for e in range(n) for p in parts if (e, p) not in t]
-        if missing:
-            raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
-        out[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([t[e, gate], t[e, up]]) for e in range(n)])
-        out[f"{prefix}.experts.down_proj"] = torch.stack([t[e, down] for e in range(n)])
-    return out
+    return weights
 
 
 # -- the entry point ----------------------------------------------------------------------------

@@ -101,8 +101,8 @@ def test_greedy_equals_transformers_batched_and_alone(checkpoint):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_new_layers_run(checkpoint, mode):
-    """--quantization through quant.py's interface (norms, router and experts stay float): every token
-    comes back."""
+    """--quantization through quant.py's interface (norms and MoE routers stay float; the experts are
+    quantized): every token comes back."""
     if checkpoint[0] not in ("qwen3", "phi3", "mixtral", "gemma2"):
         pytest.skip("one of each kind of layer is enough")
     llm = LLM(model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode,
@@ -110,6 +110,11 @@ def test_quantized_new_layers_run(checkpoint, mode):
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+    from llmserve.model.quant import QuantLinear
+    layer = llm.engine.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    if checkpoint[0] == "mixtral":
+        assert isinstance(layer.mlp.experts[0].gate_up_proj, QuantLinear)
 
 
 def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
