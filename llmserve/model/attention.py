@@ -88,36 +88,59 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int, dtype: to
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kv_written: bool = False) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kv_written: bool = False,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the cache when kv_written).
-    Returns [T, H, D]."""
+    Returns [T, H, D]. `window`: a sliding-window layer, whose queries see only the last `window`
+    positions (a mask: every block is kept); `softcap`: attention logits -> tanh(s / cap) * cap. Both
+    take the gather + mask path."""
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
+    plain = window is None and softcap is None
     for g in meta.decode_groups:
-        if ops.paged_decode_attention(out[g.start:g.end], q[g.start:g.end], k_cache, v_cache,
-                                      g.block_tables, g.context_lens, scale):
+        if plain and ops.paged_decode_attention(out[g.start:g.end], q[g.start:g.end], k_cache, v_cache,
+                                                g.block_tables, g.context_lens, scale):
             continue   # read in place from the blocks (the fused CPU kernel)
         kd = _gather(k_cache, g.block_tables, 0, q.dtype)     # [B, Hkv, L, D]
         vd = _gather(v_cache, g.block_tables, 1, q.dtype)
         qd = q[g.start:g.end].unsqueeze(2)                    # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(k_cache.shape[1]), scale=scale,
-                                           enable_gqa=True)
-        out[g.start:g.end] = o.squeeze(2)
+        mask = g.mask(k_cache.shape[1])
+        if window is not None:
+            first = (g.context_lens - window).view(-1, 1, 1, 1)
+            mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
+        out[g.start:g.end] = _attend(qd, kd, vd, mask, scale, softcap).squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)          # [1, H, n, D]
         if ctx == n:   # no cached prefix: the chunk attends to itself, causally
             kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
             vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                               enable_gqa=True)
         else:
             kp = _gather(k_cache, chunk.block_table, 2, q.dtype)[:, :ctx].unsqueeze(0)
             vp = _gather(v_cache, chunk.block_table, 3, q.dtype)[:, :ctx].unsqueeze(0)
+        if ctx == n and plain:
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos      # [n, ctx]
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
+            key_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
+            mask = key_pos <= q_pos                                              # [n, ctx]
+            if window is not None:
+                mask = mask & (key_pos > q_pos - window)
+            o = _attend(qp, kp, vp, mask, scale, softcap)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """SDPA over q [B, H, n, D], k and v [B, Hkv, L, D] where `mask` is True; with `softcap`, the same
+    written out (SDPA has no soft-capping), as transformers' eager attention computes it."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

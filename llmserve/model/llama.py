@@ -1,8 +1,12 @@
-"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2.
+"""One decoder for the Llama family and its relatives: Llama (3.x rope scaling), SmolLM2, Mistral, Qwen2,
+Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE (llmserve.model.moe).
 
-Differences between them are configuration: attention bias (Qwen2), tied or untied embeddings, GQA,
-rope theta and scaling. The model sees flat token batches and an `AttentionMetadata`; it never sees a
-request. Q/K/V and gate/up projections are fused into one matmul each.
+Differences between them are configuration, read from the checkpoint's config into `ModelConfig`'s
+feature fields: attention bias (Qwen2), tied or untied embeddings, GQA, rope theta and scaling, RMSNorm
+over each q / k head (Qwen3, Gemma 3), Gemma's (1 + weight) norms, scaled embeddings, extra norms after
+attention and the MLP, attention and final logit soft-capping, query_pre_attn_scalar, GELU-tanh MLP,
+sliding-window layers, routed experts. The model sees flat token batches and an `AttentionMetadata`; it
+never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, paged_attention
@@ -25,11 +30,19 @@ def checkpoint_parts(name: str) -> tuple[str, ...]:
     return tuple(prefix + dot + part for part in PACKED_PROJECTIONS.get(leaf, (leaf,)))
 
 
-SUPPORTED_ARCHITECTURES = {
+SUPPORTED_ARCHITECTURES = {   # architecture -> its config's model_type
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass
@@ -52,6 +65,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: object = None     # the transformers config, for rope variants
+    # per-architecture features (defaults: Llama's)
+    qk_norm: bool = False                 # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_offset: bool = False             # norms scale by (1 + weight) (Gemma: folded into the weight at load)
+    embed_scale: float | None = None      # embeddings times sqrt(hidden) (Gemma)
+    sandwich_norms: bool = False          # norms after attention and after the MLP too (Gemma 2/3)
+    attn_scale: float | None = None       # query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_softcap: float | None = None     # attention logits -> tanh(s / cap) * cap (Gemma 2)
+    final_softcap: float | None = None    # the same on the output logits (Gemma 2)
+    hidden_act: str = "silu"              # the gated MLP's activation: silu | gelu_tanh
+    sliding_window: int | None = None     # the sliding layers attend to this many last positions
+    sliding_layers: tuple[bool, ...] = ()  # per layer (empty: none)
+    num_experts: int = 0                  # > 0: routed experts (llmserve.model.moe) in the moe_layers
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    norm_topk_prob: bool = True           # renormalise the top-k routing weights to sum to 1
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
@@ -64,9 +93,10 @@ class ModelConfig:
                 f"model: unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
                 f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = hf.num_attention_heads
-        rope = getattr(hf, "rope_parameters", None) or {}
+        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rope = rope.get("full_attention", rope)   # Gemma 3: one set per layer type (see Rotary)
         theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        scaling = getattr(hf, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         eos = hf.eos_token_id
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(
@@ -88,7 +118,38 @@ class ModelConfig:
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos,
             hf_config=hf,
+            **_features(hf, arch),
         )
+
+
+def _features(hf, arch: str) -> dict:
+    """ModelConfig's per-architecture fields from a transformers config; refuses what llmserve lacks."""
+    layers = hf.num_hidden_layers
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"model: {arch} with activation {act!r} is not supported (llmserve runs {list(ACTIVATIONS)})")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(f"model: {arch} with use_bidirectional_attention is not supported")
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    sliding = tuple(t == "sliding_attention" for t in types) if types else (window is not None,) * layers
+    f = dict(hidden_act=ACTIVATIONS[act], sliding_window=window, sliding_layers=sliding if window else (),
+             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"))
+    if arch in GEMMA:
+        f.update(norm_offset=True, embed_scale=hf.hidden_size ** 0.5, sandwich_norms=True,
+                 attn_scale=hf.query_pre_attn_scalar ** -0.5,
+                 attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+                 final_softcap=getattr(hf, "final_logit_softcapping", None))
+    if arch == "MixtralForCausalLM":
+        f.update(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                 moe_intermediate_size=hf.intermediate_size, moe_layers=(True,) * layers)
+    elif arch == "Qwen3MoeForCausalLM":
+        sparse = tuple(i not in (hf.mlp_only_layers or []) and hf.num_experts > 0
+                       and (i + 1) % hf.decoder_sparse_step == 0 for i in range(layers))
+        f.update(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                 moe_intermediate_size=hf.moe_intermediate_size, moe_layers=sparse,
+                 norm_topk_prob=bool(hf.norm_topk_prob))
+    return f
 
 
 class RMSNorm(nn.Module):
@@ -106,33 +167,48 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin table for every position up to max_positions, indexed by the batch's positions."""
+    """cos/sin table for every position up to max_positions, indexed by the batch's positions.
+    `layer_type`: Gemma 3's sliding layers have rope parameters of their own."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scale = self._inv_freq(cfg)
+        inv_freq, scale = self._inv_freq(cfg, layer_type)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, inv_freq.to(t.device))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     @staticmethod
-    def _inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-        rope_type = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type", "default"))
+    def _inv_freq(cfg: ModelConfig, layer_type: str | None) -> tuple[torch.Tensor, float]:
+        params = local_rope_parameters(cfg, layer_type) or cfg.rope_scaling or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in ("longrope", "su"):   # Phi-3's long-context variants: factors that change with the length
+            raise ValueError(f"model: rope scaling {rope_type!r} is not supported (llmserve runs default, "
+                             f"linear, llama3 and yarn)")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("model: partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         if rope_type != "default" and cfg.hf_config is not None:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"model: unsupported rope scaling {rope_type!r}")
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu")
+            kw = {"layer_type": layer_type} if layer_type else {}
+            with torch.device("cpu"):   # (also when the model is being built on the meta device)
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu", **kw)
             return inv_freq.float(), float(scale)
-        d = cfg.head_dim
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
+        d, theta = cfg.head_dim, params.get("rope_theta", cfg.rope_theta)
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)   # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def local_rope_parameters(cfg: ModelConfig, layer_type: str | None) -> dict | None:
+    """The rope parameters of `layer_type`'s layers where the config has a set per layer type (Gemma 3)."""
+    params = getattr(cfg.hf_config, "rope_parameters", None)
+    return params.get(layer_type) if layer_type and isinstance(params, dict) else None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -142,19 +218,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attn_scale or self.head_dim ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window, self.softcap = window, cfg.attn_softcap
         self.all_reduce = None   # tensor parallelism: sums the row-parallel o_proj partials
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:   # each head normed on its own, before rotary
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+            qkv = torch.cat([q, k, v], dim=-1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         written = ops.rotary_write_kv(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
                                       self.head_dim, k_cache, v_cache, meta.slot_mapping)
@@ -164,9 +248,18 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if not written:
             q, k = rotary(q, k, positions)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written,
+                            window=self.window, softcap=self.softcap)
         o = self.o_proj(o.reshape(T, self.q_size))
         return o if self.all_reduce is None else self.all_reduce(o)
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for a packed [..., gate | up] row."""
+    if act == "silu":
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class MLP(nn.Module):
@@ -174,20 +267,33 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
         self.all_reduce = None   # tensor parallelism: sums the row-parallel down_proj partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        o = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        o = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
         return o if self.all_reduce is None else self.all_reduce(o)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0, max_positions: int | None = None) -> None:
         super().__init__()
+        # a sliding layer attends to the last `sliding_window` positions: a mask in its attention (all
+        # blocks are kept), only where a sequence can outgrow the window
+        self.sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
+        window = cfg.sliding_window if self.sliding and cfg.sliding_window < (max_positions or 1 << 62) else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.sandwich_norms:   # Gemma: post_attention_layernorm norms the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.moe_layers and cfg.moe_layers[index]:
+            from llmserve.model.moe import SparseMoE
+            self.mlp = SparseMoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):
         """x: the previous layer's output (the embeddings when residual is None); residual: the
@@ -198,6 +304,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -207,10 +316,24 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, max_positions) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.make_rotary(max_positions or cfg.max_position_embeddings)
+        # the fused C++ decode stack knows Llama layers only: any other feature takes the module path
+        self._llama_layers = not (cfg.qk_norm or cfg.sandwich_norms or cfg.attn_softcap or cfg.hidden_act != "silu"
+                                  or cfg.num_experts or self.rotary_local is not None
+                                  or any(layer.self_attn.window for layer in self.layers))
+
+    def make_rotary(self, max_positions: int, device: torch.device | None = None) -> None:
+        """float32 cos/sin tables for `max_positions` (on `device`): one for every layer, and a second for
+        the sliding layers where the config has rope parameters per layer type (Gemma 3)."""
+        per_type = local_rope_parameters(self.cfg, "sliding_attention") is not None
+        self.rotary = Rotary(self.cfg, max_positions, "full_attention" if per_type else None)
+        self.rotary_local = Rotary(self.cfg, max_positions, "sliding_attention") if per_type else None
+        if device is not None:
+            self.rotary = self.rotary.to(device)
+            self.rotary_local = self.rotary_local and self.rotary_local.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, logits_indices: torch.Tensor, argmax: bool = False,
@@ -221,6 +344,8 @@ class LlamaModel(nn.Module):
         With `hidden_indices` (pooling requests: embeddings), (that, the final-normed hidden states of
         those rows)."""
         x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         residual = None
         stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
         if stack is not None:   # decode rows only: all layers in one call into the CPU kernels
@@ -228,7 +353,8 @@ class LlamaModel(nn.Module):
             x, residual = stack.run(x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
         else:
             for layer, kv in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, positions, self.rotary, kv, meta)
+                rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else self.rotary
+                x, residual = layer(x, residual, positions, rotary, kv, meta)
         hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])
         x = self.norm(x[logits_indices] + residual[logits_indices])
         if argmax:
@@ -240,17 +366,19 @@ class LlamaModel(nn.Module):
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """The final-normed rows' logits, float32."""
-        head = self.lm_head
+        head, cap = self.lm_head, self.cfg.final_softcap
         if type(head) is nn.Linear and head.bias is None:
-            return ops.linear(x, head.weight).float()
-        return head(x).float()
+            logits = ops.linear(x, head.weight).float()
+        else:
+            logits = head(x).float()
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     _screen = None   # (the head weight it was built from, its version, ops.head_screen's tensors)
 
     def _head_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         head = self.lm_head
-        if type(head) is not nn.Linear or head.bias is not None:
-            return None
+        if type(head) is not nn.Linear or head.bias is not None or self.cfg.final_softcap is not None:
+            return None   # (soft-capped logits can tie where the raw ones do not: argmax of the capped ones)
         w = head.weight
         if x.dtype is not torch.float32 or w.dtype is not torch.float32 or w.is_cuda:
             return None
@@ -265,7 +393,7 @@ class LlamaModel(nn.Module):
         """The model's DecodeStack (every layer in one C++ call, see ops.decode_stack) when this step can use
         it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
         parallelism, no biases; else None."""
-        if meta.prefills or len(meta.decode_groups) != 1 or not ops.decode_stack_fits(x):
+        if meta.prefills or len(meta.decode_groups) != 1 or not self._llama_layers or not ops.decode_stack_fits(x):
             return None
         if self._decode_stack is None:
             self._decode_stack = ops.decode_stack(self) or False
@@ -283,12 +411,18 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), packing as we go
         (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's
-        blocks, see quant.quantize_model) have no float parameter to load and are skipped."""
+        blocks, see quant.quantize_model) have no float parameter to load and are skipped. A checkpoint
+        that packs a projection itself (Phi-3's qkv_proj, gate_up_proj) is read as it is; Gemma's norm
+        weights are stored as w - 1 and loaded as 1 + w."""
         w = {k.removeprefix("model."): v for k, v in weights.items()}
+        offset = self.cfg.norm_offset
+        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)} if offset else ()
         for name, p in self.named_parameters():
             layer, _, kind = name.rpartition(".")
             if name == "lm_head.weight" and name not in w:
                 sources = ["embed_tokens.weight"]   # tied: the head reads the embedding
+            elif name in w:
+                sources = [name]
             else:
                 sources = [f"{part}.{kind}" for part in checkpoint_parts(layer)]
             missing = [n for n in sources if n not in w]
@@ -297,6 +431,8 @@ class LlamaModel(nn.Module):
             tensor = w[sources[0]] if len(sources) == 1 else torch.cat([w[n] for n in sources])
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            if name in norms:
+                tensor = 1.0 + tensor.float()
             with torch.no_grad():
                 p.copy_(tensor)
         if self.cfg.tie_word_embeddings and type(self.lm_head) is nn.Linear and type(self.embed_tokens) is nn.Embedding:

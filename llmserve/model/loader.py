@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from llmserve import envs
 from llmserve.config import DTYPE_ALIASES
-from llmserve.model.llama import LlamaModel, ModelConfig, Rotary
+from llmserve.model.llama import LlamaModel, ModelConfig
 from llmserve.model.quant import is_quantized, quantize_model
 
 log = logging.getLogger("llmserve.loader")
@@ -76,7 +76,7 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _field(reader, key: str, default=None):
@@ -102,7 +102,8 @@ def gguf_hf_config(reader):
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
         num_hidden_layers=g("block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=g("rope.dimension_count", hidden // heads) if arch == "llama" else hidden // heads,
+        head_dim={"llama": g("rope.dimension_count", hidden // heads),
+                  "qwen3": g("attention.key_length", hidden // heads)}.get(arch, hidden // heads),
         rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=g("context_length", 2048),
         tie_word_embeddings=not has_output,
@@ -111,7 +112,8 @@ def gguf_hf_config(reader):
         architectures=[GGUF_ARCHS[arch]],
     )
     theta = g("rope.freq_base", 10000.0)
-    cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[arch]
     cfg = cls(**kwargs)
     if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict):
         cfg.rope_parameters["rope_theta"] = theta
@@ -136,6 +138,7 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",   # Qwen3
 }
 
 
@@ -262,6 +265,19 @@ def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> dict[str, torc
     return weights
 
 
+# -- per-architecture weight names ----------------------------------------------------------------
+# checkpoint name fragments -> the model's (Hugging Face's Llama / Qwen3-MoE names), per architecture
+RENAMES = {"MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                                  (".w2.", ".down_proj."))}
+
+
+def checkpoint_names(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict)."""
+    for old, new in RENAMES.get(cfg.architecture, ()):
+        weights = {k.replace(old, new): v for k, v in weights.items()}
+    return weights
+
+
 # -- the entry point ----------------------------------------------------------------------------
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     dtype = DTYPE_ALIASES.get(dtype, dtype)
@@ -300,15 +316,14 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
         with torch.device("meta"):
             model = LlamaModel(cfg, max_positions)
     _materialize(model)
-    model.rotary = Rotary(cfg, max_positions)
+    weights = checkpoint_names(cfg, weights)
     model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
     if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():   # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
     else:
         model = model.to(device=device, dtype=dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
+    model.make_rotary(max_positions, device)   # float32 tables, whatever the dtype
     model = model.eval().requires_grad_(False)
     if quantization:
         del weights

@@ -32,6 +32,8 @@ import torch
 from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel, ModelConfig
 from llmserve.model.loader import build_model
 
+NOT_SHARDED = ("Phi3ForCausalLM",)   # its checkpoint packs q/k/v and gate/up, which the slicing below expects apart
+
 
 @dataclass(frozen=True)
 class RankShard:
@@ -65,6 +67,9 @@ def plan_heads(cfg: ModelConfig, world_size: int) -> list[RankShard]:
     n, h, hkv = world_size, cfg.num_heads, cfg.num_kv_heads
     if n < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {n}")
+    if n > 1 and (cfg.num_experts or cfg.architecture in NOT_SHARDED):
+        raise ValueError(f"tensor_parallel_size: {cfg.architecture} is not split yet (experts and packed "
+                         f"checkpoint projections); use --tensor-parallel-size 1")
     if h % hkv:
         raise ValueError(f"model: {h} attention heads are not a multiple of {hkv} KV heads")
     if n > h:

@@ -1,0 +1,198 @@
+"""Every supported architecture on a tiny random checkpoint written by transformers (config class +
+save_pretrained, no hub): llmserve's greedy tokens equal transformers' (eager attention, float32),
+batched and alone, with chunked prefill and prefix caching on; prompts outgrow the sliding windows."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+
+VOCAB, MAX_TOKENS = 49152, 12
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15)
+
+
+def _configs():
+    import transformers as T
+    moe = dict(num_experts_per_tok=2)
+    return {
+        "llama3-rope": (T.LlamaConfig, dict(rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
+        "mistral-sliding": (T.MistralConfig, dict(sliding_window=24, head_dim=16)),
+        "qwen3": (T.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+        "phi3": (T.Phi3Config, dict()),
+        "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
+        "qwen3-moe": (T.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=48, head_dim=16,
+                                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                                             **moe)),
+        "qwen3-moe-unnormed": (T.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=48, head_dim=16,
+                                                      norm_topk_prob=False, **moe)),
+        "gemma2": (T.Gemma2Config, dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
+        "gemma3": (T.Gemma3TextConfig, dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                   "rope_theta": 1000000.0}})),
+    }
+
+
+ARCHS = list(_configs())
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (5,), generator=g).tolist(),
+            shared + torch.randint(3, VOCAB, (9,), generator=g).tolist(),     # longer than the token budget
+            shared + torch.randint(3, VOCAB, (3,), generator=g).tolist(),     # the same prefix: cached blocks
+            torch.randint(3, VOCAB, (21,), generator=g).tolist()]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, tmp_path_factory, bundled_gguf):
+    import transformers
+
+    from llmserve.tokenizer import Tokenizer
+    cls, extra = _configs()[request.param]
+    cfg = cls(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():   # norms away from their initial ones (and zeros, Gemma's), so that mistakes show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if cls in (transformers.Gemma2Config, transformers.Gemma3TextConfig) else 1.0, 0.3)
+    d = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(d)
+    Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(d)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    with torch.inference_mode():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in _prompts()]
+        first = _prompts()[0]
+        logprob = ref(torch.tensor([first])).logits[0, -1].float().log_softmax(-1)[want[0][0]].item()
+    return request.param, d, want, logprob
+
+
+def test_greedy_equals_transformers_batched_and_alone(checkpoint):
+    name, d, want, logprob = checkpoint
+    llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    assert llm.engine.config.enable_prefix_caching
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == want, name
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == want, name
+    # with logits (a logprobs row): the same tokens, and the first one's logprob is transformers'
+    # (Gemma 2's final soft-capping shows only there: tanh keeps the argmax)
+    lp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    out = llm.generate(prompts[:1], lp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want[0]
+    assert out.logprobs[0].logprob == pytest.approx(logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_new_layers_run(checkpoint, mode):
+    """--quantization through quant.py's interface (norms and MoE routers stay float; the experts are
+    quantized): every token comes back."""
+    if checkpoint[0] not in ("qwen3", "phi3", "mixtral", "gemma2"):
+        pytest.skip("one of each kind of layer is enough")
+    llm = LLM(model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode,
+              num_threads=2)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+    from llmserve.model.quant import QuantLinear
+    layer = llm.engine.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    if checkpoint[0] == "mixtral":
+        assert isinstance(layer.mlp.experts[0].gate_up_proj, QuantLinear)
+
+
+def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
+    """The checkpoint in `folder` as a float32 GGUF file of `arch`, with the bundled model's tokenizer."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from safetensors.torch import load_file
+
+    from llmserve.model.loader import _GGUF_LAYER_NAMES, _GGUF_NAMES
+    cfg = json.loads((folder / "config.json").read_text())
+    w = GGUFWriter(path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    for key, f in GGUFReader(bundled_gguf).fields.items():
+        if key.startswith("tokenizer."):
+            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    names = {v: k for k, v in _GGUF_NAMES.items()}
+    layer_names = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name not in names:   # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
+            parts = name.split(".")
+            names[name] = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        w.add_tensor(names[name], t.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen3_from_gguf(checkpoint, tmp_path, monkeypatch, bundled_gguf):
+    """The same Qwen3 weights written as a GGUF file (llama.cpp's names: attn_q_norm, attn_k_norm)."""
+    name, d, want, _ = checkpoint
+    if name != "qwen3":
+        pytest.skip("the Qwen3 checkpoint only")
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "qwen3-tiny.gguf")
+    _write_gguf(d, path, "qwen3", bundled_gguf)
+    llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    assert llm.engine.model_config.architecture == "Qwen3ForCausalLM" and llm.engine.model_config.qk_norm
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)] == want
+
+
+def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError) as e:
+        LLM(model=str(tmp_path))
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "Qwen3ForCausalLM" in msg and "Gemma2ForCausalLM" in msg
+
+
+def test_longrope_is_refused_clearly():
+    import transformers
+
+    from llmserve.model.llama import LlamaModel, ModelConfig
+    cfg = transformers.Phi3Config(**{**SMALL, "max_position_embeddings": 512}, original_max_position_embeddings=256,
+                                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                "long_factor": [2.0] * 8})
+    with pytest.raises(ValueError, match="longrope"):
+        LlamaModel(ModelConfig.from_hf(cfg))
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split():
+    import dataclasses
+
+    from llmserve.model.llama import ModelConfig
+    from llmserve.model.parallel import plan_heads
+    base = ModelConfig("LlamaForCausalLM", 100, 128, 256, 2, 4, 2, 32, 1e-5, 1e4, 128, False)
+    assert len(plan_heads(base, 2)) == 2
+    for cfg in (dataclasses.replace(base, architecture="MixtralForCausalLM", num_experts=4),
+                dataclasses.replace(base, architecture="Phi3ForCausalLM")):
+        with pytest.raises(ValueError, match="not split yet"):
+            plan_heads(cfg, 2)
