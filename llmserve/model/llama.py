@@ -284,17 +284,17 @@ class LlamaModel(nn.Module):
         """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), packing as we go
         (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's
         blocks, see quant.quantize_model) have no float parameter to load and are skipped."""
-        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        keys = {k.removeprefix("model."): k for k in weights}   # `weights` may read each tensor when asked
         for name, p in self.named_parameters():
             layer, _, kind = name.rpartition(".")
-            if name == "lm_head.weight" and name not in w:
+            if name == "lm_head.weight" and name not in keys:
                 sources = ["embed_tokens.weight"]   # tied: the head reads the embedding
             else:
                 sources = [f"{part}.{kind}" for part in checkpoint_parts(layer)]
-            missing = [n for n in sources if n not in w]
+            missing = [n for n in sources if n not in keys]
             if missing:
                 raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
-            tensor = w[sources[0]] if len(sources) == 1 else torch.cat([w[n] for n in sources])
+            tensor = weights[keys[sources[0]]] if len(sources) == 1 else torch.cat([weights[keys[n]] for n in sources])
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             with torch.no_grad():
