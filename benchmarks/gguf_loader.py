@@ -92,7 +92,7 @@ def run(name: str, tokens: int, threads: int) -> dict:
         ready = "/health"
     else:
         flags = ["--model", path, "--kv-cache-memory", str(KV_GIB), "--num-threads", str(threads),
-                 "--log-level", "warning", "--max-model-len", "4096"]
+                 "--log-level", "warning", "--max-model-len", "4096", "--served-model-name", "m"]
         if mode:
             flags += ["--quantization", mode]
         srv = ServerProcess(*flags)

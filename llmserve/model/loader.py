@@ -1,7 +1,9 @@
 """Find and load model weights: GGUF files (the bundled default) and Hugging Face checkpoint folders.
 
-Both paths end in a Hugging Face-named float state dict and a `ModelConfig`; the model never knows
-where its weights came from.
+Both are streamed: the model is built on the meta device, and each tensor is read from the file's memory
+map under its Hugging Face name (GGUFTensors, SafetensorsWeights: mappings that read when asked), put into
+its runtime format (a float parameter, an int8 / int4 layer, or a GGUF tensor's own blocks kept as they
+are) and dropped. The model never knows where its weights came from.
 """
 from __future__ import annotations
 
@@ -519,9 +521,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
                 dtype: torch.dtype, max_positions: int, quantization: str | None = None,
                 model: LlamaModel | None = None) -> LlamaModel:
     """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
-    with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `model`: one
-    already built on the meta device whose quantized layers were adopted from a GGUF file's blocks
-    (see load_model): only its other tensors are made and loaded from `weights`."""
+    with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `weights` may
+    be a mapping that reads each tensor when asked. `model`: one already built on the meta device whose
+    quantized layers were made already (a GGUF file's blocks, or rounded as read): only its other tensors
+    are made and loaded from `weights`."""
     if model is None:
         with torch.device("meta"):
             model = LlamaModel(cfg, max_positions)
