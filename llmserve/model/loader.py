@@ -279,17 +279,28 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str = "") -> dict[str, tor
 _KEPT_KINDS = {2: "int4", 3: "int4", 8: "int8"}   # Q4_0, Q4_1, Q8_0: llmserve's own packed formats
 
 
-def gguf_packed_blocks(tensors: GGUFTensors) -> dict[str, tuple]:
-    """The Q4_0 / Q4_1 / Q8_0 tensors in llmserve's packed formats (quant.QuantLinear), straight from the
-    file's blocks (no dequantizing, no re-rounding): {name without "model." and ".weight": (kind, q,
-    scale, min)} with kind "int4" (q [N, K/2] uint8 nibbles, scale and min [N, K/32] float16; Q4_0's min
-    is -8 d) or "int8" (q [N, K] int8, scale [N, K/32] float32)."""
-    out = {}
-    for name in tensors:
-        num = tensors.qtype(name)
-        if num not in _KEPT_KINDS or not name.endswith(".weight"):
-            continue
-        raw = tensors.blocks(name)[0].numpy()
+class GGUFPackedBlocks(Mapping):
+    """The Q4_0 / Q4_1 / Q8_0 weight tensors in llmserve's packed formats (quant.QuantLinear), straight from
+    the file's blocks (no dequantizing, no re-rounding), each converted when asked (one layer's parts at a
+    time): {name without "model." and ".weight": (kind, q, scale, min)} with kind "int4" (q [N, K/2] uint8
+    nibbles, scale and min [N, K/32] float16; Q4_0's min is -8 d) or "int8" (q [N, K] int8, scale [N, K/32]
+    float32)."""
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self.tensors = tensors
+        self._names = {n.removeprefix("model.").removesuffix(".weight"): n for n in tensors
+                       if n.endswith(".weight") and tensors.qtype(n) in _KEPT_KINDS}
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, key: str) -> tuple:
+        name = self._names[key]
+        num = self.tensors.qtype(name)
+        raw = self.tensors.blocks(name)[0].numpy()
         rows = raw.shape[0]
         b = raw.reshape(rows, -1, {2: 18, 3: 20, 8: 34}[num])
         d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
@@ -300,10 +311,8 @@ def gguf_packed_blocks(tensors: GGUFTensors) -> dict[str, tuple]:
             off = 4 if num == 3 else 2
             m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else (d * np.float16(-8))
             parts = ["int4", np.ascontiguousarray(b[..., off:]).reshape(rows, -1), d, m]
-        out[name.removeprefix("model.").removesuffix(".weight")] = (
-            parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
-        tensors.release(name)
-    return out
+        self.tensors.release(name)
+        return (parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
 
 
 FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: read as float weights; every other type is kept as blocks
@@ -359,7 +368,7 @@ def load_gguf_model(path: str, reader, cfg: ModelConfig, device: torch.device, d
     if device.type == "cpu":
         skip = set()
         if quantization:
-            skip = quantize_model(model, quantization, gguf_packed_blocks(tensors), only_blocks=True)
+            skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True)
         kept = gguf_kept_blocks(tensors, skip)
         if quantization and kept:
             log.info("%s: %d tensors of %s served from their own blocks with llama.cpp's integer dots "

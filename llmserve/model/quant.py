@@ -24,7 +24,7 @@ Elsewhere (CUDA): int8 values and a per-channel scale, widened per call, the sca
 The interface the model, the loader and the kernels' seam (ops.py) use; nothing else of this module is
 read from outside it:
   * `quantize_model(model, mode, blocks, only_blocks)`: replace a LlamaModel's Linear layers and its
-    embedding in place (the loader; `blocks` are a GGUF file's own, from loader.gguf_packed_blocks);
+    embedding in place (the loader; `blocks` are a GGUF file's own, from loader.GGUFPackedBlocks);
   * `QuantLinear`: a drop-in for nn.Linear (`forward`, `in_features`, `out_features`), plus `kind`
     ("int8" | "int4"), `dequantize()` (the float32 weights it stands for), its buffers `qweight`, `scale`,
     `minv` (int4), `bias`, and `kernel_args()` (ops.decode_layer_args: how the fused decode stack reads it);
@@ -305,18 +305,23 @@ def _from_blocks(blocks: dict, names: list[str], bias) -> QuantLinear | None:
     """A QuantLinear from a GGUF file's own blocks (Q4 or Q8, whatever the mode: a quantized tensor is never
     rounded again), when every part is there in one kind. Parts are stacked by rows. No float16 copy for
     fbgemm: the file's size is what it holds (many rows go through the kernels' float32 tiles)."""
-    parts = [blocks.get(n) for n in names]
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+    if not all(n in blocks for n in names):
         return None
-    cat = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in (1, 2, 3)]
-    return QuantLinear(parts[0][0], cat[0], cat[1], cat[2], bias, fp16_gemm=False)
+    parts = [blocks[n] for n in names]   # (a loader's mapping may convert each part only now)
+    if len({p[0] for p in parts}) != 1:
+        return None
+    cat = [None if parts[0][i] is None else parts[0][i] if len(parts) == 1 else torch.cat([p[i] for p in parts])
+           for i in (1, 2, 3)]
+    kind = parts[0][0]
+    del parts
+    return QuantLinear(kind, cat[0], cat[1], cat[2], bias, fp16_gemm=False)
 
 
 def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only_blocks: bool = False,
                    weights=None) -> set[str]:
     """Replace every Linear (and the embedding) of `model` in place; float weights are freed.
 
-    `blocks` (llmserve.model.loader.gguf_packed_blocks): a GGUF file's quantized tensors, used as they
+    `blocks` (llmserve.model.loader.GGUFPackedBlocks, a mapping): a GGUF file's quantized tensors, used as they
     are where they cover a layer (no re-rounding); other layers are rounded from their float weights.
     `only_blocks`: replace only the layers the blocks cover, leaving the others as they are (the model
     may still be on the meta device: the loader then reads only the float weights nothing adopted).
@@ -363,7 +368,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
                     q.act_bits = 8   # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
                     q._bind()
             elif isinstance(child, nn.Embedding):
-                b = blocks.get(path)
+                b = blocks[path] if path in blocks else None
                 if b is not None and b[0] == "int8":
                     setattr(module, name, Int8Embedding(b[1], b[2]))
                     consumed.add(f"model.{path}.weight")
