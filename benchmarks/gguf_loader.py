@@ -34,7 +34,6 @@ from tests.server_proc import ServerProcess, free_port  # noqa: E402
 FILES = {"1b": "/work/ckpt/llama-1b/model-Q8_0.gguf", "8b": "/work/ckpt/llama-8b/model-Q4_K_M.gguf"}
 LLAMA_SERVER = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp/build/bin/llama-server")
 CACHE = os.path.expanduser(os.environ.get("LLMSERVE_CACHE_DIR", "~/.cache/llmserve"))
-KV_GIB = 1.0
 PROMPT = "The history of the city begins with"
 
 
@@ -79,7 +78,7 @@ async def decode_rate(url: str, concurrency: int, tokens: int) -> float:
         return n / (time.perf_counter() - t)
 
 
-def run(name: str, tokens: int, threads: int) -> dict:
+def run(name: str, tokens: int, threads: int, kv_gib: float) -> dict:
     size, _, mode = name.partition("-")
     path = FILES[size]
     before = cache_bytes()
@@ -91,8 +90,8 @@ def run(name: str, tokens: int, threads: int) -> dict:
         url, pid, stop = f"http://127.0.0.1:{port}", proc.pid, proc.terminate
         ready = "/health"
     else:
-        flags = ["--model", path, "--kv-cache-memory", str(KV_GIB), "--num-threads", str(threads),
-                 "--log-level", "warning", "--max-model-len", "4096", "--served-model-name", "m"]
+        flags = ["--model", path, "--kv-cache-memory", str(kv_gib), "--num-threads", str(threads),
+                 "--log-level", "warning", "--max-model-len", "1024", "--served-model-name", "m"]
         if mode:
             flags += ["--quantization", mode]
         srv = ServerProcess(*flags)
@@ -117,7 +116,8 @@ def run(name: str, tokens: int, threads: int) -> dict:
     finally:
         sampler.stop = True
         stop()
-    res = dict(run=name, file=path, file_gib=os.path.getsize(path) / 2**30, load_s=load_s,
+    res = dict(run=name, kv_gib=None if mode == "llama" else kv_gib, file=path,
+               file_gib=os.path.getsize(path) / 2**30, load_s=load_s,
                peak_rss_gib=sampler.peak / 2**30, rss_after_load_gib=rss_loaded / 2**30, single_tok_s=single,
                c4_tok_s=c4, cache_written_mib=(cache_bytes() - before) / 2**20)
     print(json.dumps(res), flush=True)
@@ -129,21 +129,23 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=["1b-int8", "1b", "1b-llama", "8b-int4", "8b-llama"])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-gib", type=float, default=0.5, help="llmserve's --kv-cache-memory (llama-server: -c 4096)")
     ap.add_argument("--out", default=None, help="append each run's JSON line to this file")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     rows = []
     for name in a.runs:
-        rows.append(run(name, a.tokens, a.threads))
+        rows.append(run(name, a.tokens, a.threads, a.kv_gib))
         if a.out:
             with open(a.out, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
     if a.no_write:
         return
-    lines = ["| run | file (GiB) | load (s) | peak RSS (GiB) | single stream (tok/s) | 4 concurrent (tok/s) | "
-             "cache written (MiB) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | file (GiB) | KV (GiB) | load (s) | peak RSS (GiB) | single stream (tok/s) | "
+             "4 concurrent (tok/s) | cache written (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {os.path.basename(r['file'])} ({r['file_gib']:.2f}) | {r['load_s']:.1f} | "
+        lines.append(f"| {r['run']} | {os.path.basename(r['file'])} ({r['file_gib']:.2f}) | "
+                     f"{r['kv_gib'] or '-c 4096'} | {r['load_s']:.1f} | "
                      f"{r['peak_rss_gib']:.2f} | {r['single_tok_s']:.2f} | {r['c4_tok_s']:.2f} | "
                      f"{r['cache_written_mib']:.0f} |")
     write_section("GGUF loading and serving vs llama-server", "\n".join(lines))
