@@ -298,6 +298,13 @@ class GGUFPackedBlocks(Mapping):
         return len(self._names)
 
     def __getitem__(self, key: str) -> tuple:
+        if key == "embed_tokens":   # asked twice when the LM head is tied to it: converted once
+            if not hasattr(self, "_embed"):
+                self._embed = self._convert(key)
+            return self._embed
+        return self._convert(key)
+
+    def _convert(self, key: str) -> tuple:
         name = self._names[key]
         num = self.tensors.qtype(name)
         raw = self.tensors.blocks(name)[0].numpy()
