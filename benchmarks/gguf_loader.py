@@ -132,23 +132,33 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=0.5, help="llmserve's --kv-cache-memory (llama-server: -c 4096)")
     ap.add_argument("--out", default=None, help="append each run's JSON line to this file")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--table", nargs="*", default=None, metavar="JSONL",
+                    help="write the BENCHMARKS.md table from runs saved with --out (no new runs)")
+    ap.add_argument("--note", default="", help="text under the table (BENCHMARKS.md)")
     a = ap.parse_args()
+    if a.table is not None:
+        rows = [json.loads(line) for path in a.table for line in open(path) if line.strip()]
+        write_table(rows, a.note)
+        return
     rows = []
     for name in a.runs:
         rows.append(run(name, a.tokens, a.threads, a.kv_gib))
         if a.out:
             with open(a.out, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
-    if a.no_write:
-        return
+    if not a.no_write:
+        write_table(rows, a.note)
+
+
+def write_table(rows: list[dict], note: str) -> None:
     lines = ["| run | file (GiB) | KV (GiB) | load (s) | peak RSS (GiB) | single stream (tok/s) | "
              "4 concurrent (tok/s) | cache written (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['run']} | {os.path.basename(r['file'])} ({r['file_gib']:.2f}) | "
-                     f"{r['kv_gib'] or '-c 4096'} | {r['load_s']:.1f} | "
+                     f"{r.get('kv_gib') or '-c 4096'} | {r['load_s']:.1f} | "
                      f"{r['peak_rss_gib']:.2f} | {r['single_tok_s']:.2f} | {r['c4_tok_s']:.2f} | "
                      f"{r['cache_written_mib']:.0f} |")
-    write_section("GGUF loading and serving vs llama-server", "\n".join(lines))
+    write_section("GGUF loading and serving vs llama-server", "\n".join(lines) + "\n\n" + note)
 
 
 if __name__ == "__main__":
