@@ -104,9 +104,16 @@ def write_checkpoint(shape: str, out: str, seed: int = 0) -> str:
 
 
 def llama_cpp_dir() -> str:
+    """llama.cpp's checkout: the shared peers script's where there is one (next to the main checkout), else
+    ~/.cache/llmserve-peers/llama.cpp (git worktrees sit elsewhere, where the relative path finds nothing)."""
     here = os.path.dirname(os.path.abspath(__file__))
     script = os.path.join(here, "..", "..", "shared", "peers", "llama-cpp.sh")
-    return subprocess.run(["bash", script, "dir"], capture_output=True, text=True, check=True).stdout.strip()
+    if os.path.exists(script):
+        return subprocess.run(["bash", script, "dir"], capture_output=True, text=True, check=True).stdout.strip()
+    fallback = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp")
+    if not os.path.isdir(fallback):
+        raise SystemExit(f"llama.cpp not found ({script} nor {fallback}); build it first")
+    return fallback
 
 
 def to_gguf(folder: str, quant: str) -> str:

@@ -484,6 +484,48 @@ void tiled_matmul(const at::Tensor& x, const Layout& w, int64_t qtype, at::Tenso
   }
 }
 
+// Few rows, float32 activations (the float32-exact mode): each weight row dequantized once into a buffer
+// that stays in L1 and dotted with every row of x in float32. One parallel region a call, where the tiles
+// take one (and an at::mm) per 256 weight rows.
+void float_rows(const at::Tensor& x, const Layout& w, int64_t qtype, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.N;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> row(K);
+    for (int64_t n = b; n < e; ++n) {
+      dequant_any_row(w, qtype, K, n, row.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xp + m * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row.data() + k), _mm256_loadu_ps(xr + k), a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row.data() + k + 8), _mm256_loadu_ps(xr + k + 8), a1);
+        }
+        float sum = hsum(_mm256_add_ps(a0, a1));
+        for (; k < K; ++k) sum += row[k] * xr[k];
+        op[m * N + n] = sum;
+      }
+    }
+  });
+}
+
+// out [M, N] = x [M, K] @ dequantize(raw).T in float32 (weights widened, activations as they are): up to
+// few_rows rows through float_rows, more through the tiles and at::mm.
+at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t few_rows) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "linear_f32: x must be a float32 CPU tensor [M, K]");
+  TORCH_CHECK(x_in.size(1) == K, "linear_f32: x has ", x_in.size(1), " columns, the weights K = ", K);
+  const Layout w = check_layout(raw, qtype, K, "linear_f32");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), w.N}, x.options());
+  if (x.size(0) == 0 || w.N == 0) return out;
+  if (x.size(0) <= few_rows) float_rows(x, w, qtype, out);
+  else tiled_matmul(x, w, qtype, out);
+  return out;
+}
+
 // out [M, N] = x [M, K] @ dequantize(raw).T; rows < many_rows through the integer dots (the quantized
 // types; F32 / F16 / BF16 always through the tiles).
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t many_rows) {
@@ -505,4 +547,5 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "GGUF blocks uint8 [N, row_bytes] -> float32 [N, K]");
   m.def("linear", &linear, "x [M, K] @ dequantize(raw).T, read from the GGUF blocks");
+  m.def("linear_f32", &linear_f32, "x [M, K] @ dequantize(raw).T in float32 (weights widened per row or tile)");
 }

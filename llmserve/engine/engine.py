@@ -27,8 +27,6 @@ from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import (
-    ModelSource,
-    gguf_as_hf_folder,
     load_model,
     load_model_config,
     resolve_dtype,
@@ -79,9 +77,6 @@ class LLMEngine:
 
         source = resolve_model(config.model)
         self.model_path = source.path
-        if source.kind == "gguf":
-            # dequantized once into a cached float32 checkpoint that loads in under a second
-            source = ModelSource(gguf_as_hf_folder(source.path), "hf", source.name)
         self.source = source
         self.model_config, reader = load_model_config(source)
         mc = self.model_config
@@ -114,9 +109,9 @@ class LLMEngine:
         max_positions = config.max_model_len or model_max
         rotary_positions = max_positions + config.speculative_ngram + 1   # room for verified proposals
         if self.tp is None:
-            gguf = self.model_path if self.model_path.endswith(".gguf") else None
+            kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
             self.model = load_model(source, mc, reader, self.device, self.dtype, rotary_positions,
-                                    config.quantization, gguf_path=gguf)
+                                    config.quantization, kv_bytes=kv_bytes)
         else:
             self.model = self.tp.load_model(source.path, self.dtype, rotary_positions)
         del reader

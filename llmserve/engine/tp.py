@@ -128,11 +128,11 @@ class _AllReduce:
 
 def _load_weights(config, path_hint: str | None = None):
     """(ModelSource, ModelConfig, HF weights), resolving and converting exactly as the engine does."""
-    from llmserve.model.loader import ModelSource, gguf_as_hf_folder, load_hf_weights, load_model_config, resolve_model
+    from llmserve.model.loader import load_gguf_weights, load_hf_weights, load_model_config, resolve_model
     source = resolve_model(path_hint or config.model)
-    if source.kind == "gguf":
-        source = ModelSource(gguf_as_hf_folder(source.path), "hf", source.name)
-    mc, _ = load_model_config(source)
+    mc, reader = load_model_config(source)
+    if reader is not None:   # float shards: the file dequantized in memory (no float32 copy on disk)
+        return source, mc, load_gguf_weights(reader, mc, source.path)
     return source, mc, load_hf_weights(source.path)
 
 
@@ -192,8 +192,7 @@ class TensorParallel:
         return self.mc.num_layers * 2 * block_size * max(s.num_kv_heads for s in self.shards) * self.mc.head_dim * elem
 
     def load_model(self, source_path: str, dtype: torch.dtype, max_positions: int):
-        from llmserve.model.loader import load_hf_weights
-        weights = load_hf_weights(source_path)
+        weights = _load_weights(None, source_path)[2]
         model = load_sharded_model(weights, self.mc, self.shards[0], self.device, dtype, max_positions,
                                    self.all_reduce)
         return model

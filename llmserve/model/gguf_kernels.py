@@ -9,7 +9,9 @@ a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's bl
 * `linear(x, raw, qtype, K, many_rows)` -> x [M, K] @ dequantize(raw).T: below many_rows rows integer dot
   products straight on the blocks (x rounded to int8 per 256 values for the K-quants, per 32 for the
   rest), from many_rows on (and always for F32 / F16 / BF16) weight tiles dequantized to float32 and
-  multiplied with at::mm.
+  multiplied with at::mm;
+* `linear_f32(x, raw, qtype, K)` -> the same product in float32 throughout (activations never rounded):
+  few rows dot each weight row widened in L1, many rows the float32 tiles.
 
 Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
 its number or its name).
@@ -124,6 +126,23 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = M
     return x.float() @ dequantize(raw, num, K).to(x.device).t()
 
 
+# float32-exact linear_f32: up to this many rows each weight row is widened once in L1 and dotted with every
+# row of x (one pass over the weights); more rows go through float32 tiles and at::mm.
+F32_FEW_ROWS = 16
+
+
+def linear_f32(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, few_rows: int = F32_FEW_ROWS) -> torch.Tensor:
+    """x [M, K] @ dequantize(raw).T, float32 [M, N], computed in float32 throughout (no activation rounding):
+    the values transformers computes from the same file, up to the order of float32 sums."""
+    num = qtype_number(qtype)
+    _check(raw, num, K)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"gguf kernels: x must be [M, {K}], got {tuple(x.shape)}")
+    ext = gguf_kernels()
+    if ext is not None and x.dtype is torch.float32 and x.device.type == "cpu" and raw.device.type == "cpu":
+        return ext.linear_f32(x, raw, num, K, few_rows)
+    return x.float() @ dequantize(raw, num, K).to(x.device).t()
+
 
 def from_reader(tensor) -> tuple[torch.Tensor, int, int]:
     """(raw, qtype number, K) of a gguf.GGUFReader tensor, raw read in place from the file's memory map
@@ -141,10 +160,10 @@ def from_reader(tensor) -> tuple[torch.Tensor, int, int]:
 _HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
-def random_blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
+def random_blocks(qtype, n: int, k: int, seed: int = 0, d_max: float = 0.05) -> torch.Tensor:
     """n rows of k values of qtype as random blocks, uint8 [n, row_bytes] (tests and benchmarks): random
-    bytes, the float16 scale fields set to finite values of either sign (|d| in [1e-4, 0.05), 2% of them
-    subnormal); F32 / F16 / BF16: normal values."""
+    bytes, the float16 scale fields set to finite values of either sign (|d| in [d_max / 500, d_max), 2% of
+    them subnormal); F32 / F16 / BF16: normal values."""
     num = qtype_number(qtype)
     rng = np.random.default_rng(seed)
     if num in (0, 1, 30):
@@ -153,7 +172,7 @@ def random_blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
     block, size = BLOCKS[num]
     data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     for off in _HALF_FIELDS[num]:
-        h = (rng.uniform(1e-4, 0.05, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
+        h = (rng.uniform(d_max / 500, d_max, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
         h[rng.random(h.shape) < 0.02] = np.float16(3e-6)
         data[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // block, 2)
     return torch.from_numpy(data.reshape(n, -1))

@@ -414,21 +414,21 @@ class LlamaModel(nn.Module):
         blocks, see quant.quantize_model) have no float parameter to load and are skipped. A checkpoint
         that packs a projection itself (Phi-3's qkv_proj, gate_up_proj) is read as it is; Gemma's norm
         weights are stored as w - 1 and loaded as 1 + w."""
-        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        keys = {k.removeprefix("model."): k for k in weights}   # `weights` may read each tensor when asked
         offset = self.cfg.norm_offset
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)} if offset else ()
         for name, p in self.named_parameters():
             layer, _, kind = name.rpartition(".")
-            if name == "lm_head.weight" and name not in w:
+            if name == "lm_head.weight" and name not in keys:
                 sources = ["embed_tokens.weight"]   # tied: the head reads the embedding
-            elif name in w:
+            elif name in keys:
                 sources = [name]
             else:
                 sources = [f"{part}.{kind}" for part in checkpoint_parts(layer)]
-            missing = [n for n in sources if n not in w]
+            missing = [n for n in sources if n not in keys]
             if missing:
                 raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
-            tensor = w[sources[0]] if len(sources) == 1 else torch.cat([w[n] for n in sources])
+            tensor = weights[keys[sources[0]]] if len(sources) == 1 else torch.cat([weights[keys[n]] for n in sources])
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if name in norms:

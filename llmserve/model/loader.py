@@ -1,7 +1,9 @@
 """Find and load model weights: GGUF files (the bundled default) and Hugging Face checkpoint folders.
 
-Both paths end in a Hugging Face-named float state dict and a `ModelConfig`; the model never knows
-where its weights came from.
+Both are streamed: the model is built on the meta device, and each tensor is read from the file's memory
+map under its Hugging Face name (GGUFTensors, SafetensorsWeights: mappings that read when asked), put into
+its runtime format (a float parameter, an int8 / int4 layer, or a GGUF tensor's own blocks kept as they
+are) and dropped. The model never knows where its weights came from.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,8 +21,9 @@ import torch.nn as nn
 
 from llmserve import envs
 from llmserve.config import DTYPE_ALIASES
+from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
 from llmserve.model.llama import LlamaModel, ModelConfig
-from llmserve.model.quant import is_quantized, quantize_model
+from llmserve.model.quant import adopt_gguf, is_quantized, quantize_model
 
 log = logging.getLogger("llmserve.loader")
 
@@ -76,7 +80,33 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one GGUF architecture maps onto llmserve's model: add a row to GGUF_ARCHS for a new one."""
+    hf_architecture: str          # the transformers architecture (llama.SUPPORTED_ARCHITECTURES)
+    config_class: str             # its transformers config class
+    permute_qk: bool              # llama.cpp's converter interleaved the rotary halves of Q and K rows
+    layer_names: dict             # blk.N.<key>.weight -> model.layers.N.<value>.weight
+    names: dict                   # whole-model tensors -> Hugging Face names
+    head_dim_key: str | None = None   # metadata key (after "<arch>.") holding the head size, if any
+
+
+_LLAMA_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+_LLAMA_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GGUF_ARCHS = {
+    "llama": GGUFArch("LlamaForCausalLM", "LlamaConfig", True, _LLAMA_LAYER_NAMES, _LLAMA_NAMES,
+                      "rope.dimension_count"),
+    "qwen2": GGUFArch("Qwen2ForCausalLM", "Qwen2Config", False, _LLAMA_LAYER_NAMES, _LLAMA_NAMES),
+    "qwen3": GGUFArch("Qwen3ForCausalLM", "Qwen3Config", False,
+                      {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                      _LLAMA_NAMES, "attention.key_length"),
+}
 
 
 def _field(reader, key: str, default=None):
@@ -87,12 +117,18 @@ def _field(reader, key: str, default=None):
     return v
 
 
-def gguf_hf_config(reader):
-    """A transformers config built from GGUF metadata."""
-    import transformers
+def gguf_arch(reader, path: str = "") -> tuple[str, GGUFArch]:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"model: unsupported GGUF architecture {arch!r}; llmserve runs {list(GGUF_ARCHS)}")
+        raise ValueError(f"model: {path or 'the GGUF file'} is a {arch!r} model, an architecture llmserve does not "
+                         f"run from GGUF (it runs {', '.join(GGUF_ARCHS)}); give another --model")
+    return arch, GGUF_ARCHS[arch]
+
+
+def gguf_hf_config(reader, path: str = ""):
+    """A transformers config built from GGUF metadata."""
+    import transformers
+    arch, spec = gguf_arch(reader, path)
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     kv_heads = g("attention.head_count_kv", heads)
@@ -102,19 +138,16 @@ def gguf_hf_config(reader):
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
         num_hidden_layers=g("block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim={"llama": g("rope.dimension_count", hidden // heads),
-                  "qwen3": g("attention.key_length", hidden // heads)}.get(arch, hidden // heads),
+        head_dim=g(spec.head_dim_key, hidden // heads) if spec.head_dim_key else hidden // heads,
         rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=g("context_length", 2048),
         tie_word_embeddings=not has_output,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        architectures=[GGUF_ARCHS[arch]],
+        architectures=[spec.hf_architecture],
     )
     theta = g("rope.freq_base", 10000.0)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[arch]
-    cfg = cls(**kwargs)
+    cfg = getattr(transformers, spec.config_class)(**kwargs)
     if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict):
         cfg.rope_parameters["rope_theta"] = theta
     cfg.rope_theta = theta
@@ -128,98 +161,267 @@ def gguf_hf_config(reader):
     return cfg
 
 
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",   # Qwen3
-}
-
-
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter interleaves the rotary halves of Q and K rows; undo it."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_hf_name(name: str) -> str | None:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
+def gguf_hf_name(name: str, spec: GGUFArch = GGUF_ARCHS["llama"]) -> str | None:
+    if name in spec.names:
+        return spec.names[name]
     parts = name.split(".")  # blk.N.attn_q.weight
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in spec.layer_names:
+        return f"model.layers.{parts[1]}.{spec.layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
-def load_gguf_weights(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    from gguf import GGMLQuantizationType, quants
-    out = {}
-    for t in reader.tensors:
-        name = gguf_hf_name(t.name)
-        if name is None:
-            continue
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            arr = np.array(t.data)  # a writable copy
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            arr = arr.reshape(shape)
-        else:
-            arr = quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32)
-        if cfg.architecture == "LlamaForCausalLM":
-            if name.endswith("q_proj.weight"):
-                arr = _unpermute(arr, cfg.num_heads)
-            elif name.endswith("k_proj.weight"):
-                arr = _unpermute(arr, cfg.num_kv_heads)
-        out[name] = torch.from_numpy(np.ascontiguousarray(arr))
-    return out
-
-
-def load_gguf_quantized(path: str, cfg: ModelConfig) -> dict[str, tuple]:
-    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file in llmserve's packed formats, straight from the
-    file's blocks (no dequantizing, no re-rounding): {name without ".weight": (kind, q, scale, min)}
-    with kind "int4" (q [N, K/2] uint8 nibbles, scale and min [N, K/32] float16; Q4_0's min is -8 d)
-    or "int8" (q [N, K] int8, scale [N, K/32] float32). Names are Hugging Face's, without "model."."""
-    from gguf import GGMLQuantizationType as Q
+def open_gguf(path: str):
+    """gguf's GGUFReader over `path` (a memory map: nothing is read yet), refused with one error naming the
+    file when it is truncated or corrupt or holds a tensor type llmserve cannot read."""
     from gguf import GGUFReader
-    out = {}
-    for t in GGUFReader(path).tensors:
-        name = gguf_hf_name(t.name)
-        if name is None or t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
-            continue
-        raw = np.asarray(t.data)
+
+    from llmserve.model.gguf_kernels import BLOCKS, NAMES
+    size = os.path.getsize(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:   # noqa: BLE001 - gguf raises whatever NumPy or struct raise on a bad file
+        raise ValueError(f"model: {path} is not a readable GGUF file, truncated or corrupt ({size} bytes; "
+                         f"{type(e).__name__}: {e}); download or convert it again, or give another --model") from e
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ValueError(f"model: {path} is truncated: its tensors end at byte {end}, the file has {size}; "
+                         f"download or convert it again")
+    for t in reader.tensors:
+        if int(t.tensor_type) not in BLOCKS:
+            raise ValueError(
+                f"model: {path}: tensor {t.name} is {t.tensor_type.name}, a type llmserve does not read (it reads "
+                f"{', '.join(NAMES.values())}); re-quantize the file with llama.cpp's llama-quantize to one of "
+                f"those (Q4_K_M, Q8_0, ...) or give another --model")
+    return reader
+
+
+class GGUFTensors(Mapping):
+    """A GGUF file's tensors under Hugging Face names, read one at a time from the file's memory map:
+    `self[name]` is float32 (dequantized; the pages it came from are handed back), `blocks(name)` the
+    tensor's own blocks, uint8 [rows, row_bytes], read in place. Q and K rows of llama-type files come
+    back in Hugging Face's order. `read` lists the names read as float32 (tests)."""
+
+    def __init__(self, path: str, reader, cfg: ModelConfig) -> None:
+        self.path = path
+        self.spec = gguf_arch(reader, path)[1]
+        self.cfg = cfg
+        self._map = reader.data
+        self._tensors = {n: t for t in reader.tensors if (n := gguf_hf_name(t.name, self.spec)) is not None}
+        self.read: list[str] = []
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from llmserve.model import gguf_kernels
+        t = self._tensors[name]
+        raw, num, K = gguf_kernels.from_reader(t)
+        w = gguf_kernels.dequantize(raw, num, K).reshape(tuple(int(x) for x in reversed(t.shape.tolist())))
+        if (heads := self._permuted_heads(name)) is not None:
+            w = torch.from_numpy(np.ascontiguousarray(_unpermute(w.numpy(), heads)))
+        self.release(name)
+        self.read.append(name)
+        return w
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def qtype(self, name: str) -> int:
+        return int(self._tensors[name].tensor_type)
+
+    def nbytes(self, name: str) -> int:
+        return int(self._tensors[name].n_bytes)
+
+    def numel(self, name: str) -> int:
+        return int(np.prod(self._tensors[name].shape))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        if self.spec.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            return self.cfg.num_heads if name.endswith("q_proj.weight") else self.cfg.num_kv_heads
+        return None
+
+    def blocks(self, name: str) -> tuple[torch.Tensor, int]:
+        """(raw uint8 [rows, row_bytes], GGMLQuantizationType number): in place, or a copy whose pages are
+        handed back where the rows had to be reordered."""
+        from llmserve.model import gguf_kernels
+        raw, num, _ = gguf_kernels.from_reader(self._tensors[name])
+        if (heads := self._permuted_heads(name)) is not None:
+            perm = _unpermute(np.arange(raw.shape[0]), heads)
+            raw = raw[torch.from_numpy(perm)]
+            self.release(name)
+        return raw, num
+
+    def release(self, name: str) -> None:
+        """Hand the pages of a tensor that was copied back to the OS (they stay in the page cache): the
+        copy is what the model holds, so resident memory does not count it twice."""
+        import mmap
+        mm = getattr(self._map, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        t = self._tensors[name]
+        lo = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, int(t.data_offset) + int(t.n_bytes) - lo)
+        except (OSError, ValueError):
+            pass
+
+
+def load_gguf_weights(reader, cfg: ModelConfig, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of the file as float32 under Hugging Face names, all at once (tensor parallelism and the
+    float32 folder of gguf_as_hf_folder; serving reads the file through GGUFTensors)."""
+    tensors = GGUFTensors(path, reader, cfg)
+    return {name: tensors[name] for name in tensors}
+
+
+_KEPT_KINDS = {2: "int4", 3: "int4", 8: "int8"}   # Q4_0, Q4_1, Q8_0: llmserve's own packed formats
+
+
+class GGUFPackedBlocks(Mapping):
+    """The Q4_0 / Q4_1 / Q8_0 weight tensors in llmserve's packed formats (quant.QuantLinear), straight from
+    the file's blocks (no dequantizing, no re-rounding), each converted when asked (one layer's parts at a
+    time): {name without "model." and ".weight": (kind, q, scale, min)} with kind "int4" (q [N, K/2] uint8
+    nibbles, scale and min [N, K/32] float16; Q4_0's min is -8 d) or "int8" (q [N, K] int8, scale [N, K/32]
+    float32)."""
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self.tensors = tensors
+        self._names = {n.removeprefix("model.").removesuffix(".weight"): n for n in tensors
+                       if n.endswith(".weight") and tensors.qtype(n) in _KEPT_KINDS}
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, key: str) -> tuple:
+        if key == "embed_tokens":   # asked twice when the LM head is tied to it: converted once
+            if not hasattr(self, "_embed"):
+                self._embed = self._convert(key)
+            return self._embed
+        return self._convert(key)
+
+    def _convert(self, key: str) -> tuple:
+        name = self._names[key]
+        num = self.tensors.qtype(name)
+        raw = self.tensors.blocks(name)[0].numpy()
         rows = raw.shape[0]
-        size = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[t.tensor_type]
-        b = raw.reshape(rows, -1, size)
+        b = raw.reshape(rows, -1, {2: 18, 3: 20, 8: 34}[num])
         d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
-        if t.tensor_type == Q.Q8_0:
+        if num == 8:
             q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
             parts = ["int8", q, d.astype(np.float32), None]
         else:
-            off = 4 if t.tensor_type == Q.Q4_1 else 2
+            off = 4 if num == 3 else 2
             m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else (d * np.float16(-8))
             parts = ["int4", np.ascontiguousarray(b[..., off:]).reshape(rows, -1), d, m]
-        if cfg.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
-            parts[1:] = [None if a is None else _unpermute(a, heads) for a in parts[1:]]
-        out[name.removeprefix("model.").removesuffix(".weight")] = (
-            parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
-    return out
+        self.tensors.release(name)
+        return (parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
+
+
+FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: read as float weights; every other type is kept as blocks
+Q4_TYPES = (2, 3)          # Q4_0, Q4_1
+
+
+def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
+    """The quantized weight tensors not in `skip`, as their own blocks for quant.adopt_gguf."""
+    return {name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name) for name in tensors
+            if name.endswith(".weight") and name not in skip and tensors.qtype(name) not in FLOAT_TYPES}
+
+
+def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: torch.dtype) -> int:
+    """About what the served weights take in memory: quantized tensors their file size, float ones widened to
+    `dtype` (or rounded to int8 / int4)."""
+    total = 0
+    for name in tensors:
+        if tensors.qtype(name) not in FLOAT_TYPES:
+            total += tensors.nbytes(name) * (9 if tensors.qtype(name) == 8 and quantization else 8) // 8
+        elif quantization and name.endswith(".weight") and "norm" not in name:
+            total += tensors.numel(name) * (3 if quantization == "int8" else 1)   # int8: + fbgemm's float16
+        else:
+            total += tensors.numel(name) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def check_fits(path: str, weights: int, kv_bytes: int) -> None:
+    """Refuse a model whose weights and asked KV cache exceed the memory available now, before allocating."""
+    import psutil
+    GiB = 1 << 30
+    available = psutil.virtual_memory().available
+    runtime = GiB // 2   # activations, the tokenizer, the process itself
+    if weights + kv_bytes + runtime > available:
+        raise ValueError(
+            f"model: {path} does not fit in memory: its weights take {weights / GiB:.1f} GiB as served, the KV cache "
+            f"{kv_bytes / GiB:.1f} GiB (--kv-cache-memory), the runtime ~{runtime / GiB:.1f} GiB, and "
+            f"{available / GiB:.1f} GiB are available; lower --kv-cache-memory, use a smaller quantization "
+            f"(a Q4_K_M file, --quantization int4 for float files), or free memory")
+
+
+def load_gguf_model(path: str, reader, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    max_positions: int, quantization: str | None = None, kv_bytes: int = 0) -> LlamaModel:
+    """A LlamaModel straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
+
+    On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
+    None float32-exact (quant.GGUFLinear widens tiles to float32: transformers' values), with int8 / int4
+    Q4_0 / Q4_1 / Q8_0 tensors go into llmserve's packed layers (its fused decode kernels) and the other types
+    run llama.cpp's integer dots on their own blocks; only float tensors (F32 / F16 / BF16) are rounded to
+    int8 / int4, and under int8 the Q4_0 / Q4_1 tensors (int8 is the accurate mode: int16 activations,
+    which the Q4 kernels lack), rounded to int8 per channel from the file's values.
+    Elsewhere (CUDA) tensors are dequantized one at a time into the model's dtype."""
+    tensors = GGUFTensors(path, reader, cfg)
+    check_fits(path, gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions)
+    if device.type == "cpu":
+        skip = set()
+        if quantization:
+            skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True)
+        kept = gguf_kept_blocks(tensors, skip)
+        if quantization == "int8":   # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
+            kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
+        if quantization and kept:
+            log.info("%s: %d tensors of %s served from their own blocks with llama.cpp's integer dots "
+                     "(--quantization %s never rounds a quantized tensor again)", path, len(kept),
+                     "/".join(sorted({GGUF_TYPE_NAMES[q] for _, q in kept.values()})), quantization)
+        skip |= adopt_gguf(model, kept, exact=quantization is None, floats=tensors)
+    else:
+        skip = set()
+    rest = {n: None for n in tensors if n not in skip}
+    return build_model(cfg, _Lazy(tensors, rest), device, dtype, max_positions, quantization, model)
+
+
+class _Lazy(Mapping):
+    """`source`'s entries named in `names` (a name -> its name in `source`, or None: the same), each read
+    when asked."""
+
+    def __init__(self, source: Mapping, names: dict) -> None:
+        self.source, self.names = source, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.source[self.names[name] or name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def gguf_as_hf_folder(path: str) -> str:
     """Convert a GGUF file once into a Hugging Face folder (config.json, float32 safetensors,
-    tokenizer) in the cache, and return that folder. Reading a GGUF means parsing its metadata and
-    dequantizing every tensor (seconds); a safetensors file maps in well under a second."""
+    tokenizer) in the cache, and return that folder: for benchmarks that hand the same weights to servers
+    reading only such folders (vLLM) and for the bundled tokenizer. Serving never uses it (load_gguf_model)."""
     import hashlib
 
     import transformers
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
     from llmserve.tokenizer import Tokenizer
@@ -230,9 +432,9 @@ def gguf_as_hf_folder(path: str) -> str:
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
     log.info("converting %s to a float32 checkpoint in %s (once)", path, folder)
-    reader = GGUFReader(path)
-    hf = gguf_hf_config(reader)
-    weights = load_gguf_weights(reader, ModelConfig.from_hf(hf))
+    reader = open_gguf(path)
+    hf = gguf_hf_config(reader, path)
+    weights = load_gguf_weights(reader, ModelConfig.from_hf(hf), path)
     tmp = f"{folder}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     hf.save_pretrained(tmp)
@@ -247,22 +449,72 @@ def gguf_as_hf_folder(path: str) -> str:
 
 
 # -- Hugging Face folders -----------------------------------------------------------------------
-def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, but those named in `skip` (never read)."""
-    from safetensors import safe_open
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model: no *.safetensors files in {folder!r}")
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = set(json.load(f)["weight_map"].values())
-        files = [os.path.join(folder, n) for n in sorted(names)]
-    weights: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            weights.update({k: f.get_tensor(k) for k in f.keys() if k not in skip})
-    return weights
+class SafetensorsWeights(Mapping):
+    """The tensors of a folder's safetensors files by name, each read from the file's memory map when asked
+    (and dropped by the caller once copied into the model): the checkpoint is never in memory whole."""
+
+    def __init__(self, folder: str, skip: set[str] = frozenset()) -> None:
+        from safetensors import safe_open
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not files:
+            raise ValueError(f"model: no *.safetensors files in {folder!r}")
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                names = set(json.load(f)["weight_map"].values())
+            files = [os.path.join(folder, n) for n in sorted(names)]
+        self._files, self._where, self._numel = {}, {}, {}
+        for path in files:
+            try:
+                f = self._files[path] = safe_open(path, framework="pt")
+            except Exception as e:   # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(f"model: {path} is not a readable safetensors file, truncated or corrupt "
+                                 f"({type(e).__name__}: {e}); download or convert it again") from e
+            for k in f.keys():
+                if k not in skip:
+                    self._where[k] = path
+                    self._numel[k] = int(np.prod(f.get_slice(k).get_shape()))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._files[self._where[name]].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def served_bytes(self, quantization: str | None, dtype: torch.dtype) -> int:
+        """About what the served weights take: float tensors in `dtype`, or rounded to int8 (+ fbgemm's
+        float16 copy) / int4."""
+        size = torch.empty((), dtype=dtype).element_size()
+        per = {None: size, "int8": 3, "int4": 1}[quantization]
+        return sum(n * (per if "norm" not in k and k.endswith(".weight") else size) for k, n in self._numel.items())
+
+
+def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> SafetensorsWeights:
+    """Every tensor of the folder's safetensors files, but those named in `skip` (never read), each read when
+    asked."""
+    return SafetensorsWeights(folder, skip)
+
+
+def load_hf_model(folder: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
+                  quantization: str | None = None, kv_bytes: int = 0) -> LlamaModel:
+    """A LlamaModel from a Hugging Face folder, tensor by tensor: each copied into its parameter (float) or
+    rounded into its quantized layer (int8 / int4 on CPU) as it is read; no float32 copy of the checkpoint."""
+    files = load_hf_weights(folder)
+    check_fits(folder, files.served_bytes(quantization, dtype), kv_bytes)
+    weights = checkpoint_names(cfg, files)
+    model = None
+    if quantization and device.type == "cpu":
+        with torch.device("meta"):
+            model = LlamaModel(cfg, max_positions)
+        skip = quantize_model(model, quantization, weights=weights)
+        weights = _Lazy(weights, {n: None for n in weights if n not in skip})
+    model = build_model(cfg, weights, device, dtype, max_positions, quantization, model)
+    del weights
+    _release_freed_memory()
+    return model
 
 
 # -- per-architecture weight names ----------------------------------------------------------------
@@ -271,11 +523,19 @@ RENAMES = {"MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".ga
                                   (".w2.", ".down_proj."))}
 
 
-def checkpoint_names(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict)."""
-    for old, new in RENAMES.get(cfg.architecture, ()):
-        weights = {k.replace(old, new): v for k, v in weights.items()}
-    return weights
+def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict), still
+    read only when asked."""
+    renames = RENAMES.get(cfg.architecture)
+    if not renames:
+        return weights
+    names = {}
+    for k in weights:
+        new = k
+        for old, repl in renames:
+            new = new.replace(old, repl)
+        names[new] = k
+    return _Lazy(weights, names)
 
 
 # -- the entry point ----------------------------------------------------------------------------
@@ -294,9 +554,8 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 def load_model_config(source: ModelSource):
     """(ModelConfig, gguf reader or None)."""
     if source.kind == "gguf":
-        from gguf import GGUFReader
-        reader = GGUFReader(source.path)
-        return ModelConfig.from_hf(gguf_hf_config(reader)), reader
+        reader = open_gguf(source.path)
+        return ModelConfig.from_hf(gguf_hf_config(reader, source.path)), reader
     import transformers
     try:
         hf = transformers.AutoConfig.from_pretrained(source.path)
@@ -309,15 +568,16 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
                 dtype: torch.dtype, max_positions: int, quantization: str | None = None,
                 model: LlamaModel | None = None) -> LlamaModel:
     """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
-    with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `model`: one
-    already built on the meta device whose quantized layers were adopted from a GGUF file's blocks
-    (see load_model): only its other tensors are made and loaded from `weights`."""
+    with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `weights` may
+    be a mapping that reads each tensor when asked. `model`: one already built on the meta device whose
+    quantized layers were made already (a GGUF file's blocks, or rounded as read): only its other tensors
+    are made and loaded from `weights`."""
     if model is None:
         with torch.device("meta"):
             model = LlamaModel(cfg, max_positions)
     _materialize(model)
-    weights = checkpoint_names(cfg, weights)
-    model.load_hf_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+    # each tensor copied (and widened) into its float32 parameter
+    model.load_hf_state_dict(checkpoint_names(cfg, weights))
     if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():   # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
@@ -354,18 +614,10 @@ def _release_freed_memory() -> None:
 
 def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
                dtype: torch.dtype, max_positions: int, quantization: str | None = None,
-               gguf_path: str | None = None) -> LlamaModel:
-    """`gguf_path`: the GGUF file behind a converted folder; with `quantization` on CPU, its Q4_0 / Q4_1 /
-    Q8_0 tensors go straight into the quantized layers as the file's own blocks, and only the other
-    tensors (norms, ...) are read as float32: no float32 copy of the quantized layers is ever made."""
-    model, skip = None, set()
-    if quantization and gguf_path and device.type == "cpu":
-        with torch.device("meta"):
-            model = LlamaModel(cfg, max_positions)
-        skip = quantize_model(model, quantization, load_gguf_quantized(gguf_path, cfg), only_blocks=True)
-    weights = load_gguf_weights(reader, cfg) if reader is not None else load_hf_weights(source.path, skip)
-    model = build_model(cfg, weights, device, dtype, max_positions, quantization, model)
-    if quantization:
-        del weights
-        _release_freed_memory()   # the checkpoint's float32 copies, now that nothing holds them
-    return model
+               kv_bytes: int = 0) -> LlamaModel:
+    """The model of `source`: a GGUF file (`reader`, from load_model_config) through load_gguf_model, a
+    Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
+    that will not fit with it before allocating."""
+    if reader is not None:
+        return load_gguf_model(source.path, reader, cfg, device, dtype, max_positions, quantization, kv_bytes)
+    return load_hf_model(source.path, cfg, device, dtype, max_positions, quantization, kv_bytes)

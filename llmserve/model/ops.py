@@ -225,3 +225,17 @@ def decode_stack(model):
 def decode_stack_fits(x: torch.Tensor) -> bool:
     """Whether a decode step of rows `x` (decode rows only, one group) may run through a DecodeStack."""
     return _KERNELS.in_place_decode and x.shape[0] <= _KERNELS.fused_decode_rows and _fast(x) is not None
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, K: int, exact: bool) -> torch.Tensor:
+    """x [M, K] @ W.T, float32, W a GGUF tensor's blocks (uint8 [N, row_bytes], llmserve.model.gguf_kernels):
+    `exact` in float32 throughout (W widened, x as it is), otherwise llama.cpp's arithmetic (integer dots
+    on the blocks, x rounded to int8 per block)."""
+    from llmserve.model import gguf_kernels
+    return gguf_kernels.linear_f32(x, raw, qtype, K) if exact else gguf_kernels.linear(x, raw, qtype, K)
+
+
+def gguf_dequantize(raw: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """float32 [N, K]: the values of a GGUF tensor's blocks (rows of it: embedding look-ups)."""
+    from llmserve.model import gguf_kernels
+    return gguf_kernels.dequantize(raw, qtype, K)

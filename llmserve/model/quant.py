@@ -24,12 +24,16 @@ Elsewhere (CUDA): int8 values and a per-channel scale, widened per call, the sca
 The interface the model, the loader and the kernels' seam (ops.py) use; nothing else of this module is
 read from outside it:
   * `quantize_model(model, mode, blocks, only_blocks)`: replace a LlamaModel's Linear layers and its
-    embedding in place (the loader; `blocks` are a GGUF file's own, from loader.load_gguf_quantized);
+    embedding in place (the loader; `blocks` are a GGUF file's own, from loader.GGUFPackedBlocks);
   * `QuantLinear`: a drop-in for nn.Linear (`forward`, `in_features`, `out_features`), plus `kind`
     ("int8" | "int4"), `dequantize()` (the float32 weights it stands for), its buffers `qweight`, `scale`,
     `minv` (int4), `bias`, and `kernel_args()` (ops.decode_layer_args: how the fused decode stack reads it);
   * `Int8Embedding`: a drop-in for nn.Embedding (`forward(ids)`), buffers `qweight` and `scale`;
-  * `is_quantized(module)`: whether a module is one of these two (it holds no float parameters).
+  * `GGUFLinear` / `GGUFEmbedding`: the same drop-ins holding a GGUF file's tensors as the file has them
+    (kind "gguf": any type of llmserve.model.gguf_kernels, K-quants included, never rounded again), read
+    through ops.gguf_linear / ops.gguf_dequantize; `adopt_gguf(model, tensors, exact)` puts them in (the
+    loader);
+  * `is_quantized(module)`: whether a module is one of these (it holds no float parameters).
 The tensor-parallel shards (parallel.py) are float only: the engine refuses quantization with them.
 """
 from __future__ import annotations
@@ -190,32 +194,144 @@ class Int8Embedding(nn.Module):
         return (q.view(*q.shape[:-1], s.shape[-1], -1) * s.unsqueeze(-1)).view(q.shape)
 
 
+class GGUFLinear(nn.Module):
+    """A Linear whose weights stay a GGUF file's tensors, block for block (uint8 [rows, row_bytes] each, often
+    views of the file's memory map): one part per checkpoint layer it packs (q, k, v may be of different
+    types, as in Q4_K_M files), their outputs side by side.
+
+    `exact`: float32 throughout (weights widened to float32 per row or tile, activations as they are): the
+    values transformers computes from the same file, up to the order of float32 sums.
+    Otherwise llama.cpp's arithmetic: integer dots on the blocks, activations rounded to int8 per block."""
+
+    kind = "gguf"
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None,
+                 exact: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(raw.shape[0] for raw, _ in parts)
+        self.qtypes = [int(q) for _, q in parts]
+        for i, (raw, _) in enumerate(parts):
+            self.register_buffer(f"raw{i}", raw)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.exact = exact
+
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        return [(getattr(self, f"raw{i}"), q) for i, q in enumerate(self.qtypes)]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights these blocks stand for."""
+        return torch.cat([ops.gguf_dequantize(raw, q, self.in_features) for raw, q in self.parts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).float()
+        ys = [ops.gguf_linear(x2, raw, q, self.in_features, self.exact) for raw, q in self.parts()]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self.bias is not None:
+            y += self.bias
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> None:
+        return None   # not a layer the fused decode stack reads
+
+    def extra_repr(self) -> str:
+        from llmserve.model.gguf_kernels import NAMES
+        return (f"gguf {'+'.join(NAMES[q] for q in self.qtypes)}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, exact={self.exact}")
+
+
+class GGUFEmbedding(nn.Module):
+    """Embedding rows kept as a GGUF tensor's blocks, dequantized on lookup: a prompt reads a few rows, and
+    the table stays at its file size (an 8B model's 128k x 4096 table is 2 GiB in float32, 0.4 in Q6_K)
+    and is shared with a tied LM head."""
+
+    kind = "gguf"
+
+    def __init__(self, raw: torch.Tensor, qtype: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("raw", raw)
+        self.qtype, self.dim = int(qtype), dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw.index_select(0, ids.reshape(-1).to(self.raw.device))
+        return ops.gguf_dequantize(rows, self.qtype, self.dim).view(*ids.shape, self.dim)
+
+
+def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], exact: bool,
+               floats=None) -> set[str]:
+    """Replace in place each Linear / Embedding of `model` (which may still be on the meta device) whose
+    checkpoint tensors are all in `tensors` ({Hugging Face name without "model." and ".weight": (raw
+    blocks, GGMLQuantizationType number)}) by a GGUFLinear / GGUFEmbedding over them; a layer's bias is
+    read from `floats` (a mapping of Hugging Face names to float tensors). Returns the checkpoint names
+    (Hugging Face's) the new layers stand for."""
+    tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
+    consumed: set[str] = set()
+
+    def convert(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            path = prefix + name
+            if type(child) is nn.Linear:
+                if name == "lm_head":
+                    names = ["embed_tokens" if tied else "lm_head"]
+                else:
+                    names = list(checkpoint_parts(path))
+                if not all(n in tensors for n in names):
+                    continue
+                bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
+                setattr(module, name, GGUFLinear([tensors[n] for n in names], child.in_features, bias, exact))
+            elif type(child) is nn.Embedding:
+                if path not in tensors:
+                    continue
+                names = [path]
+                setattr(module, name, GGUFEmbedding(*tensors[path], child.embedding_dim))
+            else:
+                convert(child, path + ".")
+                continue
+            consumed.update("lm_head.weight" if n == "lm_head" else f"model.{n}.weight" for n in names)
+            if type(child) is nn.Linear and child.bias is not None:
+                consumed.update(f"model.{n}.bias" for n in names)
+
+    convert(model, "")
+    return consumed
+
+
 def is_quantized(module: nn.Module) -> bool:
-    """A QuantLinear or an Int8Embedding: quantized weights, no float parameters."""
-    return isinstance(module, (QuantLinear, Int8Embedding))
+    """A QuantLinear, an Int8Embedding or a GGUF layer: quantized weights, no float parameters."""
+    return isinstance(module, (QuantLinear, Int8Embedding, GGUFLinear, GGUFEmbedding))
 
 
-def _from_blocks(blocks: dict, names: list[str], mode: str, bias, fp16_gemm: bool) -> QuantLinear | None:
-    """A QuantLinear from a GGUF file's own blocks, when every part is there in a kind `mode` keeps
-    (int4 keeps Q4 and Q8 tensors; int8 keeps Q8 ones). Parts are stacked by rows."""
-    parts = [blocks.get(n) for n in names]
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+def _from_blocks(blocks: dict, names: list[str], bias, mode: str) -> QuantLinear | None:
+    """A QuantLinear from a GGUF file's own blocks, when every part is there in one kind: Q8_0 in either
+    mode, Q4_0 / Q4_1 under int4 (never rounded again). Under int8 a Q4 tensor is not adopted: int8 is the
+    accurate mode, whose int16 activations the Q4 kernels lack (they round x to int8: greedy agreement with
+    float32 fell from 97.4% to 92.8% on the bundled model), so it is rounded to int8 per channel from the
+    file's values instead. Parts are stacked by rows. No float16 copy for fbgemm: the file's size is what
+    it holds (many rows go through the kernels' float32 tiles)."""
+    if not all(n in blocks for n in names):
         return None
+    parts = [blocks[n] for n in names]   # (a loader's mapping may convert each part only now)
+    if len({p[0] for p in parts}) != 1 or mode == "int8" and parts[0][0] == "int4":
+        return None
+    cat = [None if parts[0][i] is None else parts[0][i] if len(parts) == 1 else torch.cat([p[i] for p in parts])
+           for i in (1, 2, 3)]
     kind = parts[0][0]
-    if kind == "int4" and mode != "int4":
-        return None
-    cat = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in (1, 2, 3)]
-    return QuantLinear(kind, cat[0], cat[1], cat[2], bias, fp16_gemm)
+    del parts
+    return QuantLinear(kind, cat[0], cat[1], cat[2], bias, fp16_gemm=False)
 
 
-def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only_blocks: bool = False) -> set[str]:
+def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only_blocks: bool = False,
+                   weights=None) -> set[str]:
     """Replace every Linear (and the embedding) of `model` in place; float weights are freed.
 
-    `blocks` (llmserve.model.loader.load_gguf_quantized): a GGUF file's quantized tensors, used as they
+    `blocks` (llmserve.model.loader.GGUFPackedBlocks, a mapping): a GGUF file's quantized tensors, used as they
     are where they cover a layer (no re-rounding); other layers are rounded from their float weights.
     `only_blocks`: replace only the layers the blocks cover, leaving the others as they are (the model
     may still be on the meta device: the loader then reads only the float weights nothing adopted).
-    Returns the checkpoint's weight names (Hugging Face's) the blocks stood in for."""
+    `weights` (a mapping of Hugging Face names to float tensors, read when asked): where a layer is still on
+    the meta device its weights are read from there, one layer at a time, so that a float checkpoint is
+    never widened to float32 whole.
+    Returns the checkpoint's weight names (Hugging Face's) the blocks or `weights` stood in for."""
     if mode not in ("int8", "int4"):
         raise ValueError(f"quantization: must be none, int8 or int4, got {mode!r}")
     blocks = blocks or {}
@@ -224,6 +340,15 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
     # memory mode) holds only its packed weights: 0.6 byte a weight.
     fp16_gemm = mode == "int8"
     consumed: set[str] = set()
+
+    def read(t: torch.Tensor | None, names: list[str], kind: str, path: str = "") -> torch.Tensor | None:
+        if t is None or not t.is_meta:
+            return t
+        keys = ["lm_head.weight" if n == "lm_head" else f"model.{n}.{kind}" for n in names]
+        if path and f"model.{path}.{kind}" in weights:   # a checkpoint that packs the projection itself (Phi-3)
+            keys = [f"model.{path}.{kind}"]
+        consumed.update(keys)
+        return torch.cat([weights[k].float() for k in keys])
 
     def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
@@ -234,12 +359,13 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
                 else:
                     names = list(checkpoint_parts(path))
                 q = None if only_blocks and child.bias is not None else \
-                    _from_blocks(blocks, names, mode, child.bias, fp16_gemm)
+                    _from_blocks(blocks, names, child.bias, mode)
                 if q is None and only_blocks:
                     continue
                 if q is None:   # the LM head stays int8, as in llama.cpp's Q4 files
-                    q = QuantLinear.from_float(child.weight.detach(), child.bias, "int8" if name == "lm_head" else mode,
-                                               fp16_gemm)
+                    q = QuantLinear.from_float(read(child.weight, names, "weight", path).detach(),
+                                               read(child.bias, names, "bias", path),
+                                               "int8" if name == "lm_head" else mode, fp16_gemm)
                 elif not (name == "lm_head" and tied):   # a tied head reads the embedding's weight
                     consumed.update(f"model.{n}.weight" if n != "lm_head" else "lm_head.weight" for n in names)
                 setattr(module, name, q)
@@ -247,12 +373,12 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
                     q.act_bits = 8   # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
                     q._bind()
             elif isinstance(child, nn.Embedding):
-                b = blocks.get(path)
+                b = blocks[path] if path in blocks else None
                 if b is not None and b[0] == "int8":
                     setattr(module, name, Int8Embedding(b[1], b[2]))
                     consumed.add(f"model.{path}.weight")
                 elif not only_blocks:
-                    setattr(module, name, Int8Embedding.from_float(child.weight))
+                    setattr(module, name, Int8Embedding.from_float(read(child.weight, [path], "weight")))
             else:
                 convert(child, path + ".")
 

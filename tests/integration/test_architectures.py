@@ -123,7 +123,7 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
     from safetensors.torch import load_file
 
-    from llmserve.model.loader import _GGUF_LAYER_NAMES, _GGUF_NAMES
+    from llmserve.model.loader import GGUF_ARCHS
     cfg = json.loads((folder / "config.json").read_text())
     w = GGUFWriter(path, arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -139,8 +139,8 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     for key, f in GGUFReader(bundled_gguf).fields.items():
         if key.startswith("tokenizer."):
             w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
-    names = {v: k for k, v in _GGUF_NAMES.items()}
-    layer_names = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+    names = {v: k for k, v in GGUF_ARCHS[arch].names.items()}
+    layer_names = {v: k for k, v in GGUF_ARCHS[arch].layer_names.items()}
     for name, t in load_file(folder / "model.safetensors").items():
         if name not in names:   # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
             parts = name.split(".")

@@ -186,3 +186,19 @@ def test_fallback_without_the_extension(monkeypatch):
     assert torch.equal(w, torch.as_tensor(reference(raw, Q.Q4_K)))
     x = torch.randn(2, 256)
     assert torch.allclose(gk.linear(x, raw, Q.Q4_K, 256), x @ w.t())
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_linear_f32_is_float32_exact(ext, qtype, rows):
+    """The float32-exact product (llmserve's default for GGUF layers): x as it is, the weights widened, sums
+    in float32 (few rows: each weight row widened in L1; many: tiles and at::mm); close to float64's."""
+    k = 512 if qtype not in (Q.F32, Q.F16, Q.BF16) else 40
+    raw = gk.random_blocks(qtype, 37, k, seed=rows)
+    x = torch.randn(rows, k)
+    w = torch.as_tensor(reference(raw, qtype)).double()
+    want = x.double() @ w.t()
+    scale = x.double().abs() @ w.abs().t()
+    for few in (0, 16, 64):
+        got = gk.linear_f32(x, raw, qtype, k, few).double()
+        assert ((got - want).abs() <= 1e-5 * scale + 1e-6).all(), (qtype, rows, few)
