@@ -89,7 +89,7 @@ _CROSSOVERS: dict[tuple, int] = {}   # (N, K, threads) -> rows from which at::li
 def gemm_rows(weight: torch.Tensor) -> int:
     """The number of rows from which at::linear (MKL / oneDNN's GEMM) beats the extension's GEMV for this
     float32 weight: KernelConfig.gemv_rows + 1 when set, else measured once per shape and thread count
-    (`calibrate_gemv`). The GEMV reads the weights once per 4 rows, the GEMM once per call but with a
+    (`calibrate_gemv`). The GEMV reads the weights once per 4 rows (8 with AVX-512), the GEMM once per call but with a
     start-up cost and packing: where they cross depends on the shape (N * K against the caches) and on
     the CPU (AVX2 vs AVX-512 GEMM)."""
     fixed = _KERNELS.gemv_rows
