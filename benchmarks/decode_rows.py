@@ -2,11 +2,13 @@
 GEMV's `gemv_rows`): decode tok/s of a batch of N requests with each limit, alternated round by round
 in one process (the machine drifts ±25% minute to minute).
 
-Each round queues N chat prompts (48 output tokens, EOS ignored), runs the prefill unmeasured, then times
-the decode steps. Above the limit a step takes the module path: at::linear / fbgemm per projection.
+Each round queues N chat prompts (or random ones of --prompt-len tokens; 48 output tokens, EOS ignored),
+runs the prefill unmeasured, then times the decode steps. Above the limit a step takes the module path:
+at::linear / fbgemm per projection. `auto` is the default setting: the float32 GEMV/GEMM crossover
+measured per weight shape (ops.gemm_rows).
 
-    python benchmarks/decode_rows.py [--modes none int8 int4] [--requests 32 64] [--limits 16 32 64]
-                                     [--rounds 4] [--threads 2] [--no-write]
+    python benchmarks/decode_rows.py [--modes none int8 int4] [--requests 32 64] [--limits 64 auto]
+                                     [--model PATH] [--prompt-len 128] [--rounds 4] [--threads 2] [--no-write]
 """
 from __future__ import annotations
 
@@ -21,18 +23,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import chat_prompts, write_section  # noqa: E402
 
 
-def measure(mode: str, n: int, limits: list[int], rounds: int, threads: int) -> dict[int, list[float]]:
-    from llmserve import LLM, SamplingParams
+def kernels_for(limit: str):
+    """`auto`: the defaults (fused stack to 64 rows, float32 GEMV/GEMM crossover measured per shape);
+    a number N: fused stack and float32 GEMV both up to N rows (the fixed limit before the calibration)."""
     from llmserve.config import KernelConfig
+    return KernelConfig() if limit == "auto" else KernelConfig(fused_decode_rows=int(limit), gemv_rows=int(limit))
+
+
+def measure(mode: str, n: int, limits: list[str], rounds: int, threads: int, model: str | None = None,
+            prompt_len: int = 0, max_tokens: int = 48) -> dict[str, list[float]]:
+    import random
+
+    from llmserve import LLM, SamplingParams
     from llmserve.model import ops
-    llm = LLM(num_threads=threads, quantization=None if mode == "none" else mode)
+    llm = LLM(model=model, num_threads=threads, quantization=None if mode == "none" else mode)
     eng = llm.engine
-    ids = [llm.get_tokenizer().encode_chat(p) for p in chat_prompts(n)]
-    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    if prompt_len:   # random token ids, as `vllm bench serve --dataset-name random`
+        ids = [[random.Random(i).randrange(100, 40000) for _ in range(prompt_len)] for i in range(n)]
+    else:
+        ids = [llm.get_tokenizer().encode_chat(p) for p in chat_prompts(n)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     saved = ops.kernel_config()
 
-    def run(limit: int) -> float:
-        ops.configure(KernelConfig(fused_decode_rows=limit, gemv_rows=limit))
+    def run(limit: str) -> float:
+        ops.configure(kernels_for(limit))
+        eng.runner.model._decode_stack = None   # rebuilt with this setting's per-projection row limits
         for i in ids:
             eng.add_request(i, sp)
         while eng.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -45,13 +60,14 @@ def measure(mode: str, n: int, limits: list[int], rounds: int, threads: int) -> 
 
     try:
         run(limits[0])   # warm-up
-        res: dict[int, list[float]] = {lim: [] for lim in limits}
+        res: dict[str, list[float]] = {lim: [] for lim in limits}
         for _ in range(rounds):
             for lim in limits:
                 res[lim].append(run(lim))
     finally:
         ops.configure(saved)
-    print(mode, n, {k: [round(v, 1) for v in vs] for k, vs in res.items()}, flush=True)
+    print(mode, n, {k: [round(v, 1) for v in vs] for k, vs in res.items()}, "crossovers", ops._CROSSOVERS,
+          "load", os.getloadavg()[0], flush=True)
     return res
 
 
@@ -59,7 +75,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", nargs="+", default=["none", "int8", "int4"])
     ap.add_argument("--requests", nargs="+", type=int, default=[32, 64])
-    ap.add_argument("--limits", nargs="+", type=int, default=[16, 32, 64])
+    ap.add_argument("--limits", nargs="+", default=["64", "auto"],
+                    help="N: fused stack and float32 GEMV up to N rows; auto: the defaults (measured crossovers)")
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--prompt-len", type=int, default=0, help="random prompts of this many tokens (default: chat)")
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
@@ -68,13 +88,15 @@ def main() -> None:
     rows = [f"| mode | requests | {head} |", "|---|---|" + "---|" * len(args.limits)]
     for mode in args.modes:
         for n in args.requests:
-            res = measure(mode, n, args.limits, args.rounds, args.threads)
+            res = measure(mode, n, args.limits, args.rounds, args.threads, args.model, args.prompt_len,
+                          args.max_tokens)
             cells = " | ".join(f"{statistics.median(v):.1f} ({min(v):.0f}-{max(v):.0f})" for v in res.values())
             rows.append(f"| {mode} | {n} | {cells} |")
-    body = (f"`python benchmarks/decode_rows.py --rounds {args.rounds} --threads {args.threads}`: decode tok/s "
-            "(median, range) of N requests decoding together, 48 tokens each, each fused-path row limit in turn "
-            "every round. Chosen: `KernelConfig(fused_decode_rows=64, gemv_rows=64)` (better or even in every row "
-            "here).\n\n" + "\n".join(rows) + "\n")
+    cmd = " ".join(sys.argv[1:])
+    body = (f"`python benchmarks/decode_rows.py {cmd}` (load average {os.getloadavg()[0]:.1f} at the end): decode "
+            f"tok/s (median, range) of N requests decoding together, {args.max_tokens} tokens each, each setting in "
+            "turn every round. N: fused stack and float32 GEMV up to N rows; auto: the defaults (fused stack to "
+            "64 rows, float32 GEMV/GEMM crossover measured per shape).\n\n" + "\n".join(rows) + "\n")
     print(body)
     if not args.no_write:
         write_section("Decode rows through the fused path (issue: performance)", body)

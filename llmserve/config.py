@@ -33,9 +33,12 @@ class KernelConfig:
     # decode attention read in place from the paged cache by the C++ kernel (False: gather blocks + SDPA;
     # benchmarks/long_context.py compares)
     in_place_decode: bool = True
-    # float32 x with up to this many rows: the extension's GEMV (faster than at::linear here up to ~48
-    # rows: 30 layers' projections at 17 / 32 rows 61 / 82 ms vs 74 / 100; at 64 even)
-    gemv_rows: int = 64
+    # float32 x with up to this many rows: the extension's GEMV, at::linear (MKL / oneDNN GEMM) beyond.
+    # None: the crossover is measured per weight shape on first use (ops.gemm_rows: GEMV vs GEMM timed at
+    # `calibration_rows`), since it moves with the shape and the CPU: SmolLM2's projections keep the GEMV
+    # to ~64 rows, a 1B model's MLP leaves it at 8-16 (BENCHMARKS.md "Path choice per shape").
+    gemv_rows: int | None = None
+    calibration_rows: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)
     # decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
     # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
     # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,

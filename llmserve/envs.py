@@ -32,6 +32,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": run the model on plain PyTorch ops; llmserve/csrc/cpu_ops.cpp is not built (default: used where
     # the CPU has AVX2 and a compiler exists). Read once per process, when the kernels are first asked for.
     "LLMSERVE_CPU_KERNELS": lambda: os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0",
+    # "0": the CPU kernels keep to AVX2 + FMA where the CPU also has AVX-512 (default: the AVX-512 variants of
+    # the float32 GEMV and the int8 dots run where cpuid reports AVX-512 F/BW/DQ/VL)
+    "LLMSERVE_AVX512": lambda: os.environ.get("LLMSERVE_AVX512", "1") != "0",
     # where converted GGUF checkpoints and tokenizers are cached (default: $XDG_CACHE_HOME/llmserve, else
     # ~/.cache/llmserve)
     "LLMSERVE_CACHE_DIR": _cache_dir,

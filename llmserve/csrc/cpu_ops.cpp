@@ -340,10 +340,112 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// AVX-512 (BW) variant of q8_block for int16 activations, chosen at run time (`use_avx512()`): a 32-value
+// block of one row is one vpmaddwd over 512 bits (AVX2: two, and an add), and 32 vector registers hold
+// the accumulators of 8 rows, so a batch reads the weights once per 8 rows instead of 4. Compiled for
+// AVX-512 only inside these functions (target attribute): the rest of the file stays AVX2, and a CPU
+// without AVX-512 never reaches them. Same integer dot products as q8_block; the float sums of the
+// blocks are added in another order (16 lanes instead of 8): results agree to float rounding.
+#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+bool cpu_has_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+}
+
+bool avx512_allowed = true;   // set once by ops.py when it loads the module (envs.LLMSERVE_AVX512)
+
+bool use_avx512() { return avx512_allowed && cpu_has_avx512(); }
+
+bool set_avx512(bool allowed) {
+  avx512_allowed = allowed;
+  return use_avx512();
+}
+
+template <int MR>
+LLMSERVE_AVX512 void q8_block16_avx512(const int16_t* xq, const float* dx, const int8_t* qw, const float* sc,
+                                        int64_t K, int64_t group, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int64_t G = K / 32, per = group / 32;
+  std::vector<float> sdv(MR * G), sw(G);
+  float* sd = sdv.data();
+  const bool per_channel = per == G && G > 1;
+  auto scales = [&](const float* s) {   // sd[m * G + g] = s[g] * dx[m * G + g]
+    for (int m = 0; m < MR; ++m)
+      for (int64_t g = 0; g < G; ++g) sd[m * G + g] = s[g] * dx[m * G + g];
+  };
+  if (per_channel) {
+    std::fill(sw.begin(), sw.end(), 1.0f);
+    scales(sw.data());
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = qw + n * K;
+    const float* s = sc + n * (K / group);
+    if (per == 1) {
+      scales(s);
+    } else if (!per_channel) {
+      for (int64_t i = 0; i < K / group; ++i) std::fill(sw.begin() + i * per, sw.begin() + (i + 1) * per, s[i]);
+      scales(sw.data());
+    }
+    __m512 acc[2][MR];
+    for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+    // even blocks into acc[0], odd into acc[1], as two_chains (written out: a lambda loses the target)
+#define LLMSERVE_Q8_STEP(g, a)                                                                              \
+  {                                                                                                        \
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * (g)))); \
+    for (int m = 0; m < MR; ++m) {                                                                         \
+      const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(xq + m * K + 32 * (g)));                   \
+      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(sd[m * G + (g)]), a[m]);                \
+    }                                                                                                      \
+  }
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      LLMSERVE_Q8_STEP(g, acc[0])
+      LLMSERVE_Q8_STEP(g + 1, acc[1])
+    }
+    if (g < G) LLMSERVE_Q8_STEP(g, acc[0])
+#undef LLMSERVE_Q8_STEP
+    const float row_scale = per_channel ? s[0] : 1.0f;
+    for (int m = 0; m < MR; ++m) out[m * ldo + n] = row_scale * _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+  }
+}
+
+LLMSERVE_AVX512 void q8_rows16_avx512(const int16_t* xq, const float* dx, const int8_t* q, const float* s, int64_t M,
+                                      int64_t N, int64_t K, int64_t group, float* op) {
+  const int64_t G = K / 32;
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    for (int64_t m = 0; m < M; m += 8) {
+      const int16_t* xm = xq + m * K;
+      const float* dm = dx + m * G;
+      float* o = op + m * N;
+      switch (std::min<int64_t>(8, M - m)) {
+        case 1: q8_block16_avx512<1>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 2: q8_block16_avx512<2>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 3: q8_block16_avx512<3>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 4: q8_block16_avx512<4>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 5: q8_block16_avx512<5>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 6: q8_block16_avx512<6>(xm, dm, q, s, K, group, b, e, o, N); break;
+        case 7: q8_block16_avx512<7>(xm, dm, q, s, K, group, b, e, o, N); break;
+        default: q8_block16_avx512<8>(xm, dm, q, s, K, group, b, e, o, N); break;
+      }
+    }
+  });
+}
+
 template <typename T>
 void q8_rows(const at::Tensor& x, const int8_t* q, const float* s, int64_t N, int64_t group, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   Rows<T> r(x);
+  if constexpr (std::is_same_v<T, int16_t>) {
+    if (M > 1 && use_avx512()) {   // one row: bound by memory, the AVX2 kernel is as fast
+      q8_rows16_avx512(r.q.data(), r.dx.data(), q, s, M, N, K, group, out.data_ptr<float>());
+      return;
+    }
+  }
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m += 4) {
@@ -378,6 +480,49 @@ void f32_block(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n
   }
 }
 
+// The AVX-512 variant (use_avx512(), K a multiple of 16): each weight row read once per 8 rows of x.
+template <int MR>
+LLMSERVE_AVX512 void f32_block_avx512(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n0, int64_t n1,
+                                      float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* r = w + n * K;
+    __m512 acc[2][MR];
+    for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512 w0 = _mm512_loadu_ps(r + k), w1 = _mm512_loadu_ps(r + k + 16);
+      for (int m = 0; m < MR; ++m) {
+        acc[0][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + k), acc[0][m]);
+        acc[1][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * ldx + k + 16), acc[1][m]);
+      }
+    }
+    if (k < K) {   // K % 32 == 16
+      const __m512 w0 = _mm512_loadu_ps(r + k);
+      for (int m = 0; m < MR; ++m) acc[0][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + k), acc[0][m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+  }
+}
+
+LLMSERVE_AVX512 void f32_rows_avx512(const float* xp, const float* wp, int64_t M, int64_t N, int64_t K, float* op) {
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    for (int64_t m = 0; m < M; m += 8) {
+      const float* xm = xp + m * K;
+      float* o = op + m * N;
+      switch (std::min<int64_t>(8, M - m)) {
+        case 1: f32_block_avx512<1>(xm, K, wp, K, b, e, o, N); break;
+        case 2: f32_block_avx512<2>(xm, K, wp, K, b, e, o, N); break;
+        case 3: f32_block_avx512<3>(xm, K, wp, K, b, e, o, N); break;
+        case 4: f32_block_avx512<4>(xm, K, wp, K, b, e, o, N); break;
+        case 5: f32_block_avx512<5>(xm, K, wp, K, b, e, o, N); break;
+        case 6: f32_block_avx512<6>(xm, K, wp, K, b, e, o, N); break;
+        case 7: f32_block_avx512<7>(xm, K, wp, K, b, e, o, N); break;
+        default: f32_block_avx512<8>(xm, K, wp, K, b, e, o, N); break;
+      }
+    }
+  });
+}
+
 // out [M, N] = x [M, K] @ w.T, w float32 [N, K]; rows >= many_rows (or K not a multiple of 8): at::linear.
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t many_rows) {
   check_cpu_f32(x_in, "f32_linear");
@@ -389,6 +534,10 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t many_
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (K % 16 == 0 && use_avx512()) {   // every row count: a row's sum never depends on the batch around it
+    f32_rows_avx512(xp, wp, M, N, K, op);
+    return out;
+  }
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m += 4) {
       const float* xm = xp + m * K;
@@ -459,9 +608,13 @@ at::Tensor head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Te
       const __m256 lower8 = _mm256_set1_ps(lower);
       int64_t best = -1;
       float best_v = 0;
+      const bool wide = K % 16 == 0 && use_avx512();   // as f32_linear chooses
       auto exact = [&](int64_t r) {
         float v;
-        f32_block<1>(xm, K, wp + r * K, K, 0, 1, &v, 0);
+        if (wide)
+          f32_block_avx512<1>(xm, K, wp + r * K, K, 0, 1, &v, 0);
+        else
+          f32_block<1>(xm, K, wp + r * K, K, 0, 1, &v, 0);
         if (best < 0 || v > best_v) best = r, best_v = v;
       };
       for (n = 0; n + 8 <= N; n += 8) {
@@ -751,28 +904,29 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
 // the Python around ~12 kernel calls per layer costs as much as the kernels on a single stream.
 // weights: [input_norm, post_norm, then per projection (qkv, o, gate_up, down) its tensors];
 // kinds[i] for each projection: 0 float32 (weight), 4 int4 (q, scale, min), 8 int8 (q, scale).
-// act_bits[i]: int8's activation width. Returns (layer output, running residual sum); `residual`
-// undefined means x is the embeddings (the first layer).
+// act_bits[i]: int8's activation width. many_rows[i]: the rows from which projection i leaves its
+// few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
+// measured per weight shape, llmserve/model/ops.py). Returns (layer output, running residual sum);
+// `residual` undefined means x is the embeddings (the first layer).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
-    const std::vector<int64_t>& act_bits, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const std::vector<int64_t>& act_bits, const std::vector<int64_t>& many_rows, double eps, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D, at::Tensor& kv_cache, const at::Tensor& slots,
     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(kinds.size() == 4 && act_bits.size() == 4, "decode_layer: four projections");
+  TORCH_CHECK(kinds.size() == 4 && act_bits.size() == 4 && many_rows.size() == 4, "decode_layer: four projections");
   size_t at_w = 2;
   auto linear = [&](const at::Tensor& in, int i) {
     const int64_t kind = kinds[i];
-    const int64_t huge = std::numeric_limits<int64_t>::max();
     if (kind == 4) {
       at_w += 3;
-      return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], huge);
+      return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], many_rows[i]);
     }
     if (kind == 8) {
       at_w += 2;
-      return q8_linear(in, w[at_w - 2], w[at_w - 1], huge, act_bits[i]);
+      return q8_linear(in, w[at_w - 2], w[at_w - 1], many_rows[i], act_bits[i]);
     }
     at_w += 1;
-    return f32_linear(in, w[at_w - 1], huge);
+    return f32_linear(in, w[at_w - 1], many_rows[i]);
   };
   at::Tensor h, residual;
   if (!residual_in.has_value()) {
@@ -801,17 +955,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 struct DecodeStack {
   struct Layer {
     std::vector<at::Tensor> w;
-    std::vector<int64_t> kinds, act_bits;
+    std::vector<int64_t> kinds, act_bits, many_rows;
   };
+  using Args = std::vector<std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                                      std::vector<int64_t>>>;
   std::vector<Layer> layers;
   double eps, scale;
   at::Tensor cos, sin;
   int64_t H, Hkv, D;
 
-  DecodeStack(const std::vector<std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>>& args,
-              double eps, at::Tensor cos, at::Tensor sin, int64_t H, int64_t Hkv, int64_t D, double scale)
+  DecodeStack(const Args& args, double eps, at::Tensor cos, at::Tensor sin, int64_t H, int64_t Hkv, int64_t D,
+              double scale)
       : eps(eps), scale(scale), cos(std::move(cos)), sin(std::move(sin)), H(H), Hkv(Hkv), D(D) {
-    for (const auto& [w, kinds, bits] : args) layers.push_back({w, kinds, bits});
+    for (const auto& [w, kinds, bits, many] : args) layers.push_back({w, kinds, bits, many});
   }
 
   // x: the rows' embeddings; returns (last layer's output, residual sum), as decode_layer.
@@ -822,8 +978,9 @@ struct DecodeStack {
     std::optional<at::Tensor> residual;
     for (size_t i = 0; i < layers.size(); ++i) {
       at::Tensor kv = kv_caches[i];
-      auto [h, r] = decode_layer(x, residual, layers[i].w, layers[i].kinds, layers[i].act_bits, eps, positions, cos,
-                                 sin, H, Hkv, D, kv, slots, block_tables, context_lens, scale);
+      const Layer& l = layers[i];
+      auto [h, r] = decode_layer(x, residual, l.w, l.kinds, l.act_bits, l.many_rows, eps, positions, cos, sin, H, Hkv,
+                                 D, kv, slots, block_tables, context_lens, scale);
       x = h;
       residual = r;
     }
@@ -836,6 +993,8 @@ struct DecodeStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min)");
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)");
+  m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
+  m.def("set_avx512", &set_avx512, "allow the AVX-512 kernels or not; returns uses_avx512()");
   m.def("f32_linear", &f32_linear, "x @ W.T, W float32, few rows");
   m.def("head_argmax", &head_argmax, "argmax(x @ W.T) per row, W float32 screened by its int8 copy");
   m.def("rms_norm", &rms_norm, "RMSNorm");
@@ -845,7 +1004,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>>&,
-                          double, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<const DecodeStack::Args&, double, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
       .def("run", &DecodeStack::run, "every layer's decode_layer in turn");
 }

@@ -58,6 +58,7 @@ def cpu_kernels():
         _EXT = load(name="llmserve_cpu_ops", sources=[src], verbose=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
+        _EXT.set_avx512(envs.LLMSERVE_AVX512)
     except Exception as e:   # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp (%s); using PyTorch ops", e)
         _EXT = None
@@ -71,14 +72,69 @@ def _fast(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T; float32 with up to KernelConfig.gemv_rows rows through the extension's GEMV (streams the weights at
-    ~30 GB/s here where at::linear's gets ~12: the float32 LM head alone is 113 MB a step; at 16 rows,
-    four passes, ~18 ms vs at::linear's ~33)."""
-    ext, rows = _fast(x), _KERNELS.gemv_rows
-    if ext is not None and x.dim() == 2 and x.shape[0] <= rows and weight.dtype is torch.float32 \
-            and weight.device.type == "cpu":
-        return ext.f32_linear(x, weight, rows + 1)
+    """x @ weight.T; float32 with fewer rows than `gemm_rows(weight)` through the extension's GEMV (streams
+    the weights at ~30 GB/s where at::linear's one-row GEMV gets ~12: the float32 LM head alone is 113 MB a
+    step), at::linear from there."""
+    ext = _fast(x)
+    if ext is not None and x.dim() == 2 and weight.dtype is torch.float32 and weight.device.type == "cpu":
+        rows = gemm_rows(weight)
+        if x.shape[0] < rows:
+            return ext.f32_linear(x, weight, rows)
     return F.linear(x, weight)
+
+
+_CROSSOVERS: dict[tuple, int] = {}   # (N, K, threads) -> rows from which at::linear wins (measured)
+
+
+def gemm_rows(weight: torch.Tensor) -> int:
+    """The number of rows from which at::linear (MKL / oneDNN's GEMM) beats the extension's GEMV for this
+    float32 weight: KernelConfig.gemv_rows + 1 when set, else measured once per shape and thread count
+    (`calibrate_gemv`). The GEMV reads the weights once per 4 rows (8 with AVX-512), the GEMM once per call but with a
+    start-up cost and packing: where they cross depends on the shape (N * K against the caches) and on
+    the CPU (AVX2 vs AVX-512 GEMM)."""
+    fixed = _KERNELS.gemv_rows
+    if fixed is not None:
+        return fixed + 1
+    if weight.shape[1] % 8 or cpu_kernels() is None:
+        return 0
+    key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
+    rows = _CROSSOVERS.get(key)
+    if rows is None:
+        rows = _CROSSOVERS[key] = calibrate_gemv(weight, _KERNELS.calibration_rows)
+        log.debug("float32 %s x %s: GEMV below %d rows, at::linear from there", key[0], key[1], rows)
+    return rows
+
+
+def calibrate_gemv(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3) -> int:
+    """The first of `rows` from which at::linear is faster than the GEMV on `weight` at that row count and
+    the next (each the best of `repeats` interleaved runs: robust to a busy machine's stalls); past the
+    largest, at::linear. Costs a few GEMV passes per shape (~0.1-1 s for a 1B model's shapes)."""
+    import time
+    ext = cpu_kernels()
+    w = weight.detach()
+    wins = 0
+    first = None
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, w.shape[1])
+            best = [float("inf"), float("inf")]
+            for rep in range(repeats + 1):
+                for i in (0, 1):
+                    t = time.perf_counter()
+                    if i == 0:
+                        ext.f32_linear(x, w, m + 1)
+                    else:
+                        F.linear(x, w)
+                    if rep:   # the first round warms up
+                        best[i] = min(best[i], time.perf_counter() - t)
+            if best[1] < best[0]:
+                wins += 1
+                first = m if wins == 1 else first
+                if wins == 2:
+                    return first
+            else:
+                wins, first = 0, None
+    return first if first is not None else rows[-1] + 1
 
 
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +155,8 @@ def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def head_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> torch.Tensor | None:
     """argmax(linear(x, weight), -1) for float32 x, exactly, reading mostly the int8 screen (see
-    head_argmax in cpu_ops.cpp: the few vocabulary rows that can win are computed in float32 as `linear`
-    computes them for up to KernelConfig.gemv_rows rows, whatever the batch); None where the extension cannot (the
+    head_argmax in cpu_ops.cpp: the few vocabulary rows that can win are computed in float32 as the GEMV of
+    `linear` computes them, whatever the batch); None where the extension cannot (the
     caller computes the logits). Cheaper at any batch: 64 rows of SmolLM2's head 22 ms vs at::linear's 44."""
     ext = _fast(x)
     if ext is None or x.dim() != 2 or x.shape[-1] % 32 or weight.dtype is not torch.float32 \
@@ -175,8 +231,12 @@ def weight_kernel(kind: str):
     return ext.q4_linear if kind == "int4" else ext.q8_linear
 
 
+_ALL_ROWS = 2 ** 62
+
+
 def decode_layer_args(model) -> list | None:
-    """Per layer ([tensors], [kind per projection], [activation bits]) for the extension's
+    """Per layer ([tensors], [kind per projection], [activation bits], [rows from which each projection takes
+    its many-rows path]) for the extension's
     decode_layer, or None where a layer does not fit it (see `decode_stack`). A quantized projection
     fits through its `kernel_args()` (llmserve.model.quant's interface)."""
     if cpu_kernels() is None:
@@ -187,7 +247,7 @@ def decode_layer_args(model) -> list | None:
         if attn.all_reduce is not None or mlp.all_reduce is not None or attn.head_dim not in (64, 128):
             return None
         w = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        kinds, bits = [], []
+        kinds, bits, many = [], [], []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             quantized = getattr(lin, "kernel_args", None)
             if quantized is not None:
@@ -197,16 +257,18 @@ def decode_layer_args(model) -> list | None:
                 kinds.append(args[0])
                 bits.append(args[1])
                 w += args[2]
+                many.append(_ALL_ROWS)   # integer dots at every row count the stack takes
             elif isinstance(lin, torch.nn.Linear) and lin.bias is None and lin.weight.dtype == torch.float32 \
                     and lin.weight.device.type == "cpu":
                 kinds.append(0)
                 bits.append(0)
                 w.append(lin.weight)
+                many.append(gemm_rows(lin.weight))   # shapes repeat: measured on the first layer only
             else:
                 return None
         if any(t.dtype == torch.float32 and t.device.type != "cpu" for t in w):
             return None
-        out.append((w, kinds, bits))
+        out.append((w, kinds, bits, many))
     return out
 
 

@@ -175,3 +175,22 @@ def test_max_model_len_that_cannot_fit_fails_at_startup():
     with pytest.raises(ValueError) as e:
         LLM(max_model_len=4096, kv_cache_memory=0.01)
     assert "--kv-cache-memory" in str(e.value) and "--max-model-len" in str(e.value)
+
+
+def test_greedy_matches_transformers_with_gemm_in_the_fused_decode(llm, prompt_ids, reference):
+    """The fused decode stack's float32 projections take at::linear (MKL / oneDNN's GEMM) from their
+    crossover on (measured per shape, ops.gemm_rows); forced there at every row count, greedy output
+    still equals transformers'."""
+    from llmserve.config import KernelConfig
+    from llmserve.model import ops
+    model = llm.engine.model
+    saved = ops.configure(KernelConfig(gemv_rows=0))
+    model._decode_stack = None   # rebuilt with the new row limits
+    try:
+        got = _greedy(llm, prompt_ids)
+        assert model._decode_stack, "the fused path must run here"
+    finally:
+        ops.configure(saved)
+        model._decode_stack = None
+    for i, (g, r) in enumerate(zip(got, reference)):
+        assert _strip_eos(g) == _strip_eos(r), f"prompt {i} (len {len(prompt_ids[i])})"

@@ -52,6 +52,29 @@ def test_f32_linear(ext, rows, k):
     assert close(ext.f32_linear(x.t().contiguous().t(), w, 5), x @ w.t(), 1e-5)   # strided x
 
 
+def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
+    """KernelConfig.gemv_rows None: the rows from which at::linear takes over are measured once per weight
+    shape (one of the calibration row counts, or past the largest); a number fixes it for every shape.
+    ops.linear is x @ w.T either side of it."""
+    from llmserve.config import KernelConfig
+    w = torch.randn(96, 64)
+    saved = ops.configure(KernelConfig(calibration_rows=(2, 4, 8)))
+    try:
+        ops._CROSSOVERS.clear()
+        rows = ops.gemm_rows(w)
+        assert rows in (2, 4, 8, 9)
+        assert ops._CROSSOVERS == {(96, 64, torch.get_num_threads()): rows}
+        assert ops.gemm_rows(torch.randn(96, 12)) == 0   # K not a multiple of 8: at::linear always
+        for m in (1, 3, 9):
+            x = torch.randn(m, 64)
+            assert close(ops.linear(x, w), x @ w.t(), 1e-5)
+        ops.configure(KernelConfig(gemv_rows=5))
+        assert ops.gemm_rows(w) == 6
+    finally:
+        ops.configure(saved)
+        ops._CROSSOVERS.clear()
+
+
 @pytest.mark.parametrize("rows,n,k", [(1, 5000, 576), (3, 1000, 64), (16, 300, 96), (2, 9, 32), (40, 700, 64)])
 def test_head_argmax_is_the_argmax_of_the_float32_logits(ext, rows, n, k):
     torch.manual_seed(n + rows)
@@ -84,6 +107,27 @@ def test_q8_linear(ext, rows, group, k):
     for many in (1, 10**9):   # the tiled float32 path; integer dots with x rounded to int16
         assert close(ext.q8_linear(x, q, s, many, 16), x @ ref.t(), 2e-4)
     assert close(ext.q8_linear(x, q, s, 10**9, 8), x @ ref.t(), 2e-2)   # x rounded to int8
+
+
+def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
+    """Where the CPU has AVX-512 the int8 x int16 dots of several rows run a kernel compiled for it (8 rows a
+    pass); LLMSERVE_AVX512=0 keeps the AVX2 one. Same integer dots, float sums in another order."""
+    import os
+    import subprocess
+    import sys
+    if not ext.uses_avx512():
+        pytest.skip("this CPU has no AVX-512: the AVX2 kernel is the one tested above")
+    torch.manual_seed(3)
+    q = torch.randint(-127, 128, (300, 576), dtype=torch.int8)
+    s = torch.rand(300, 1) + 0.1
+    x = torch.randn(13, 576)
+    torch.save((x, q, s), tmp_path / "in.pt")
+    code = ("import sys, torch; sys.path.insert(0, '.'); from llmserve.model import ops; e = ops.cpu_kernels(); "
+            f"x, q, s = torch.load('{tmp_path}/in.pt'); assert not e.uses_avx512(); "
+            f"torch.save(e.q8_linear(x, q, s, 10**9, 16), '{tmp_path}/out.pt')")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "LLMSERVE_AVX512": "0"}, cwd=root)
+    assert close(ext.q8_linear(x, q, s, 10**9, 16), torch.load(tmp_path / "out.pt"), 1e-6)
 
 
 @pytest.mark.parametrize("fp16_gemm", [True, False])

