@@ -60,6 +60,9 @@ class EngineStats:
     block_size: int = 16                       # configuration, for llmserve:cache_config_info
     cache_dtype: str = "float32"
     enable_prefix_caching: bool = True
+    max_lora: int | None = None                # --max-loras with --enable-lora (else None: no LoRA metrics)
+    running_lora_adapters: tuple[str, ...] = ()   # adapters of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()   # ... and of waiting ones
 
 
 class LLMEngine:
@@ -140,7 +143,8 @@ class LLMEngine:
         self.lora = None   # LoRARegistry with --enable-lora: the adapters loaded, by name
         if config.enable_lora:
             from llmserve.engine.lora import LoRARegistry, parse_lora_modules
-            self.lora = LoRARegistry(self.model, config.max_loras, config.max_lora_rank, self.dtype)
+            self.lora = LoRARegistry(self.model, config.max_loras, config.max_lora_rank, self.dtype,
+                                     reserved=(self.served_model_name,))
             self.runner.lora = self.lora.layers
             for name, path in parse_lora_modules(config.lora_modules):
                 self.lora.load(name, path)
@@ -332,4 +336,17 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.num_spec_proposed,
             spec_decode_num_accepted_tokens=self.num_spec_accepted,
             block_size=self.block_size, cache_dtype=self.kv_dtype_name,
-            enable_prefix_caching=self.config.enable_prefix_caching)
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            max_lora=self.config.max_loras if self.lora is not None else None,
+            running_lora_adapters=_lora_names(s.running), waiting_lora_adapters=_lora_names(s.waiting))
+
+
+def _lora_names(requests) -> tuple[str, ...]:
+    """The adapters these requests use, each once, in order (read from another thread: a list changed
+    while copied is read again)."""
+    for _ in range(5):
+        try:
+            return tuple(dict.fromkeys(r.lora.name for r in list(requests) if r.lora is not None))
+        except RuntimeError:
+            continue
+    return ()

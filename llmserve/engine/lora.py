@@ -43,8 +43,10 @@ def parse_lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
 
 
 class LoRARegistry:
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype=None) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype=None,
+                 reserved: tuple[str, ...] = ()) -> None:
         self.model = model
+        self.reserved = set(reserved)   # names adapters may not take (the base model's)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
@@ -58,6 +60,8 @@ class LoRARegistry:
             raise LoRAError("lora_name: must be a non-empty string")
         if not isinstance(path, str) or not path:
             raise LoRAError("lora_path: must be a non-empty string")
+        if name in self.reserved:
+            raise LoRAError(f"lora_name: {name!r} is the base model's name")
         with self._lock:
             if name in self._adapters:
                 raise LoRAError(f"lora_name: an adapter named {name!r} is already loaded")
