@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from llmserve.testing.lora import write_random_adapter
-from tests.server_proc import ServerProcess
+from tests.server_proc import ROUTE, ServerProcess, wait_until
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
@@ -133,6 +133,27 @@ def test_runtime_load_unload_and_errors(server, client, adapters, tmp_path):
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert {m.id for m in client.models.list().data} == {"base", "sql"}
     assert _chat(client, "sql") and _chat(client, "base")   # still serving
+
+
+def test_router_routes_adapter_names(server, adapters):
+    """The router's per-model pools come from each backend's /v1/models: adapters are routed like models,
+    including one loaded at runtime (after the next health check)."""
+    with ServerProcess("--backend", server.url, "--health-interval", "0.3", "--log-level", "warning",
+                       cmd=ROUTE).wait_ready(30) as router:
+        via = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert wait_until(lambda: {m.id for m in via.models.list().data} == {"base", "sql"}, timeout=30)
+        assert {m.id: getattr(m, "parent", None) for m in via.models.list().data}["sql"] == "base"
+        direct = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert _chat(via, "sql") == _chat(direct, "sql")
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters["poet"]})
+        assert r.status_code == 200, r.text
+        try:
+            assert wait_until(lambda: "late" in {m.id for m in via.models.list().data}, timeout=30)
+            assert _chat(via, "late")
+        finally:
+            httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
+        with pytest.raises(openai.NotFoundError):
+            _chat(via, "nope")
 
 
 def test_runtime_updates_off_by_default(adapters):
