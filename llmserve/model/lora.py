@@ -178,7 +178,9 @@ class LoRALayers:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.groups: list[tuple[LoRAAdapter, slice | torch.Tensor]] = []
+        self.spans: list[tuple[LoRAAdapter, int, int]] = []   # (adapter, its rows' span in the gathered rows)
+        self.rows: slice | torch.Tensor | None = None          # the step's adapter rows, grouped by adapter
+        self.num_rows = 0
         self.handles = []
         for i, layer in enumerate(model.layers):
             for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
@@ -189,34 +191,47 @@ class LoRALayers:
         self.handles.append(model.register_forward_hook(lambda *_: self.set_step([], None)))
 
     def set_step(self, segments: list[tuple[LoRAAdapter, int, int]], device: torch.device | None) -> None:
-        """This step's adapter rows: (adapter, first row, rows) per request with an adapter (rows of
-        one adapter are gathered: a slice where they are contiguous, an index otherwise)."""
+        """This step's adapter rows: (adapter, first row, rows) per request with an adapter. The rows of
+        all adapters are gathered once per projection, grouped by adapter (`rows`: a slice where they
+        are contiguous in the batch, an index otherwise), and each adapter's group is a span of them."""
         by_adapter: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         for adapter, first, n in segments:
             by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + n))
-        groups = []
+        order: list[int] = []
+        spans = []
         for adapter, rows in by_adapter.values():
-            if rows[-1] - rows[0] + 1 == len(rows) and rows == sorted(rows):
-                groups.append((adapter, slice(rows[0], rows[-1] + 1)))
-            else:
-                groups.append((adapter, torch.tensor(rows, dtype=torch.long, device=device)))
-        self.groups = groups
-        self.model.lora_rows = bool(groups)
+            spans.append((adapter, len(order), len(order) + len(rows)))
+            order.extend(rows)
+        self.spans = spans
+        if order and order == list(range(order[0], order[0] + len(order))):
+            self.rows = slice(order[0], order[0] + len(order))
+        else:
+            self.rows = torch.tensor(order, dtype=torch.long, device=device) if order else None
+        self.num_rows = len(order)
+        self.model.lora_rows = bool(spans)
 
     def _hook(self, key: tuple[int, str]):
         def hook(module, inputs, out):
-            if not self.groups:
+            if not self.spans:
                 return None
-            x = inputs[0]
-            for adapter, rows in self.groups:
+            x, rows = inputs[0], self.rows
+            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            delta = None
+            for adapter, start, end in self.spans:
                 w = adapter.weights.get(key)
                 if w is None:
                     continue
-                at, bt = w
-                if isinstance(rows, slice):
-                    out[rows].addmm_(x[rows] @ at, bt)
-                else:
-                    out.index_add_(0, rows, (x.index_select(0, rows) @ at) @ bt)
+                if delta is None:   # rows of adapters without this layer add nothing
+                    full = all(a.weights.get(key) is not None for a, _, _ in self.spans)
+                    delta = (torch.empty if full else torch.zeros)(self.num_rows, out.shape[1], dtype=out.dtype,
+                                                                   device=out.device)
+                torch.mm(xs[start:end] @ w[0], w[1], out=delta[start:end])
+            if delta is None:
+                return None
+            if isinstance(rows, slice):
+                out[rows] += delta
+            else:
+                out.index_add_(0, rows, delta)
             return out
         return hook
 
@@ -224,5 +239,4 @@ class LoRALayers:
         for h in self.handles:
             h.remove()
         self.handles = []
-        self.groups = []
-        self.model.lora_rows = False
+        self.set_step([], None)
