@@ -80,11 +80,11 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in conversations]
-        outs = self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for out, conv in zip(outs, conversations):
             out.prompt = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         return outs
