@@ -94,7 +94,8 @@ def main() -> None:
     key = f"{args.adapters} adapters x {args.requests // args.adapters} requests"
     mixed, mixed_step = med[key], steps[base] / steps[key]
     body = (
-        f"`python benchmarks/lora.py --threads {args.threads} --rounds {args.rounds} --rank {args.rank}`: "
+        f"`python benchmarks/lora.py --threads {args.threads} --rounds {args.rounds} --rank {args.rank} "
+        f"--max-tokens {args.max_tokens}`: "
         f"{args.requests} chat prompts x {args.max_tokens} output tokens (greedy, ignore_eos) added at once to the "
         f"offline engine (prefix caching off), bundled SmolLM2-135M float32; random rank-{args.rank} PEFT "
         f"adapters on all 7 projections (q/k/v/o/gate/up/down) of every layer. Rounds interleave the "

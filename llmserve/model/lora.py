@@ -33,6 +33,8 @@ _LAYER_OF = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_p
              "gate_proj": ("mlp", "gate_up_proj"), "up_proj": ("mlp", "gate_up_proj"),
              "down_proj": ("mlp", "down_proj")}
 TARGET_MODULES = tuple(_LAYER_OF)
+# steps with up to this many adapter rows of several adapters run them as one batched matmul pair per layer
+BATCHED_ROWS = 64
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -181,6 +183,9 @@ class LoRALayers:
         self.spans: list[tuple[LoRAAdapter, int, int]] = []   # (adapter, its rows' span in the gathered rows)
         self.rows: slice | torch.Tensor | None = None          # the step's adapter rows, grouped by adapter
         self.num_rows = 0
+        self.batched = None   # few rows of several adapters: (gather index, group size, padding mask)
+        self._stack_ids: tuple = ()   # the adapters whose stacked weights _stacks holds (cached across steps)
+        self._stacks: dict = {}
         self.handles = []
         for i, layer in enumerate(model.layers):
             for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
@@ -209,12 +214,65 @@ class LoRALayers:
             self.rows = torch.tensor(order, dtype=torch.long, device=device) if order else None
         self.num_rows = len(order)
         self.model.lora_rows = bool(spans)
+        self.batched = None
+        if len(spans) > 1 and len(order) <= BATCHED_ROWS:
+            self._plan_batched(spans, order, device)
+
+    def _plan_batched(self, spans, order: list[int], device) -> None:
+        """Few rows of several adapters (decode steps): each adapter's group padded to the largest and all
+        groups run as one batched matmul pair (torch.bmm over the adapters' stacked weights), so a
+        projection costs the same few ops whatever the number of adapters. Padding rows are zeroed."""
+        g = max(end - start for _, start, end in spans)
+        if g * len(spans) > 2 * len(order):
+            return   # groups too uneven: the per-adapter loop wastes less
+        idx, keep = [], []
+        for _, start, end in spans:
+            group = order[start:end]
+            idx += group + [group[0]] * (g - len(group))
+            keep += [1.0] * len(group) + [0.0] * (g - len(group))
+        mask = None
+        if 0.0 in keep:
+            mask = torch.tensor(keep, device=device).view(len(spans), g, 1)
+        ids = tuple(a.adapter_id for a, _, _ in spans)
+        if ids != self._stack_ids:   # the stacked weights of this set of adapters, built per layer on use
+            self._stack_ids, self._stacks = ids, {}
+        self.batched = (torch.tensor(idx, dtype=torch.long, device=device), g, mask)
+
+    def _stacked(self, key):
+        """([adapters, in, R], [adapters, R, out]) of one layer for the step's adapters (zeros where an
+        adapter has no update of it or a lower rank), or None if none has one."""
+        if key not in self._stacks:
+            ws = [a.weights.get(key) for a, _, _ in self.spans]
+            present = [w for w in ws if w is not None]
+            if not present:
+                self._stacks[key] = None
+            else:
+                r = max(w[0].shape[1] for w in present)
+                at = present[0][0].new_zeros(len(ws), present[0][0].shape[0], r)
+                bt = present[0][1].new_zeros(len(ws), r, present[0][1].shape[1])
+                for i, w in enumerate(ws):
+                    if w is not None:
+                        at[i, :, :w[0].shape[1]] = w[0]
+                        bt[i, :w[1].shape[0]] = w[1]
+                self._stacks[key] = (at, bt)
+        return self._stacks[key]
 
     def _hook(self, key: tuple[int, str]):
         def hook(module, inputs, out):
             if not self.spans:
                 return None
             x, rows = inputs[0], self.rows
+            if self.batched is not None:
+                stacked = self._stacked(key)
+                if stacked is None:
+                    return None
+                idx, g, mask = self.batched
+                xs = x.index_select(0, idx).view(len(self.spans), g, x.shape[1])
+                if mask is not None:
+                    xs = xs * mask
+                delta = torch.bmm(torch.bmm(xs, stacked[0]), stacked[1])
+                out.index_add_(0, idx, delta.view(-1, out.shape[1]))
+                return out
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
             delta = None
             for adapter, start, end in self.spans:
@@ -240,3 +298,4 @@ class LoRALayers:
             h.remove()
         self.handles = []
         self.set_step([], None)
+        self._stack_ids, self._stacks = (), {}
