@@ -106,6 +106,13 @@ class EngineConfig:
         "process with RANK and WORLD_SIZE set) or env:// under torchrun; default: one machine"))
     speculative_ngram: int = field(default=0, metadata=flag(
         "propose up to K tokens by prompt lookup (n-gram) and verify them in one forward"))
+    enable_lora: bool = field(default=False, metadata=flag(
+        "serve LoRA adapters (PEFT folders) beside the base model; requests pick one by its name as `model`"))
+    lora_modules: list[str] | None = field(default=None, metadata=flag(
+        "adapters to load at start-up, as name=path (a PEFT folder: adapter_config.json + "
+        "adapter_model.safetensors); implies --enable-lora"))
+    max_loras: int = field(default=1, metadata=flag("most LoRA adapters loaded at once"))
+    max_lora_rank: int = field(default=16, metadata=flag("largest LoRA rank an adapter may have"))
     enforce_eager: bool = True            # vLLM compatibility only: always eager (no compile/CUDA graphs)
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
@@ -137,6 +144,16 @@ class EngineConfig:
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [self.lora_modules]
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -158,6 +175,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is list:   # --lora-modules a=x b=y
+            kwargs["nargs"] = "+"
+            kwargs["type"] = typing.get_args(kind)[0]
         else:
             kwargs["type"] = kind
         if meta["choices"]:

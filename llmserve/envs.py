@@ -45,6 +45,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1": the server fails or kills its engine loop on marked prompts (a test facility, see
     # llmserve/server/faults.py; default off)
     "LLMSERVE_FAULT_INJECTION": lambda: os.environ.get("LLMSERVE_FAULT_INJECTION") == "1",
+    # "1" / "true": `llmserve serve` offers POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters
+    # loaded and dropped at runtime, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default off). Read at start-up.
+    "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get(
+        "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
     # -- other tools' conventions, as llmserve reads them ----------------------------------------
     # any value: never download from the Hugging Face hub (a --model that is not a local path fails)
     "HF_HUB_OFFLINE": lambda: bool(os.environ.get("HF_HUB_OFFLINE")),

@@ -34,6 +34,7 @@ class _Add:
     priority: int
     arrival_time: float
     sink: "_Sink"
+    lora_request: object = None
 
 
 @dataclass
@@ -93,9 +94,10 @@ class AsyncEngine:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yields an output each time the request makes progress; the last one has finished=True.
-        Raises ValueError (bad input), QueueFullError (back-pressure) or EngineDeadError."""
+        Raises ValueError (bad input), QueueFullError (back-pressure) or EngineDeadError.
+        `lora_request`: a loaded LoRA adapter's name (None: the base model)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead}")
         self.engine.validate_prompt(prompt_token_ids, params)
@@ -108,7 +110,7 @@ class AsyncEngine:
             self._pending_adds += 1
             sink = _Sink(asyncio.get_running_loop())
             self._sinks[request_id] = sink
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, time.time(), sink))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, time.time(), sink, lora_request))
         finished = False
         try:
             while True:
@@ -141,7 +143,8 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
-                                        priority=cmd.priority, arrival_time=cmd.arrival_time)
+                                        priority=cmd.priority, arrival_time=cmd.arrival_time,
+                                        lora_request=cmd.lora_request)
             except (ValueError, QueueFullError) as e:
                 self._sinks.pop(cmd.request_id, None)
                 cmd.sink.put(e)

@@ -58,6 +58,9 @@ class EngineStats:
     block_size: int = 16                       # configuration, for llmserve:cache_config_info
     cache_dtype: str = "float32"
     enable_prefix_caching: bool = True
+    max_lora: int | None = None                # --max-loras with --enable-lora (else None: no LoRA metrics)
+    running_lora_adapters: tuple[str, ...] = ()   # adapters of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()   # ... and of waiting ones
 
 
 class LLMEngine:
@@ -132,6 +135,14 @@ class LLMEngine:
                                   self.kv_dtype)
         if self.tp is not None:
             self.tp.attach(self.runner, num_blocks, block_size)
+        self.lora = None   # LoRARegistry with --enable-lora: the adapters loaded, by name
+        if config.enable_lora:
+            from llmserve.engine.lora import LoRARegistry, parse_lora_modules
+            self.lora = LoRARegistry(self.model, config.max_loras, config.max_lora_rank, self.dtype,
+                                     reserved=(self.served_model_name,))
+            self.runner.lora = self.lora.layers
+            for name, path in parse_lora_modules(config.lora_modules):
+                self.lora.load(name, path)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
@@ -216,8 +227,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora_request=None) -> str:
+        """`lora_request`: a loaded adapter's name, or a LoRARequest (loaded from its path if its name is
+        not loaded yet); None: the base model."""
         params = params or SamplingParams()
+        adapter = self.resolve_lora(lora_request)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -228,11 +242,26 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(request_id, ids, params, self.eos_token_ids, priority, arrival_time, text, cache_salt)
         req.guided = self.guided.matcher(params) if params.guided else None  # compiled once, cached
+        req.lora = adapter
         self.scheduler.add_request(req)
         req.generator = torch.Generator(device=self.device)   # unseeded requests: the next seed of --seed's stream
         req.generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))
         self.output_processor.add_request(req)
         return request_id
+
+    def resolve_lora(self, lora_request):
+        """The LoRAAdapter a request names (None for the base model); ValueError if there is none."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA adapters are not enabled (start with --enable-lora)")
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+        adapter = self.lora.get(name)
+        if adapter is None and not isinstance(lora_request, str) and lora_request.lora_path:
+            adapter = self.lora.load(name, lora_request.lora_path)
+        if adapter is None:
+            raise ValueError(f"lora_request: no LoRA adapter named {name!r} is loaded")
+        return adapter
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -302,4 +331,17 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.num_spec_proposed,
             spec_decode_num_accepted_tokens=self.num_spec_accepted,
             block_size=self.block_size, cache_dtype=self.kv_dtype_name,
-            enable_prefix_caching=self.config.enable_prefix_caching)
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            max_lora=self.config.max_loras if self.lora is not None else None,
+            running_lora_adapters=_lora_names(s.running), waiting_lora_adapters=_lora_names(s.waiting))
+
+
+def _lora_names(requests) -> tuple[str, ...]:
+    """The adapters these requests use, each once, in order (read from another thread: a list changed
+    while copied is read again)."""
+    for _ in range(5):
+        try:
+            return tuple(dict.fromkeys(r.lora.name for r in list(requests) if r.lora is not None))
+        except RuntimeError:
+            continue
+    return ()

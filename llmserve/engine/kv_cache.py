@@ -152,6 +152,8 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         extra = (request.cache_salt,) if request.cache_salt else ()
+        if request.lora is not None:   # KV computed under an adapter is that adapter's (per load)
+            extra += (("lora", request.lora.adapter_id),)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(tokens) // bs):
             key = (hash(parent) if parent is not None else 0,

@@ -60,7 +60,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """`lora_request` (with enable_lora): a LoRARequest or an adapter's name for every prompt, or a
+        list of them (None: the base model), as vLLM's."""
         if _is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -70,15 +73,18 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
-        return self._run(prompts, params, use_tqdm, priority)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request: give one, or one per prompt")
+        return self._run(prompts, params, use_tqdm, priority, loras)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in conversations]
-        outs = self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for out, conv in zip(outs, conversations):
             out.prompt = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         return outs
@@ -90,20 +96,22 @@ class LLM:
         return self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling), use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             priority: Sequence[int] | None) -> list[RequestOutput]:
+             priority: Sequence[int] | None, loras: list | None = None) -> list[RequestOutput]:
         engine = self.engine
         # Validate everything before queueing anything, so a bad prompt queues nothing.
         parsed = [_parse_prompt(p, i) for i, p in enumerate(prompts)]
         encoded = [engine.tokenizer.encode(text) if ids is None else ids for text, ids, _ in parsed]
         for ids, p in zip(encoded, params):
             engine.validate_prompt(ids, p)
+        loras = [engine.resolve_lora(lr) for lr in (loras or [None] * len(prompts))]
         children: dict[str, tuple[int, int]] = {}      # child request id -> (prompt index, sample index)
         for i, (ids, p) in enumerate(zip(encoded, params)):
             for j in range(p.n):
                 child = p if p.n == 1 else p.clone(n=1, seed=None if p.seed is None else p.seed + j)
                 rid = f"llm-{next(self._ids)}"
                 engine.add_request(ids, child, request_id=rid,
-                                   priority=priority[i] if priority else 0, cache_salt=parsed[i][2])
+                                   priority=priority[i] if priority else 0, cache_salt=parsed[i][2],
+                                   lora_request=None if loras[i] is None else loras[i].name)
                 children[rid] = (i, j)
         finals: dict[str, RequestOutput] = {}
         bar = None

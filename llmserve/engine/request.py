@@ -58,6 +58,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # speculative proposals for the next step
         self.generator = None                # torch.Generator of a seeded request (set by the engine)
         self.guided = None                   # GuidedMatcher (engine/guided.py) of a guided request
+        self.lora = None                     # LoRAAdapter (model/lora.py) of a request for an adapter
 
     @property
     def num_tokens(self) -> int:

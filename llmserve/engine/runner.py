@@ -70,6 +70,7 @@ class ModelRunner:
         self.kv_caches = [alloc(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)]
         self.in_place_decode = (device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
                                 and kv_dtype in ops.KV_DTYPES)
+        self.lora = None   # LoRALayers (model/lora.py) with --enable-lora
         self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
         # the last step's final hidden states of pooling requests: (request, first position, [rows, hidden])
         self.pooled: list[tuple[Request, int, torch.Tensor]] = []
@@ -131,6 +132,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         pooled: list[tuple[Request, int, int, int]] = []   # pooling requests: (request, first row, rows, start)
+        lora_rows: list[tuple] = []   # requests for a LoRA adapter: (adapter, first row, rows)
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
@@ -148,6 +150,8 @@ class ModelRunner:
                 decode_lens.extend(range(c + 1, c + n + 1))
             else:
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
+            if req.lora is not None:
+                lora_rows.append((req.lora, row, n))
             if req.params.pooling is not None:   # embeddings: every row's hidden state, nothing to sample
                 pooled.append((req, row, n, c))
             elif c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
@@ -176,6 +180,8 @@ class ModelRunner:
         rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, pos, meta, rows_t)
+        if self.lora is not None:   # the step's adapter index, read by the projections' LoRA hooks
+            self.lora.set_step(lora_rows, dev)
         self.pooled = []
         if pooled:
             hidden_rows = torch.tensor([r for _, first, n, _ in pooled for r in range(first, first + n)],

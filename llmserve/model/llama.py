@@ -388,12 +388,14 @@ class LlamaModel(nn.Module):
         return ops.head_argmax(x, w.detach(), self._screen[2])
 
     _decode_stack = None   # ops.decode_stack(self) once built, False where the model does not fit it
+    lora_rows = False      # this step has LoRA adapter rows (llmserve.model.lora): the module path runs
 
     def _fused_decode(self, x: torch.Tensor, meta: AttentionMetadata):
         """The model's DecodeStack (every layer in one C++ call, see ops.decode_stack) when this step can use
         it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
-        parallelism, no biases; else None."""
-        if meta.prefills or len(meta.decode_groups) != 1 or not self._llama_layers or not ops.decode_stack_fits(x):
+        parallelism, no biases, no LoRA rows, Llama layers only; else None."""
+        if (meta.prefills or len(meta.decode_groups) != 1 or not self._llama_layers or self.lora_rows
+                or not ops.decode_stack_fits(x)):
             return None
         if self._decode_stack is None:
             self._decode_stack = ops.decode_stack(self) or False

@@ -60,6 +60,12 @@ class _EngineCollector:
                                  labels=labels + ["block_size", "cache_dtype", "enable_prefix_caching", "num_blocks"])
         info.add_metric(v + [str(s.block_size), s.cache_dtype, str(s.enable_prefix_caching), str(s.num_blocks)], 1)
         yield info
+        if s.max_lora is not None:   # --enable-lora: as vLLM's vllm:lora_requests_info (the value: the time)
+            lora = GaugeMetricFamily(P + "lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(s.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                            time.time())
+            yield lora
         yield from _cuda_metrics(labels, v)
 
 
@@ -156,7 +162,9 @@ class ServerMetrics:
             out.update(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                        num_requests_preempted=s.num_preempted, kv_cache_usage=s.kv_cache_usage,
                        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-                       num_preemptions=s.num_preemptions, engine_steps=s.steps)
+                       num_preemptions=s.num_preemptions, engine_steps=s.steps,
+                       running_lora_adapters=list(s.running_lora_adapters),
+                       waiting_lora_adapters=list(s.waiting_lora_adapters))
         return out
 
     def finished(self, out, num_prompt_tokens: int) -> None:

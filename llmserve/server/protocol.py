@@ -177,7 +177,18 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llmserve"
     root: str | None = None
+    parent: str | None = None          # a LoRA adapter's base model (as vLLM lists adapters)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -10,7 +10,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
-from llmserve import __version__
+from llmserve import __version__, envs
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import anthropic_messages as A
 from llmserve.server import embeddings as E
@@ -39,9 +39,12 @@ def engine_or_503(state: ServerState) -> AsyncEngine:
 
 
 def check_model(state: ServerState, name: str | None) -> str:
+    """The model a request names: the base model (also when it names none) or a loaded LoRA adapter."""
     if name and name not in state.model_names:
+        if state.lora_name(name):
+            return name
         raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(state.model_names)}", param="model", code="model_not_found")
+                            f"{', '.join(state.served_names())}", param="model", code="model_not_found")
     return state.model_names[0]
 
 
@@ -81,8 +84,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=P.ModelList, responses=ERROR_RESPONSES)
     async def models():
         eng = engine_or_503(state)
-        return P.ModelList(data=[P.ModelCard(id=n, root=eng.engine.model_path, max_model_len=eng.engine.max_model_len)
-                                 for n in state.model_names])
+        cards = [P.ModelCard(id=n, root=eng.engine.model_path, max_model_len=eng.engine.max_model_len)
+                 for n in state.model_names]
+        for a in state.lora.adapters() if state.lora is not None else ():
+            cards.append(P.ModelCard(id=a.name, root=a.path, parent=state.model_names[0],
+                                     max_model_len=eng.engine.max_model_len))
+        return P.ModelList(data=cards)
+
+    if envs.LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING:
+        add_lora_routes(app, state)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index():
@@ -216,3 +226,35 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         msgs, tool_plan = anthropic_chat(body)
         ids = await asyncio.to_thread(encode_chat, eng.tokenizer, msgs, True, body.template_kwargs(), tool_plan)
         return A.CountTokensResponse(input_tokens=len(ids))
+
+
+def add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """Runtime LoRA adapters, as vLLM's (only with LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    def registry():
+        engine_or_503(state)
+        if state.lora is None:
+            raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora)",
+                           code="lora_not_enabled")
+        return state.lora
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES,
+              summary="Load a LoRA adapter (a PEFT folder) under a name")
+    async def load_lora_adapter(body: P.LoadLoRAAdapterRequest):
+        lora = registry()
+        try:
+            await asyncio.to_thread(lora.load, body.lora_name, body.lora_path)
+        except ValueError as e:
+            raise from_value_error(e) from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES,
+              summary="Unload a LoRA adapter (requests running with it finish first)")
+    async def unload_lora_adapter(body: P.UnloadLoRAAdapterRequest):
+        lora = registry()
+        try:
+            lora.unload(body.lora_name)
+        except KeyError:
+            raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name",
+                           code="model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -42,6 +42,7 @@ class Generation:
         self.finals: dict[int, RequestOutput] = {}
         self.latest: dict[int, RequestOutput] = {}   # each choice's newest output (continuous usage stats)
         self.stream_options: P.StreamOptions | None = None
+        self.lora = state.lora_name(model)   # the LoRA adapter the request names as its model, or None
 
     def _deadline(self) -> float | None:
         t = self.s.request_timeout
@@ -55,7 +56,7 @@ class Generation:
         async def run(index: int, ids: list[int], params: SamplingParams) -> None:
             times: list[float] = []
             try:
-                async for out in self.eng.generate(ids, params, f"{self.rid}-{index}", self.priority):
+                async for out in self.eng.generate(ids, params, f"{self.rid}-{index}", self.priority, self.lora):
                     if out.outputs[0].delta_token_ids:
                         times.append(time.time())
                         if self.state.metrics is not None:

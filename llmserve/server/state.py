@@ -73,6 +73,20 @@ class ServerState:
         self.engine = engine
         log.info("ready: serving %s", name)
 
+    @property
+    def lora(self):
+        """The engine's LoRARegistry (llmserve.engine.lora) with --enable-lora, else None."""
+        return None if self.engine is None else self.engine.engine.lora
+
+    def lora_name(self, model: str) -> str | None:
+        """`model` if it names a loaded LoRA adapter (not the base model), else None."""
+        lora = self.lora
+        return model if lora is not None and model not in self.model_names and lora.get(model) else None
+
+    def served_names(self) -> list[str]:
+        """Every name a request may send as `model`: the base model's, then the loaded adapters'."""
+        return self.model_names + (self.lora.names() if self.lora is not None else [])
+
     def _request_aborted(self, out: RequestOutput) -> None:
         """A request aborted in the engine (its client went away, or it timed out): counted in
         request_success_total{finished_reason="abort"} as vLLM does, and logged like any other."""

@@ -109,3 +109,28 @@ ops.head_screen(torch.randn(8, 32))
 assert "llmserve.model.quant" not in sys.modules, "ops imports quant"
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_lora_flags_as_vllm_names_them():
+    from llmserve.engine.lora import parse_lora_modules
+    cfg = engine_config_from_args(parse(["--lora-modules", "sql=/a/sql", "poet=/b", "--max-loras", "2",
+                                         "--max-lora-rank", "8"]))
+    assert cfg.enable_lora and cfg.lora_modules == ["sql=/a/sql", "poet=/b"]
+    assert (cfg.max_loras, cfg.max_lora_rank) == (2, 8)
+    assert parse_lora_modules(cfg.lora_modules) == [("sql", "/a/sql"), ("poet", "/b")]
+    assert engine_config_from_args(parse(["--enable-lora"])).enable_lora
+    assert not EngineConfig().enable_lora
+    with pytest.raises(ValueError, match="is not name=path"):
+        parse_lora_modules(["sql"])
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(max_loras=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+
+
+def test_runtime_lora_updating_variable(monkeypatch):
+    monkeypatch.delenv("LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert envs.LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING is False
+    for value, want in (("1", True), ("True", True), ("0", False), ("", False)):
+        monkeypatch.setenv("LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", value)
+        assert envs.LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING is want

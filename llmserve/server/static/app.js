@@ -23,6 +23,7 @@ async function loadModels() {
   for (const m of data.data) {
     const o = document.createElement("option");
     o.value = o.textContent = m.id;
+    if (m.parent) o.textContent = `${m.id} (LoRA adapter of ${m.parent})`;
     sel.appendChild(o);
   }
   if (keep && [...sel.options].some((o) => o.value === keep)) sel.value = keep;
