@@ -5,6 +5,7 @@
 Fails (exit 1) on any known vulnerability, and on pip-audit failing for a reason other than the
 vulnerability service being unreachable. Passes, saying so, when the service cannot be reached (no
 network) or answers for none of the dependencies."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,12 @@ import os
 import re
 import sys
 
-UNREACHABLE = re.compile(r"ConnectionError|ProxyError|ConnectTimeout|ReadTimeout|NameResolutionError|"
-                         r"Max retries exceeded|Temporary failure in name resolution|Network is unreachable|"
-                         r"Connection refused|SSLError|timed out", re.I)
+UNREACHABLE = re.compile(
+    r"ConnectionError|ProxyError|ConnectTimeout|ReadTimeout|NameResolutionError|"
+    r"Max retries exceeded|Temporary failure in name resolution|Network is unreachable|"
+    r"Connection refused|SSLError|timed out",
+    re.I,
+)
 
 
 def judge(report_path: str, log_path: str, status: int) -> tuple[int, str]:
@@ -26,17 +30,24 @@ def judge(report_path: str, log_path: str, status: int) -> tuple[int, str]:
     deps = json.load(open(report_path, encoding="utf-8"))["dependencies"]
     found = [(d["name"], d.get("version"), v) for d in deps for v in d.get("vulns", [])]
     if found:
-        lines = [f"  {n} {ver}: {v['id']} (fixed in: {', '.join(v.get('fix_versions') or []) or 'no fix yet'})"
-                 for n, ver, v in found]
-        return 1, "pip-audit: known vulnerabilities (upgrade in pyproject.toml, or --ignore-vuln ID with a " \
-                  "reason in .ci/run):\n" + "\n".join(lines)
+        lines = [
+            f"  {n} {ver}: {v['id']} (fixed in: {', '.join(v.get('fix_versions') or []) or 'no fix yet'})"
+            for n, ver, v in found
+        ]
+        return (
+            1,
+            "pip-audit: known vulnerabilities (upgrade in pyproject.toml, or --ignore-vuln ID with a "
+            "reason in .ci/run):\n" + "\n".join(lines),
+        )
     skipped = [d for d in deps if d.get("skip_reason")]
     audited = len(deps) - len(skipped)
     if status != 0:
         return 1, f"pip-audit exited {status} with no finding in its report:\n{log[-4000:]}"
     if deps and not audited:
-        return 0, (f"pip-audit: none of the {len(deps)} dependencies could be audited (the vulnerability "
-                   f"service is unreachable or has no data for them): not failing")
+        return 0, (
+            f"pip-audit: none of the {len(deps)} dependencies could be audited (the vulnerability "
+            f"service is unreachable or has no data for them): not failing"
+        )
     return 0, f"pip-audit: no known vulnerabilities in {audited} dependencies ({len(skipped)} skipped)"
 
 

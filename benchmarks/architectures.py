@@ -10,6 +10,7 @@ batch: 16 such prompts at once; transformers: `generate` one prompt alone, same 
 
     python benchmarks/architectures.py [--threads 2] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,14 +25,26 @@ import torch  # noqa: E402
 
 from benchmarks.common import write_section  # noqa: E402
 
-SHAPE = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 SLIDING = dict(sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 4)
 
 
 def configs():
     import transformers as T
+
     moe = dict(num_experts_per_tok=2)
     return {
         "Llama": (T.LlamaConfig, {}),
@@ -61,6 +74,7 @@ def main() -> None:
     from llmserve import LLM, SamplingParams
     from llmserve.model.loader import bundled_model_path
     from llmserve.tokenizer import Tokenizer
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (64,), generator=g).tolist() for _ in range(16)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -72,21 +86,27 @@ def main() -> None:
             model.save_pretrained(d)
             Tokenizer(bundled_model_path(), gguf=True).hf.save_pretrained(d)
             llm = LLM(model=d, num_threads=args.threads, kv_cache_memory=0.5)
-            llm.generate(prompts[:2], params, use_tqdm=False)   # warm-up
+            llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
             fused = llm.engine.model._llama_layers
             single = 64 / seconds(llm.generate, prompts[:1], params, use_tqdm=False)
             batch = 64 * len(prompts) / seconds(llm.generate, prompts, params, use_tqdm=False)
             del llm
         with torch.inference_mode():
             ids = torch.tensor([prompts[0]])
-            hf = 64 / seconds(model.generate, ids, max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                              pad_token_id=0)
+            hf = 64 / seconds(
+                model.generate, ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
+            )
         rows.append((name, "fused C++ stack" if fused else "module path", single, batch, hf))
         print(rows[-1], flush=True)
-    body = [__doc__.split("\n\n")[1].strip(), "",
-            f"`python benchmarks/architectures.py --threads {args.threads}`", "",
-            "| architecture | decode path | llmserve single stream tok/s | llmserve batch of 16 tok/s "
-            "| transformers single stream tok/s |", "|---|---|---|---|---|"]
+    body = [
+        __doc__.split("\n\n")[1].strip(),
+        "",
+        f"`python benchmarks/architectures.py --threads {args.threads}`",
+        "",
+        "| architecture | decode path | llmserve single stream tok/s | llmserve batch of 16 tok/s "
+        "| transformers single stream tok/s |",
+        "|---|---|---|---|---|",
+    ]
     body += [f"| {n} | {p} | {s:.1f} | {b:.1f} | {h:.1f} |" for n, p, s, b, h in rows]
     text = "\n".join(body)
     print(text)

@@ -1,4 +1,5 @@
 """Shared helpers for the benchmark scripts: prompts, machine description, BENCHMARKS.md sections."""
+
 from __future__ import annotations
 
 import datetime
@@ -6,10 +7,24 @@ import os
 import platform
 import re
 
-TOPICS = ["Docker", "the water cycle", "hash tables", "the French Revolution", "photosynthesis",
-          "TCP handshakes", "black holes", "sourdough bread", "the stock market", "vaccines",
-          "garbage collection", "the Roman Empire", "solar panels", "jazz music", "chess openings",
-          "climate change"]
+TOPICS = [
+    "Docker",
+    "the water cycle",
+    "hash tables",
+    "the French Revolution",
+    "photosynthesis",
+    "TCP handshakes",
+    "black holes",
+    "sourdough bread",
+    "the stock market",
+    "vaccines",
+    "garbage collection",
+    "the Roman Empire",
+    "solar panels",
+    "jazz music",
+    "chess openings",
+    "climate change",
+]
 TEMPLATES = [
     "What is {t}? Answer in one sentence.",
     "Explain {t} to a ten year old.",
@@ -51,10 +66,26 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
 
     from llmserve.model.loader import bundled_model_path
     from tests.server_proc import free_port
+
     port = free_port()
-    proc = subprocess.Popen([binary, "-m", model or bundled_model_path(), "--port", str(port), "-np", str(slots),
-                             "-cb", "-t", str(threads), "-c", str(context)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "-m",
+            model or bundled_model_path(),
+            "--port",
+            str(port),
+            "-np",
+            str(slots),
+            "-cb",
+            "-t",
+            str(threads),
+            "-c",
+            str(context),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -69,8 +100,11 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
 def write_section(title: str, body: str, path: str | None = None) -> None:
     """Replace (or append) the `## title` section of BENCHMARKS.md."""
     path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
-    text = open(path).read() if os.path.exists(path) else \
-        "# Benchmarks\n\nMeasured, not asserted: each section says how it was run.\n"
+    text = (
+        open(path).read()
+        if os.path.exists(path)
+        else "# Benchmarks\n\nMeasured, not asserted: each section says how it was run.\n"
+    )
     stamp = datetime.date.today().isoformat()
     section = f"## {title}\n\n_{stamp}, {machine()}_\n\n{body.strip()}\n"
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)

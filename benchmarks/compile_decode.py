@@ -7,6 +7,7 @@ Reports the step time (50 steps after a warm-up) and the warm-up (compilation) t
 
     python benchmarks/compile_decode.py [--rows 1 16] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ def one(mode: str, rows: int, ctx: int = 200) -> dict:
 
     from llmserve import LLM
     from llmserve.model.attention import AttentionMetadata, DecodeGroup
+
     llm = LLM(num_threads=2, kv_cache_memory=0.25)
     m, kv, bs = llm.engine.model, llm.engine.runner.kv_caches, llm.engine.block_size
     nb = -(-ctx // bs)
@@ -34,8 +36,9 @@ def one(mode: str, rows: int, ctx: int = 200) -> dict:
 
     def step():
         slots = table[:, -1] * bs + (ctx - 1) % bs
-        meta = AttentionMetadata(slot_mapping=slots,
-                                 decode_groups=[DecodeGroup(0, rows, table, torch.full((rows,), ctx))])
+        meta = AttentionMetadata(
+            slot_mapping=slots, decode_groups=[DecodeGroup(0, rows, table, torch.full((rows,), ctx))]
+        )
         with torch.inference_mode():
             return fwd(torch.full((rows,), 42), torch.full((rows,), ctx - 1), kv, meta, torch.arange(rows))
 
@@ -65,18 +68,28 @@ def main() -> None:
         res = {}
         for mode in ("fused", "eager", "compiled"):
             env = dict(os.environ, **({} if mode == "fused" else {"LLMSERVE_CPU_KERNELS": "0"}))
-            out = subprocess.run([sys.executable, __file__, "--child", mode, str(rows)], env=env,
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", mode, str(rows)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             res[mode] = json.loads(out.strip().splitlines()[-1])
             print(res[mode], flush=True)
-        table.append(f"| {rows} | {res['fused']['step_ms']:.1f} ms | {res['eager']['step_ms']:.1f} ms | "
-                     f"{res['compiled']['step_ms']:.1f} ms | {res['compiled']['warmup_s']:.0f} s |")
-    body = ("`python benchmarks/compile_decode.py`: one decode step's model forward (context 200, float32), each way "
-            "in its own process: llmserve's fused C++ path, the module path with PyTorch ops only "
-            "(`LLMSERVE_CPU_KERNELS=0`), and that forward under `torch.compile(dynamic=False)` (inductor, CPU).\n\n"
-            + "\n".join(table) + "\n\nOn this CPU compilation does not pay: the compiled step is slower than the "
-            "fused path (and than eager: the paged attention's per-step gather is not a static graph; not chased) and "
-            "costs minutes of warm-up, so llmserve does not compile (CUDA graphs: untested, no GPU).\n")
+        table.append(
+            f"| {rows} | {res['fused']['step_ms']:.1f} ms | {res['eager']['step_ms']:.1f} ms | "
+            f"{res['compiled']['step_ms']:.1f} ms | {res['compiled']['warmup_s']:.0f} s |"
+        )
+    body = (
+        "`python benchmarks/compile_decode.py`: one decode step's model forward (context 200, float32), each way "
+        "in its own process: llmserve's fused C++ path, the module path with PyTorch ops only "
+        "(`LLMSERVE_CPU_KERNELS=0`), and that forward under `torch.compile(dynamic=False)` (inductor, CPU).\n\n"
+        + "\n".join(table)
+        + "\n\nOn this CPU compilation does not pay: the compiled step is slower than the "
+        "fused path (and than eager: the paged attention's per-step gather is not a static graph; not chased) and "
+        "costs minutes of warm-up, so llmserve does not compile (CUDA graphs: untested, no GPU).\n"
+    )
     print(body)
     if not args.no_write:
         write_section("torch.compile of the decode step (issue: performance)", body)

@@ -8,6 +8,7 @@ float32 GEMV and at::linear cross is what `ops.gemm_rows` measures at start-up.
 
     python benchmarks/gemv_paths.py [--shapes 135m 1b] [--rows 1 4 8 16 32 64] [--rounds 2] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {   # (N, K) of qkv, o, gate_up, down and the LM head
+SHAPES = {  # (N, K) of qkv, o, gate_up, down and the LM head
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
     "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (49152, 2048)],
 }
@@ -30,6 +31,7 @@ def child(shapes: list[str], rows: list[int], repeats: int) -> None:
     import torch.nn.functional as F
 
     from llmserve.model import ops
+
     ext = ops.cpu_kernels()
 
     def best(f) -> float:
@@ -50,10 +52,10 @@ def child(shapes: list[str], rows: list[int], repeats: int) -> None:
             for m in rows:
                 x = torch.randn(m, k)
                 out["t"][f"{name} {n}x{k} {m}"] = {
-                    "at::linear": best(lambda: F.linear(x, w)),                    # noqa: B023
-                    "f32 GEMV": best(lambda: ext.f32_linear(x, w, 1 << 30)),       # noqa: B023
+                    "at::linear": best(lambda: F.linear(x, w)),  # noqa: B023
+                    "f32 GEMV": best(lambda: ext.f32_linear(x, w, 1 << 30)),  # noqa: B023
                     "int8 dots": best(lambda: ext.q8_linear(x, q, s, 1 << 30, 16)),  # noqa: B023
-                    "int8 tiles": best(lambda: ext.q8_linear(x, q, s, 0, 16)),     # noqa: B023
+                    "int8 tiles": best(lambda: ext.q8_linear(x, q, s, 0, 16)),  # noqa: B023
                 }
     print("RESULT " + json.dumps(out))
 
@@ -72,8 +74,17 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"0": [], "1": []}
     for _ in range(a.rounds):
         for flag in ("0", "1"):
-            cmd = [sys.executable, __file__, "--child", "--shapes", *a.shapes, "--rows", *map(str, a.rows),
-                   "--repeats", str(a.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--shapes",
+                *a.shapes,
+                "--rows",
+                *map(str, a.rows),
+                "--repeats",
+                str(a.repeats),
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LLMSERVE_AVX512": flag})
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
@@ -85,8 +96,11 @@ def main() -> None:
     def best_of(flag: str, key: str, kind: str) -> float:
         return min(r["t"][key][kind] for r in runs[flag])
 
-    head = "| shape, rows | " + " | ".join(f"{k} AVX2" + (" / AVX-512" if avx512 and k != "at::linear" else "")
-                                           for k in kinds) + " |"
+    head = (
+        "| shape, rows | "
+        + " | ".join(f"{k} AVX2" + (" / AVX-512" if avx512 and k != "at::linear" else "") for k in kinds)
+        + " |"
+    )
     rows = [head, "|---|" + "---|" * len(kinds)]
     for key in runs["0"][0]["t"]:
         cells = []
@@ -96,12 +110,15 @@ def main() -> None:
                 c += f" / {best_of('1', key, kind):.2f}"
             cells.append(c)
         rows.append(f"| {key} | " + " | ".join(cells) + " |")
-    body = (f"`python benchmarks/gemv_paths.py {' '.join(sys.argv[1:])}` (load average {os.getloadavg()[0]:.1f} at "
-            "the end; ms, best of each process's repeats and of the rounds; each kernel set in its own process, "
-            "alternated). The AVX-512 kernels read the weights once per 8 rows (AVX2: 4).\n\n" + "\n".join(rows) + "\n")
+    body = (
+        f"`python benchmarks/gemv_paths.py {' '.join(sys.argv[1:])}` (load average {os.getloadavg()[0]:.1f} at "
+        "the end; ms, best of each process's repeats and of the rounds; each kernel set in its own process, "
+        "alternated). The AVX-512 kernels read the weights once per 8 rows (AVX2: 4).\n\n" + "\n".join(rows) + "\n"
+    )
     print(body)
     if not a.no_write:
         from benchmarks.common import write_section
+
         write_section("Few-rows kernels vs torch's GEMM, per shape (issue #21)", body)
 
 

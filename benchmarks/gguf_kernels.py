@@ -23,6 +23,7 @@ values).
     python benchmarks/gguf_kernels.py [--threads 2] [--rounds 5] [--clock wall|cpu] [--rows 1,4,16,64,256]
     python benchmarks/gguf_kernels.py --gguf model-Q4_K_M.gguf --threads 1 --clock cpu
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,14 +53,21 @@ def weights(n: int, k: int) -> dict:
     out = {}
     for qt in ("Q4_K", "Q6_K"):
         size = gk.row_bytes(qt, k) * n
-        out[qt] = (size, copies_of(lambda i, qt=qt: gk.random_blocks(qt, n, k, seed=i), size),
-                   lambda x, w, mr, qt=qt: gg.linear(x, w, gk.qtype_number(qt), k, mr))
+        out[qt] = (
+            size,
+            copies_of(lambda i, qt=qt: gk.random_blocks(qt, n, k, seed=i), size),
+            lambda x, w, mr, qt=qt: gg.linear(x, w, gk.qtype_number(qt), k, mr),
+        )
     from llmserve.model.quant import pack_int4, quantize_int4
+
     q, scale, lo = quantize_int4(torch.randn(n, k) * 0.02)
     int4 = (pack_int4(q), scale.half(), lo.half())
     size = sum(t.numel() * t.element_size() for t in int4)
-    out["int4"] = (size, copies_of(lambda i: tuple(t.clone() for t in int4), size),
-                   lambda x, w, mr: cpu.q4_linear(x, *w, mr))
+    out["int4"] = (
+        size,
+        copies_of(lambda i: tuple(t.clone() for t in int4), size),
+        lambda x, w, mr: cpu.q4_linear(x, *w, mr),
+    )
     out["float32"] = (n * k * 4, [torch.randn(n, k) * 0.02], lambda x, w, mr: cpu.f32_linear(x, w, mr))
     return out
 
@@ -89,19 +97,19 @@ def measure(cases: dict, rounds: int, seconds: float) -> dict:
 
 def file_token(path: str, rounds: int) -> None:
     import gguf
+
     reader = gguf.GGUFReader(path)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    mats = [gk.from_reader(t) for t in reader.tensors
-            if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)]
+    mats = [gk.from_reader(t) for t in reader.tensors if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)]
     xs = {k: torch.randn(1, k) for _, _, k in mats}
     size = sum(raw.numel() for raw, _, _ in mats)
 
     def token(_):
         for raw, num, k in mats:
             gk.linear(xs[k], raw, num, k)
+
     ms = measure({"token": token}, rounds, 1.0)["token"]
-    print(f"{path}: {len(mats)} matrices, {size / 1e6:.0f} MB a token: {ms:.1f} ms a token, "
-          f"{size / ms / 1e6:.1f} GB/s")
+    print(f"{path}: {len(mats)} matrices, {size / 1e6:.0f} MB a token: {ms:.1f} ms a token, {size / ms / 1e6:.1f} GB/s")
 
 
 def main() -> None:
@@ -127,12 +135,16 @@ def main() -> None:
         cases = {name: (lambda i, c=cs, f=fn, x=x: f(x, c[i % len(c)], huge)) for name, (_, cs, fn) in w.items()}
         res = measure(cases, args.rounds, 0.3)
         for name, (size, _, _) in w.items():
-            print(f"| {shape} | {name} | {size * 8 / (n * k):.3g} | {size / 1e6:.1f} | {res[name]:.2f} | "
-                  f"{size / res[name] / 1e6:.1f} |")
+            print(
+                f"| {shape} | {name} | {size * 8 / (n * k):.3g} | {size / 1e6:.1f} | {res[name]:.2f} | "
+                f"{size / res[name] / 1e6:.1f} |"
+            )
         del w
     rows = [int(r) for r in args.rows.split(",")]
-    print("\nms per call (dots: integer dot products, each weight pass serving 4 rows; tiles: dequantized to "
-          "float32 + at::mm)\n")
+    print(
+        "\nms per call (dots: integer dot products, each weight pass serving 4 rows; tiles: dequantized to "
+        "float32 + at::mm)\n"
+    )
     print("| shape | kernel | " + " | ".join(f"M={m}" for m in rows) + " |\n|---|---|" + "---|" * len(rows))
     for shape, (n, k) in SHAPES.items():
         w = weights(n, k)

@@ -12,6 +12,7 @@ Runs: `1b*` use /work/ckpt/llama-1b/model-Q8_0.gguf, `8b*` /work/ckpt/llama-8b/m
 made by benchmarks/make_checkpoint.py); the suffix is llmserve's --quantization (none: the float32-exact
 default) or `llama` for llama-server. Check `free -g` before an 8B run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,17 @@ def cache_bytes() -> int:
 
 async def decode_rate(url: str, concurrency: int, tokens: int) -> float:
     async def one(client, i):
-        r = await client.post(url + "/v1/completions", json={
-            "model": "m", "prompt": f"{PROMPT} {i}", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "n_predict": tokens})
+        r = await client.post(
+            url + "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": f"{PROMPT} {i}",
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "n_predict": tokens,
+            },
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
@@ -85,13 +94,28 @@ def run(name: str, tokens: int, threads: int, kv_gib: float) -> dict:
     t0 = time.perf_counter()
     if mode == "llama":
         port = free_port()
-        proc = subprocess.Popen([LLAMA_SERVER, "-m", path, "--port", str(port), "-np", "4", "-cb", "-t", str(threads),
-                                 "-c", str(4 * 1024)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [LLAMA_SERVER, "-m", path, "--port", str(port), "-np", "4", "-cb", "-t", str(threads), "-c", str(4 * 1024)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url, pid, stop = f"http://127.0.0.1:{port}", proc.pid, proc.terminate
         ready = "/health"
     else:
-        flags = ["--model", path, "--kv-cache-memory", str(kv_gib), "--num-threads", str(threads),
-                 "--log-level", "warning", "--max-model-len", "1024", "--served-model-name", "m"]
+        flags = [
+            "--model",
+            path,
+            "--kv-cache-memory",
+            str(kv_gib),
+            "--num-threads",
+            str(threads),
+            "--log-level",
+            "warning",
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            "m",
+        ]
         if mode:
             flags += ["--quantization", mode]
         srv = ServerProcess(*flags)
@@ -110,16 +134,24 @@ def run(name: str, tokens: int, threads: int, kv_gib: float) -> dict:
             time.sleep(0.1)
         load_s = time.perf_counter() - t0
         rss_loaded = sampler.peak
-        asyncio.run(decode_rate(url, 1, 4))   # warm-up
+        asyncio.run(decode_rate(url, 1, 4))  # warm-up
         single = asyncio.run(decode_rate(url, 1, tokens))
         c4 = asyncio.run(decode_rate(url, 4, tokens))
     finally:
         sampler.stop = True
         stop()
-    res = dict(run=name, kv_gib=None if mode == "llama" else kv_gib, file=path,
-               file_gib=os.path.getsize(path) / 2**30, load_s=load_s,
-               peak_rss_gib=sampler.peak / 2**30, rss_after_load_gib=rss_loaded / 2**30, single_tok_s=single,
-               c4_tok_s=c4, cache_written_mib=(cache_bytes() - before) / 2**20)
+    res = dict(
+        run=name,
+        kv_gib=None if mode == "llama" else kv_gib,
+        file=path,
+        file_gib=os.path.getsize(path) / 2**30,
+        load_s=load_s,
+        peak_rss_gib=sampler.peak / 2**30,
+        rss_after_load_gib=rss_loaded / 2**30,
+        single_tok_s=single,
+        c4_tok_s=c4,
+        cache_written_mib=(cache_bytes() - before) / 2**20,
+    )
     print(json.dumps(res), flush=True)
     return res
 
@@ -132,8 +164,13 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=0.5, help="llmserve's --kv-cache-memory (llama-server: -c 4096)")
     ap.add_argument("--out", default=None, help="append each run's JSON line to this file")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--table", nargs="*", default=None, metavar="JSONL",
-                    help="write the BENCHMARKS.md table from runs saved with --out (no new runs)")
+    ap.add_argument(
+        "--table",
+        nargs="*",
+        default=None,
+        metavar="JSONL",
+        help="write the BENCHMARKS.md table from runs saved with --out (no new runs)",
+    )
     ap.add_argument("--note", default="", help="text under the table (BENCHMARKS.md)")
     a = ap.parse_args()
     if a.table is not None:
@@ -151,13 +188,18 @@ def main() -> None:
 
 
 def write_table(rows: list[dict], note: str) -> None:
-    lines = ["| run | file (GiB) | KV (GiB) | load (s) | peak RSS (GiB) | single stream (tok/s) | "
-             "4 concurrent (tok/s) | cache written (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | file (GiB) | KV (GiB) | load (s) | peak RSS (GiB) | single stream (tok/s) | "
+        "4 concurrent (tok/s) | cache written (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['run']} | {os.path.basename(r['file'])} ({r['file_gib']:.2f}) | "
-                     f"{r.get('kv_gib') or '-c 4096'} | {r['load_s']:.1f} | "
-                     f"{r['peak_rss_gib']:.2f} | {r['single_tok_s']:.2f} | {r['c4_tok_s']:.2f} | "
-                     f"{r['cache_written_mib']:.0f} |")
+        lines.append(
+            f"| {r['run']} | {os.path.basename(r['file'])} ({r['file_gib']:.2f}) | "
+            f"{r.get('kv_gib') or '-c 4096'} | {r['load_s']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {r['single_tok_s']:.2f} | {r['c4_tok_s']:.2f} | "
+            f"{r['cache_written_mib']:.0f} |"
+        )
     write_section("GGUF loading and serving vs llama-server", "\n".join(lines) + "\n\n" + note)
 
 

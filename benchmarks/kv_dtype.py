@@ -9,6 +9,7 @@
 
     python benchmarks/kv_dtype.py [--llama-server PATH] [--context 2000] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,18 +25,22 @@ from benchmarks.vs_peers import llama_numbers, serve_numbers  # noqa: E402
 
 def long_context_decode(context: int, rounds: int, new_tokens: int = 64) -> dict[str, list[float]]:
     from llmserve import LLM, SamplingParams
-    engines = {d: LLM(kv_cache_memory=1.0, kv_cache_dtype=d, enable_prefix_caching=False)
-               for d in ("float32", "float16")}
+
+    engines = {
+        d: LLM(kv_cache_memory=1.0, kv_cache_dtype=d, enable_prefix_caching=False) for d in ("float32", "float16")
+    }
     tok = engines["float32"].get_tokenizer()
-    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
-                    for i in range(400))
+    text = " ".join(
+        f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(400)
+    )
     ids = tok.encode(text)[:context]
     speeds: dict[str, list[float]] = {d: [] for d in engines}
     for _ in range(rounds):
         for d, llm in engines.items():
-            (out,) = llm.generate([ids], SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True),
-                                  use_tqdm=False)
-            m = out.metrics   # decode only: from the first token to the last
+            (out,) = llm.generate(
+                [ids], SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True), use_tqdm=False
+            )
+            m = out.metrics  # decode only: from the first token to the last
             speeds[d].append(new_tokens / (m.last_token_time - m.first_token_time))
     return speeds
 
@@ -50,31 +55,42 @@ def main() -> None:
     args = ap.parse_args()
     prompts = chat_prompts(64)
 
-    srv = {d: serve_numbers(["--quantization", "int4", "--kv-cache-dtype", d], args.threads, prompts, 128)
-           for d in ("float32", "float16")}
+    srv = {
+        d: serve_numbers(["--quantization", "int4", "--kv-cache-dtype", d], args.threads, prompts, 128)
+        for d in ("float32", "float16")
+    }
     ll = llama_numbers(args.llama_server, args.threads, prompts, 128) if args.llama_server else None
     dec = long_context_decode(args.context, args.rounds)
     med = {d: statistics.median(v) for d, v in dec.items()}
 
-    rows = ["| KV cache | server int4, 16 concurrent tok/s | server RSS after the load |" +
-            (" vs llama-server |" if ll else ""), "|---|---|---|" + ("---|" if ll else "")]
+    rows = [
+        "| KV cache | server int4, 16 concurrent tok/s | server RSS after the load |"
+        + (" vs llama-server |" if ll else ""),
+        "|---|---|---|" + ("---|" if ll else ""),
+    ]
     for d, r in srv.items():
-        rows.append(f"| {d} | {r['c16']:.1f} | {r['rss_mib']:.0f} MiB |" +
-                    (f" {r['rss_mib'] / ll['rss_mib']:.2f}x |" if ll else ""))
+        rows.append(
+            f"| {d} | {r['c16']:.1f} | {r['rss_mib']:.0f} MiB |"
+            + (f" {r['rss_mib'] / ll['rss_mib']:.2f}x |" if ll else "")
+        )
     if ll:
         rows.append(f"| llama-server Q4_1 (f16 KV, 16 slots x 1k) | {ll['c16']:.1f} | {ll['rss_mib']:.0f} MiB | 1x |")
-    body = "\n".join([
-        f"`python benchmarks/kv_dtype.py{' --llama-server PATH' if ll else ''} --context {args.context} "
-        f"--rounds {args.rounds}`: `llmserve serve --quantization int4 --kv-cache-memory 1`, 64 chat prompts x "
-        "128 tokens at 16 concurrent, each KV type in turn; then the float32 model offline, single stream, "
-        f"decode of 64 tokens after a {args.context}-token prompt, KV types alternated round by round.",
-        "", *rows, "",
-        f"- long-context decode, single stream (median of {args.rounds}): float32 KV {med['float32']:.1f} tok/s, "
-        f"float16 KV {med['float16']:.1f} tok/s = {med['float16'] / med['float32']:.2f}x "
-        f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(dec['float32'], dec['float16']))}).",
-        f"- server RSS with float16 KV = {srv['float16']['rss_mib'] / srv['float32']['rss_mib']:.2f}x float32's "
-        "(what the load adds is the pool's pages written: the same tokens in half the bytes).",
-    ])
+    body = "\n".join(
+        [
+            f"`python benchmarks/kv_dtype.py{' --llama-server PATH' if ll else ''} --context {args.context} "
+            f"--rounds {args.rounds}`: `llmserve serve --quantization int4 --kv-cache-memory 1`, 64 chat prompts x "
+            "128 tokens at 16 concurrent, each KV type in turn; then the float32 model offline, single stream, "
+            f"decode of 64 tokens after a {args.context}-token prompt, KV types alternated round by round.",
+            "",
+            *rows,
+            "",
+            f"- long-context decode, single stream (median of {args.rounds}): float32 KV {med['float32']:.1f} tok/s, "
+            f"float16 KV {med['float16']:.1f} tok/s = {med['float16'] / med['float32']:.2f}x "
+            f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(dec['float32'], dec['float16']))}).",
+            f"- server RSS with float16 KV = {srv['float16']['rss_mib'] / srv['float32']['rss_mib']:.2f}x float32's "
+            "(what the load adds is the pool's pages written: the same tokens in half the bytes).",
+        ]
+    )
     print(body)
     if not args.no_write:
         write_section("KV cache dtype (float16 vs float32)", body)

@@ -9,6 +9,7 @@ path, used where the kernels are not).
 
     python benchmarks/long_context.py [--threads 2] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float, int]:
     """(median decode step seconds, share of it in attention, rows) for `prompts` decoding together."""
     import llmserve.model.llama as llama
     from llmserve import SamplingParams
+
     eng = llm.engine
     spent = [0.0]
     inner = llama.paged_attention
@@ -37,10 +39,11 @@ def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float, int]:
         out = inner(*a, **k)
         spent[0] += time.perf_counter() - t0
         return out
+
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=n_steps + 8, temperature=0, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()   # prefill
+        eng.step()  # prefill
     rows = len(eng.scheduler.running)
     times = []
     for _ in range(n_steps):
@@ -64,9 +67,10 @@ def use_kernel(llm, on: bool) -> None:
     """Switch decode attention between the in-place kernel and gather + SDPA."""
     from llmserve.config import KernelConfig
     from llmserve.model import ops
+
     llm.engine.runner.in_place_decode = on and ops.cpu_kernels() is not None
     ops.configure(KernelConfig(in_place_decode=on))
-    llm.engine.model._decode_stack = False   # the module path for both, so the timer sees attention
+    llm.engine.model._decode_stack = False  # the module path for both, so the timer sees attention
 
 
 def main() -> None:
@@ -75,14 +79,17 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     from llmserve import LLM
+
     llm = LLM(num_threads=args.threads, enable_prefix_caching=False, kv_cache_memory=1.0)
     tok = llm.get_tokenizer()
     with open(TEXT) as f:
         ids = tok.encode(f.read() * 4)
-    rows = ["| context per request | requests | attention | decode step (median) | per token | share in attention |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| context per request | requests | attention | decode step (median) | per token | share in attention |",
+        "|---|---|---|---|---|---|",
+    ]
     for length in (100, 500, 2000):
-        prompts = [ids[i * 7:i * 7 + length] for i in range(8)]
+        prompts = [ids[i * 7 : i * 7 + length] for i in range(8)]
         for name, on in (("in-place kernel", True), ("gather + SDPA", False)):
             use_kernel(llm, on)
             step, share, n = decode_steps(llm, prompts)
@@ -90,9 +97,11 @@ def main() -> None:
             print(rows[-1], flush=True)
     use_kernel(llm, True)
     llm.engine.model._decode_stack = None
-    body = (f"`python benchmarks/long_context.py --threads {args.threads}`: 8 requests decoding together, float32, "
-            "prefix caching off; decode-only steps timed; attention share = time inside `paged_attention` (KV "
-            "write + attention) over 4 steps. Both attention paths in one process.\n\n" + "\n".join(rows) + "\n")
+    body = (
+        f"`python benchmarks/long_context.py --threads {args.threads}`: 8 requests decoding together, float32, "
+        "prefix caching off; decode-only steps timed; attention share = time inside `paged_attention` (KV "
+        "write + attention) over 4 steps. Both attention paths in one process.\n\n" + "\n".join(rows) + "\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Long context: paged attention at 2k tokens (issue: performance)", body)

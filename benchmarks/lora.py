@@ -6,6 +6,7 @@ the shared machine's load hits them alike; the median round counts. `uptime` is 
 
     python benchmarks/lora.py [--threads 2] [--rounds 3] [--rank 16] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,12 +62,20 @@ def main() -> None:
     load_before = uptime()
     tmp = tempfile.mkdtemp(prefix="llmserve-lora-bench-")
     names = [f"a{i}" for i in range(args.adapters)]
-    modules = [f"{n}={write_random_adapter(os.path.join(tmp, n), rank=args.rank, alpha=2 * args.rank, seed=i)}"
-               for i, n in enumerate(names)]
+    modules = [
+        f"{n}={write_random_adapter(os.path.join(tmp, n), rank=args.rank, alpha=2 * args.rank, seed=i)}"
+        for i, n in enumerate(names)
+    ]
     # prefix caching off: rounds repeat the prompts, and no setting may reuse an earlier round's KV
     plain = LLMEngine(num_threads=args.threads, kv_cache_memory=1.0, enable_prefix_caching=False)
-    lora = LLMEngine(num_threads=args.threads, kv_cache_memory=1.0, enable_prefix_caching=False, lora_modules=modules,
-                     max_loras=args.adapters, max_lora_rank=args.rank)
+    lora = LLMEngine(
+        num_threads=args.threads,
+        kv_cache_memory=1.0,
+        enable_prefix_caching=False,
+        lora_modules=modules,
+        max_loras=args.adapters,
+        max_lora_rank=args.rank,
+    )
     prompts = [plain.tokenizer.encode_chat(c) for c in chat_prompts(args.requests)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     spread = [names[i % len(names)] for i in range(args.requests)]
@@ -75,7 +84,7 @@ def main() -> None:
         "base model, engine with the adapters loaded": (lora, [None] * args.requests),
         f"{args.adapters} adapters x {args.requests // args.adapters} requests": (lora, spread),
     }
-    run(lora, prompts[:2], SamplingParams(max_tokens=4), [None, names[0]])   # warm-up (kernels, caches)
+    run(lora, prompts[:2], SamplingParams(max_tokens=4), [None, names[0]])  # warm-up (kernels, caches)
     results: dict[str, list[float]] = {k: [] for k in settings}
     steps: dict[str, float] = {k: float("inf") for k in settings}
     for r in range(args.rounds):
@@ -88,9 +97,11 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     base = "base model, engine without --enable-lora"
     ref = med[base]
-    rows = "\n".join(f"| {k} | {med[k]:.1f} tok/s | {', '.join(f'{x:.1f}' for x in results[k])} | "
-                     f"{med[k] / ref:.2f} | {steps[k] * 1000:.1f} ms | {steps[base] / steps[k]:.2f} |"
-                     for k in settings)
+    rows = "\n".join(
+        f"| {k} | {med[k]:.1f} tok/s | {', '.join(f'{x:.1f}' for x in results[k])} | "
+        f"{med[k] / ref:.2f} | {steps[k] * 1000:.1f} ms | {steps[base] / steps[k]:.2f} |"
+        for k in settings
+    )
     key = f"{args.adapters} adapters x {args.requests // args.adapters} requests"
     mixed, mixed_step = med[key], steps[base] / steps[key]
     body = (
@@ -106,7 +117,8 @@ def main() -> None:
         f"{args.adapters} adapters vs all on the base model: **{mixed / ref:.2f}x** the throughput "
         f"(**{(1 - mixed / ref) * 100:.0f}%** cost; target: at most 20%); by the fastest decode step (the "
         f"least disturbed by other load) **{mixed_step:.2f}x**.\n\n"
-        f"Load: before `{load_before}`; after `{load_after}` (2 cores shared with other engineers' runs).\n")
+        f"Load: before `{load_before}`; after `{load_after}` (2 cores shared with other engineers' runs).\n"
+    )
     print(body)
     if not args.no_write:
         write_section("LoRA adapters: 4 adapters vs the base model (issue #23)", body)

@@ -11,6 +11,7 @@ model's (49,152 tokens); benchmarks ignore EOS.
 
 `--gguf` needs llama.cpp built (`../shared/peers/llama-cpp.sh build`) and `sentencepiece` importable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,43 @@ import sys
 
 import numpy as np
 
-SHAPES = {   # Llama-3.x shapes with the bundled 49,152-token vocabulary
-    "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+SHAPES = {  # Llama-3.x shapes with the bundled 49,152-token vocabulary
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 VOCAB = 49152
 
@@ -42,11 +71,17 @@ def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     out = [("model.embed_tokens.weight", (VOCAB, h))]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                (p + "mlp.gate_proj.weight", (m, h)), (p + "mlp.up_proj.weight", (m, h)),
-                (p + "mlp.down_proj.weight", (h, m))]
+        out += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (m, h)),
+            (p + "mlp.up_proj.weight", (m, h)),
+            (p + "mlp.down_proj.weight", (h, m)),
+        ]
     out.append(("model.norm.weight", (h,)))
     if not c["tie_word_embeddings"]:
         out.append(("lm_head.weight", (VOCAB, h)))
@@ -81,20 +116,29 @@ def write_safetensors(path: str, shapes: list[tuple[str, tuple[int, ...]]], seed
 
 def bundled_tokenizer_folder() -> str:
     from llmserve.model.loader import bundled_model_path, gguf_as_hf_folder
+
     return gguf_as_hf_folder(bundled_model_path())
 
 
 def write_checkpoint(shape: str, out: str, seed: int = 0) -> str:
     import transformers
+
     c = SHAPES[shape]
     os.makedirs(out, exist_ok=True)
     tok = bundled_tokenizer_folder()
     for name in os.listdir(tok):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
             shutil.copy(os.path.join(tok, name), out)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                                   bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
-                                   rope_theta=500000.0, **c)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        rope_theta=500000.0,
+        **c,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(out)
     target = os.path.join(out, "model.safetensors")
@@ -126,8 +170,19 @@ def to_gguf(folder: str, quant: str) -> str:
     first = target if direct else os.path.join(folder, "model-F16.gguf")
     if not os.path.exists(first):
         env = {**os.environ, "PYTHONPATH": os.path.join(src, "gguf-py")}
-        subprocess.run([sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), folder, "--outfile", first,
-                        "--outtype", quant.lower() if direct else "f16"], check=True, env=env)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(src, "convert_hf_to_gguf.py"),
+                folder,
+                "--outfile",
+                first,
+                "--outtype",
+                quant.lower() if direct else "f16",
+            ],
+            check=True,
+            env=env,
+        )
     if not direct:
         subprocess.run([os.path.join(src, "build", "bin", "llama-quantize"), first, target, quant], check=True)
     return target

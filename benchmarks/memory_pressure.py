@@ -3,6 +3,7 @@ All must finish; reports preemptions and peak resident memory against the stated
 
     python benchmarks/memory_pressure.py [--threads 2] [--requests 128] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,17 @@ def main() -> None:
     args = ap.parse_args()
     from llmserve import SamplingParams
     from llmserve.engine.engine import LLMEngine
+
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     per_req_blocks = -(-(args.prompt_tokens + args.output_tokens) // 16)
-    eng = LLMEngine(num_threads=args.threads, num_kv_blocks=per_req_blocks * args.fit,
-                    max_num_seqs=args.requests, max_num_batched_tokens=512, enable_prefix_caching=True)
+    eng = LLMEngine(
+        num_threads=args.threads,
+        num_kv_blocks=per_req_blocks * args.fit,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=True,
+    )
     budget = eng.runner.kv_caches[0].numel() * eng.runner.kv_caches[0].element_size() * len(eng.runner.kv_caches)
     weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     rss_loaded = proc.memory_info().rss
@@ -45,12 +52,15 @@ def main() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], proc.memory_info().rss)
             time.sleep(0.05)
+
     threading.Thread(target=sample_rss, daemon=True).start()
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     for _ in range(args.requests):
-        eng.add_request([rng.randrange(100, vocab) for _ in range(args.prompt_tokens)],
-                        SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True))
+        eng.add_request(
+            [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)],
+            SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True),
+        )
     t = time.perf_counter()
     finished = 0
     while eng.has_unfinished_requests():
@@ -75,7 +85,8 @@ def main() -> None:
         f"| peak RSS - RSS before load | {(peak[0] - rss0) / mib:.0f} MiB (budget + weights = "
         f"{(budget + weights) / mib:.0f} MiB) |\n\n"
         f"All blocks were back in the pool at the end. (RSS includes the Python runtime, torch and the "
-        f"tokenizer, measured from before the engine was built.)\n")
+        f"tokenizer, measured from before the engine was built.)\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Memory pressure (issue: KV cache management)", body)

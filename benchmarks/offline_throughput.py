@@ -6,6 +6,7 @@ left-padded batches of 8/16/32. Writes the table into BENCHMARKS.md.
 
     python benchmarks/offline_throughput.py [--threads 2] [--serial-requests 6] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,16 +23,18 @@ from benchmarks.common import chat_prompts, write_section  # noqa: E402
 
 def run_llmserve(prompts, max_tokens, threads, **engine_kwargs):
     from llmserve import LLM, SamplingParams
+
     llm = LLM(num_threads=threads, **engine_kwargs)
     ids = [llm.get_tokenizer().encode_chat(p) for p in prompts]
-    llm.generate(ids[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)   # warm-up
+    llm.generate(ids[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     t = time.perf_counter()
-    single = llm.generate(ids[:1], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                          use_tqdm=False)
+    single = llm.generate(
+        ids[:1], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     dt1 = time.perf_counter() - t
     return llm, ids, n / dt, len(single[0].outputs[0].token_ids) / dt1
 
@@ -42,12 +45,18 @@ def run_transformers(model, tok_ids, max_tokens, batch, limit=None):
     n_out, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(ids), batch):
-            group = ids[i:i + batch]
+            group = ids[i : i + batch]
             width = max(len(g) for g in group)
             x = torch.tensor([[pad] * (width - len(g)) + g for g in group])
             mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
-            out = model.generate(x, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                x,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
             n_out += (out.shape[1] - width) * len(group)
     return n_out / (time.perf_counter() - t0)
 
@@ -69,9 +78,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from llmserve.model.loader import bundled_model_path
+
     path = bundled_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
+    ).eval()
     rows = []
     serial = run_transformers(model, ids, args.max_tokens, 1, args.serial_requests)
     print(f"transformers one at a time: {serial:.1f} tok/s", flush=True)
@@ -81,17 +92,23 @@ def main() -> None:
         print(f"transformers static batch {b}: {r:.1f} tok/s", flush=True)
         rows.append((f"transformers, static batch {b} (left padded)", r))
     best = max(r for _, r in rows[1:]) if len(rows) > 1 else serial
-    table = ["| engine | output tok/s | llmserve ratio |", "|---|---|---|",
-             f"| **llmserve `LLM.generate`, 64 requests** | **{ours:.1f}** | 1.0 |"]
+    table = [
+        "| engine | output tok/s | llmserve ratio |",
+        "|---|---|---|",
+        f"| **llmserve `LLM.generate`, 64 requests** | **{ours:.1f}** | 1.0 |",
+    ]
     table += [f"| {name} | {r:.1f} | {ours / r:.1f}x |" for name, r in rows]
-    table += [f"| llmserve, one request alone | {ours_single:.1f} | "
-              f"vs transformers alone: {ours_single / serial:.1f}x |"]
-    body = (f"`python benchmarks/offline_throughput.py --threads {args.threads}`: {args.num_prompts} chat prompts "
-            f"of varied length, {args.max_tokens} output tokens each (EOS ignored), fp32, {args.threads} threads, "
-            f"bundled SmolLM2-135M-Instruct; transformers one-at-a-time timed on {args.serial_requests} requests.\n\n"
-            + "\n".join(table) +
-            f"\n\nllmserve vs transformers one at a time: **{ours / serial:.1f}x** (bar: 15x); vs its best static "
-            f"batch: **{ours / best:.1f}x** (bar: 2x); single request: **{ours_single / serial:.1f}x**.\n")
+    table += [
+        f"| llmserve, one request alone | {ours_single:.1f} | vs transformers alone: {ours_single / serial:.1f}x |"
+    ]
+    body = (
+        f"`python benchmarks/offline_throughput.py --threads {args.threads}`: {args.num_prompts} chat prompts "
+        f"of varied length, {args.max_tokens} output tokens each (EOS ignored), fp32, {args.threads} threads, "
+        f"bundled SmolLM2-135M-Instruct; transformers one-at-a-time timed on {args.serial_requests} requests.\n\n"
+        + "\n".join(table)
+        + f"\n\nllmserve vs transformers one at a time: **{ours / serial:.1f}x** (bar: 15x); vs its best static "
+        f"batch: **{ours / best:.1f}x** (bar: 2x); single request: **{ours_single / serial:.1f}x**.\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Offline throughput (issue: engine core)", body)

@@ -3,6 +3,7 @@ and the cost of caching when nothing hits (offline throughput with unique salts,
 
     python benchmarks/prefix_cache.py [--threads 2] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,10 @@ def system_prompt(tok, n_tokens: int) -> str:
     words = []
     i = 0
     while True:
-        words.append(f"Policy {i}: answer questions about order {i * 7 % 97} politely and check the account "
-                     f"number before sharing any detail.")
+        words.append(
+            f"Policy {i}: answer questions about order {i * 7 % 97} politely and check the account "
+            f"number before sharing any detail."
+        )
         text = "You are the support assistant of Example Corp. " + " ".join(words)
         if len(tok.encode(text)) >= n_tokens:
             return text
@@ -30,7 +33,7 @@ def system_prompt(tok, n_tokens: int) -> str:
 
 def ttfts(engine, prompts, params) -> list[float]:
     out = []
-    for ids in prompts:                      # one after another, as a chat service sees them
+    for ids in prompts:  # one after another, as a chat service sees them
         rid = engine.add_request(ids, params)
         while True:
             done = [o for o in engine.step() if o.request_id == rid and o.finished]
@@ -63,22 +66,35 @@ def main() -> None:
     args = ap.parse_args()
     from llmserve import SamplingParams
     from llmserve.engine.engine import LLMEngine
+
     results = {}
     for caching in (True, False):
         eng = LLMEngine(num_threads=args.threads, kv_cache_memory=2.0, enable_prefix_caching=caching)
         tok = eng.tokenizer
         system = system_prompt(tok, args.system_tokens)
-        prompts = [tok.encode_chat([{"role": "system", "content": system},
-                                    {"role": "user", "content": f"Where is my order number {1000 + i}?"}])
-                   for i in range(args.requests)]
+        prompts = [
+            tok.encode_chat(
+                [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Where is my order number {1000 + i}?"},
+                ]
+            )
+            for i in range(args.requests)
+        ]
         t = ttfts(eng, prompts, SamplingParams(max_tokens=1, temperature=0))
         hit = eng.kv.prefix_cache_hits / max(eng.kv.prefix_cache_queries, 1)
         tp_prompts = [tok.encode_chat(c) for c in chat_prompts(args.throughput_prompts)]
         before = eng.kv.prefix_cache_hits
         tput = throughput(eng, tp_prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
         assert eng.kv.prefix_cache_hits == before, "salted prompts must not hit"
-        results[caching] = dict(median=statistics.median(t), first=t[0], mean=statistics.mean(t), hit=hit,
-                                tput=tput, prompt_len=len(prompts[0]))
+        results[caching] = dict(
+            median=statistics.median(t),
+            first=t[0],
+            mean=statistics.mean(t),
+            hit=hit,
+            tput=tput,
+            prompt_len=len(prompts[0]),
+        )
         print(caching, results[caching], flush=True)
         del eng
     on, off = results[True], results[False]
@@ -95,7 +111,8 @@ def main() -> None:
         f"{off['hit']:.1%} | {off['tput']:.1f} tok/s |\n\n"
         f"Median TTFT **{off['median'] / on['median']:.1f}x lower** with caching on (bar: 10x, aim: llama.cpp's 30x). "
         f"Throughput with caching on and nothing to hit: **{on['tput'] / off['tput'] * 100 - 100:+.1f}%** vs off "
-        f"(bar: within 3%; same run, noise of this shared machine included).\n")
+        f"(bar: within 3%; same run, noise of this shared machine included).\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Prefix caching (issue: KV cache management)", body)

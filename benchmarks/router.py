@@ -17,6 +17,7 @@ Each policy run uses fresh prompt text (same lengths, same arrival times) so no 
 previous one's KV cache. Routers, replicas and the fake backend are separate processes; the load
 generator is this process (asyncio + httpx, streaming).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,14 +39,16 @@ from llmserve.bench.loadgen import aiter_sse  # noqa: E402
 from llmserve.bench.scrape import parse_prometheus, parse_samples  # noqa: E402
 from tests.server_proc import FAKE, ROUTE, ServerProcess, free_port  # noqa: E402
 
-WORDS = ("time year people way day man thing woman life child world school state family student "
-         "group country problem hand part place case week company system program question work "
-         "government number night point home water room mother area money story fact month lot "
-         "right study book eye job word business issue side kind head house service friend father "
-         "power hour game line end member law car city community name president team minute idea "
-         "kid body information back parent face others level office door health person art war "
-         "history party result change morning reason research girl guy moment air teacher force "
-         "education river mountain garden window light music paper market table").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force "
+    "education river mountain garden window light music paper market table"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -56,11 +59,12 @@ def words(rng: random.Random, n: int) -> str:
 # load generation
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Req:
-    kind: str                 # short | long | tenant
+    kind: str  # short | long | tenant
     payload: dict
-    at: float = 0.0           # open loop: seconds after start
+    at: float = 0.0  # open loop: seconds after start
 
 
 @dataclass
@@ -92,8 +96,7 @@ async def send(client: httpx.AsyncClient, url: str, req: Req) -> Rec:
                 text = (c.get("delta") or {}).get("content") or c.get("text")
                 if text and ttft is None:
                     ttft = time.perf_counter() - t0
-            return Rec(req.kind, True, ttft, time.perf_counter() - t0,
-                       r.headers.get("x-llmserve-backend"))
+            return Rec(req.kind, True, ttft, time.perf_counter() - t0, r.headers.get("x-llmserve-backend"))
     except httpx.HTTPError as e:
         return Rec(req.kind, False, error=repr(e))
 
@@ -105,6 +108,7 @@ async def open_loop(url: str, reqs: list[Req]) -> list[Rec]:
         async def one(r: Req) -> Rec:
             await asyncio.sleep(max(0.0, start + r.at - time.perf_counter()))
             return await send(c, url, r)
+
         return list(await asyncio.gather(*(one(r) for r in reqs)))
 
 
@@ -112,9 +116,11 @@ async def closed_loop(url: str, reqs: list[Req], concurrency: int) -> list[Rec]:
     queue = list(reversed(reqs))
     out: list[Rec] = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as c:
+
         async def worker():
             while queue:
                 out.append(await send(c, url, queue.pop()))
+
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
 
@@ -136,6 +142,7 @@ def backend_metrics(url: str) -> dict[str, float]:
 # processes
 # ----------------------------------------------------------------------------------------------
 
+
 class Fleet:
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
@@ -148,15 +155,35 @@ class Fleet:
 
     def replicas(self, n: int, flags: list[str]) -> list[str]:
         ports = [free_port() for _ in range(n)]
-        ps = [ServerProcess("--num-threads", "1", "--log-level", "warning", *flags, port=port,
-                            log_path=os.path.join(self.log_dir, f"serve-{port}.log")) for port in ports]
+        ps = [
+            ServerProcess(
+                "--num-threads",
+                "1",
+                "--log-level",
+                "warning",
+                *flags,
+                port=port,
+                log_path=os.path.join(self.log_dir, f"serve-{port}.log"),
+            )
+            for port in ports
+        ]
         self.procs += ps
         return [p.wait_ready(300).url for p in ps]
 
     def router(self, backends: list[str], policy: str, *extra: str) -> str:
-        return self.start("--policy", policy, "--log-level", "warning", "--health-interval", "2", *extra,
-                          *[x for b in backends for x in ("--backend", b)], cmd=ROUTE,
-                          log=f"route-{policy}.log", timeout=60)
+        return self.start(
+            "--policy",
+            policy,
+            "--log-level",
+            "warning",
+            "--health-interval",
+            "2",
+            *extra,
+            *[x for b in backends for x in ("--backend", b)],
+            cmd=ROUTE,
+            log=f"route-{policy}.log",
+            timeout=60,
+        )
 
     def fake(self, *flags: str) -> str:
         return self.start("--model", "fake", *flags, cmd=FAKE, log="fake.log", timeout=60)
@@ -172,55 +199,93 @@ class Fleet:
 # 1. short chats + long prompts: least_outstanding vs round_robin
 # ----------------------------------------------------------------------------------------------
 
-def mix_workload(seed: int, salt: str, n: int, rate: float, long_frac: float,
-                 long_words: int) -> list[Req]:
-    shape = random.Random(seed)              # kinds and arrival times: the same for every policy
-    text = random.Random(f"{seed}-{salt}")   # prompt text: fresh for every policy
+
+def mix_workload(seed: int, salt: str, n: int, rate: float, long_frac: float, long_words: int) -> list[Req]:
+    shape = random.Random(seed)  # kinds and arrival times: the same for every policy
+    text = random.Random(f"{seed}-{salt}")  # prompt text: fresh for every policy
     reqs, t = [], 0.0
     for _ in range(n):
         t += shape.expovariate(rate)
         if shape.random() < long_frac:
-            reqs.append(Req("long", {"model": "smol", "max_tokens": 16, "temperature": 0,
-                                     "prompt": "Summarize: " + words(text, long_words)}, t))
+            reqs.append(
+                Req(
+                    "long",
+                    {
+                        "model": "smol",
+                        "max_tokens": 16,
+                        "temperature": 0,
+                        "prompt": "Summarize: " + words(text, long_words),
+                    },
+                    t,
+                )
+            )
         else:
-            reqs.append(Req("short", {"model": "smol", "max_tokens": 16, "temperature": 0,
-                                      "messages": [{"role": "user", "content":
-                                                    words(text, shape.randint(6, 20)) + "?"}]}, t))
+            reqs.append(
+                Req(
+                    "short",
+                    {
+                        "model": "smol",
+                        "max_tokens": 16,
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": words(text, shape.randint(6, 20)) + "?"}],
+                    },
+                    t,
+                )
+            )
     return reqs
 
 
 def run_mix(fleet: Fleet, args) -> dict:
     backends = fleet.replicas(2, ["--served-model-name", "smol", "--max-model-len", "2048"])
     routers = {policy: fleet.router(backends, policy) for policy in args.mix_policies}
-    out = {"backends": len(backends), "rounds": args.mix_rounds,
-           "requests_per_round": args.mix_requests, "rate_per_s": args.mix_rate,
-           "long_fraction": args.long_frac, "long_words": args.long_words, "policies": {}}
+    out = {
+        "backends": len(backends),
+        "rounds": args.mix_rounds,
+        "requests_per_round": args.mix_requests,
+        "rate_per_s": args.mix_rate,
+        "long_fraction": args.long_frac,
+        "long_words": args.long_words,
+        "policies": {},
+    }
     recs: dict[str, list[Rec]] = {p: [] for p in args.mix_policies}
     # Rounds alternate the policies' order, so that a slow spell of the machine does not land
     # on one policy only; within a round both get the same arrival times and request kinds.
     for rnd in range(args.mix_rounds):
         order = args.mix_policies if rnd % 2 == 0 else list(reversed(args.mix_policies))
         for policy in order:
-            reqs = mix_workload(args.seed + rnd, policy, args.mix_requests, args.mix_rate,
-                                args.long_frac, args.long_words)
+            reqs = mix_workload(
+                args.seed + rnd, policy, args.mix_requests, args.mix_rate, args.long_frac, args.long_words
+            )
             got = asyncio.run(open_loop(routers[policy], reqs))
             recs[policy] += got
             e2e = [r.e2e for r in got if r.ok]
-            print(f"  mix round {rnd} {policy:18s} p50 {pct(e2e, 50):.2f}s  p95 {pct(e2e, 95):.2f}s"
-                  f"  ok {len(e2e)}/{len(got)}", flush=True)
+            print(
+                f"  mix round {rnd} {policy:18s} p50 {pct(e2e, 50):.2f}s  p95 {pct(e2e, 95):.2f}s"
+                f"  ok {len(e2e)}/{len(got)}",
+                flush=True,
+            )
     for policy, rs in recs.items():
         ok = [r for r in rs if r.ok]
         e2e = [r.e2e for r in ok]
         short = [r.e2e for r in ok if r.kind == "short"]
-        res = {"ok": len(ok), "failed": len(rs) - len(ok),
-               "p50_s": pct(e2e, 50), "p95_s": pct(e2e, 95), "mean_s": statistics.mean(e2e),
-               "short_p50_s": pct(short, 50), "short_p95_s": pct(short, 95),
-               "long_p95_s": pct([r.e2e for r in ok if r.kind == "long"], 95),
-               "ttft_p95_s": pct([r.ttft for r in ok if r.ttft is not None], 95),
-               "per_backend": {b: sum(1 for r in ok if r.backend == b) for b in backends}}
+        res = {
+            "ok": len(ok),
+            "failed": len(rs) - len(ok),
+            "p50_s": pct(e2e, 50),
+            "p95_s": pct(e2e, 95),
+            "mean_s": statistics.mean(e2e),
+            "short_p50_s": pct(short, 50),
+            "short_p95_s": pct(short, 95),
+            "long_p95_s": pct([r.e2e for r in ok if r.kind == "long"], 95),
+            "ttft_p95_s": pct([r.ttft for r in ok if r.ttft is not None], 95),
+            "per_backend": {b: sum(1 for r in ok if r.backend == b) for b in backends},
+        }
         out["policies"][policy] = res
-        print(f"  mix {policy:18s} p50 {res['p50_s']:.2f}s  p95 {res['p95_s']:.2f}s  "
-              f"short p95 {res['short_p95_s']:.2f}s  ok {res['ok']}/{len(rs)}", flush=True)
+        print(
+            f"  mix {policy:18s} p50 {res['p50_s']:.2f}s  p95 {res['p95_s']:.2f}s  "
+            f"short p95 {res['short_p95_s']:.2f}s  ok {res['ok']}/{len(rs)}",
+            flush=True,
+        )
     fleet.stop(list(routers.values()) + backends)
     lo, rr = out["policies"].get("least_outstanding"), out["policies"].get("round_robin")
     if lo and rr:
@@ -232,25 +297,43 @@ def run_mix(fleet: Fleet, args) -> dict:
 # 2. multi-tenant: cache_aware vs round_robin
 # ----------------------------------------------------------------------------------------------
 
+
 def tenant_workload(seed: int, salt: str, tenants: int, users: int, system_words: int) -> list[Req]:
     shape = random.Random(seed)
     text = random.Random(f"{seed}-{salt}")
-    systems = [f"You are assistant {i} of company {i}. " + words(text, system_words)
-               for i in range(tenants)]
+    systems = [f"You are assistant {i} of company {i}. " + words(text, system_words) for i in range(tenants)]
     order = [(t, u) for t in range(tenants) for u in range(users)]
     shape.shuffle(order)
-    return [Req("tenant", {"model": "smol", "max_tokens": 4, "temperature": 0, "messages": [
-        {"role": "system", "content": systems[t]},
-        {"role": "user", "content": f"I am user {u}. " + words(text, 6) + "?"}]})
-        for t, u in order]
+    return [
+        Req(
+            "tenant",
+            {
+                "model": "smol",
+                "max_tokens": 4,
+                "temperature": 0,
+                "messages": [
+                    {"role": "system", "content": systems[t]},
+                    {"role": "user", "content": f"I am user {u}. " + words(text, 6) + "?"},
+                ],
+            },
+        )
+        for t, u in order
+    ]
 
 
 def run_tenants(fleet: Fleet, args) -> dict:
-    backends = fleet.replicas(2, ["--served-model-name", "smol", "--max-model-len", "512",
-                                  "--num-kv-blocks", str(args.kv_blocks)])
-    out = {"backends": len(backends), "tenants": args.tenants, "users_per_tenant": args.users,
-           "system_words": args.system_words, "kv_blocks_per_backend": args.kv_blocks,
-           "concurrency": args.tenant_concurrency, "policies": {}}
+    backends = fleet.replicas(
+        2, ["--served-model-name", "smol", "--max-model-len", "512", "--num-kv-blocks", str(args.kv_blocks)]
+    )
+    out = {
+        "backends": len(backends),
+        "tenants": args.tenants,
+        "users_per_tenant": args.users,
+        "system_words": args.system_words,
+        "kv_blocks_per_backend": args.kv_blocks,
+        "concurrency": args.tenant_concurrency,
+        "policies": {},
+    }
     for policy in ("round_robin", "cache_aware"):
         url = fleet.router(backends, policy)
         reqs = tenant_workload(args.seed, policy, args.tenants, args.users, args.system_words)
@@ -259,23 +342,38 @@ def run_tenants(fleet: Fleet, args) -> dict:
         recs = asyncio.run(closed_loop(url, reqs, args.tenant_concurrency))
         wall = time.perf_counter() - t
         after = [backend_metrics(b) for b in backends]
-        q = sum(a.get("llmserve:prefix_cache_queries_total", 0) - b.get("llmserve:prefix_cache_queries_total", 0)
-                for a, b in zip(after, before))
-        h = sum(a.get("llmserve:prefix_cache_hits_total", 0) - b.get("llmserve:prefix_cache_hits_total", 0)
-                for a, b in zip(after, before))
+        q = sum(
+            a.get("llmserve:prefix_cache_queries_total", 0) - b.get("llmserve:prefix_cache_queries_total", 0)
+            for a, b in zip(after, before)
+        )
+        h = sum(
+            a.get("llmserve:prefix_cache_hits_total", 0) - b.get("llmserve:prefix_cache_hits_total", 0)
+            for a, b in zip(after, before)
+        )
         ok = [r for r in recs if r.ok]
         ttft = [r.ttft for r in ok if r.ttft is not None]
-        res = {"ok": len(ok), "failed": len(recs) - len(ok), "wall_s": round(wall, 1),
-               "prefix_cache_hit_rate": h / q if q else float("nan"),
-               "prefix_cache_queries": q, "prefix_cache_hits": h,
-               "mean_ttft_s": statistics.mean(ttft), "p95_ttft_s": pct(ttft, 95),
-               "mean_e2e_s": statistics.mean(r.e2e for r in ok)}
+        res = {
+            "ok": len(ok),
+            "failed": len(recs) - len(ok),
+            "wall_s": round(wall, 1),
+            "prefix_cache_hit_rate": h / q if q else float("nan"),
+            "prefix_cache_queries": q,
+            "prefix_cache_hits": h,
+            "mean_ttft_s": statistics.mean(ttft),
+            "p95_ttft_s": pct(ttft, 95),
+            "mean_e2e_s": statistics.mean(r.e2e for r in ok),
+        }
         res["routing_decisions"] = {
-            x.labels["reason"]: x.value for x in parse_samples(httpx.get(url + "/metrics").text)
-            if x.name == "llmserve_router:routing_decisions_total"}
+            x.labels["reason"]: x.value
+            for x in parse_samples(httpx.get(url + "/metrics").text)
+            if x.name == "llmserve_router:routing_decisions_total"
+        }
         out["policies"][policy] = res
-        print(f"  tenants {policy:14s} hit rate {res['prefix_cache_hit_rate']:.1%}  mean TTFT "
-              f"{res['mean_ttft_s']:.2f}s  ok {res['ok']}/{len(recs)}", flush=True)
+        print(
+            f"  tenants {policy:14s} hit rate {res['prefix_cache_hit_rate']:.1%}  mean TTFT "
+            f"{res['mean_ttft_s']:.2f}s  ok {res['ok']}/{len(recs)}",
+            flush=True,
+        )
         fleet.stop([url])
     fleet.stop(backends)
     ca, rr = out["policies"]["cache_aware"], out["policies"]["round_robin"]
@@ -288,12 +386,15 @@ def run_tenants(fleet: Fleet, args) -> dict:
 # 3. router overhead
 # ----------------------------------------------------------------------------------------------
 
+
 async def timed_closed_loop(url: str, n_each: int, concurrency: int, seed: int) -> list[float]:
     """`concurrency` clients, each sending `n_each` streamed chats one after the other; returns
     each request's end-to-end latency (the whole stream read)."""
     rng = random.Random(seed)
-    reqs = [Req("chat", {"model": "fake", "max_tokens": 8, "messages": [
-        {"role": "user", "content": words(rng, 12)}]}) for _ in range(n_each * concurrency)]
+    reqs = [
+        Req("chat", {"model": "fake", "max_tokens": 8, "messages": [{"role": "user", "content": words(rng, 12)}]})
+        for _ in range(n_each * concurrency)
+    ]
     recs = await closed_loop(url, reqs, concurrency)
     assert all(r.ok for r in recs), [r.error for r in recs if not r.ok][:3]
     return [r.e2e for r in recs]
@@ -305,31 +406,40 @@ def run_overhead(fleet: Fleet, args) -> dict:
     # difference is the router's own latency, not queueing for a core
     fake = fleet.fake("--ttft", "0.1", "--itl", "0.02")
     router = fleet.router([fake], "cache_aware")
-    asyncio.run(timed_closed_loop(router, 5, args.overhead_concurrency, 0))    # warm up
+    asyncio.run(timed_closed_loop(router, 5, args.overhead_concurrency, 0))  # warm up
     asyncio.run(timed_closed_loop(fake, 5, args.overhead_concurrency, 0))
     direct, routed = [], []
-    for rnd in range(args.overhead_rounds):          # interleave, to share any drift
+    for rnd in range(args.overhead_rounds):  # interleave, to share any drift
         direct += asyncio.run(timed_closed_loop(fake, args.overhead_requests, args.overhead_concurrency, rnd))
         routed += asyncio.run(timed_closed_loop(router, args.overhead_requests, args.overhead_concurrency, rnd))
     m = parse_prometheus(httpx.get(router + "/metrics").text)
     s = m.get("llmserve_router:proxy_overhead_seconds_sum", 0.0)
     c = m.get("llmserve_router:proxy_overhead_seconds_count", 0.0)
-    out = {"concurrency": args.overhead_concurrency, "requests_each": len(direct),
-           "direct_p50_ms": pct(direct, 50) * 1e3, "routed_p50_ms": pct(routed, 50) * 1e3,
-           "direct_p95_ms": pct(direct, 95) * 1e3, "routed_p95_ms": pct(routed, 95) * 1e3,
-           "router_pre_send_mean_ms": s / c * 1e3 if c else float("nan")}
+    out = {
+        "concurrency": args.overhead_concurrency,
+        "requests_each": len(direct),
+        "direct_p50_ms": pct(direct, 50) * 1e3,
+        "routed_p50_ms": pct(routed, 50) * 1e3,
+        "direct_p95_ms": pct(direct, 95) * 1e3,
+        "routed_p95_ms": pct(routed, 95) * 1e3,
+        "router_pre_send_mean_ms": s / c * 1e3 if c else float("nan"),
+    }
     out["added_p50_ms"] = out["routed_p50_ms"] - out["direct_p50_ms"]
     out["added_p95_ms"] = out["routed_p95_ms"] - out["direct_p95_ms"]
-    print(f"  overhead at {args.overhead_concurrency} concurrent: direct p50 "
-          f"{out['direct_p50_ms']:.2f} ms, routed p50 {out['routed_p50_ms']:.2f} ms, added p50 "
-          f"{out['added_p50_ms']:.2f} ms (p95 {out['added_p95_ms']:.2f} ms)", flush=True)
+    print(
+        f"  overhead at {args.overhead_concurrency} concurrent: direct p50 "
+        f"{out['direct_p50_ms']:.2f} ms, routed p50 {out['routed_p50_ms']:.2f} ms, added p50 "
+        f"{out['added_p50_ms']:.2f} ms (p95 {out['added_p95_ms']:.2f} ms)",
+        flush=True,
+    )
     fleet.stop([router, fake])
     return out
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--parts", default="overhead,tenants,mix")
     p.add_argument("--out", default="bench-out/router.json")
     p.add_argument("--seed", type=int, default=0)
@@ -342,8 +452,12 @@ def main() -> int:
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--system-words", type=int, default=360)
-    p.add_argument("--kv-blocks", type=int, default=116,
-                   help="KV blocks per replica in the tenants part: about 4.3 of the 8 system prompts")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=116,
+        help="KV blocks per replica in the tenants part: about 4.3 of the 8 system prompts",
+    )
     p.add_argument("--tenant-concurrency", type=int, default=4)
     p.add_argument("--overhead-concurrency", type=int, default=20)
     p.add_argument("--overhead-requests", type=int, default=25, help="per client per round")
@@ -354,9 +468,12 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     log_dir = os.path.join(os.path.dirname(args.out) or ".", "router-logs")
     os.makedirs(log_dir, exist_ok=True)
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-              "python": platform.python_version(), "args": vars(args)}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "python": platform.python_version(),
+        "args": vars(args),
+    }
     fleet = Fleet(log_dir)
     try:
         for part in parts:

@@ -8,6 +8,7 @@ the same runs go against llama.cpp's server too.
 
     python benchmarks/serve_articles.py [--threads 2] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ def matmul_rate(threads: int) -> float:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str) -> dict:
-    r = await client.post(url + "/v1/chat/completions", json={
-        "model": model, "messages": QUESTION, "max_tokens": 50, "temperature": 0})
+    r = await client.post(
+        url + "/v1/chat/completions", json={"model": model, "messages": QUESTION, "max_tokens": 50, "temperature": 0}
+    )
     r.raise_for_status()
     return r.json()["usage"]
 
@@ -63,12 +65,12 @@ async def phase(url: str, model: str, concurrency: int, total: int) -> dict:
     cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
     out = sum(u["completion_tokens"] for u in usages)
     flops = (prompt - cached + out) * FLOP_PER_TOKEN + out * FLOP_LM_HEAD
-    return dict(concurrency=concurrency, requests=total, wall=wall, prompt=prompt, cached=cached, out=out,
-                flops=flops)
+    return dict(concurrency=concurrency, requests=total, wall=wall, prompt=prompt, cached=cached, out=out, flops=flops)
 
 
 def offline(threads: int, n: int) -> dict:
     from llmserve import LLM, SamplingParams
+
     llm = LLM(num_threads=threads)
     ids = llm.get_tokenizer().encode_chat(QUESTION)
     llm.generate([ids], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
@@ -79,20 +81,26 @@ def offline(threads: int, n: int) -> dict:
 
 
 def run_server_phases(url: str, model: str) -> list[dict]:
-    asyncio.run(phase(url, model, 1, 1))    # warm-up
+    asyncio.run(phase(url, model, 1, 1))  # warm-up
     return [asyncio.run(phase(url, model, c, n)) for c, n in ((1, 10), (5, 5), (20, 20))]
 
 
 def table(name: str, rows: list[dict], rate: float) -> str:
-    lines = [f"**{name}**", "", "| concurrency | requests | total time | mean per request | req/s | output tok/s | "
-             "computed tokens (prompt not cached + output) | share of fp32 matmul rate |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{name}**",
+        "",
+        "| concurrency | requests | total time | mean per request | req/s | output tok/s | "
+        "computed tokens (prompt not cached + output) | share of fp32 matmul rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         share = r["flops"] / r["wall"] / rate
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['wall']:.2f} s | "
-                     f"{r['wall'] / r['requests'] * 1000:.0f} ms"
-                     f" | {r['requests'] / r['wall']:.2f} | {r['out'] / r['wall']:.1f} | "
-                     f"{r['prompt'] - r['cached']} + {r['out']} | {share:.0%} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['wall']:.2f} s | "
+            f"{r['wall'] / r['requests'] * 1000:.0f} ms"
+            f" | {r['requests'] / r['wall']:.2f} | {r['out'] / r['wall']:.1f} | "
+            f"{r['prompt'] - r['cached']} + {r['out']} | {share:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -124,14 +132,17 @@ def main() -> None:
             sections.append(table("llama.cpp llama-server (Q4_1)", theirs, rate))
         finally:
             proc.terminate()
-    body = (f"`python benchmarks/serve_articles.py --threads {args.threads}`: the seed articles' procedure "
-            f"(\"What is Docker? Answer in one sentence.\", max_tokens 50, temperature 0, non-streaming) over "
-            f"HTTP on loopback. FLOPs = (prompt tokens not served from the prefix cache + output tokens) x 2 x "
-            f"106 M + output tokens x 2 x 28 M (LM head); fp32 matmul rate measured in the same run: "
-            f"**{rate / 1e9:.0f} GFLOP/s**.\n\n" + "\n\n".join(sections) +
-            f"\n\nHTTP layer: 20 concurrent requests through the server made {http20['out'] / http20['wall']:.1f} "
-            f"output tok/s; the same 20 requests offline (`LLM.generate`) {off['out'] / off['wall']:.1f} tok/s: "
-            f"the server costs **{overhead:.1%}** (bar: at most 10%).\n")
+    body = (
+        f"`python benchmarks/serve_articles.py --threads {args.threads}`: the seed articles' procedure "
+        f'("What is Docker? Answer in one sentence.", max_tokens 50, temperature 0, non-streaming) over '
+        f"HTTP on loopback. FLOPs = (prompt tokens not served from the prefix cache + output tokens) x 2 x "
+        f"106 M + output tokens x 2 x 28 M (LM head); fp32 matmul rate measured in the same run: "
+        f"**{rate / 1e9:.0f} GFLOP/s**.\n\n"
+        + "\n\n".join(sections)
+        + f"\n\nHTTP layer: 20 concurrent requests through the server made {http20['out'] / http20['wall']:.1f} "
+        f"output tok/s; the same 20 requests offline (`LLM.generate`) {off['out'] / off['wall']:.1f} tok/s: "
+        f"the server costs **{overhead:.1%}** (bar: at most 10%).\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Serving: the seed articles' procedure (issue: OpenAI-compatible server)", body)

@@ -13,6 +13,7 @@ Reported: per engine the median over rounds, and the median of the per-round rat
 
     python benchmarks/single_stream.py [--rounds 7] [--threads 2] [--llama-server PATH] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,16 +35,20 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def http_single(url: str, model: str, msgs, max_tokens: int) -> float:
     t = time.perf_counter()
-    r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-        "model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=600,
+        json={"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     r.raise_for_status()
     return r.json()["usage"]["completion_tokens"] / (time.perf_counter() - t)
 
 
 def http_ttft(url: str, model: str, ids: list[int]) -> float:
     t = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", timeout=600, json={
-        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0})
+    r = httpx.post(
+        url + "/v1/completions", timeout=600, json={"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    )
     r.raise_for_status()
     return time.perf_counter() - t
 
@@ -53,6 +58,7 @@ class Transformers:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from llmserve.model.loader import bundled_model_path
+
         torch.set_num_threads(threads)
         path = bundled_model_path()
         kw = dict(gguf_file=os.path.basename(path))
@@ -84,23 +90,39 @@ def main() -> None:
     args = ap.parse_args()
     prompts = chat_prompts(8)
     th, mt = args.threads, args.max_tokens
-    servers = {q: ServerProcess("--num-threads", str(th), "--log-level", "warning", "--kv-cache-memory", "0.5",
-                                *([] if q == "none" else ["--quantization", q])) for q in ("int4", "int8", "none")}
+    servers = {
+        q: ServerProcess(
+            "--num-threads",
+            str(th),
+            "--log-level",
+            "warning",
+            "--kv-cache-memory",
+            "0.5",
+            *([] if q == "none" else ["--quantization", q]),
+        )
+        for q in ("int4", "int8", "none")
+    }
     llama = start_llama_server(args.llama_server, th, slots=1, context=4096) if args.llama_server else None
     try:
         for s in servers.values():
             s.wait_ready(timeout=600)
-        engines = {f"llmserve {q}": (lambda m, s=s: http_single(s.url, "SmolLM2-135M-Instruct", m, mt),
-                                     lambda ids, s=s: http_ttft(s.url, "SmolLM2-135M-Instruct", ids))
-                   for q, s in servers.items()}
+        engines = {
+            f"llmserve {q}": (
+                lambda m, s=s: http_single(s.url, "SmolLM2-135M-Instruct", m, mt),
+                lambda ids, s=s: http_ttft(s.url, "SmolLM2-135M-Instruct", ids),
+            )
+            for q, s in servers.items()
+        }
         if llama:
-            engines["llama.cpp Q4_1"] = (lambda m: http_single(llama[1], "any", m, mt),
-                                         lambda ids: http_ttft(llama[1], "any", ids))
+            engines["llama.cpp Q4_1"] = (
+                lambda m: http_single(llama[1], "any", m, mt),
+                lambda ids: http_ttft(llama[1], "any", ids),
+            )
         hf = Transformers(th)
         engines["transformers float32"] = (lambda m: hf.single(m, mt), hf.ttft)
         with open(TEXT) as f:
             text = hf.tok.encode(f.read() * 2, add_special_tokens=False)
-        for single, ttft in engines.values():   # warm-up
+        for single, ttft in engines.values():  # warm-up
             single(prompts[0])
             ttft(text[-512:])
         runs: dict[str, list[float]] = {k: [] for k in engines}
@@ -108,7 +130,7 @@ def main() -> None:
         for r in range(args.rounds):
             for name, (single, ttft) in engines.items():
                 runs[name].append(single(prompts[r % len(prompts)]))
-                ttfts[name].append(ttft(text[40 * r:40 * r + 512]))
+                ttfts[name].append(ttft(text[40 * r : 40 * r + 512]))
             print({k: (round(v[-1], 1), round(ttfts[k][-1], 2)) for k, v in runs.items()}, flush=True)
     finally:
         for s in servers.values():
@@ -120,29 +142,43 @@ def main() -> None:
     def ratio(a: str, b: str, d=runs) -> float:
         return statistics.median(x / y for x, y in zip(d[a], d[b]))
 
-    rows = ["| engine | decode tok/s (median) | min | max | TTFT 512 tokens (median) | min | max |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| engine | decode tok/s (median) | min | max | TTFT 512 tokens (median) | min | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for k, v in runs.items():
         t = ttfts[k]
-        rows.append(f"| {k} | {statistics.median(v):.1f} | {min(v):.1f} | {max(v):.1f} | "
-                    f"{statistics.median(t):.2f} s | {min(t):.2f} | {max(t):.2f} |")
+        rows.append(
+            f"| {k} | {statistics.median(v):.1f} | {min(v):.1f} | {max(v):.1f} | "
+            f"{statistics.median(t):.2f} s | {min(t):.2f} | {max(t):.2f} |"
+        )
     ref = "llama.cpp Q4_1" if llama else None
     bars = []
     if ref:
-        bars += [f"- llmserve {q} / llama.cpp: median of per-round ratios "
-                 f"**{ratio(f'llmserve {q}', ref):.2f}x** (bar 1x)"
-                 for q in ("int4", "int8")]
-    bars.append(f"- llmserve none / transformers float32: **{ratio('llmserve none', 'transformers float32'):.2f}x** "
-                "(bar 3x)")
-    bars.append("- TTFT of a 512-token prompt, llmserve none / transformers float32: median of per-round ratios "
-                f"**{ratio('llmserve none', 'transformers float32', ttfts):.2f}** (bar: at most 1)" +
-                (f"; llama.cpp / transformers {ratio(ref, 'transformers float32', ttfts):.2f}" if ref else ""))
+        bars += [
+            f"- llmserve {q} / llama.cpp: median of per-round ratios **{ratio(f'llmserve {q}', ref):.2f}x** (bar 1x)"
+            for q in ("int4", "int8")
+        ]
+    bars.append(
+        f"- llmserve none / transformers float32: **{ratio('llmserve none', 'transformers float32'):.2f}x** (bar 3x)"
+    )
+    bars.append(
+        "- TTFT of a 512-token prompt, llmserve none / transformers float32: median of per-round ratios "
+        f"**{ratio('llmserve none', 'transformers float32', ttfts):.2f}** (bar: at most 1)"
+        + (f"; llama.cpp / transformers {ratio(ref, 'transformers float32', ttfts):.2f}" if ref else "")
+    )
     cmd = f"python benchmarks/single_stream.py --rounds {args.rounds} --threads {th}" + (
-        " --llama-server PATH" if llama else "")
-    body = (f"`{cmd}`: one request at a time, {mt} output tokens (EOS ignored), every engine once per round "
-            f"on the same prompt, then a 512-token prompt for its TTFT, {args.rounds} rounds; through each "
-            "server's HTTP API (transformers: `generate` in process).\n\n"
-            + "\n".join(rows) + "\n\n" + "\n".join(bars) + "\n")
+        " --llama-server PATH" if llama else ""
+    )
+    body = (
+        f"`{cmd}`: one request at a time, {mt} output tokens (EOS ignored), every engine once per round "
+        f"on the same prompt, then a 512-token prompt for its TTFT, {args.rounds} rounds; through each "
+        "server's HTTP API (transformers: `generate` in process).\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "\n".join(bars)
+        + "\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Single stream, engines interleaved (issue: performance)", body)

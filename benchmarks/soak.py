@@ -11,6 +11,7 @@ most of an hour, on a 2-core CPU machine).
 
 tests/e2e/test_soak.py runs a short version (200 requests) in CI through `run_soak`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ from llmserve.bench.loadgen import aiter_sse  # noqa: E402
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 TOPICS = ["Docker", "TCP", "a hash table", "photosynthesis", "the Moon", "Python", "a compiler", "rain"]
 
-BAD = [   # (path, raw body) pairs: each must get a 4xx in OpenAI's error shape
+BAD = [  # (path, raw body) pairs: each must get a 4xx in OpenAI's error shape
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"}'),
     (CHAT, b'{"messages": "hello"}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
@@ -45,18 +46,18 @@ BAD = [   # (path, raw body) pairs: each must get a 4xx in OpenAI's error shape
     (CMPL, b'{"prompt": ""}'),
     (CMPL, b'{"prompt": [999999999]}'),
     (CMPL, b'{"prompt": "x", "n": 0}'),
-    (CMPL, b'[' * 5000 + b']' * 5000),
+    (CMPL, b"[" * 5000 + b"]" * 5000),
 ]
 
 
 @dataclass
 class Tally:
     sent: int = 0
-    complete: int = 0           # well-formed, answered in full
-    clear_errors: dict = field(default_factory=dict)   # well-formed, answered with an OpenAI error: status -> n
-    abandoned: int = 0          # the client disconnected on purpose
-    bad_rejected: int = 0       # malformed, got a 4xx in OpenAI's shape
-    lost: list = field(default_factory=list)   # anything else: the failures
+    complete: int = 0  # well-formed, answered in full
+    clear_errors: dict = field(default_factory=dict)  # well-formed, answered with an OpenAI error: status -> n
+    abandoned: int = 0  # the client disconnected on purpose
+    bad_rejected: int = 0  # malformed, got a 4xx in OpenAI's shape
+    lost: list = field(default_factory=list)  # anything else: the failures
     latencies: list = field(default_factory=list)
 
 
@@ -68,16 +69,18 @@ def _is_openai_error(text: str) -> bool:
         return False
 
 
-async def _good(c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, disconnect: bool,
-                max_tokens: int) -> None:
+async def _good(
+    c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, disconnect: bool, max_tokens: int
+) -> None:
     stream = rng.random() < 0.5
     max_tokens = rng.randint(4, max_tokens)
     if rng.random() < 0.7:
         path, body = CHAT, {"messages": [{"role": "user", "content": f"Explain {rng.choice(TOPICS)} briefly."}]}
     else:
         path, body = CMPL, {"prompt": f"A short note about {rng.choice(TOPICS)}:"}
-    body.update(max_tokens=max_tokens, temperature=rng.choice([0, 0.7, 1.0]), stream=stream,
-                priority=rng.randint(-5, 5))
+    body.update(
+        max_tokens=max_tokens, temperature=rng.choice([0, 0.7, 1.0]), stream=stream, priority=rng.randint(-5, 5)
+    )
     if stream:
         body["stream_options"] = {"include_usage": True}
 
@@ -147,7 +150,7 @@ async def _bad(c: httpx.AsyncClient, url: str, rng: random.Random, t: Tally) -> 
 
 class RSS:
     def __init__(self, pid: int, every: float = 0.25) -> None:
-        self.p, self.every, self.samples = psutil.Process(pid), every, []   # (t, rss)
+        self.p, self.every, self.samples = psutil.Process(pid), every, []  # (t, rss)
         self._stop = threading.Event()
         self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
@@ -170,6 +173,7 @@ async def _drive(url: str, n: int, concurrency: int, seed: int, t: Tally, progre
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30), limits=limits) as c:
+
         async def one(i: int):
             async with sem:
                 r = rng.random()
@@ -180,11 +184,13 @@ async def _drive(url: str, n: int, concurrency: int, seed: int, t: Tally, progre
                 t.sent += 1
                 if progress and t.sent % 100 == 0:
                     progress(t)
+
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int = 0, progress=None,
-             max_tokens: int = 16) -> dict:
+def run_soak(
+    url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int = 0, progress=None, max_tokens: int = 16
+) -> dict:
     """Drive the soak against a running server; return the figures (see module docstring)."""
     t = Tally()
     rss = RSS(pid)
@@ -208,18 +214,27 @@ def run_soak(url: str, pid: int, n: int = 200, concurrency: int = 16, seed: int 
     tenth = max(1, len(samples) // 10)
     lat = sorted(t.latencies)
     return {
-        "requests": n, "concurrency": concurrency, "wall_s": round(wall, 1),
-        "complete": t.complete, "clear_errors": t.clear_errors, "abandoned": t.abandoned,
-        "bad_rejected": t.bad_rejected, "lost": len(t.lost), "lost_examples": t.lost[:5],
+        "requests": n,
+        "concurrency": concurrency,
+        "wall_s": round(wall, 1),
+        "complete": t.complete,
+        "clear_errors": t.clear_errors,
+        "abandoned": t.abandoned,
+        "bad_rejected": t.bad_rejected,
+        "lost": len(t.lost),
+        "lost_examples": t.lost[:5],
         "accounted": t.complete + sum(t.clear_errors.values()) + t.abandoned + t.bad_rejected + len(t.lost),
-        "kv_cache_usage_end": st["kv_cache_usage"], "running_end": st["num_requests_running"],
+        "kv_cache_usage_end": st["kv_cache_usage"],
+        "running_end": st["num_requests_running"],
         "waiting_end": st["num_requests_waiting"],
-        "rss_start_mib": round(samples[0] / 2 ** 20), "rss_peak_mib": round(max(samples) / 2 ** 20),
-        "rss_warm_first_half_peak_mib": round(max(warm[:half] or warm) / 2 ** 20),
-        "rss_warm_second_half_peak_mib": round(max(warm[half:] or warm) / 2 ** 20),
-        "rss_end_mib": round(samples[-1] / 2 ** 20),
-        "rss_peak_by_tenth_mib": [round(max(samples[i:i + tenth]) / 2 ** 20)
-                                  for i in range(0, len(samples), tenth)][:10],
+        "rss_start_mib": round(samples[0] / 2**20),
+        "rss_peak_mib": round(max(samples) / 2**20),
+        "rss_warm_first_half_peak_mib": round(max(warm[:half] or warm) / 2**20),
+        "rss_warm_second_half_peak_mib": round(max(warm[half:] or warm) / 2**20),
+        "rss_end_mib": round(samples[-1] / 2**20),
+        "rss_peak_by_tenth_mib": [round(max(samples[i : i + tenth]) / 2**20) for i in range(0, len(samples), tenth)][
+            :10
+        ],
         "latency_p50_s": round(lat[len(lat) // 2], 2) if lat else None,
         "latency_p99_s": round(lat[int(len(lat) * 0.99)], 2) if lat else None,
     }
@@ -237,25 +252,43 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    flags = ("--scheduling-policy", "priority", "--max-num-seqs", "16", "--max-model-len", "512",
-             "--kv-cache-memory", "0.25", "--num-threads", str(args.threads))
+    flags = (
+        "--scheduling-policy",
+        "priority",
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "0.25",
+        "--num-threads",
+        str(args.threads),
+    )
     srv = ServerProcess(*flags)
     try:
         srv.wait_ready()
-        res = run_soak(srv.url, srv.proc.pid, args.requests, args.concurrency, args.seed,
-                       progress=lambda t: print(f"  {t.sent} sent, {t.complete} complete, {t.abandoned} "
-                                                f"abandoned, {len(t.lost)} lost", flush=True),
-                       max_tokens=args.max_tokens)
+        res = run_soak(
+            srv.url,
+            srv.proc.pid,
+            args.requests,
+            args.concurrency,
+            args.seed,
+            progress=lambda t: print(
+                f"  {t.sent} sent, {t.complete} complete, {t.abandoned} abandoned, {len(t.lost)} lost", flush=True
+            ),
+            max_tokens=args.max_tokens,
+        )
     finally:
         srv.kill()
     print(json.dumps(res, indent=2))
-    body = (f"`python benchmarks/soak.py --requests {args.requests} --concurrency {args.concurrency} "
-            f"--max-tokens {args.max_tokens}` against "
-            f"`llmserve serve {' '.join(flags)}` (bundled SmolLM2-135M). Mix: 10% malformed requests, 20% of "
-            f"clients disconnect after a random 0-1.5 s, random priorities in [-5, 5], chat and completions, "
-            f"streamed and not, 4-{args.max_tokens} output tokens.\n\n"
-            f"| figure | value |\n|---|---|\n"
-            + "".join(f"| {k} | {v} |\n" for k, v in res.items() if k != "lost_examples"))
+    body = (
+        f"`python benchmarks/soak.py --requests {args.requests} --concurrency {args.concurrency} "
+        f"--max-tokens {args.max_tokens}` against "
+        f"`llmserve serve {' '.join(flags)}` (bundled SmolLM2-135M). Mix: 10% malformed requests, 20% of "
+        f"clients disconnect after a random 0-1.5 s, random priorities in [-5, 5], chat and completions, "
+        f"streamed and not, 4-{args.max_tokens} output tokens.\n\n"
+        f"| figure | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in res.items() if k != "lost_examples")
+    )
     if not args.no_write:
         write_section("Soak: disconnects, bad requests, priorities", body)
 

@@ -7,6 +7,7 @@
 Writes OUTPUT_DIR/{bench.json, report.md, *.png, server.log} and prints a Markdown section for
 BENCHMARKS.md (the articles' table: concurrency, total time, mean per request, req/s, and more).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,18 @@ def main() -> int:
         if url is None:
             srv = ServerProcess(*shlex.split(a.serve_args), log_path=str(out / "server.log"))
             url = srv.wait_ready(300).url
-        args = ["bench", "--base-url", url, "--concurrency", a.concurrency,
-                "--num-requests", a.num_requests, "--output-dir", str(out), *a.bench_args]
+        args = [
+            "bench",
+            "--base-url",
+            url,
+            "--concurrency",
+            a.concurrency,
+            "--num-requests",
+            a.num_requests,
+            "--output-dir",
+            str(out),
+            *a.bench_args,
+        ]
         if a.output_len:
             args += ["--output-len", a.output_len]
         rc = llmserve_main(args)
@@ -56,9 +67,11 @@ def main() -> int:
     summaries = [ph["summary"] for ph in result["phases"]]
     cfg = result["config"]
     print("\n" + "-" * 72 + "\nMarkdown for BENCHMARKS.md:\n")
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"model `{cfg['model']}`; endpoint `{cfg['endpoint']}`; dataset `{cfg['dataset']}`"
-          f"{' (' + a.serve_args + ')' if a.serve_args else ''}.\n")
+    print(
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"model `{cfg['model']}`; endpoint `{cfg['endpoint']}`; dataset `{cfg['dataset']}`"
+        f"{' (' + a.serve_args + ')' if a.serve_args else ''}.\n"
+    )
     print(report.markdown_table(*report.comparison_rows(summaries)))
     if result.get("advice"):
         print("\n" + "\n".join(f"- {t}" for t in result["advice"]))

@@ -7,6 +7,7 @@ prefill is excluded). Writes a section into BENCHMARKS.md.
 
     python benchmarks/tensor_parallel.py [--batches 1 16] [--tokens 64] [--device cpu|cuda] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,12 @@ from benchmarks.common import chat_prompts, write_section  # noqa: E402
 
 def decode_rate(llm, prompts, tokens: int) -> float:
     from llmserve import SamplingParams
+
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]
     first = {}
-    while len(first) < len(ids):                    # prefill, and the first token of each
+    while len(first) < len(ids):  # prefill, and the first token of each
         for out in eng.step():
             first.setdefault(out.request_id, len(out.outputs[0].token_ids))
     n0 = sum(first.values())
@@ -46,10 +48,13 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     from llmserve import LLM
+
     cores = len(os.sched_getaffinity(0))
-    setups = [("TP=1, 1 thread", dict(tensor_parallel_size=1, num_threads=1)),
-              (f"TP=1, {min(2, cores)} threads", dict(tensor_parallel_size=1, num_threads=min(2, cores))),
-              ("TP=2, 1 thread per rank", dict(tensor_parallel_size=2, num_threads=1))]
+    setups = [
+        ("TP=1, 1 thread", dict(tensor_parallel_size=1, num_threads=1)),
+        (f"TP=1, {min(2, cores)} threads", dict(tensor_parallel_size=1, num_threads=min(2, cores))),
+        ("TP=2, 1 thread per rank", dict(tensor_parallel_size=2, num_threads=1)),
+    ]
     if a.device == "cuda":
         setups = [("TP=1", dict(tensor_parallel_size=1)), ("TP=2", dict(tensor_parallel_size=2))]
     rows, outputs = [], {}
@@ -57,9 +62,10 @@ def main() -> None:
         llm = LLM(device=a.device, kv_cache_memory=0.5, **kw)
         tok = llm.get_tokenizer()
         prompts = [tok.encode_chat(m) for m in chat_prompts(max(a.batches))]
-        decode_rate(llm, prompts[:2], 4)           # warm-up
+        decode_rate(llm, prompts[:2], 4)  # warm-up
         rates = [decode_rate(llm, prompts[:b], a.tokens) for b in a.batches]
         from llmserve import SamplingParams
+
         outs = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         outputs[name] = [o.outputs[0].token_ids for o in outs]
         llm.engine.shutdown()
@@ -71,15 +77,17 @@ def main() -> None:
     base = rows[0][1]
     for name, rates in rows:
         lines.append(f"| {name} | " + " | ".join(f"{r:.1f} ({r / b0:.2f}x)" for r, b0 in zip(rates, base)) + " |")
-    body = (f"`python benchmarks/tensor_parallel.py` on the bundled SmolLM2-135M-Instruct (fp32, {a.device}), "
-            f"{a.tokens} output tokens per request after the first, greedy; ratios against the first row.\n\n"
-            + "\n".join(lines) +
-            f"\n\nGreedy outputs of all setups identical: {'yes' if same else 'NO'}.\n\n"
-            "On a 2-core CPU tensor parallelism gains nothing: the two ranks split each matmul but add two "
-            "gloo all-reduces per layer (60 per step for 30 layers) over loopback plus a pickled broadcast "
-            "of the step, and one process with two threads already uses both cores. Tensor parallelism is "
-            "for models that do not fit one device, or for GPUs joined by NVLink; on CUDA (NCCL) it was "
-            "not measured here (no GPU in this session).")
+    body = (
+        f"`python benchmarks/tensor_parallel.py` on the bundled SmolLM2-135M-Instruct (fp32, {a.device}), "
+        f"{a.tokens} output tokens per request after the first, greedy; ratios against the first row.\n\n"
+        + "\n".join(lines)
+        + f"\n\nGreedy outputs of all setups identical: {'yes' if same else 'NO'}.\n\n"
+        "On a 2-core CPU tensor parallelism gains nothing: the two ranks split each matmul but add two "
+        "gloo all-reduces per layer (60 per step for 30 layers) over loopback plus a pickled broadcast "
+        "of the step, and one process with two threads already uses both cores. Tensor parallelism is "
+        "for models that do not fit one device, or for GPUs joined by NVLink; on CUDA (NCCL) it was "
+        "not measured here (no GPU in this session)."
+    )
     print(body)
     if not a.no_write:
         write_section("Tensor parallelism (TP=1 vs TP=2)", body)

@@ -15,6 +15,7 @@ server throughput at 16 concurrent, single stream, RSS. To build it here: `pip d
 
     python benchmarks/vs_peers.py [--threads 2] [--llama-server PATH] [--resume FILE] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,16 +45,17 @@ ISSUE_LLAMA = {"single": 71.0, "c16": 105.0, "prefill512_tok_s": 167.0}
 def prompt_windows(tok, n: int = 512) -> list[list[int]]:
     with open(TEXT) as f:
         ids = tok.encode(f.read() * 2)
-    return [ids[o:o + n] for o in (0, 40, 80)]
+    return [ids[o : o + n] for o in (0, 40, 80)]
 
 
 def llmserve_offline(quantization, threads, prompts, max_tokens) -> dict:
     from llmserve import LLM, SamplingParams
+
     llm = LLM(num_threads=threads, quantization=quantization, kv_cache_memory=1.0)
     tok = llm.get_tokenizer()
     ids = [tok.encode_chat(p) for p in prompts]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    llm.generate(ids[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)   # warm-up
+    llm.generate(ids[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(ids, greedy, use_tqdm=False)
     batched = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
@@ -74,6 +76,7 @@ def llmserve_offline(quantization, threads, prompts, max_tokens) -> dict:
 def speculative(threads) -> dict:
     """Single stream on a copy-and-edit task, with and without --speculative-ngram 4 (same run)."""
     from llmserve import LLM, SamplingParams
+
     with open(os.path.join(ROOT, "llmserve", "engine", "ngram.py")) as f:
         code = f.read()[:1800]
     msgs = [[{"role": "user", "content": "Rewrite this code, adding a comment above each function:\n\n" + code}]]
@@ -85,8 +88,13 @@ def speculative(threads) -> dict:
         t = time.perf_counter()
         o = llm.chat(msgs, p, use_tqdm=False)[0]
         n = len(o.outputs[0].token_ids)
-        out[k] = dict(tok_s=n / (time.perf_counter() - t), tokens=n, ids=o.outputs[0].token_ids,
-                      accepted=llm.engine.num_spec_accepted, proposed=llm.engine.num_spec_proposed)
+        out[k] = dict(
+            tok_s=n / (time.perf_counter() - t),
+            tokens=n,
+            ids=o.outputs[0].token_ids,
+            accepted=llm.engine.num_spec_accepted,
+            proposed=llm.engine.num_spec_proposed,
+        )
         del llm
     print({k: {a: b for a, b in v.items() if a != "ids"} for k, v in out.items()}, flush=True)
     return out
@@ -96,6 +104,7 @@ def transformers_numbers(threads, prompts, max_tokens) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmserve.model.loader import bundled_model_path
+
     torch.set_num_threads(threads)
     path = bundled_model_path()
     kw = dict(gguf_file=os.path.basename(path))
@@ -123,14 +132,15 @@ async def _load(url: str, model: str, prompts, concurrency: int, max_tokens: int
 
     async def one(client, msgs):
         async with sem:
-            r = await client.post(url + "/v1/chat/completions", json={
-                "model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True})
+            r = await client.post(
+                url + "/v1/chat/completions",
+                json={"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            )
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(timeout=900) as client:
-        await one(client, prompts[0])   # warm-up
+        await one(client, prompts[0])  # warm-up
         t = time.perf_counter()
         n = sum(await asyncio.gather(*(one(client, p) for p in prompts)))
         return n / (time.perf_counter() - t)
@@ -188,29 +198,41 @@ def main() -> None:
                     json.dump(memo, f)
         return memo[name]
 
-    ours = {q: phase(f"offline-{q}", lambda q=q: llmserve_offline(None if q == "none" else q, th, prompts, mt))
-            for q in ("none", "int8", "int4")}
+    ours = {
+        q: phase(f"offline-{q}", lambda q=q: llmserve_offline(None if q == "none" else q, th, prompts, mt))
+        for q in ("none", "int8", "int4")
+    }
     spec = {int(k): v for k, v in phase("speculative", lambda: speculative(th)).items()}
     hf = phase("transformers", lambda: transformers_numbers(th, prompts, mt))
-    srv = {q: phase(f"serve-{q}",
-                    lambda q=q: serve_numbers([] if q == "none" else ["--quantization", q], th, prompts, mt))
-           for q in ("none", "int8", "int4")}
+    srv = {
+        q: phase(f"serve-{q}", lambda q=q: serve_numbers([] if q == "none" else ["--quantization", q], th, prompts, mt))
+        for q in ("none", "int8", "int4")
+    }
     llama = phase("llama", lambda: llama_numbers(args.llama_server, th, prompts, mt)) if args.llama_server else None
     src = "this run" if llama else "quoted from the issue (no llama-server given)"
     ll = llama or dict(c16=ISSUE_LLAMA["c16"], single=ISSUE_LLAMA["single"], rss_mib=None)
     ll_ttft = 512 / ISSUE_LLAMA["prefill512_tok_s"]
 
-    rows = ["| engine | offline 64 x 128 tok/s | server, 16 concurrent tok/s | single stream tok/s | "
-            "TTFT, 512-token prompt | server RSS |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| engine | offline 64 x 128 tok/s | server, 16 concurrent tok/s | single stream tok/s | "
+        "TTFT, 512-token prompt | server RSS |",
+        "|---|---|---|---|---|---|",
+    ]
     for q in ("none", "int8", "int4"):
         o, s = ours[q], srv[q]
-        rows.append(f"| llmserve `--quantization {q}` | {o['batched']:.1f} | {s['c16']:.1f} | {o['single']:.1f} | "
-                    f"{o['ttft512']:.2f} s | {s['rss_mib']:.0f} MiB |")
-    rows.append(f"| transformers float32 | see offline throughput section | - | {hf['single']:.1f} | "
-                f"{hf['ttft512']:.2f} s | - |")
+        rows.append(
+            f"| llmserve `--quantization {q}` | {o['batched']:.1f} | {s['c16']:.1f} | {o['single']:.1f} | "
+            f"{o['ttft512']:.2f} s | {s['rss_mib']:.0f} MiB |"
+        )
+    rows.append(
+        f"| transformers float32 | see offline throughput section | - | {hf['single']:.1f} | "
+        f"{hf['ttft512']:.2f} s | - |"
+    )
     rss_ll = f"{ll['rss_mib']:.0f} MiB" if ll.get("rss_mib") else "-"
-    rows.append(f"| llama.cpp llama-server Q4_1 ({src}) | - | {ll['c16']:.1f} | {ll['single']:.1f} | "
-                f"{ll_ttft:.2f} s (issue) | {rss_ll} |")
+    rows.append(
+        f"| llama.cpp llama-server Q4_1 ({src}) | - | {ll['c16']:.1f} | {ll['single']:.1f} | "
+        f"{ll_ttft:.2f} s (issue) | {rss_ll} |"
+    )
     best_batched = max(ours[q]["batched"] for q in ours)
     best_c16 = max(srv[q]["c16"] for q in srv)
     best_single = max(ours["int8"]["single"], ours["int4"]["single"])
@@ -227,16 +249,24 @@ def main() -> None:
         f"- prefill: TTFT of a 512-token prompt {ours['none']['ttft512']:.2f} s vs transformers "
         f"{hf['ttft512']:.2f} s (bar: at most transformers').",
         f"- memory: `llmserve serve --quantization int4` RSS {srv['int4']['rss_mib']:.0f} MiB"
-        + (f" = {srv['int4']['rss_mib'] / ll['rss_mib']:.1f}x llama-server's (bar 1.5x)." if ll.get("rss_mib")
-           else " (llama-server not run here; bar: 1.5x its RSS)."),
+        + (
+            f" = {srv['int4']['rss_mib'] / ll['rss_mib']:.1f}x llama-server's (bar 1.5x)."
+            if ll.get("rss_mib")
+            else " (llama-server not run here; bar: 1.5x its RSS)."
+        ),
         f"- speculative decoding (`--speculative-ngram 4`, float32, copy-and-comment task, {s4['tokens']} tokens): "
         f"{s4['tok_s']:.1f} vs {s0['tok_s']:.1f} tok/s = **{s4['tok_s'] / s0['tok_s']:.2f}x**, {acc:.0%} of proposals "
         f"accepted; output identical: {s4['ids'] == s0['ids']}.",
     ]
     cmd = f"python benchmarks/vs_peers.py --threads {th}" + (" --llama-server PATH" if llama else "")
-    body = (f"`{cmd}`: 64 chat prompts x {mt} output tokens (EOS ignored), "
-            f"greedy, bundled SmolLM2-135M-Instruct; llama.cpp figures: {src}.\n\n" + "\n".join(rows)
-            + "\n\n" + "\n".join(bars) + "\n")
+    body = (
+        f"`{cmd}`: 64 chat prompts x {mt} output tokens (EOS ignored), "
+        f"greedy, bundled SmolLM2-135M-Instruct; llama.cpp figures: {src}.\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "\n".join(bars)
+        + "\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Against the peers (issue: performance)", body)

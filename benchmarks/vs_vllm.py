@@ -20,6 +20,7 @@ figure: the machine is shared; ratios from one run are what to quote.
 
 Never in CI (vLLM's CPU build is ~2 GB and starts in minutes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ from benchmarks.clients import OFFLINE, hf_folder, parse_result, vllm_sh, wait_r
 from benchmarks.common import start_llama_server, write_section  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAME = "bench-model"   # every server serves the model under this name
+NAME = "bench-model"  # every server serves the model under this name
 LLAMA_BIN = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp/build/bin")
 
 
@@ -47,9 +48,16 @@ def model_files(model: str) -> tuple[str | None, str, str | None]:
     """(llmserve's --model, the Hugging Face folder for vLLM and the clients' tokenizer, llama.cpp's GGUF)."""
     if model == "bundled":
         from llmserve.model.loader import bundled_model_path
+
         return None, hf_folder(), bundled_model_path()
-    gguf = next((os.path.join(model, f) for f in ("model-Q8_0.gguf", "model-Q4_K_M.gguf")
-                 if os.path.exists(os.path.join(model, f))), None)
+    gguf = next(
+        (
+            os.path.join(model, f)
+            for f in ("model-Q8_0.gguf", "model-Q4_K_M.gguf")
+            if os.path.exists(os.path.join(model, f))
+        ),
+        None,
+    )
     return model, model, gguf
 
 
@@ -64,16 +72,25 @@ class Served:
         flags, folder, gguf = model_files(self.model)
         if self.kind == "vllm":
             port = 18000 + os.getpid() % 1000
-            subprocess.run(["bash", vllm_sh(), "serve", folder, str(port), "--served-model-name", NAME],
-                           env={**os.environ, **OFFLINE}, check=False)
+            subprocess.run(
+                ["bash", vllm_sh(), "serve", folder, str(port), "--served-model-name", NAME],
+                env={**os.environ, **OFFLINE},
+                check=False,
+            )
             self.url = f"http://127.0.0.1:{port}"
             self.port = port
             wait_ready(self.url, "/v1/models", 1200)
         elif self.kind == "llama.cpp":
-            self.proc, self.url = start_llama_server(os.path.join(LLAMA_BIN, "llama-server"), self.a.threads, 16,
-                                                     16 * (self.a.input_len + self.a.output_len + 64), gguf)
+            self.proc, self.url = start_llama_server(
+                os.path.join(LLAMA_BIN, "llama-server"),
+                self.a.threads,
+                16,
+                16 * (self.a.input_len + self.a.output_len + 64),
+                gguf,
+            )
         else:
             from tests.server_proc import ServerProcess
+
             args = ["--served-model-name", NAME, "--num-threads", str(self.a.threads)]
             if flags:
                 args += ["--model", flags]
@@ -87,7 +104,7 @@ class Served:
     def __exit__(self, *exc):
         if self.kind == "vllm":
             subprocess.run(["bash", vllm_sh(), "stop", str(self.port)], check=False)
-            time.sleep(10)   # its engine process lets go of the memory after the API server
+            time.sleep(10)  # its engine process lets go of the memory after the API server
         elif self.kind == "llama.cpp":
             self.proc.terminate()
             self.proc.wait(60)
@@ -99,11 +116,41 @@ def vllm_bench(url: str, tokenizer: str, d: str, *, n: int, c: int, isl: int, os
     """`vllm bench serve` (completions, random dataset, EOS ignored); parse_result's dict plus the per-request
     TTFTs (ms)."""
     os.makedirs(d, exist_ok=True)
-    cmd = ["bash", vllm_sh(), "bench", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-           "--model", NAME, "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(isl),
-           "--random-output-len", str(osl), "--random-prefix-len", str(prefix), "--ignore-eos",
-           "--num-prompts", str(n), "--max-concurrency", str(c), "--save-result", "--save-detailed",
-           "--result-dir", d, "--result-filename", "result.json", "--disable-tqdm"]
+    cmd = [
+        "bash",
+        vllm_sh(),
+        "bench",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        NAME,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(isl),
+        "--random-output-len",
+        str(osl),
+        "--random-prefix-len",
+        str(prefix),
+        "--ignore-eos",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        d,
+        "--result-filename",
+        "result.json",
+        "--disable-tqdm",
+    ]
     with open(os.path.join(d, "client.log"), "wb") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=d, env={**os.environ, **OFFLINE})
     try:
@@ -116,10 +163,38 @@ def vllm_bench(url: str, tokenizer: str, d: str, *, n: int, c: int, isl: int, os
 
 def llmserve_bench(url: str, tokenizer: str, d: str, *, n: int, c: int, isl: int, osl: int) -> dict:
     os.makedirs(d, exist_ok=True)
-    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--model", NAME, "--endpoint",
-           "completions", "--concurrency", str(c), "--num-requests", str(n), "--dataset", "random",
-           "--input-len", str(isl), "--output-len", str(osl), "--ignore-eos", "--tokenizer", tokenizer,
-           "--metrics-url", "none", "--no-progress", "--output-json", f"{d}/bench.json", "--timeout", "3600"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "bench",
+        "--base-url",
+        url,
+        "--model",
+        NAME,
+        "--endpoint",
+        "completions",
+        "--concurrency",
+        str(c),
+        "--num-requests",
+        str(n),
+        "--dataset",
+        "random",
+        "--input-len",
+        str(isl),
+        "--output-len",
+        str(osl),
+        "--ignore-eos",
+        "--tokenizer",
+        tokenizer,
+        "--metrics-url",
+        "none",
+        "--no-progress",
+        "--output-json",
+        f"{d}/bench.json",
+        "--timeout",
+        "3600",
+    ]
     with open(os.path.join(d, "client.log"), "wb") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     try:
@@ -145,28 +220,45 @@ def measure(model: str, kind: str, a) -> dict:
             r = vllm_bench(s.url, folder, os.path.join(out, f"c{c}"), n=n, c=c, isl=a.input_len, osl=a.output_len)
             r["load"] = load()
             if a.llmserve_bench:
-                b = llmserve_bench(s.url, folder, os.path.join(out, f"c{c}-llmserve-bench"), n=n, c=c,
-                                   isl=a.input_len, osl=a.output_len)
+                b = llmserve_bench(
+                    s.url,
+                    folder,
+                    os.path.join(out, f"c{c}-llmserve-bench"),
+                    n=n,
+                    c=c,
+                    isl=a.input_len,
+                    osl=a.output_len,
+                )
                 r["llmserve_bench_tok_s"] = b.get("out_tok_s")
             res["runs"][c] = r
-            print(f"{model} {kind:14s} c={c:3d} out tok/s {r['out_tok_s'] or 0:7.1f} failed {r['failed']} "
-                  f"load {r['load']}", flush=True)
+            print(
+                f"{model} {kind:14s} c={c:3d} out tok/s {r['out_tok_s'] or 0:7.1f} failed {r['failed']} "
+                f"load {r['load']}",
+                flush=True,
+            )
         if a.ttft_len:
             cold = vllm_bench(s.url, folder, os.path.join(out, "ttft-cold"), n=3, c=1, isl=a.ttft_len, osl=1)
-            warm = vllm_bench(s.url, folder, os.path.join(out, "ttft-cached"), n=6, c=1, isl=8, osl=1,
-                              prefix=a.ttft_len)
+            warm = vllm_bench(
+                s.url, folder, os.path.join(out, "ttft-cached"), n=6, c=1, isl=8, osl=1, prefix=a.ttft_len
+            )
             res["ttft_cold_ms"] = median(cold["ttfts"]) and 1e3 * median(cold["ttfts"])
             res["ttft_cached_ms"] = median(warm["ttfts"][1:]) and 1e3 * median(warm["ttfts"][1:])
             res["ttft_load"] = load()
-            print(f"{model} {kind:14s} TTFT {a.ttft_len} tokens: cold {res['ttft_cold_ms'] or 0:.0f} ms, "
-                  f"cached {res['ttft_cached_ms'] or 0:.0f} ms", flush=True)
+            print(
+                f"{model} {kind:14s} TTFT {a.ttft_len} tokens: cold {res['ttft_cold_ms'] or 0:.0f} ms, "
+                f"cached {res['ttft_cached_ms'] or 0:.0f} ms",
+                flush=True,
+            )
     return res
 
 
 def table(results: list[dict], a) -> str:
-    rows = ["| model | server | " + " | ".join(f"{c} concurrent tok/s (x vLLM)" for c in a.concurrency)
-            + f" | TTFT {a.ttft_len} tok cold / cached ms | load |",
-            "|---|---|" + "---|" * len(a.concurrency) + "---|---|"]
+    rows = [
+        "| model | server | "
+        + " | ".join(f"{c} concurrent tok/s (x vLLM)" for c in a.concurrency)
+        + f" | TTFT {a.ttft_len} tok cold / cached ms | load |",
+        "|---|---|" + "---|" * len(a.concurrency) + "---|---|",
+    ]
     for model in a.models:
         mine = [r for r in results if r["model"] == model]
         ref = next((r for r in mine if r["server"] == "vllm"), None)
@@ -180,11 +272,17 @@ def table(results: list[dict], a) -> str:
                 if run.get("failed"):
                     cell += f", {run['failed']} failed"
                 cells.append(cell)
-            ttft = (f"{r.get('ttft_cold_ms') or 0:.0f} / {r.get('ttft_cached_ms') or 0:.0f}"
-                    if r.get("ttft_cold_ms") else "-")
+            ttft = (
+                f"{r.get('ttft_cold_ms') or 0:.0f} / {r.get('ttft_cached_ms') or 0:.0f}"
+                if r.get("ttft_cold_ms")
+                else "-"
+            )
             loads = ", ".join(str((r["runs"].get(c) or {}).get("load", "")) for c in a.concurrency)
-            rows.append(f"| {os.path.basename(model.rstrip('/'))} | {r['server']} | " + " | ".join(cells)
-                        + f" | {ttft} | {loads} |")
+            rows.append(
+                f"| {os.path.basename(model.rstrip('/'))} | {r['server']} | "
+                + " | ".join(cells)
+                + f" | {ttft} | {loads} |"
+            )
     return "\n".join(rows)
 
 
@@ -206,14 +304,17 @@ def main() -> None:
     results = []
     for model in a.models:
         for kind in a.servers.split(","):
-            if kind == "llama.cpp" and (model_files(model)[2] is None
-                                        or not os.path.exists(os.path.join(LLAMA_BIN, "llama-server"))):
+            if kind == "llama.cpp" and (
+                model_files(model)[2] is None or not os.path.exists(os.path.join(LLAMA_BIN, "llama-server"))
+            ):
                 continue
             results.append(measure(model, kind, a))
             json.dump(results, open(os.path.join(a.out, "results.json"), "w"), indent=1)
-    body = (f"`python benchmarks/vs_vllm.py {' '.join(sys.argv[1:])}`: `vllm bench serve` (completions, random "
-            f"{a.input_len} / {a.output_len} tokens, EOS ignored) against each server in turn, output tok/s and the "
-            "ratio to vLLM's float32; the load average (1 min) after each run.\n\n" + table(results, a) + "\n")
+    body = (
+        f"`python benchmarks/vs_vllm.py {' '.join(sys.argv[1:])}`: `vllm bench serve` (completions, random "
+        f"{a.input_len} / {a.output_len} tokens, EOS ignored) against each server in turn, output tok/s and the "
+        "ratio to vLLM's float32; the load average (1 min) after each run.\n\n" + table(results, a) + "\n"
+    )
     print(body)
     if not a.no_write:
         write_section("Against vLLM's CPU build and llama.cpp, one run (issue #21)", body)

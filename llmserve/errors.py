@@ -6,21 +6,39 @@
 
 No heavy imports (no FastAPI, no engine): the server, the router and the fake servers all use it.
 """
+
 from __future__ import annotations
 
 # the `type` OpenAI gives each status; a caller may name another (the router's 502 is "bad_gateway")
 ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-    413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-    500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
 }
 
 # Anthropic's names (docs: "HTTP errors"); other 4xx are invalid_request_error, other 5xx api_error
 ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 402: "billing_error", 403: "permission_error",
-    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-    500: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
 }
 
 ANTHROPIC_PATH = "/v1/messages"
@@ -30,8 +48,9 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "api_error")
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None,
-               type: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | int | None = None, type: str | None = None
+) -> dict:
     """The JSON body of an error answer (or of an SSE `data:` event): `type` defaults from `status`."""
     return {"error": {"message": message, "type": type or error_type(status), "param": param, "code": code}}
 
@@ -50,8 +69,14 @@ def is_anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
-def error_body_for(path: str, status: int, message: str, param: str | None = None,
-                   code: str | int | None = None, type: str | None = None) -> dict:
+def error_body_for(
+    path: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | int | None = None,
+    type: str | None = None,
+) -> dict:
     """The error body in the shape of the API that `path` belongs to."""
     if is_anthropic_path(path):
         return anthropic_error_body(status, message)

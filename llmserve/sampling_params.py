@@ -3,6 +3,7 @@
 Shared by the engine (requests carry them) and the model layer (the sampler reads them), so that neither
 imports the other: this module imports nothing of llmserve. `llmserve.engine.request` re-exports them.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,27 +18,27 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                      # 0 or -1: off
+    top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16         # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None         # top-N logprobs per generated token (0: only the chosen one)
+    logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
     prompt_logprobs: int | None = None  # accepted for compatibility; not computed
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # guided decoding (structured output), at most one of these; see docs/structured-output.md
-    guided_json: dict | str | None = None       # a JSON schema (dict or JSON text)
-    guided_json_object: bool = False            # any JSON object (response_format json_object)
+    guided_json: dict | str | None = None  # a JSON schema (dict or JSON text)
+    guided_json_object: bool = False  # any JSON object (response_format json_object)
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None      # the output is exactly one of these strings
-    guided_grammar: str | None = None           # an EBNF (GBNF) grammar, rule `root`
+    guided_choice: list[str] | None = None  # the output is exactly one of these strings
+    guided_grammar: str | None = None  # an EBNF (GBNF) grammar, rule `root`
     # embeddings: "mean" or "last" pools the prompt's final hidden states (normalized) into
     # RequestOutput.embedding and samples nothing
     pooling: str | None = None
@@ -59,8 +60,7 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             finite(name, getattr(self, name))
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
@@ -95,8 +95,11 @@ class SamplingParams:
         self._check_guided(bad)
 
     def _check_guided(self, bad) -> None:
-        given = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                 if getattr(self, n) is not None] + (["guided_json_object"] if self.guided_json_object else [])
+        given = [
+            n
+            for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, n) is not None
+        ] + (["guided_json_object"] if self.guided_json_object else [])
         if len(given) > 1:
             raise bad(given[1], f"only one guided decoding constraint per request, got {', '.join(given)}")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
@@ -106,15 +109,22 @@ class SamplingParams:
             if v is not None and (not isinstance(v, str) or not v):
                 raise bad(name, f"must be a non-empty string, got {v!r}")
         if self.guided_choice is not None:
-            if isinstance(self.guided_choice, str) or not self.guided_choice or any(
-                    not isinstance(c, str) or not c for c in self.guided_choice):
+            if (
+                isinstance(self.guided_choice, str)
+                or not self.guided_choice
+                or any(not isinstance(c, str) or not c for c in self.guided_choice)
+            ):
                 raise bad("guided_choice", "must be a non-empty list of non-empty strings")
             self.guided_choice = list(self.guided_choice)
 
     @property
     def guided(self) -> bool:
-        return any(getattr(self, n) is not None for n in ("guided_json", "guided_regex", "guided_choice",
-                                                             "guided_grammar")) or self.guided_json_object
+        return (
+            any(
+                getattr(self, n) is not None for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            )
+            or self.guided_json_object
+        )
 
     @property
     def greedy(self) -> bool:
@@ -122,8 +132,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 
     def clone(self, **changes: Any) -> "SamplingParams":
         values = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -141,6 +150,7 @@ class Logprob:
 @dataclass
 class TokenLogprobs:
     """The chosen token's logprob and the top-N alternatives at one position."""
+
     token_id: int
     logprob: float
     top: list[Logprob] = field(default_factory=list)

@@ -4,6 +4,7 @@ For GGUF models the tokenizer, chat template and special tokens come from the fi
 (converted by transformers once, then cached on disk); for checkpoint folders from tokenizer.json and
 tokenizer_config.json.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,11 +22,13 @@ def _cache_dir() -> str:
 
 def _load_hf_tokenizer(path: str, gguf: bool):
     import transformers
+
     if not gguf:
         return transformers.AutoTokenizer.from_pretrained(path)
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode()
+    ).hexdigest()[:16]
     cached = os.path.join(_cache_dir(), key)
     if os.path.exists(os.path.join(cached, "tokenizer.json")):
         return transformers.AutoTokenizer.from_pretrained(cached)
@@ -62,12 +65,14 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+    ) -> str:
         if not self.has_chat_template:
             raise ValueError("messages: this model has no chat template; use the completions API")
-        return self.hf.apply_chat_template(messages, tokenize=False, tools=tools,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
@@ -83,8 +88,14 @@ class IncrementalDetokenizer:
     Decoding works on a short window (`prefix_offset:`) so that each step costs O(1), and a few prompt
     tokens seed the window so the first output token gets its leading space right."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self.tok = tokenizer
         self.skip_special = skip_special_tokens
         self.stop = list(stop or [])
@@ -93,8 +104,8 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""          # all output text decoded so far (before any stop cut)
-        self.emitted = 0        # characters of `text` already handed out
+        self.text = ""  # all output text decoded so far (before any stop cut)
+        self.emitted = 0  # characters of `text` already handed out
         self.stopped: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
@@ -105,10 +116,10 @@ class IncrementalDetokenizer:
         if self.stopped is not None:
             return ""
         self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and (finished or not new_text.endswith("\ufffd")):
-            self.text += new_text[len(prefix_text):]
+            self.text += new_text[len(prefix_text) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._emit(finished)
 
@@ -123,16 +134,16 @@ class IncrementalDetokenizer:
                 i, s = best
                 self.stopped = s
                 end = i + len(s) if self.include_stop else i
-                out = self.text[self.emitted:end]
+                out = self.text[self.emitted : end]
                 self.emitted = end
                 return out
         safe = len(self.text) if finished else len(self.text) - self.hold
         if safe <= self.emitted:
             return ""
-        out = self.text[self.emitted:safe]
+        out = self.text[self.emitted : safe]
         self.emitted = safe
         return out
 
     @property
     def output_text(self) -> str:
-        return self.text[:self.emitted]
+        return self.text[: self.emitted]

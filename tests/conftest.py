@@ -1,6 +1,7 @@
 """Shared fixtures (the bundled model, a transformers reference, cached engines), and the layer markers:
 every test under tests/unit, tests/integration or tests/e2e gets the marker `unit`, `integration` or
 `e2e` (registered in pyproject.toml), so that `pytest -m unit` runs the fast model-free layer."""
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def bundled_gguf() -> str:
     from llmserve.model.loader import bundled_model_path
+
     return bundled_model_path()
 
 
@@ -36,10 +38,11 @@ def hf_model(bundled_gguf):
     """transformers' own float32 load of the bundled GGUF: the correctness reference."""
     import torch
     from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(bundled_gguf),
-                                                 gguf_file=os.path.basename(bundled_gguf),
-                                                 torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(bundled_gguf), gguf_file=os.path.basename(bundled_gguf), torch_dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -49,12 +52,15 @@ _ENGINES: dict = {}
 @pytest.fixture(scope="session")
 def llm_factory():
     """LLM instances cached by their settings: loading costs seconds, tests share them."""
+
     def make(**kwargs):
         from llmserve import LLM
+
         key = tuple(sorted(kwargs.items()))
         if key not in _ENGINES:
             _ENGINES[key] = LLM(**kwargs)
         return _ENGINES[key]
+
     yield make
     _ENGINES.clear()
 

@@ -1,5 +1,6 @@
 """Tiny GGUF files for tests, written with the gguf package's GGUFWriter: a random Llama of hidden size 256
 (K-quant rows are 256 values) with the bundled model's tokenizer, each tensor in the type asked."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,17 @@ from llmserve.model.gguf_kernels import random_blocks
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
 
 # a Q4_K_M-like mix: K-quants, Q8_0 and Q5_0 side by side, q / k / v of different types in one layer
-MIXED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q5_K",
-         "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}
+MIXED = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q8_0",
+    "ffn_gate": "Q5_K",
+    "ffn_up": "Q4_K",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q8_0",
+    "output": "Q6_K",
+}
 Q8 = {name: "Q8_0" for name in MIXED}
 
 
@@ -18,6 +28,7 @@ def _bundled_tokenizer_fields():
     from gguf import GGUFReader
 
     from llmserve.model.loader import bundled_model_path
+
     reader = GGUFReader(bundled_model_path())
     return {k: (f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
@@ -25,7 +36,8 @@ def _bundled_tokenizer_fields():
 def _weight(name: str, qtype: str, rows: int, cols: int, rng) -> np.ndarray:
     """uint8 blocks [rows, row_bytes] (or float32 [rows, cols]) of small random weights."""
     from gguf import GGMLQuantizationType, quants
-    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):   # gguf quantizes these itself
+
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # gguf quantizes these itself
         w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
         return quants.quantize(w, GGMLQuantizationType[qtype])
     if qtype == "F32":
@@ -34,11 +46,13 @@ def _weight(name: str, qtype: str, rows: int, cols: int, rng) -> np.ndarray:
     return random_blocks(qtype, rows, cols, seed=int(rng.integers(1 << 30)), d_max=4e-4).numpy()
 
 
-def write_tiny_gguf(path: str, types: dict[str, str] = MIXED, tied: bool = False, seed: int = 0,
-                    arch: str = "llama") -> str:
+def write_tiny_gguf(
+    path: str, types: dict[str, str] = MIXED, tied: bool = False, seed: int = 0, arch: str = "llama"
+) -> str:
     import os
 
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     rng = np.random.default_rng(seed)
     tok = _bundled_tokenizer_fields()
@@ -71,9 +85,15 @@ def write_tiny_gguf(path: str, types: dict[str, str] = MIXED, tied: bool = False
     for i in range(LAYERS):
         for n in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{n}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-        for n, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN), ("attn_v", kv, HIDDEN),
-                              ("attn_output", HIDDEN, HIDDEN), ("ffn_gate", FFN, HIDDEN), ("ffn_up", FFN, HIDDEN),
-                              ("ffn_down", HIDDEN, FFN)):
+        for n, rows, cols in (
+            ("attn_q", HIDDEN, HIDDEN),
+            ("attn_k", kv, HIDDEN),
+            ("attn_v", kv, HIDDEN),
+            ("attn_output", HIDDEN, HIDDEN),
+            ("ffn_gate", FFN, HIDDEN),
+            ("ffn_up", FFN, HIDDEN),
+            ("ffn_down", HIDDEN, FFN),
+        ):
             add(f"blk.{i}.{n}.weight", n, rows, cols)
     w.write_header_to_file()
     w.write_kv_data_to_file()

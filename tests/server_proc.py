@@ -6,6 +6,7 @@
   process, so that the test can look inside it; `fake_backends` and `router_thread` build on it.
 - `free_port`, `wait_until`.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,15 @@ class ServerProcess:
     test-artifacts/<command>-<port>.log). `stop()` / `kill()` / the context manager end it and
     whatever it started."""
 
-    def __init__(self, *flags: str, cmd: tuple[str, ...] = SERVE, port: int | None = None,
-                 env: dict | None = None, log_path: str | None = None, ready_path: str = "/ready") -> None:
+    def __init__(
+        self,
+        *flags: str,
+        cmd: tuple[str, ...] = SERVE,
+        port: int | None = None,
+        env: dict | None = None,
+        log_path: str | None = None,
+        ready_path: str = "/ready",
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_path = ready_path
@@ -74,29 +82,35 @@ class ServerProcess:
         self._log_start = self._log.tell()
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, full_env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, *cmd, "--port", str(self.port), *flags], cwd=ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, *cmd, "--port", str(self.port), *flags],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 180.0, headers: dict | None = None) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args} exited with {self.proc.returncode}; {self.log_path}:\n"
-                                   + self.log()[-3000:])
+                raise RuntimeError(
+                    f"{self.proc.args} exited with {self.proc.returncode}; {self.log_path}:\n" + self.log()[-3000:]
+                )
             try:
                 if httpx.get(self.url + self.ready_path, timeout=2, headers=headers).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"{self.url}{self.ready_path} not ready in {timeout}s; {self.log_path}:\n"
-                           + self.log()[-3000:])
+        raise TimeoutError(
+            f"{self.url}{self.ready_path} not ready in {timeout}s; {self.log_path}:\n" + self.log()[-3000:]
+        )
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """/metrics -> {'name{labels}': value} and bare names summed over labels."""
-        return parse_prometheus(httpx.get(self.url + "/metrics", timeout=5, headers=headers).text,
-                                labelled=True)
+        return parse_prometheus(httpx.get(self.url + "/metrics", timeout=5, headers=headers).text, labelled=True)
 
     def log(self) -> str:
         """What this process has written to its log so far."""
@@ -144,14 +158,15 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
+
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        )
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
     def url(self) -> str:
@@ -184,6 +199,7 @@ def fake_backends(*models: str, host: str = "127.0.0.1", port: int = 0, **config
     """One fake OpenAI server per model name, each in its own thread; FakeConfig fields as keywords.
     Yields the ServerThreads; each has `.fake` (the FakeOpenAI: its `cfg` and counters)."""
     from llmserve.testing.fake_openai import FakeConfig, FakeOpenAI
+
     servers = []
     try:
         for m in models:
@@ -201,6 +217,7 @@ def router_thread(dns_resolver=None, registry=None, **config):
     """A Router (RouterConfig fields as keywords) served in a thread; the yielded ServerThread has
     `.router` for inspection."""
     from llmserve.router.app import Router, RouterConfig, build_app
+
     router = Router(RouterConfig(**config), registry=registry, dns_resolver=dns_resolver)
     server = ServerThread(build_app(router))
     server.router = router

@@ -12,6 +12,7 @@ Token counts come from a tokenizer: the server's own `/tokenize` + `/detokenize`
 (llmserve, vLLM, llama.cpp), else a local Hugging Face tokenizer (`--tokenizer PATH`), else a
 word-level approximation (one token per word or punctuation mark).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,7 @@ class HFTokenizer:
 
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
+
         self.tok = AutoTokenizer.from_pretrained(path)
         self.name = f"local {path}"
 
@@ -98,9 +100,11 @@ class ServerTokenizer:
         self._shape = 0  # index into _bodies of the request shape this server accepts
 
     def _bodies(self, text: str) -> list[dict]:
-        return [{"model": self.model, "prompt": text, "add_special_tokens": False},  # vLLM
-                {"model": self.model, "prompt": text},  # a strict llmserve-like server
-                {"content": text}]  # llama.cpp
+        return [
+            {"model": self.model, "prompt": text, "add_special_tokens": False},  # vLLM
+            {"model": self.model, "prompt": text},  # a strict llmserve-like server
+            {"content": text},
+        ]  # llama.cpp
 
     async def encode(self, text: str) -> list[int]:
         bodies = self._bodies(text)
@@ -193,6 +197,7 @@ async def _gather(coros, limit: int = 8):
     async def run(c):
         async with sem:
             return await c
+
     return await asyncio.gather(*(run(c) for c in coros))
 
 
@@ -213,11 +218,11 @@ async def _synthetic(cfg: DatasetConfig, count: int, tok, rng: random.Random) ->
     async def make(n_in: int, n_out: int, offset: int) -> BenchRequest:
         text, n = await exact_length_text(tok, lead, pool, offset, n_in)
         return BenchRequest(prompt=text, prompt_len=n, output_len=n_out)
+
     return await _gather(make(*j) for j in jobs)
 
 
-async def exact_length_text(tok, lead: list[int], pool: list[int], offset: int,
-                            n: int) -> tuple[str, int]:
+async def exact_length_text(tok, lead: list[int], pool: list[int], offset: int, n: int) -> tuple[str, int]:
     """Text that re-tokenises to exactly n tokens (nearly always; else the closest found)."""
     ids = lead + [pool[(offset + k) % len(pool)] for k in range(max(0, n - len(lead)))]
     text, got = "", -1
@@ -227,7 +232,7 @@ async def exact_length_text(tok, lead: list[int], pool: list[int], offset: int,
         if got == n:
             break
         if got > n:  # merges at the cut, or specials: drop the surplus from the end
-            ids = ids[:max(len(lead), len(ids) - (got - n))]
+            ids = ids[: max(len(lead), len(ids) - (got - n))]
         else:
             k = len(ids) - len(lead)
             ids = ids + [pool[(offset + k + j) % len(pool)] for j in range(n - got)]
@@ -271,7 +276,7 @@ async def _sharegpt(cfg: DatasetConfig, count: int, tok, rng: random.Random) -> 
     usable: list[BenchRequest] = []
     # measure only what is needed: a full ShareGPT dump has ~90k conversations
     for chunk_start in range(0, len(order), max(16, count)):
-        found = await _gather(measure(i) for i in order[chunk_start:chunk_start + max(16, count)])
+        found = await _gather(measure(i) for i in order[chunk_start : chunk_start + max(16, count)])
         usable += [r for r in found if r is not None]
         if len(usable) >= count:
             break
@@ -290,8 +295,9 @@ async def _prompts(cfg: DatasetConfig, count: int, tok, rng: random.Random) -> l
         if cfg.path.endswith((".jsonl", ".json")):
             obj = json.loads(line)
             msgs = obj.get("messages")
-            prompt = obj.get("prompt") or obj.get("text") or (
-                "\n".join(m.get("content", "") for m in msgs) if msgs else "")
+            prompt = (
+                obj.get("prompt") or obj.get("text") or ("\n".join(m.get("content", "") for m in msgs) if msgs else "")
+            )
             items.append((prompt, msgs, obj.get("max_tokens") or obj.get("output_len")))
         else:
             items.append((line, None, None))
@@ -302,6 +308,8 @@ async def _prompts(cfg: DatasetConfig, count: int, tok, rng: random.Random) -> l
 
     async def make(k: int) -> BenchRequest:
         prompt, msgs, n_out = items[k % len(items)]
-        return BenchRequest(prompt=prompt, prompt_len=await count_tokens(tok, prompt),
-                            output_len=int(n_out or drawn[k]), messages=msgs)
+        return BenchRequest(
+            prompt=prompt, prompt_len=await count_tokens(tok, prompt), output_len=int(n_out or drawn[k]), messages=msgs
+        )
+
     return await _gather(make(k) for k in range(count))

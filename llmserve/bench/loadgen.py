@@ -15,6 +15,7 @@ Load modes (each `LoadPhase` is one of them):
                once when the rate is inf; optionally capped by max_concurrency;
   users        like locust: N users, each sends a request, waits a think time, and repeats.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -133,7 +134,7 @@ def _line_end(buf: bytes) -> tuple[int, int] | None:
         return None if lf == -1 else (lf, lf + 1)
     if cr == len(buf) - 1:
         return None  # a CR at the end may be the first half of CRLF: wait for the next byte
-    return (cr, cr + 2) if buf[cr + 1:cr + 2] == b"\n" else (cr, cr + 1)
+    return (cr, cr + 2) if buf[cr + 1 : cr + 2] == b"\n" else (cr, cr + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,18 +184,31 @@ def auto_timeout(req: BenchRequest, per_token: float = 0.5, base: float = 60.0) 
     return base + per_token * req.output_len + 0.002 * req.prompt_len
 
 
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
-             "messages": "/v1/messages", "embeddings": "/v1/embeddings"}
+ENDPOINTS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+    "embeddings": "/v1/embeddings",
+}
 
 
 class OpenAIClient:
     """Streams answers from an OpenAI-compatible (or Anthropic-compatible) server and times every content
     chunk; `endpoint` is a key of ENDPOINTS."""
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 endpoint: str = "chat", temperature: float | None = 0.0, ignore_eos: bool = False,
-                 extra_body: dict | None = None, timeout: float | None = None,
-                 timeout_per_token: float = 0.5) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        endpoint: str = "chat",
+        temperature: float | None = 0.0,
+        ignore_eos: bool = False,
+        extra_body: dict | None = None,
+        timeout: float | None = None,
+        timeout_per_token: float = 0.5,
+    ) -> None:
         self.root = normalize_base_url(base_url)
         self.model = model
         self.endpoint = endpoint
@@ -204,12 +218,11 @@ class OpenAIClient:
         self.fixed_timeout = timeout
         self.timeout_per_token = timeout_per_token
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        if endpoint == "messages":   # Anthropic's clients send the key as x-api-key
+        if endpoint == "messages":  # Anthropic's clients send the key as x-api-key
             headers.update({"anthropic-version": "2023-06-01", **({"x-api-key": api_key} if api_key else {})})
         # No client-side connection cap: a pool limit would queue requests here and inflate TTFT.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.http = httpx.AsyncClient(base_url=self.root, headers=headers, limits=limits,
-                                      timeout=httpx.Timeout(30.0))
+        self.http = httpx.AsyncClient(base_url=self.root, headers=headers, limits=limits, timeout=httpx.Timeout(30.0))
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -242,18 +255,23 @@ class OpenAIClient:
             body.update(input=messages, max_output_tokens=req.output_len)
         elif self.endpoint == "messages":
             system = "\n".join(m["content"] for m in messages if m.get("role") == "system")
-            body.update(messages=[m for m in messages if m.get("role") != "system"], max_tokens=req.output_len,
-                        **({"system": system} if system else {}))
+            body.update(
+                messages=[m for m in messages if m.get("role") != "system"],
+                max_tokens=req.output_len,
+                **({"system": system} if system else {}),
+            )
         else:
             raise ValueError(f"unknown endpoint {self.endpoint!r}")
         body.update(self.extra_body)
         return ENDPOINTS[self.endpoint], body
 
-    async def send(self, req: BenchRequest, index: int = 0,
-                   on_chunk: Callable[[], None] | None = None) -> RequestRecord:
+    async def send(
+        self, req: BenchRequest, index: int = 0, on_chunk: Callable[[], None] | None = None
+    ) -> RequestRecord:
         """Send one streaming request; never raises for server or network failures."""
-        rec = RequestRecord(index=index, prompt_len=req.prompt_len, max_tokens=req.output_len,
-                            timeout=self.timeout_for(req))
+        rec = RequestRecord(
+            index=index, prompt_len=req.prompt_len, max_tokens=req.output_len, timeout=self.timeout_for(req)
+        )
         path, body = self.body(req)
         rec.start = time.perf_counter()
         try:
@@ -273,12 +291,10 @@ class OpenAIClient:
         rec.end = time.perf_counter()
         return rec
 
-    async def _stream(self, path: str, body: dict, rec: RequestRecord,
-                      on_chunk: Callable[[], None] | None) -> None:
+    async def _stream(self, path: str, body: dict, rec: RequestRecord, on_chunk: Callable[[], None] | None) -> None:
         if self.endpoint == "embeddings":
             return await self._embed(path, body, rec, on_chunk)
-        async with self.http.stream("POST", path, json=body,
-                                    timeout=httpx.Timeout(rec.timeout)) as resp:
+        async with self.http.stream("POST", path, json=body, timeout=httpx.Timeout(rec.timeout)) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode("utf-8", errors="replace")[:500]
                 return _fail(rec, f"http_{resp.status_code}", detail)
@@ -297,8 +313,7 @@ class OpenAIClient:
                 done = self._on_event(ev, rec, time.perf_counter(), on_chunk) or done
             self._finish(rec, done)
 
-    async def _embed(self, path: str, body: dict, rec: RequestRecord,
-                     on_chunk: Callable[[], None] | None) -> None:
+    async def _embed(self, path: str, body: dict, rec: RequestRecord, on_chunk: Callable[[], None] | None) -> None:
         """One embeddings request: the whole answer is its first (and only) chunk."""
         resp = await self.http.post(path, json=body, timeout=httpx.Timeout(rec.timeout))
         if resp.status_code != 200:
@@ -314,8 +329,7 @@ class OpenAIClient:
             on_chunk()
         rec.success = True
 
-    def _on_event(self, ev: SSEEvent, rec: RequestRecord, now: float,
-                  on_chunk: Callable[[], None] | None) -> bool:
+    def _on_event(self, ev: SSEEvent, rec: RequestRecord, now: float, on_chunk: Callable[[], None] | None) -> bool:
         """Handle one SSE event; True when it ends the stream (`[DONE]`, response.completed, message_stop)."""
         if ev.done:
             return True
@@ -347,8 +361,7 @@ class OpenAIClient:
         if on_chunk:
             on_chunk()
 
-    def _on_data(self, data: dict, rec: RequestRecord, now: float,
-                 on_chunk: Callable[[], None] | None) -> None:
+    def _on_data(self, data: dict, rec: RequestRecord, now: float, on_chunk: Callable[[], None] | None) -> None:
         for choice in data.get("choices") or []:
             if self.endpoint == "chat":
                 part = choice.get("delta") or choice.get("message") or {}
@@ -365,13 +378,15 @@ class OpenAIClient:
             if usage.get("prompt_tokens") is not None:
                 rec.prompt_tokens = int(usage["prompt_tokens"])
 
-    def _on_typed_event(self, data: dict, rec: RequestRecord, now: float,
-                        on_chunk: Callable[[], None] | None) -> bool:
+    def _on_typed_event(self, data: dict, rec: RequestRecord, now: float, on_chunk: Callable[[], None] | None) -> bool:
         """The Responses and Messages APIs' events: text deltas (reasoning and tool-call arguments count as
         content), usage at the end; True at the terminal event."""
         kind = data.get("type", "")
-        if kind in ("response.output_text.delta", "response.reasoning_text.delta",
-                    "response.function_call_arguments.delta"):
+        if kind in (
+            "response.output_text.delta",
+            "response.reasoning_text.delta",
+            "response.function_call_arguments.delta",
+        ):
             self._content(data.get("delta") or "", rec, now, on_chunk)
         elif kind == "content_block_delta":
             d = data.get("delta") or {}
@@ -406,8 +421,11 @@ class OpenAIClient:
         if rec.error:
             return
         if not done:
-            _fail(rec, "incomplete_stream", "the stream ended without its final event ([DONE], response.completed, "
-                                        "message_stop)")
+            _fail(
+                rec,
+                "incomplete_stream",
+                "the stream ended without its final event ([DONE], response.completed, message_stop)",
+            )
         elif rec.ttft is None:
             _fail(rec, "empty_response", "no content in the answer")
         else:
@@ -442,8 +460,7 @@ class LoadPhase:
     @property
     def name(self) -> str:
         level = "inf" if math.isinf(self.level) else f"{self.level:g}"
-        return {"concurrency": f"concurrency={level}", "rate": f"rate={level}/s",
-                "users": f"users={level}"}[self.mode]
+        return {"concurrency": f"concurrency={level}", "rate": f"rate={level}/s", "users": f"users={level}"}[self.mode]
 
 
 @dataclass
@@ -474,9 +491,14 @@ class _Budget:
         return self.next - 1
 
 
-async def run_phase(client: OpenAIClient, phase: LoadPhase, requests: Sequence[BenchRequest],
-                    seed: int = 0, on_chunk: Callable[[], None] | None = None,
-                    on_done: Callable[[RequestRecord], None] | None = None) -> PhaseRun:
+async def run_phase(
+    client: OpenAIClient,
+    phase: LoadPhase,
+    requests: Sequence[BenchRequest],
+    seed: int = 0,
+    on_chunk: Callable[[], None] | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> PhaseRun:
     """Run one phase; `requests` is used in order and cycled if the phase needs more."""
     if not requests:
         raise ValueError("no requests to send")
@@ -491,9 +513,11 @@ async def run_phase(client: OpenAIClient, phase: LoadPhase, requests: Sequence[B
     start = time.perf_counter()
     budget = _Budget(phase.num_requests, phase.duration)
     if phase.mode == "concurrency":
+
         async def worker() -> None:
             while (i := budget.take()) is not None:
                 await one(i)
+
         await asyncio.gather(*(worker() for _ in range(int(phase.level))))
     elif phase.mode == "users":
         rng = random.Random(seed)
@@ -504,6 +528,7 @@ async def run_phase(client: OpenAIClient, phase: LoadPhase, requests: Sequence[B
             while (i := budget.take()) is not None:
                 await one(i)
                 await asyncio.sleep(rng.uniform(lo, hi))
+
         await asyncio.gather(*(user() for _ in range(int(phase.level))))
     elif phase.mode == "rate":
         gaps = _arrival_gaps(phase.level, phase.burstiness, seed)
@@ -514,6 +539,7 @@ async def run_phase(client: OpenAIClient, phase: LoadPhase, requests: Sequence[B
                 return await one(i)
             async with cap:
                 await one(i)
+
         tasks, due = [], time.perf_counter()
         while (i := budget.take()) is not None:
             tasks.append(asyncio.create_task(capped(i)))

@@ -11,6 +11,7 @@ Definitions (the same as `vllm bench serve`, so numbers compare; see docs/bench.
   goodput completed requests that meet every SLO, per second of wall time
 N is the usage chunk's completion_tokens when the server sends one, else the answer re-tokenised.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,16 @@ def distribution(seconds: Sequence[float]) -> dict:
         return {k: None for k in keys}
     a = np.asarray(seconds, dtype=float) * 1000.0
     p90, p95, p99 = np.percentile(a, [90, 95, 99])  # linear interpolation, as numpy and vLLM
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
-            "min": float(a.min()), "max": float(a.max()),
-            "p90": float(p90), "p95": float(p95), "p99": float(p99)}
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "std": float(a.std()),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "p90": float(p90),
+        "p95": float(p95),
+        "p99": float(p99),
+    }
 
 
 def parse_slo(items: Iterable[str] | str | None) -> dict[str, float]:
@@ -69,8 +77,9 @@ def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
 
 def peak_concurrency(records: Sequence[RequestRecord]) -> int:
     """The most requests in flight at once (failed ones too: they held a slot)."""
-    edges = sorted([(r.start, 1) for r in records] + [(r.end, -1) for r in records],
-                   key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    edges = sorted(
+        [(r.start, 1) for r in records] + [(r.end, -1) for r in records], key=lambda e: (e[0], e[1])
+    )  # an end before a start at the same instant
     peak = now = 0
     for _, step in edges:
         now += step
@@ -86,11 +95,16 @@ def summarize(run: PhaseRun, slo: dict[str, float] | None = None) -> dict:
     in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok)
     tpots = [t for t in (request_tpot(r) for r in ok) if t is not None]
     summary = {
-        "phase": run.phase.name, "mode": run.phase.mode, "level": run.phase.level,
-        "requests": len(recs), "completed": len(ok), "failed": len(recs) - len(ok),
+        "phase": run.phase.name,
+        "mode": run.phase.mode,
+        "level": run.phase.level,
+        "requests": len(recs),
+        "completed": len(ok),
+        "failed": len(recs) - len(ok),
         "errors": dict(Counter(r.error for r in recs if not r.success)),
         "duration_s": run.wall_time,
-        "total_input_tokens": in_tokens, "total_output_tokens": sum(out_tokens),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": sum(out_tokens),
         "request_throughput": len(ok) / wall,
         "output_throughput": sum(out_tokens) / wall,
         "total_token_throughput": (in_tokens + sum(out_tokens)) / wall,
@@ -104,8 +118,9 @@ def summarize(run: PhaseRun, slo: dict[str, float] | None = None) -> dict:
     }
     if slo:
         good = sum(meets_slo(r, slo) for r in recs)
-        summary.update(slo=slo, good_requests=good, goodput=good / wall,
-                       slo_attainment=good / len(recs) if recs else 0.0)
+        summary.update(
+            slo=slo, good_requests=good, goodput=good / wall, slo_attainment=good / len(recs) if recs else 0.0
+        )
     return summary
 
 
@@ -120,27 +135,36 @@ def find_knee(summaries: Sequence[dict]) -> dict | None:
     if len(points) < 2:
         return None
     points = sorted(points, key=lambda s: s["level"])
-    key = "output_throughput" if all(s["output_throughput"] > 0 for s in points) \
-        else "request_throughput"
+    key = "output_throughput" if all(s["output_throughput"] > 0 for s in points) else "request_throughput"
     power = [s[key] / s["e2el_ms"]["mean"] for s in points]
     i = int(np.argmax(power))
-    knee = {"level": points[i]["level"], "phase": points[i]["phase"], "throughput_key": key,
-            "throughput": points[i][key], "mean_e2el_ms": points[i]["e2el_ms"]["mean"],
-            "saturated": i < len(points) - 1}
+    knee = {
+        "level": points[i]["level"],
+        "phase": points[i]["phase"],
+        "throughput_key": key,
+        "throughput": points[i][key],
+        "mean_e2el_ms": points[i]["e2el_ms"]["mean"],
+        "saturated": i < len(points) - 1,
+    }
     if knee["saturated"]:
         last = points[-1]
-        knee["beyond"] = {"level": last["level"],
-                          "throughput_gain": last[key] / max(points[i][key], 1e-9),
-                          "latency_gain": last["e2el_ms"]["mean"] / points[i]["e2el_ms"]["mean"]}
+        knee["beyond"] = {
+            "level": last["level"],
+            "throughput_gain": last[key] / max(points[i][key], 1e-9),
+            "latency_gain": last["e2el_ms"]["mean"] / points[i]["e2el_ms"]["mean"],
+        }
     return knee
 
 
 def best_under_slo(summaries: Sequence[dict], percentile: float = 90.0) -> dict | None:
     """The highest level at which at least `percentile`% of requests met every SLO."""
-    meeting = [s for s in summaries if "slo_attainment" in s
-               and s["slo_attainment"] * 100.0 >= percentile - 1e-9]
+    meeting = [s for s in summaries if "slo_attainment" in s and s["slo_attainment"] * 100.0 >= percentile - 1e-9]
     if not meeting:
         return None
-    best = max(meeting, key=lambda s: (s["level"] if not math.isinf(s["level"]) else 1e18))
-    return {"level": best["level"], "phase": best["phase"],
-            "slo_attainment": best["slo_attainment"], "goodput": best["goodput"]}
+    best = max(meeting, key=lambda s: s["level"] if not math.isinf(s["level"]) else 1e18)
+    return {
+        "level": best["level"],
+        "phase": best["phase"],
+        "slo_attainment": best["slo_attainment"],
+        "goodput": best["goodput"],
+    }

@@ -1,4 +1,5 @@
 """Output: console tables, the JSON file, PNG plots (matplotlib, Agg) and a Markdown report."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ from .metrics import request_tpot
 
 METRICS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2el_ms"))
 STATS = ("mean", "median", "p90", "p95", "p99")
-PLOTS = {"throughput": "throughput.png", "percentiles": "latency_percentiles.png",
-         "cdf": "latency_cdf.png"}
+PLOTS = {"throughput": "throughput.png", "percentiles": "latency_percentiles.png", "cdf": "latency_cdf.png"}
 
 
 def _f(x, digits: int = 1) -> str:
@@ -23,8 +23,7 @@ def _f(x, digits: int = 1) -> str:
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
@@ -71,16 +70,19 @@ def phase_text(s: dict) -> str:
         ("Request throughput (req/s)", _f(s["request_throughput"], 2)),
         ("Output token throughput (tok/s)", _f(s["output_throughput"], 1)),
         ("Total token throughput (tok/s)", _f(s["total_token_throughput"], 1)),
-        ("Input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"
-                                  f"  (N from {', '.join(s['output_tokens_source']) or '-'})"),
+        (
+            "Input / output tokens",
+            f"{s['total_input_tokens']} / {s['total_output_tokens']}"
+            f"  (N from {', '.join(s['output_tokens_source']) or '-'})",
+        ),
     ]
     if "goodput" in s:
-        rows.append(("Goodput (req/s)", f"{s['goodput']:.2f}  ({100 * s['slo_attainment']:.0f}% "
-                                        "of requests met the SLO)"))
+        rows.append(
+            ("Goodput (req/s)", f"{s['goodput']:.2f}  ({100 * s['slo_attainment']:.0f}% of requests met the SLO)")
+        )
     head = f" {s['phase']} ".center(64, "=")
     body = "\n".join(f"{k + ':':<34}{v}" for k, v in rows)
-    table = format_table(["(ms)"] + list(STATS), [
-        [name] + [_f(s[key][st]) for st in STATS] for name, key in METRICS])
+    table = format_table(["(ms)"] + list(STATS), [[name] + [_f(s[key][st]) for st in STATS] for name, key in METRICS])
     srv = server_text(s.get("server") or {})
     return "\n".join([head, body, table] + ([f"Server: {srv}"] if srv else []))
 
@@ -91,25 +93,47 @@ def _level_header(mode: str) -> str:
 
 def comparison_rows(summaries: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The articles' table (concurrency, total time, mean per request, req/s) and more."""
-    headers = [_level_header(summaries[0]["mode"]), "requests", "errors", "total time (s)",
-               "mean latency (s)", "time/request (s)", "req/s", "out tok/s", "TTFT p50 (ms)",
-               "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)"]
+    headers = [
+        _level_header(summaries[0]["mode"]),
+        "requests",
+        "errors",
+        "total time (s)",
+        "mean latency (s)",
+        "time/request (s)",
+        "req/s",
+        "out tok/s",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "TPOT p50 (ms)",
+        "TPOT p99 (ms)",
+    ]
     rows = []
     for s in summaries:
         e2e = s["e2el_ms"]["mean"]
-        rows.append(["inf" if math.isinf(s["level"]) else f"{s['level']:g}",
-                     str(s["requests"]), str(s["failed"]),
-                     _f(s["duration_s"], 2), _f(e2e / 1000 if e2e else None, 2),
-                     _f(s["time_per_request_s"], 2), _f(s["request_throughput"], 2),
-                     _f(s["output_throughput"], 1), _f(s["ttft_ms"]["median"]),
-                     _f(s["ttft_ms"]["p99"]), _f(s["tpot_ms"]["median"]),
-                     _f(s["tpot_ms"]["p99"])])
+        rows.append(
+            [
+                "inf" if math.isinf(s["level"]) else f"{s['level']:g}",
+                str(s["requests"]),
+                str(s["failed"]),
+                _f(s["duration_s"], 2),
+                _f(e2e / 1000 if e2e else None, 2),
+                _f(s["time_per_request_s"], 2),
+                _f(s["request_throughput"], 2),
+                _f(s["output_throughput"], 1),
+                _f(s["ttft_ms"]["median"]),
+                _f(s["ttft_ms"]["p99"]),
+                _f(s["tpot_ms"]["median"]),
+                _f(s["tpot_ms"]["p99"]),
+            ]
+        )
     if any(s.get("server") for s in summaries):
         headers += ["srv waiting max", "srv KV max"]
         for s, row in zip(summaries, rows):
             srv = s.get("server") or {}
-            row += [_f((srv.get("waiting") or {}).get("max"), 0),
-                    _f(100 * srv["kv_usage"]["max"], 0) + "%" if "kv_usage" in srv else "-"]
+            row += [
+                _f((srv.get("waiting") or {}).get("max"), 0),
+                _f(100 * srv["kv_usage"]["max"], 0) + "%" if "kv_usage" in srv else "-",
+            ]
     return headers, rows
 
 
@@ -123,14 +147,27 @@ def comparison_text(summaries: list[dict]) -> str:
 
 def record_dict(rec: RequestRecord, t0: float) -> dict:
     tpot = request_tpot(rec)
-    return {"index": rec.index, "start_s": rec.start - t0, "end_s": rec.end - t0,
-            "success": rec.success, "error": rec.error, "error_detail": rec.error_detail or None,
-            "ttft_s": rec.ttft, "e2el_s": rec.e2e, "tpot_s": tpot, "itl_s": rec.itl,
-            "prompt_len": rec.prompt_len, "prompt_tokens": rec.prompt_tokens,
-            "max_tokens": rec.max_tokens, "output_tokens": rec.output_tokens,
-            "output_tokens_source": rec.output_tokens_source or None, "chunks": rec.chunks,
-            "finish_reason": rec.finish_reason, "output_chars": len(rec.text),
-            "timeout_s": rec.timeout}
+    return {
+        "index": rec.index,
+        "start_s": rec.start - t0,
+        "end_s": rec.end - t0,
+        "success": rec.success,
+        "error": rec.error,
+        "error_detail": rec.error_detail or None,
+        "ttft_s": rec.ttft,
+        "e2el_s": rec.e2e,
+        "tpot_s": tpot,
+        "itl_s": rec.itl,
+        "prompt_len": rec.prompt_len,
+        "prompt_tokens": rec.prompt_tokens,
+        "max_tokens": rec.max_tokens,
+        "output_tokens": rec.output_tokens,
+        "output_tokens_source": rec.output_tokens_source or None,
+        "chunks": rec.chunks,
+        "finish_reason": rec.finish_reason,
+        "output_chars": len(rec.text),
+        "timeout_s": rec.timeout,
+    }
 
 
 def phase_json(run: PhaseRun, summary: dict) -> dict:
@@ -152,10 +189,12 @@ def _json_default(x):
 # Plots
 
 
-def write_plots(out_dir: str | Path, summaries: list[dict], runs: list[PhaseRun],
-                knee: dict | None = None) -> dict[str, str]:
+def write_plots(
+    out_dir: str | Path, summaries: list[dict], runs: list[PhaseRun], knee: dict | None = None
+) -> dict[str, str]:
     """throughput vs level, TTFT/TPOT percentiles vs level, latency CDFs; returns file names."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -207,8 +246,7 @@ def write_plots(out_dir: str | Path, summaries: list[dict], runs: list[PhaseRun]
             vals = sorted(get(r) for r in run.records if r.success)
             if vals:
                 ys = [0.0] + [(i + 1) / len(vals) for i in range(len(vals))]
-                ax.step([vals[0] * 1000] + [v * 1000 for v in vals], ys, where="post",
-                        label=run.phase.name)
+                ax.step([vals[0] * 1000] + [v * 1000 for v in vals], ys, where="post", label=run.phase.name)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name} CDF")
@@ -226,25 +264,37 @@ def write_plots(out_dir: str | Path, summaries: list[dict], runs: list[PhaseRun]
 
 def markdown_report(result: dict, plots: dict[str, str] | None = None) -> str:
     cfg, summaries = result["config"], [p["summary"] for p in result["phases"]]
-    lines = ["# llmserve bench report", "",
-             f"- server: `{cfg['base_url']}`, model `{cfg['model']}`, endpoint `{cfg['endpoint']}`",
-             f"- dataset: `{cfg['dataset']}`, tokenizer: {cfg['tokenizer']}",
-             f"- started: {cfg['started']}", "", "## Comparison across phases", "",
-             markdown_table(*comparison_rows(summaries)), ""]
+    lines = [
+        "# llmserve bench report",
+        "",
+        f"- server: `{cfg['base_url']}`, model `{cfg['model']}`, endpoint `{cfg['endpoint']}`",
+        f"- dataset: `{cfg['dataset']}`, tokenizer: {cfg['tokenizer']}",
+        f"- started: {cfg['started']}",
+        "",
+        "## Comparison across phases",
+        "",
+        markdown_table(*comparison_rows(summaries)),
+        "",
+    ]
     if result.get("advice"):
         lines += ["## Recommendation", ""] + [f"- {t}" for t in result["advice"]] + [""]
     if plots:
         lines += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]
     lines += ["## Phases", ""]
     for s in summaries:
-        lines += [f"### {s['phase']}", "",
-                  f"{s['completed']} completed, {s['failed']} failed "
-                  f"(errors: {errors_text(s['errors'])}), wall time {s['duration_s']:.2f} s, "
-                  f"peak concurrency {s['peak_concurrency']}, "
-                  f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s"
-                  + (f", goodput {s['goodput']:.2f} req/s" if "goodput" in s else "") + ".", "",
-                  markdown_table(["(ms)"] + list(STATS),
-                                 [[n] + [_f(s[k][st]) for st in STATS] for n, k in METRICS]), ""]
+        lines += [
+            f"### {s['phase']}",
+            "",
+            f"{s['completed']} completed, {s['failed']} failed "
+            f"(errors: {errors_text(s['errors'])}), wall time {s['duration_s']:.2f} s, "
+            f"peak concurrency {s['peak_concurrency']}, "
+            f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s"
+            + (f", goodput {s['goodput']:.2f} req/s" if "goodput" in s else "")
+            + ".",
+            "",
+            markdown_table(["(ms)"] + list(STATS), [[n] + [_f(s[k][st]) for st in STATS] for n, k in METRICS]),
+            "",
+        ]
         srv = server_text(s.get("server") or {})
         if srv:
             lines += [f"Server (`/metrics`): {srv}", ""]

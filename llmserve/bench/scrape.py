@@ -4,6 +4,7 @@ requests running and waiting, KV-cache usage, prefix-cache hit rate, preemptions
 Names are looked up in this order: llmserve's, vLLM's, SGLang's, llama.cpp's; samples with the same
 name and different labels (e.g. one per model) are summed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,22 +15,42 @@ from typing import NamedTuple
 import httpx
 
 ALIASES = {
-    "running": ["llmserve:num_requests_running", "vllm:num_requests_running",
-                "sglang:num_running_reqs", "llamacpp:requests_processing"],
-    "waiting": ["llmserve:num_requests_waiting", "vllm:num_requests_waiting",
-                "sglang:num_queue_reqs", "llamacpp:requests_deferred"],
-    "kv_usage": ["llmserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
-                 "vllm:gpu_cache_usage_perc", "sglang:token_usage",
-                 "llamacpp:kv_cache_usage_ratio"],
-    "prefix_queries": ["llmserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
-                       "vllm:gpu_prefix_cache_queries_total"],
-    "prefix_hits": ["llmserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
-                    "vllm:gpu_prefix_cache_hits_total"],
+    "running": [
+        "llmserve:num_requests_running",
+        "vllm:num_requests_running",
+        "sglang:num_running_reqs",
+        "llamacpp:requests_processing",
+    ],
+    "waiting": [
+        "llmserve:num_requests_waiting",
+        "vllm:num_requests_waiting",
+        "sglang:num_queue_reqs",
+        "llamacpp:requests_deferred",
+    ],
+    "kv_usage": [
+        "llmserve:kv_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+        "llamacpp:kv_cache_usage_ratio",
+    ],
+    "prefix_queries": [
+        "llmserve:prefix_cache_queries_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_queries_total",
+    ],
+    "prefix_hits": [
+        "llmserve:prefix_cache_hits_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:gpu_prefix_cache_hits_total",
+    ],
     "preemptions": ["llmserve:num_preemptions_total", "vllm:num_preemptions_total"],
-    "prompt_tokens": ["llmserve:prompt_tokens_total", "vllm:prompt_tokens_total",
-                      "sglang:prompt_tokens_total"],
-    "generation_tokens": ["llmserve:generation_tokens_total", "vllm:generation_tokens_total",
-                          "sglang:generation_tokens_total"],
+    "prompt_tokens": ["llmserve:prompt_tokens_total", "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"],
+    "generation_tokens": [
+        "llmserve:generation_tokens_total",
+        "vllm:generation_tokens_total",
+        "sglang:generation_tokens_total",
+    ],
 }
 GAUGES = ("running", "waiting", "kv_usage")
 COUNTERS = ("prefix_queries", "prefix_hits", "preemptions", "prompt_tokens", "generation_tokens")
@@ -58,8 +79,9 @@ def parse_samples(text: str) -> list[Sample]:
         except ValueError:
             continue
         raw = m.group(2) or ""
-        labels = {k: _ESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v)
-                  for k, v in _LABEL.findall(raw)}
+        labels = {
+            k: _ESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v) for k, v in _LABEL.findall(raw)
+        }
         out.append(Sample(m.group(1), labels, value, m.group(1) + raw))
     return out
 
@@ -77,8 +99,11 @@ def parse_prometheus(text: str, labelled: bool = False) -> dict[str, float]:
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of `name` whose labels include `labels` (0 when there are none)."""
-    return sum(s.value for s in parse_samples(text)
-               if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in parse_samples(text)
+        if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())
+    )
 
 
 def pick(samples: dict[str, float]) -> dict[str, float]:
@@ -112,8 +137,9 @@ class MetricsScraper:
             return None
         got = pick(raw)
         if got and self.flavor is None:
-            self.flavor = next(n.split(":")[0] for n in raw if ":" in n and any(
-                n in names for names in ALIASES.values()))
+            self.flavor = next(
+                n.split(":")[0] for n in raw if ":" in n and any(n in names for names in ALIASES.values())
+            )
         return got or None
 
     async def probe(self) -> bool:
@@ -159,6 +185,7 @@ class MetricsScraper:
                 out[key] = last[key] - first.get(key, 0.0)
         if out.get("prefix_queries"):
             out["prefix_cache_hit_rate"] = out.get("prefix_hits", 0.0) / out["prefix_queries"]
-        out["timeline"] = [[round(t, 3), s.get("running"), s.get("waiting"), s.get("kv_usage")]
-                           for t, s in self.samples]
+        out["timeline"] = [
+            [round(t, 3), s.get("running"), s.get("waiting"), s.get("kv_usage")] for t, s in self.samples
+        ]
         return out

@@ -4,6 +4,7 @@ The engine loop runs in a dedicated thread so that HTTP work never stalls genera
 the GIL inside its kernels). Callers on the event loop submit requests and get an async iterator of
 outputs; leaving the iterator early (a client disconnect) aborts the request in the engine at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -93,8 +94,9 @@ class AsyncEngine:
         if limit is not None and self.engine.scheduler.num_queued_after(self._pending_adds + len(runs)) > limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0, lora_request=None
+    ) -> AsyncIterator[RequestOutput]:
         """Yields an output each time the request makes progress; the last one has finished=True.
         Raises ValueError (bad input), QueueFullError (back-pressure) or EngineDeadError.
         `lora_request`: a loaded LoRA adapter's name (None: the base model)."""
@@ -139,19 +141,24 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             with self._lock:
                 self._pending_adds -= 1
-            if cmd.request_id not in self._sinks:   # aborted before it was added
+            if cmd.request_id not in self._sinks:  # aborted before it was added
                 return
             try:
-                self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
-                                        priority=cmd.priority, arrival_time=cmd.arrival_time,
-                                        lora_request=cmd.lora_request)
+                self.engine.add_request(
+                    cmd.prompt_token_ids,
+                    cmd.params,
+                    request_id=cmd.request_id,
+                    priority=cmd.priority,
+                    arrival_time=cmd.arrival_time,
+                    lora_request=cmd.lora_request,
+                )
             except (ValueError, QueueFullError) as e:
                 self._sinks.pop(cmd.request_id, None)
                 cmd.sink.put(e)
         elif isinstance(cmd, _Abort):
             sink = self._sinks.pop(cmd.request_id, None)
             out = self.engine.abort_request(cmd.request_id)
-            if out is None:   # already finished, or never added
+            if out is None:  # already finished, or never added
                 return
             if sink is not None:
                 sink.put(out)

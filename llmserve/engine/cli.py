@@ -1,4 +1,5 @@
 """`llmserve generate "prompt"`: one completion, offline, printed as it is generated."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def sampling_params_from_args(args):
     from llmserve import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sample_seed, stop=args.stop)
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sample_seed,
+        stop=args.stop,
+    )
 
 
 def stream_one(engine, prompt_ids, params, out=sys.stdout) -> str:
@@ -53,22 +62,28 @@ def stream_one(engine, prompt_ids, params, out=sys.stdout) -> str:
             if o.finished:
                 dt = time.time() - t0
                 rate = (n - 1) / (time.time() - first) if first and n > 1 and time.time() > first else 0.0
-                print(f"\n[{n} tokens, TTFT {(first or t0) - t0:.2f}s, {rate:.1f} tok/s, "
-                      f"finish: {c.finish_reason}, {dt:.2f}s]", file=sys.stderr)
+                print(
+                    f"\n[{n} tokens, TTFT {(first or t0) - t0:.2f}s, {rate:.1f} tok/s, "
+                    f"finish: {c.finish_reason}, {dt:.2f}s]",
+                    file=sys.stderr,
+                )
                 return text
 
 
 def run(args) -> int:
     import logging
+
     logging.basicConfig(level=logging.WARNING)
     from llmserve.engine.engine import LLMEngine
+
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
     if args.raw:
         ids = tok.encode(args.prompt)
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-               [{"role": "user", "content": args.prompt}]
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
         ids = tok.encode_chat(msgs)
     stream_one(engine, ids, sampling_params_from_args(args))
     return 0

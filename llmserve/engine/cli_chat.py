@@ -2,6 +2,7 @@
 
 Commands: /reset clears the conversation, /exit (or Ctrl-D) quits.
 """
+
 from __future__ import annotations
 
 import sys
@@ -11,6 +12,7 @@ from llmserve.config import add_engine_arguments, engine_config_from_args
 
 def add_arguments(p) -> None:
     from llmserve.engine.cli import add_sampling_arguments
+
     p.add_argument("--system", default=None, help="system prompt")
     add_sampling_arguments(p)
     add_engine_arguments(p)
@@ -19,9 +21,11 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import logging
+
     logging.basicConfig(level=logging.WARNING)
     from llmserve.engine.cli import sampling_params_from_args, stream_one
     from llmserve.engine.engine import LLMEngine
+
     engine = LLMEngine(engine_config_from_args(args))
     params = sampling_params_from_args(args)
     system = [{"role": "system", "content": args.system}] if args.system else []

@@ -7,6 +7,7 @@ The engine owns the tokenizer, the scheduler (policy and request state), the KV 
 (bookkeeping), the model runner (tensors) and the output processor (text); each of those knows only
 what it needs.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -53,14 +54,14 @@ class EngineStats:
     num_preemptions: int
     steps: int
     last_step_time: float
-    spec_decode_num_draft_tokens: int = 0      # speculative decoding: tokens proposed
-    spec_decode_num_accepted_tokens: int = 0   # and accepted by verification
-    block_size: int = 16                       # configuration, for llmserve:cache_config_info
+    spec_decode_num_draft_tokens: int = 0  # speculative decoding: tokens proposed
+    spec_decode_num_accepted_tokens: int = 0  # and accepted by verification
+    block_size: int = 16  # configuration, for llmserve:cache_config_info
     cache_dtype: str = "float32"
     enable_prefix_caching: bool = True
-    max_lora: int | None = None                # --max-loras with --enable-lora (else None: no LoRA metrics)
-    running_lora_adapters: tuple[str, ...] = ()   # adapters of running requests
-    waiting_lora_adapters: tuple[str, ...] = ()   # ... and of waiting ones
+    max_lora: int | None = None  # --max-loras with --enable-lora (else None: no LoRA metrics)
+    running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()  # ... and of waiting ones
 
 
 class LLMEngine:
@@ -68,14 +69,14 @@ class LLMEngine:
         config = config or EngineConfig(**kwargs)
         self.config = config
         torch.set_num_threads(config.resolved_num_threads())
-        ops.configure(config.kernels)   # the model layer's kernel settings, before any layer is built
+        ops.configure(config.kernels)  # the model layer's kernel settings, before any layer is built
         dev = config.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")   # float32, float16, ...
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, ...
         t0 = time.time()
 
         source = resolve_model(config.model)
@@ -85,15 +86,17 @@ class LLMEngine:
         mc = self.model_config
         self.served_model_name = config.served_model_name or source.name
         self.tokenizer = Tokenizer(source.path, gguf=source.kind == "gguf")
-        self.eos_token_ids = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id}
-                                                      if self.tokenizer.eos_token_id is not None else set())
+        self.eos_token_ids = set(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
 
         # KV pool size and max_model_len
         block_size = config.block_size
         per_block = kv_bytes_per_block(mc, block_size, self.kv_dtype)
         self.tp = None
-        if config.tensor_parallel_size > 1:   # plans the split (or refuses it), starts the workers
+        if config.tensor_parallel_size > 1:  # plans the split (or refuses it), starts the workers
             from llmserve.engine.tp import TensorParallel
+
             self.tp = TensorParallel(config, mc)
             per_block = self.tp.kv_bytes_per_block(block_size, self.kv_dtype)
             self.device = self.tp.device
@@ -106,15 +109,18 @@ class LLMEngine:
     def _init_rest(self, config, source, mc, reader, block_size, per_block, t0) -> None:
         model_max = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's "
-                             f"{model_max} positions; lower --max-model-len")
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} is more than the model's "
+                f"{model_max} positions; lower --max-model-len"
+            )
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         max_positions = config.max_model_len or model_max
-        rotary_positions = max_positions + config.speculative_ngram + 1   # room for verified proposals
+        rotary_positions = max_positions + config.speculative_ngram + 1  # room for verified proposals
         if self.tp is None:
             kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
-            self.model = load_model(source, mc, reader, self.device, self.dtype, rotary_positions,
-                                    config.quantization, kv_bytes=kv_bytes)
+            self.model = load_model(
+                source, mc, reader, self.device, self.dtype, rotary_positions, config.quantization, kv_bytes=kv_bytes
+            )
         else:
             self.model = self.tp.load_model(source.path, self.dtype, rotary_positions)
         del reader
@@ -124,39 +130,62 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len: {config.max_model_len} tokens do not fit in the KV cache "
                 f"({num_blocks} blocks of {block_size} = {capacity} tokens, {budget / GiB:.2f} GiB); "
-                f"raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
+                f"raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len"
+            )
         self.max_model_len = config.max_model_len or min(model_max, capacity)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduling_policy, config.max_queued_requests)
-        self.runner = ModelRunner(self.model, self.model.cfg, num_blocks, block_size, self.device, self.dtype,
-                                  self.kv_dtype)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            config.scheduling_policy,
+            config.max_queued_requests,
+        )
+        self.runner = ModelRunner(
+            self.model, self.model.cfg, num_blocks, block_size, self.device, self.dtype, self.kv_dtype
+        )
         if self.tp is not None:
             self.tp.attach(self.runner, num_blocks, block_size)
-        self.lora = None   # LoRARegistry with --enable-lora: the adapters loaded, by name
+        self.lora = None  # LoRARegistry with --enable-lora: the adapters loaded, by name
         if config.enable_lora:
             from llmserve.engine.lora import LoRARegistry, parse_lora_modules
-            self.lora = LoRARegistry(self.model, config.max_loras, config.max_lora_rank, self.dtype,
-                                     reserved=(self.served_model_name,))
+
+            self.lora = LoRARegistry(
+                self.model, config.max_loras, config.max_lora_rank, self.dtype, reserved=(self.served_model_name,)
+            )
             self.runner.lora = self.lora.layers
             for name, path in parse_lora_modules(config.lora_modules):
                 self.lora.load(name, path)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
-        self._seeds = random.Random(config.seed)   # --seed: the seeds of requests that bring none
+        self._seeds = random.Random(config.seed)  # --seed: the seeds of requests that bring none
         self.steps = 0
         self.last_step_time = time.time()
         self.load_time = time.time() - t0
-        log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache (%s): %.2f GiB = %d blocks x %d tokens "
-                 "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
-                 "max_num_batched_tokens %d, prefix caching %s",
-                 self.served_model_name, mc.architecture, self.dtype, self.device, self.load_time,
-                 self.kv_dtype_name, budget / GiB, num_blocks, block_size, capacity, self.max_model_len,
-                 capacity // self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
-                 "on" if config.enable_prefix_caching else "off")
+        log.info(
+            "loaded %s (%s, %s, %s) in %.1fs; KV cache (%s): %.2f GiB = %d blocks x %d tokens "
+            "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
+            "max_num_batched_tokens %d, prefix caching %s",
+            self.served_model_name,
+            mc.architecture,
+            self.dtype,
+            self.device,
+            self.load_time,
+            self.kv_dtype_name,
+            budget / GiB,
+            num_blocks,
+            block_size,
+            capacity,
+            self.max_model_len,
+            capacity // self.max_model_len,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            "on" if config.enable_prefix_caching else "off",
+        )
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""
@@ -176,30 +205,37 @@ class LLMEngine:
             budget = int(total * cfg.gpu_memory_utilization) - used_by_others - activations
         else:
             import psutil
+
             budget = min(int(psutil.virtual_memory().available * 0.25), 8 * GiB)
         num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory: the KV budget ({budget / GiB:.3f} GiB) holds no block of "
-                             f"{per_block / (1 << 20):.2f} MiB; raise --kv-cache-memory or "
-                             f"--gpu-memory-utilization")
+            raise ValueError(
+                f"kv_cache_memory: the KV budget ({budget / GiB:.3f} GiB) holds no block of "
+                f"{per_block / (1 << 20):.2f} MiB; raise --kv-cache-memory or "
+                f"--gpu-memory-utilization"
+            )
         return int(num_blocks), int(budget)
 
     @torch.inference_mode()
     def _profile_activations(self) -> int:
         """CUDA: peak memory of one forward at max_num_batched_tokens (without KV)."""
         from llmserve.model.attention import AttentionMetadata, PrefillChunk
+
         n = min(self.max_num_batched_tokens, self.config.max_model_len or self.model_config.max_position_embeddings)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        mc = self.model.cfg          # this rank's head counts under tensor parallelism
-        dummy_cache = [torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim,
-                                   dtype=self.kv_dtype, device=self.device) for _ in range(1)] * mc.num_layers
+        mc = self.model.cfg  # this rank's head counts under tensor parallelism
+        dummy_cache = [
+            torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.kv_dtype, device=self.device)
+            for _ in range(1)
+        ] * mc.num_layers
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         blocks = torch.arange((n + 15) // 16, device=self.device)
         meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, blocks)])
         import contextlib
+
         with self.tp.local_only() if self.tp is not None else contextlib.nullcontext():
             self.model(ids, pos, dummy_cache, meta, torch.tensor([n - 1], device=self.device))
         torch.cuda.synchronize()
@@ -217,17 +253,26 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens is too long; this model's maximum context length is "
-                             f"{self.max_model_len} tokens (prompt plus at least one output token), "
-                             f"{n - self.max_model_len + 1} too many")
+            raise ValueError(
+                f"prompt: {n} tokens is too long; this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt plus at least one output token), "
+                f"{n - self.max_model_len + 1} too many"
+            )
         if params.guided:
-            self.guided.compile(params)   # a bad schema fails here, before anything is queued (cached)
+            self.guided.compile(params)  # a bad schema fails here, before anything is queued (cached)
         # Like vLLM's engine, prompt + max_tokens may exceed max_model_len: generation then stops
         # at max_model_len with finish_reason "length". (The server checks the sum, as vLLM's does.)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None, lora_request=None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        lora_request=None,
+    ) -> str:
         """`lora_request`: a loaded adapter's name, or a LoRARequest (loaded from its path if its name is
         not loaded yet); None: the base model."""
         params = params or SamplingParams()
@@ -244,7 +289,7 @@ class LLMEngine:
         req.guided = self.guided.matcher(params) if params.guided else None  # compiled once, cached
         req.lora = adapter
         self.scheduler.add_request(req)
-        req.generator = torch.Generator(device=self.device)   # unseeded requests: the next seed of --seed's stream
+        req.generator = torch.Generator(device=self.device)  # unseeded requests: the next seed of --seed's stream
         req.generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))
         self.output_processor.add_request(req)
         return request_id
@@ -323,17 +368,26 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
             num_preempted=sum(1 for r in s.waiting if r.status == RequestStatus.PREEMPTED),
-            kv_cache_usage=self.kv.usage, num_blocks=self.num_blocks, num_free_blocks=self.kv.num_free_blocks,
-            prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, steps=self.steps, last_step_time=self.last_step_time,
+            kv_cache_usage=self.kv.usage,
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            steps=self.steps,
+            last_step_time=self.last_step_time,
             spec_decode_num_draft_tokens=self.num_spec_proposed,
             spec_decode_num_accepted_tokens=self.num_spec_accepted,
-            block_size=self.block_size, cache_dtype=self.kv_dtype_name,
+            block_size=self.block_size,
+            cache_dtype=self.kv_dtype_name,
             enable_prefix_caching=self.config.enable_prefix_caching,
             max_lora=self.config.max_loras if self.lora is not None else None,
-            running_lora_adapters=_lora_names(s.running), waiting_lora_adapters=_lora_names(s.waiting))
+            running_lora_adapters=_lora_names(s.running),
+            waiting_lora_adapters=_lora_names(s.waiting),
+        )
 
 
 def _lora_names(requests) -> tuple[str, ...]:

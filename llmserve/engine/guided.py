@@ -17,6 +17,7 @@ docs/structured-output.md): masks for 16 rows of a nested JSON schema take ~0.02
 (llguidance ~0.09 ms), a schema compiles in ~50 ms once and is cached, EBNF is native (GBNF, as vLLM's
 `guided_grammar`), and its error messages name the problem.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,13 @@ def guided_spec(params) -> tuple[str, str] | None:
     return None
 
 
-_FIELD = {"json": "response_format", "json_object": "response_format", "regex": "guided_regex",
-          "choice": "guided_choice", "grammar": "guided_grammar"}
+_FIELD = {
+    "json": "response_format",
+    "json_object": "response_format",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "grammar": "guided_grammar",
+}
 
 
 def _ebnf_string(s: str) -> str:
@@ -75,8 +81,10 @@ class GuidedDecoding:
     def _get_compiler(self):
         if self._compiler is None:
             import xgrammar as xgr
-            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -97,8 +105,7 @@ class GuidedDecoding:
                 json.loads(text)
                 compiled = comp.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             elif kind == "json_object":
-                compiled = comp.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                    strict_mode=False)
+                compiled = comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             elif kind == "regex":
                 compiled = comp.compile_regex(text)
             elif kind == "choice":
@@ -109,8 +116,13 @@ class GuidedDecoding:
         except json.JSONDecodeError as e:
             raise ValueError(f"{_FIELD[kind]}: the JSON schema is not valid JSON: {e}") from None
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with a message
-            what = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid EBNF grammar",
-                    "choice": "invalid choices", "json_object": "invalid"}[kind]
+            what = {
+                "json": "invalid JSON schema",
+                "regex": "invalid regex",
+                "grammar": "invalid EBNF grammar",
+                "choice": "invalid choices",
+                "json_object": "invalid",
+            }[kind]
             raise ValueError(f"{_FIELD[kind]}: {what}: {_clean(e)}") from None
         with self._lock:
             self.compilations += 1
@@ -124,6 +136,7 @@ class GuidedDecoding:
         if compiled is None:
             return None
         import xgrammar as xgr
+
         return GuidedMatcher(xgr.GrammarMatcher(compiled), self.stop_token_ids)
 
 

@@ -3,6 +3,7 @@ and O(1) least-recently-used eviction through a doubly linked free list.
 
 Pure bookkeeping: no tensors. Block `i` here is block `i` of every layer's KV tensor in the runner.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if block.block_hash is not None:      # evict its cached contents
+            if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash = None
@@ -127,7 +128,7 @@ class BlockPool:
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if block.block_hash is not None:
             return
-        if block_hash in self.cached:            # same contents already cached in another block
+        if block_hash in self.cached:  # same contents already cached in another block
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
@@ -143,8 +144,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_queries = 0   # prompt tokens looked up
-        self.prefix_cache_hits = 0      # prompt tokens found
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
 
     # -- hashing -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:
@@ -152,12 +153,11 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         extra = (request.cache_salt,) if request.cache_salt else ()
-        if request.lora is not None:   # KV computed under an adapter is that adapter's (per load)
+        if request.lora is not None:  # KV computed under an adapter is that adapter's (per load)
             extra += (("lora", request.lora.adapter_id),)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(tokens) // bs):
-            key = (hash(parent) if parent is not None else 0,
-                   tuple(tokens[i * bs:(i + 1) * bs])) + extra
+            key = (hash(parent) if parent is not None else 0, tuple(tokens[i * bs : (i + 1) * bs])) + extra
             hashes.append(key)
             parent = key
         return hashes
@@ -189,8 +189,7 @@ class KVCacheManager:
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def blocks_needed(self, request: Request, num_new_tokens: int,
-                      computed: list[KVCacheBlock] | None = None) -> int:
+    def blocks_needed(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] | None = None) -> int:
         held = len(self.req_blocks.get(request.request_id, ())) + len(computed or ())
         total = request.num_computed_tokens + (len(computed) * self.block_size if computed else 0)
         total += num_new_tokens
@@ -198,8 +197,9 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in (computed or ()) if b.ref_cnt == 0)
         return max(need, 0) + evictable_hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] | None = None
+    ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request` (after `computed` cached blocks).
         Returns the newly allocated blocks, or None (and changes nothing) if the pool is too full."""
         computed = computed or []

@@ -1,10 +1,11 @@
 """The offline API, shaped like vLLM's:
 
-    from llmserve import LLM, SamplingParams
-    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32, temperature=0))
-    print(outs[0].outputs[0].text)
+from llmserve import LLM, SamplingParams
+llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32, temperature=0))
+print(outs[0].outputs[0].text)
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,9 @@ Prompt = str | list[int] | dict
 
 
 def _is_one_prompt(prompts) -> bool:
-    return (isinstance(prompts, (str, dict))
-            or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
+    return isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    )
 
 
 def _parse_prompt(prompt: Prompt, index: int) -> tuple[str | None, list[int] | None, str | None]:
@@ -31,8 +33,10 @@ def _parse_prompt(prompt: Prompt, index: int) -> tuple[str | None, list[int] | N
     if isinstance(prompt, dict):
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
         if unknown:
-            raise ValueError(f"prompts[{index}]: unsupported keys {sorted(unknown)} (llmserve takes text: "
-                             f"'prompt', or token ids: 'prompt_token_ids', and 'cache_salt')")
+            raise ValueError(
+                f"prompts[{index}]: unsupported keys {sorted(unknown)} (llmserve takes text: "
+                f"'prompt', or token ids: 'prompt_token_ids', and 'cache_salt')"
+            )
         if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
             raise ValueError(f"prompts[{index}]: give exactly one of 'prompt' and 'prompt_token_ids'")
         salt = prompt.get("cache_salt")
@@ -46,8 +50,9 @@ def _parse_prompt(prompt: Prompt, index: int) -> tuple[str | None, list[int] | N
         return None, list(prompt), salt
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt), None
-    raise ValueError(f"prompts[{index}]: a prompt is a string, a list of token ids or a dict, "
-                     f"got {type(prompt).__name__}")
+    raise ValueError(
+        f"prompts[{index}]: a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}"
+    )
 
 
 class LLM:
@@ -58,10 +63,14 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request=None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         """`lora_request` (with enable_lora): a LoRARequest or an adapter's name for every prompt, or a
         list of them (None: the base model), as vLLM's."""
         if _is_one_prompt(prompts):
@@ -69,8 +78,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                  else [sampling_params] * len(prompts))
+        params = (
+            list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
@@ -78,9 +88,14 @@ class LLM:
             raise ValueError("lora_request: give one, or one per prompt")
         return self._run(prompts, params, use_tqdm, priority, loras)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in conversations]
@@ -89,14 +104,21 @@ class LLM:
             out.prompt = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         return outs
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
-              use_tqdm: bool = False) -> list[RequestOutput]:
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """Embeddings: each prompt's final hidden states pooled ("last" token or "mean"), normalized, in
         the outputs' `embedding`."""
         return self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling), use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             priority: Sequence[int] | None, loras: list | None = None) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+        loras: list | None = None,
+    ) -> list[RequestOutput]:
         engine = self.engine
         # Validate everything before queueing anything, so a bad prompt queues nothing.
         parsed = [_parse_prompt(p, i) for i, p in enumerate(prompts)]
@@ -104,19 +126,25 @@ class LLM:
         for ids, p in zip(encoded, params):
             engine.validate_prompt(ids, p)
         loras = [engine.resolve_lora(lr) for lr in (loras or [None] * len(prompts))]
-        children: dict[str, tuple[int, int]] = {}      # child request id -> (prompt index, sample index)
+        children: dict[str, tuple[int, int]] = {}  # child request id -> (prompt index, sample index)
         for i, (ids, p) in enumerate(zip(encoded, params)):
             for j in range(p.n):
                 child = p if p.n == 1 else p.clone(n=1, seed=None if p.seed is None else p.seed + j)
                 rid = f"llm-{next(self._ids)}"
-                engine.add_request(ids, child, request_id=rid,
-                                   priority=priority[i] if priority else 0, cache_salt=parsed[i][2],
-                                   lora_request=None if loras[i] is None else loras[i].name)
+                engine.add_request(
+                    ids,
+                    child,
+                    request_id=rid,
+                    priority=priority[i] if priority else 0,
+                    cache_salt=parsed[i][2],
+                    lora_request=None if loras[i] is None else loras[i].name,
+                )
                 children[rid] = (i, j)
         finals: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(children), desc="Processed prompts", unit="req", dynamic_ncols=True)
         try:
             while len(finals) < len(children):

@@ -10,6 +10,7 @@ request holds the adapter object, so unloading one only drops the name: requests
 finish, and its weights are freed with the last of them. The weights themselves and how they are applied
 are the model layer's (llmserve.model.lora).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,6 +27,7 @@ __all__ = ["LoRAAdapter", "LoRAError", "LoRARegistry", "LoRARequest", "parse_lor
 @dataclass(frozen=True)
 class LoRARequest:
     """vLLM's shape: an adapter by name, and where to load it from if it is not loaded yet."""
+
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
@@ -43,17 +45,18 @@ def parse_lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
 
 
 class LoRARegistry:
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype=None,
-                 reserved: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype=None, reserved: tuple[str, ...] = ()
+    ) -> None:
         self.model = model
-        self.reserved = set(reserved)   # names adapters may not take (the base model's)
+        self.reserved = set(reserved)  # names adapters may not take (the base model's)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.layers = LoRALayers(model)
         self._adapters: dict[str, LoRAAdapter] = {}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()   # the server loads and unloads from its handlers' threads
+        self._lock = threading.Lock()  # the server loads and unloads from its handlers' threads
 
     def load(self, name: str, path: str) -> LoRAAdapter:
         if not isinstance(name, str) or not name.strip():
@@ -66,11 +69,12 @@ class LoRARegistry:
             if name in self._adapters:
                 raise LoRAError(f"lora_name: an adapter named {name!r} is already loaded")
             if len(self._adapters) >= self.max_loras:
-                raise LoRAError(f"lora_name: {len(self._adapters)} adapters are loaded, the most --max-loras "
-                                f"({self.max_loras}) allows; unload one first")
-        adapter = load_peft_adapter(path, self.model, self.max_lora_rank, name, next(self._ids),
-                                    dtype=self.dtype)
-        with self._lock:   # checked again: another load may have finished meanwhile
+                raise LoRAError(
+                    f"lora_name: {len(self._adapters)} adapters are loaded, the most --max-loras "
+                    f"({self.max_loras}) allows; unload one first"
+                )
+        adapter = load_peft_adapter(path, self.model, self.max_lora_rank, name, next(self._ids), dtype=self.dtype)
+        with self._lock:  # checked again: another load may have finished meanwhile
             if name in self._adapters:
                 raise LoRAError(f"lora_name: an adapter named {name!r} is already loaded")
             if len(self._adapters) >= self.max_loras:

@@ -5,6 +5,7 @@ token (EOS, stop token ids, max_tokens, max_model_len, a complete grammar). A st
 seen in text, so it is found here, token by token: the request then stops at the token that completed
 it (`Scheduler.stop_request`). The text a request streams always equals its final text.
 """
+
 from __future__ import annotations
 
 from llmserve.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
@@ -16,12 +17,13 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}   # request id -> its detokenizer
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its detokenizer
 
     def add_request(self, req: Request) -> None:
         p = req.params
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, p.include_stop_str_in_output)
+            self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
+        )
 
     def process(self, appended: list[tuple[Request, int]]) -> list[RequestOutput]:
         """One output per (request, number of tokens appended this step)."""
@@ -45,28 +47,46 @@ class OutputProcessor:
             # the scheduler finishes a request only at the last token it appends
             finished = req.is_finished and j == n - 1
             eos = finished and req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
-            delta += detok.add([] if eos else [token], finished=finished)   # EOS has no text
+            delta += detok.add([] if eos else [token], finished=finished)  # EOS has no text
             if detok.stopped is not None and before + j + 1 >= req.params.min_tokens:
                 self.scheduler.stop_request(req, detok.stopped, before + j + 1)
-                new_ids = new_ids[:j + 1]
+                new_ids = new_ids[: j + 1]
                 break
-        new_lps = req.logprobs[len(req.logprobs) - len(new_ids):] if req.params.logprobs is not None else None
+        new_lps = req.logprobs[len(req.logprobs) - len(new_ids) :] if req.params.logprobs is not None else None
         return self.output(req, new_ids, delta, new_lps)
 
     def output(self, req: Request, new_ids=(), delta: str = "", new_lps=None) -> RequestOutput:
         """The request's output so far, with what this step added; a finished request is forgotten."""
         detok = self.detokenizers.get(req.request_id)
         comp = CompletionOutput(
-            index=0, text=detok.output_text if detok else "", token_ids=list(req.output_token_ids),
+            index=0,
+            text=detok.output_text if detok else "",
+            token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            delta_text=delta, delta_token_ids=list(new_ids), delta_logprobs=new_lps)
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            delta_text=delta,
+            delta_token_ids=list(new_ids),
+            delta_logprobs=new_lps,
+        )
         if req.is_finished:
             self.detokenizers.pop(req.request_id, None)
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[comp], finished=req.is_finished, num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                   req.last_token_time, req.finished_time, req.num_preemptions),
-            error=req.error, embedding=req.embedding)
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=req.is_finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=RequestMetrics(
+                req.arrival_time,
+                req.first_scheduled_time,
+                req.first_token_time,
+                req.last_token_time,
+                req.finished_time,
+                req.num_preemptions,
+            ),
+            error=req.error,
+            embedding=req.embedding,
+        )

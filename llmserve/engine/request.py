@@ -1,5 +1,6 @@
 """Requests as the engine sees them: status, finish reasons, outputs (and, re-exported from
 `llmserve.sampling_params`, the sampling parameters)."""
+
 from __future__ import annotations
 
 import enum
@@ -26,10 +27,17 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence in the engine. The scheduler reads token counts; the runner reads tokens."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int] | None = None, priority: int = 0,
-                 arrival_time: float | None = None, prompt: str | None = None,
-                 cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: set[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -42,23 +50,23 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1          # prompt tokens found in the prefix cache (first schedule)
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (first schedule)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.pooled_sum = None               # a pooling request: the sum of its final hidden states so far
-        self.embedding: list[float] | None = None   # ... and its normalized vector when the prompt is done
+        self.pooled_sum = None  # a pooling request: the sum of its final hidden states so far
+        self.embedding: list[float] | None = None  # ... and its normalized vector when the prompt is done
         self.logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
-        self.block_hashes: list = []         # chained hashes of full blocks, filled by KVCacheManager
+        self.block_hashes: list = []  # chained hashes of full blocks, filled by KVCacheManager
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.spec_token_ids: list[int] = []  # speculative proposals for the next step
-        self.generator = None                # torch.Generator of a seeded request (set by the engine)
-        self.guided = None                   # GuidedMatcher (engine/guided.py) of a guided request
-        self.lora = None                     # LoRAAdapter (model/lora.py) of a request for an adapter
+        self.generator = None  # torch.Generator of a seeded request (set by the engine)
+        self.guided = None  # GuidedMatcher (engine/guided.py) of a guided request
+        self.lora = None  # LoRAAdapter (model/lora.py) of a request for an adapter
 
     @property
     def num_tokens(self) -> int:
@@ -92,8 +100,10 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
 
 
 @dataclass
@@ -131,4 +141,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
-    embedding: list[float] | None = None   # a pooling request's vector (SamplingParams.pooling)
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)

@@ -5,6 +5,7 @@ row of a request that has reached the end of its known tokens yields logits (the
 mid-prompt chunks whose next token is already known); a request verifying k speculative proposals
 yields k + 1.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,7 @@ def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]
     groups: list[tuple[int, int]] = []
     start = 0
     for i in range(1, len(lens) + 1):
-        if i == len(lens) or (len(groups) < max_groups - 1 and i - start >= 4
-                              and lens[i] > 1.5 * lens[start] + 32):
+        if i == len(lens) or (len(groups) < max_groups - 1 and i - start >= 4 and lens[i] > 1.5 * lens[start] + 32):
             groups.append((start, i))
             start = i
     return groups
@@ -44,6 +44,7 @@ def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]
 def _zero_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A CPU tensor of zeros backed by its own anonymous mapping (pages are mapped on first write)."""
     import mmap
+
     numel = 1
     for s in shape:
         numel *= s
@@ -53,8 +54,16 @@ def _zero_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -68,10 +77,14 @@ class ModelRunner:
         # still poisons attention's weighted sum. Stale values in reused blocks are finite.)
         alloc = torch.zeros if device.type == "cuda" else _zero_pages
         self.kv_caches = [alloc(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)]
-        self.in_place_decode = (device.type == "cpu" and dtype == torch.float32 and ops.cpu_kernels() is not None
-                                and kv_dtype in ops.KV_DTYPES)
-        self.lora = None   # LoRALayers (model/lora.py) with --enable-lora
-        self.tp = None   # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
+        self.in_place_decode = (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and ops.cpu_kernels() is not None
+            and kv_dtype in ops.KV_DTYPES
+        )
+        self.lora = None  # LoRALayers (model/lora.py) with --enable-lora
+        self.tp = None  # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
         # the last step's final hidden states of pooling requests: (request, first position, [rows, hidden])
         self.pooled: list[tuple[Request, int, torch.Tensor]] = []
 
@@ -87,7 +100,7 @@ class ModelRunner:
         if argmax:
             results = [(t, None, None) for t in logits.tolist()]
         else:
-            rows = []   # one sampling row per logits row: a request verifying k proposals has k + 1
+            rows = []  # one sampling row per logits row: a request verifying k proposals has k + 1
             for r, n in zip(sampling, rows_per_req):
                 p = r.params
                 ban = list(r.eos_token_ids) + p.stop_token_ids if r.num_output_tokens < p.min_tokens else []
@@ -96,15 +109,21 @@ class ModelRunner:
             results = _sample_isolated(logits, rows)
         out, i = [], 0
         for r, n in zip(sampling, rows_per_req):
-            mine, i = results[i:i + n], i + n
-            ok = next((j for j, res in enumerate(mine) if res[2] is not None), n)   # the rows before a failed one
-            out.append(SampledTokens(r, [res[0] for res in mine[:ok]],
-                                     None if argmax else [res[1] for res in mine[:ok]],
-                                     mine[ok][2] if ok < n else None))
+            mine, i = results[i : i + n], i + n
+            ok = next((j for j, res in enumerate(mine) if res[2] is not None), n)  # the rows before a failed one
+            out.append(
+                SampledTokens(
+                    r,
+                    [res[0] for res in mine[:ok]],
+                    None if argmax else [res[1] for res in mine[:ok]],
+                    mine[ok][2] if ok < n else None,
+                )
+            )
         return out + pooled
 
-    def _forward(self, sched: SchedulerOutput, kv: KVCacheManager,
-                 argmax: bool = False) -> tuple[list[Request], torch.Tensor | None, list[int]]:
+    def _forward(
+        self, sched: SchedulerOutput, kv: KVCacheManager, argmax: bool = False
+    ) -> tuple[list[Request], torch.Tensor | None, list[int]]:
         """Run the model. Returns (requests that sample, their logits [n, vocab], rows per request);
         with `argmax` (every row plain greedy), the rows' greedy tokens [n] instead of the logits.
 
@@ -131,15 +150,15 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        pooled: list[tuple[Request, int, int, int]] = []   # pooling requests: (request, first row, rows, start)
-        lora_rows: list[tuple] = []   # requests for a LoRA adapter: (adapter, first row, rows)
+        pooled: list[tuple[Request, int, int, int]] = []  # pooling requests: (request, first row, rows, start)
+        lora_rows: list[tuple] = []  # requests for a LoRA adapter: (adapter, first row, rows)
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
             c = req.num_computed_tokens
             block_ids = kv.get_block_ids(req.request_id)
             spec = sched.num_spec_tokens.get(req.request_id, 0)
-            known = req.all_token_ids[c:c + n - spec] + (req.spec_token_ids[:spec] if spec else [])
+            known = req.all_token_ids[c : c + n - spec] + (req.spec_token_ids[:spec] if spec else [])
             tokens.extend(known)
             pos = torch.arange(c, c + n)
             table = torch.tensor(block_ids, dtype=torch.long)
@@ -152,9 +171,9 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
             if req.lora is not None:
                 lora_rows.append((req.lora, row, n))
-            if req.params.pooling is not None:   # embeddings: every row's hidden state, nothing to sample
+            if req.params.pooling is not None:  # embeddings: every row's hidden state, nothing to sample
                 pooled.append((req, row, n, c))
-            elif c + n - spec >= req.num_tokens:   # reached the end of the known tokens: sample
+            elif c + n - spec >= req.num_tokens:  # reached the end of the known tokens: sample
                 sampling.append(req)
                 logits_rows.extend(range(row + n - 1 - spec, row + n))
                 rows_per_req.append(spec + 1)
@@ -170,27 +189,29 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             table = torch.zeros(len(tables), width, dtype=torch.long)
             for i, t in enumerate(tables):
-                table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+                table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
             lens = torch.tensor(decode_lens[start:end], dtype=torch.long)
             meta.decode_groups.append(DecodeGroup(start, end, table.to(dev), lens.to(dev)))
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
         if not logits_rows:
-            logits_rows = [len(tokens) - 1]   # the model needs at least one row; it is discarded
+            logits_rows = [len(tokens) - 1]  # the model needs at least one row; it is discarded
         rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, pos, meta, rows_t)
-        if self.lora is not None:   # the step's adapter index, read by the projections' LoRA hooks
+        if self.lora is not None:  # the step's adapter index, read by the projections' LoRA hooks
             self.lora.set_step(lora_rows, dev)
         self.pooled = []
         if pooled:
-            hidden_rows = torch.tensor([r for _, first, n, _ in pooled for r in range(first, first + n)],
-                                       dtype=torch.long, device=dev)
-            logits, hidden = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax,
-                                        hidden_indices=hidden_rows)
+            hidden_rows = torch.tensor(
+                [r for _, first, n, _ in pooled for r in range(first, first + n)], dtype=torch.long, device=dev
+            )
+            logits, hidden = self.model(
+                input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, hidden_indices=hidden_rows
+            )
             k = 0
             for req, _, n, c in pooled:
-                self.pooled.append((req, c, hidden[k:k + n]))
+                self.pooled.append((req, c, hidden[k : k + n]))
                 k += n
         else:
             logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
@@ -210,7 +231,7 @@ def _sample_isolated(logits: torch.Tensor, rows: list[SamplingRow]) -> list[tupl
     out = []
     for i, row in enumerate(rows):
         try:
-            one = sample(logits[i:i + 1], [row])
+            one = sample(logits[i : i + 1], [row])
             out.append((one.token_ids[0], one.logprobs[0], None))
         except Exception as e:  # noqa: BLE001
             out.append((None, None, e))

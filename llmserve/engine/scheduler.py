@@ -13,6 +13,7 @@ back. Stop strings need text; the output processor finds them and calls `stop_re
 
 Pure policy and bookkeeping: no tensors, no model, no tokenizer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,9 +56,10 @@ class SampledTokens:
     """What the runner sampled for one request that reached the end of its known tokens: one token
     per logits row, i.e. its next token, or with k speculative proposals k + 1 tokens (the model's
     pick after each verified position). If sampling failed at a row, the tokens before it and `error`."""
+
     request: Request
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None   # one per token, when the request asks for them
+    logprobs: list[TokenLogprobs | None] | None = None  # one per token, when the request asks for them
     error: BaseException | None = None
     # a pooling request (embeddings) samples nothing: this step's final hidden states of its positions
     # hidden_start.. instead
@@ -66,9 +68,15 @@ class SampledTokens:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs",
-                 max_queued_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+        max_queued_requests: int | None = None,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -79,9 +87,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_spec_proposed = 0   # speculative decoding: tokens proposed and accepted by verification
+        self.num_spec_proposed = 0  # speculative decoding: tokens proposed and accepted by verification
         self.num_spec_accepted = 0
-        self.fault_hook = None       # tests: called with each request before its token is appended
+        self.fault_hook = None  # tests: called with each request before its token is appended
 
     # -- queue ---------------------------------------------------------------------------------
     def num_queued_after(self, extra: int = 0) -> int:
@@ -167,7 +175,7 @@ class Scheduler:
         for request in sorted(self.running, key=self._rank):
             if budget <= 0:
                 break
-            if request not in self.running:   # preempted earlier in this loop
+            if request not in self.running:  # preempted earlier in this loop
                 continue
             spec = request.spec_token_ids
             num_new = request.num_tokens - request.num_computed_tokens
@@ -247,7 +255,7 @@ class Scheduler:
                 if self._pool(r, s):
                     appended.append((r, 0))
                 continue
-            proposals = r.spec_token_ids[:out.num_spec_tokens.get(r.request_id, 0)]
+            proposals = r.spec_token_ids[: out.num_spec_tokens.get(r.request_id, 0)]
             r.spec_token_ids = []
             n = 0
             try:
@@ -268,7 +276,7 @@ class Scheduler:
             if proposals:
                 self.num_spec_proposed += len(proposals)
                 self.num_spec_accepted += n - 1
-                if not r.is_finished:   # KV is valid only up to the last verified proposal
+                if not r.is_finished:  # KV is valid only up to the last verified proposal
                     r.num_computed_tokens -= len(proposals) + 1 - n
             appended.append((r, n))
         return appended
@@ -310,7 +318,7 @@ class Scheduler:
         elif request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if guided is not None and guided.finished and status != RequestStatus.FINISHED_STOPPED:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None   # the grammar is complete
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None  # the grammar is complete
         if status is not None:
             self.finish_request(request.request_id, status)
 
@@ -321,7 +329,7 @@ class Scheduler:
         extra = request.num_output_tokens - num_output_tokens
         if extra > 0:
             del request.output_token_ids[num_output_tokens:]
-            del request.all_token_ids[request.num_prompt_tokens + num_output_tokens:]
+            del request.all_token_ids[request.num_prompt_tokens + num_output_tokens :]
             if request.logprobs:
                 del request.logprobs[num_output_tokens:]
                 request.cumulative_logprob = sum((lp.logprob for lp in request.logprobs), 0.0)

@@ -27,6 +27,7 @@ How the processes start:
   tcp://HOST:PORT`. The process with RANK=0 serves HTTP; the others run `run_worker` (see
   `llmserve.server.cli`). docs/distributed.md has the commands.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,21 +87,24 @@ def _device(config, local_rank: int) -> torch.device:
 def _init_groups(device: torch.device, init_method: str, rank: int, world: int):
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=step_timeout(), **kwargs)
-    return dist.new_group(backend="gloo", timeout=FOREVER)   # step messages: waits while idle
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=step_timeout(), **kwargs
+    )
+    return dist.new_group(backend="gloo", timeout=FOREVER)  # step messages: waits while idle
 
 
 def _to(obj, device: torch.device):
     """The step payload with every tensor (also inside the attention metadata) moved to `device`."""
     from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, AttentionMetadata):
         return AttentionMetadata(
             slot_mapping=_to(obj.slot_mapping, device),
             decode_groups=[_to(g, device) for g in obj.decode_groups],
-            prefills=[_to(p, device) for p in obj.prefills])
+            prefills=[_to(p, device) for p in obj.prefills],
+        )
     if isinstance(obj, DecodeGroup):
         return DecodeGroup(obj.start, obj.end, obj.block_tables.to(device), obj.context_lens.to(device))
     if isinstance(obj, PrefillChunk):
@@ -129,9 +133,10 @@ class _AllReduce:
 def _load_weights(config, path_hint: str | None = None):
     """(ModelSource, ModelConfig, HF weights), resolving and converting exactly as the engine does."""
     from llmserve.model.loader import load_gguf_weights, load_hf_weights, load_model_config, resolve_model
+
     source = resolve_model(path_hint or config.model)
     mc, reader = load_model_config(source)
-    if reader is not None:   # float shards: the file dequantized in memory (no float32 copy on disk)
+    if reader is not None:  # float shards: the file dequantized in memory (no float32 copy on disk)
         return source, mc, load_gguf_weights(reader, mc, source.path)
     return source, mc, load_hf_weights(source.path)
 
@@ -146,7 +151,7 @@ class TensorParallel:
     def __init__(self, config, mc: ModelConfig) -> None:
         n = config.tensor_parallel_size
         self.world_size = n
-        self.shards = plan_heads(mc, n)            # refuses an impossible split before anything starts
+        self.shards = plan_heads(mc, n)  # refuses an impossible split before anything starts
         self.mc = mc
         self.config = config
         self.procs: list = []
@@ -166,15 +171,25 @@ class TensorParallel:
         self.all_reduce = _AllReduce(self)
         if ext is None:
             import torch.multiprocessing as mp
+
             ctx = mp.get_context("spawn")
             for r in range(1, n):
-                p = ctx.Process(target=_spawned_worker, args=(config, r, n, init_method, os.getpid()),
-                                name=f"llmserve-tp{r}", daemon=True)
+                p = ctx.Process(
+                    target=_spawned_worker,
+                    args=(config, r, n, init_method, os.getpid()),
+                    name=f"llmserve-tp{r}",
+                    daemon=True,
+                )
                 p.start()
                 self.procs.append(p)
-        log.info("tensor parallel: %d ranks (%s), rendezvous %s; heads per rank %s, KV heads per rank %s",
-                 n, "spawned here" if ext is None else "started outside", init_method,
-                 [s.num_heads for s in self.shards], [s.num_kv_heads for s in self.shards])
+        log.info(
+            "tensor parallel: %d ranks (%s), rendezvous %s; heads per rank %s, KV heads per rank %s",
+            n,
+            "spawned here" if ext is None else "started outside",
+            init_method,
+            [s.num_heads for s in self.shards],
+            [s.num_kv_heads for s in self.shards],
+        )
         try:
             self.ctrl = _init_groups(self.device, init_method, 0, n)
         except BaseException:
@@ -193,8 +208,7 @@ class TensorParallel:
 
     def load_model(self, source_path: str, dtype: torch.dtype, max_positions: int):
         weights = _load_weights(None, source_path)[2]
-        model = load_sharded_model(weights, self.mc, self.shards[0], self.device, dtype, max_positions,
-                                   self.all_reduce)
+        model = load_sharded_model(weights, self.mc, self.shards[0], self.device, dtype, max_positions, self.all_reduce)
         return model
 
     @contextlib.contextmanager
@@ -211,7 +225,7 @@ class TensorParallel:
         the runner so that each step is broadcast before rank 0's forward."""
         self._send(("init", num_blocks, block_size))
         done = torch.zeros(1)
-        work = dist.all_reduce(done, group=self.ctrl, async_op=True)   # "loaded" barrier
+        work = dist.all_reduce(done, group=self.ctrl, async_op=True)  # "loaded" barrier
         while not work.is_completed():
             self.check_workers()
             time.sleep(0.05)
@@ -221,8 +235,9 @@ class TensorParallel:
 
     # -- every step ----------------------------------------------------------------------------
     def dead_workers(self) -> str:
-        dead = [f"rank {i + 1} (pid {p.pid}) exited with {p.exitcode}" for i, p in enumerate(self.procs)
-                if not p.is_alive()]
+        dead = [
+            f"rank {i + 1} (pid {p.pid}) exited with {p.exitcode}" for i, p in enumerate(self.procs) if not p.is_alive()
+        ]
         return f" ({'; '.join(dead)})" if dead else ""
 
     def check_workers(self) -> None:
@@ -241,8 +256,9 @@ class TensorParallel:
     def broadcast_step(self, input_ids, positions, meta, logits_indices) -> None:
         self.check_workers()
         cpu = torch.device("cpu")
-        self._send(("step", _to(input_ids, cpu), _to(positions, cpu), _to(meta, cpu),
-                    _to(logits_indices[-1:], cpu)))   # workers' logits are discarded: one row will do
+        self._send(
+            ("step", _to(input_ids, cpu), _to(positions, cpu), _to(meta, cpu), _to(logits_indices[-1:], cpu))
+        )  # workers' logits are discarded: one row will do
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -271,11 +287,13 @@ class TensorParallel:
 # -- the worker side ----------------------------------------------------------------------------
 def _watch_parent(ppid: int) -> None:
     """A spawned worker exits when its engine process is gone (even after SIGKILL)."""
+
     def watch():
         while True:
             if os.getppid() != ppid:
                 os._exit(1)
             time.sleep(0.5)
+
     threading.Thread(target=watch, name="llmserve-tp-parent", daemon=True).start()
 
 
@@ -293,6 +311,7 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     """A worker rank: load its shard, then run every step rank 0 broadcasts until told to stop."""
     from llmserve.engine.runner import ModelRunner
     from llmserve.model.loader import resolve_dtype, resolve_kv_dtype
+
     torch.set_num_threads(config.resolved_num_threads())
     ops.configure(config.kernels)
     device = _device(config, local_rank)
@@ -302,8 +321,16 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     shard = plan_heads(mc, world)[rank]
     model = load_sharded_model(weights, mc, shard, device, dtype, _max_positions(config, mc), _AllReduce())
     del weights
-    log.info("rank %d/%d: %d heads %s, KV heads %s, MLP columns %s on %s",
-             rank, world, shard.num_heads, list(shard.q_heads), list(shard.kv_heads), shard.mlp_cols, device)
+    log.info(
+        "rank %d/%d: %d heads %s, KV heads %s, MLP columns %s on %s",
+        rank,
+        world,
+        shard.num_heads,
+        list(shard.q_heads),
+        list(shard.kv_heads),
+        shard.mlp_cols,
+        device,
+    )
 
     def recv():
         box = [None]
@@ -317,9 +344,10 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     if msg[0] == "stop":
         return 0
     _, num_blocks, block_size = msg
-    runner = ModelRunner(model, model.cfg, num_blocks, block_size, device, dtype,
-                         resolve_kv_dtype(config.kv_cache_dtype, dtype))
-    dist.all_reduce(torch.zeros(1), group=ctrl)            # "loaded" barrier
+    runner = ModelRunner(
+        model, model.cfg, num_blocks, block_size, device, dtype, resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    )
+    dist.all_reduce(torch.zeros(1), group=ctrl)  # "loaded" barrier
     with torch.inference_mode():
         while True:
             msg = recv()

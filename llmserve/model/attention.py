@@ -7,6 +7,7 @@ slot `block_table[p // block_size] * block_size + p % block_size`.
 One flat batch holds decode tokens first (one query each, batched together) and then prefill chunks
 (several queries each, attended one chunk at a time, against the cached prefix plus themselves).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,19 +20,20 @@ from llmserve.model import ops
 
 @dataclass
 class PrefillChunk:
-    query_start: int          # row of the chunk's first token in the flat batch
+    query_start: int  # row of the chunk's first token in the flat batch
     query_len: int
-    context_len: int          # tokens of this request in the cache after this step (prefix + chunk)
+    context_len: int  # tokens of this request in the cache after this step (prefix + chunk)
     block_table: torch.Tensor  # [num_blocks_of_request] int64
 
 
 @dataclass
 class DecodeGroup:
     """Decode rows [start, end): one query each, against context_lens[i] cached keys."""
+
     start: int
     end: int
-    block_tables: torch.Tensor   # [rows, max_blocks]
-    context_lens: torch.Tensor   # [rows] int64
+    block_tables: torch.Tensor  # [rows, max_blocks]
+    context_lens: torch.Tensor  # [rows] int64
     _mask: torch.Tensor | None = None
 
     def mask(self, block_size: int) -> torch.Tensor:
@@ -46,13 +48,14 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor                   # [num_tokens] where each new token's K/V goes
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     nkv, d = k_cache.shape[-2:]
     k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -86,10 +89,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int, dtype: to
     return g.transpose(-3, -2).to(dtype)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kv_written: bool = False,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_written: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the cache when kv_written).
     Returns [T, H, D]. `window`: a sliding-window layer, whose queries see only the last `window`
     positions (a mask: every block is kept); `softcap`: attention logits -> tanh(s / cap) * cap. Both
@@ -99,23 +110,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     plain = window is None and softcap is None
     for g in meta.decode_groups:
-        if plain and ops.paged_decode_attention(out[g.start:g.end], q[g.start:g.end], k_cache, v_cache,
-                                                g.block_tables, g.context_lens, scale):
-            continue   # read in place from the blocks (the fused CPU kernel)
-        kd = _gather(k_cache, g.block_tables, 0, q.dtype)     # [B, Hkv, L, D]
+        if plain and ops.paged_decode_attention(
+            out[g.start : g.end], q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, scale
+        ):
+            continue  # read in place from the blocks (the fused CPU kernel)
+        kd = _gather(k_cache, g.block_tables, 0, q.dtype)  # [B, Hkv, L, D]
         vd = _gather(v_cache, g.block_tables, 1, q.dtype)
-        qd = q[g.start:g.end].unsqueeze(2)                    # [B, H, 1, D]
+        qd = q[g.start : g.end].unsqueeze(2)  # [B, H, 1, D]
         mask = g.mask(k_cache.shape[1])
         if window is not None:
             first = (g.context_lens - window).view(-1, 1, 1, 1)
             mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
-        out[g.start:g.end] = _attend(qd, kd, vd, mask, scale, softcap).squeeze(2)
+        out[g.start : g.end] = _attend(qd, kd, vd, mask, scale, softcap).squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
-        qp = q[s:s + n].transpose(0, 1).unsqueeze(0)          # [1, H, n, D]
-        if ctx == n:   # no cached prefix: the chunk attends to itself, causally
-            kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
-            vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
+        qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if ctx == n:  # no cached prefix: the chunk attends to itself, causally
+            kp = k[s : s + n].transpose(0, 1).unsqueeze(0)
+            vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
         else:
             kp = _gather(k_cache, chunk.block_table, 2, q.dtype)[:, :ctx].unsqueeze(0)
             vp = _gather(v_cache, chunk.block_table, 3, q.dtype)[:, :ctx].unsqueeze(0)
@@ -124,16 +136,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
             key_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
-            mask = key_pos <= q_pos                                              # [n, ctx]
+            mask = key_pos <= q_pos  # [n, ctx]
             if window is not None:
                 mask = mask & (key_pos > q_pos - window)
             o = _attend(qp, kp, vp, mask, scale, softcap)
-        out[s:s + n] = o.squeeze(0).transpose(0, 1)
+        out[s : s + n] = o.squeeze(0).transpose(0, 1)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
     """SDPA over q [B, H, n, D], k and v [B, Hkv, L, D] where `mask` is True; with `softcap`, the same
     written out (SDPA has no soft-capping), as transformers' eager attention computes it."""
     if softcap is None:

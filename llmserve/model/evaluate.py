@@ -5,6 +5,7 @@ benchmarks/quantization.py). Runs the model on one sequence over a private KV ca
 (many rows per matmul), or one token per step as decoding does (`decode=True`: the few-rows kernels and the
 decode attention path).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,9 @@ def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16, dec
     table = torch.arange(nb).unsqueeze(0)
     rows = []
     for i in range(n):
-        p = pos[i:i + 1]
-        meta = AttentionMetadata(slot_mapping=p,
-                                 decode_groups=[DecodeGroup(0, 1, table, torch.tensor([i + 1]))])
-        rows.append(model(torch.tensor(ids[i:i + 1]), p, kv, meta, torch.zeros(1, dtype=torch.long)).float())
+        p = pos[i : i + 1]
+        meta = AttentionMetadata(slot_mapping=p, decode_groups=[DecodeGroup(0, 1, table, torch.tensor([i + 1]))])
+        rows.append(model(torch.tensor(ids[i : i + 1]), p, kv, meta, torch.zeros(1, dtype=torch.long)).float())
     return torch.cat(rows)
 
 
@@ -44,14 +44,15 @@ def perplexity(model: LlamaModel, ids: list[int], decode: bool = False) -> float
     return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
 
 
-def greedy_agreement(model: LlamaModel, reference: LlamaModel, sequences: list[tuple[list[int], int]],
-                     decode: bool = False) -> float:
+def greedy_agreement(
+    model: LlamaModel, reference: LlamaModel, sequences: list[tuple[list[int], int]], decode: bool = False
+) -> float:
     """Share of positions where both models' greedy next token agrees, over the last `k` tokens of each
     (ids, k) sequence (teacher-forced on the same tokens, so one disagreement does not derail the rest)."""
     same = total = 0
     for ids, k in sequences:
-        a = sequence_logits(model, ids, decode=decode)[-k - 1:-1].argmax(-1)
-        b = sequence_logits(reference, ids)[-k - 1:-1].argmax(-1)
+        a = sequence_logits(model, ids, decode=decode)[-k - 1 : -1].argmax(-1)
+        b = sequence_logits(reference, ids)[-k - 1 : -1].argmax(-1)
         same += int((a == b).sum())
         total += k
     return same / total

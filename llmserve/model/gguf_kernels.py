@@ -16,6 +16,7 @@ a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's bl
 Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
 its number or its name).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,10 +30,32 @@ from llmserve import envs
 log = logging.getLogger("llmserve.gguf_kernels")
 
 # GGMLQuantizationType's numbers -> (values per block, bytes per block)
-BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-          12: (256, 144), 13: (256, 176), 14: (256, 210)}
-NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
-         13: "Q5_K", 14: "Q6_K"}
+BLOCKS = {
+    0: (1, 4),
+    1: (1, 2),
+    30: (1, 2),
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+}
+NAMES = {
+    0: "F32",
+    1: "F16",
+    30: "BF16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+}
 # x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
 # float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
 # 1.4x at 256 to 1024 rows, benchmarks/gguf_kernels.py), so by default never (as llama.cpp, whose
@@ -56,10 +79,16 @@ def gguf_kernels():
         return None
     try:
         from torch.utils.cpp_extension import load
+
         src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "gguf_ops.cpp")
-        _EXT = load(name="llmserve_gguf_ops", sources=[src], verbose=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:   # no compiler, no ninja
+        _EXT = load(
+            name="llmserve_gguf_ops",
+            sources=[src],
+            verbose=False,
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler, no ninja
         log.warning("gguf kernels: could not build llmserve/csrc/gguf_ops.cpp (%s); using NumPy / PyTorch", e)
         _EXT = None
     return _EXT
@@ -72,8 +101,9 @@ def qtype_number(qtype) -> int:
     else:
         num = int(qtype)
     if num not in BLOCKS:
-        raise ValueError(f"gguf kernels: unsupported quantization type {qtype!r} "
-                         f"(supported: {', '.join(NAMES.values())})")
+        raise ValueError(
+            f"gguf kernels: unsupported quantization type {qtype!r} (supported: {', '.join(NAMES.values())})"
+        )
     return num
 
 
@@ -90,14 +120,16 @@ def _check(raw: torch.Tensor, num: int, K: int) -> None:
     if raw.dtype is not torch.uint8 or raw.dim() != 2:
         raise ValueError(f"gguf kernels: raw must be a uint8 tensor [N, row_bytes], got {raw.dtype} {tuple(raw.shape)}")
     if raw.shape[1] != row_bytes(num, K):
-        raise ValueError(f"gguf kernels: raw has {raw.shape[1]} bytes a row; K = {K} of {NAMES[num]} takes "
-                         f"{row_bytes(num, K)}")
+        raise ValueError(
+            f"gguf kernels: raw has {raw.shape[1]} bytes a row; K = {K} of {NAMES[num]} takes {row_bytes(num, K)}"
+        )
 
 
 def _numpy_dequantize(raw: torch.Tensor, num: int) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
+
     data = raw.contiguous().numpy()
-    if num == 30:   # older gguf packages lack BF16: the upper half of a float32
+    if num == 30:  # older gguf packages lack BF16: the upper half of a float32
         w = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         w = quants.dequantize(data, GGMLQuantizationType(num))
@@ -148,13 +180,18 @@ def from_reader(tensor) -> tuple[torch.Tensor, int, int]:
     """(raw, qtype number, K) of a gguf.GGUFReader tensor, raw read in place from the file's memory map
     (no copy: the kernels never write to it); a 1-D tensor is one row."""
     import warnings
+
     num = qtype_number(int(tensor.tensor_type))
-    K = int(tensor.shape[0])   # GGUF lists the dimensions innermost first
-    data = tensor.data.reshape(-1, row_bytes(num, K)) if tensor.data.dtype == np.uint8 else \
-        tensor.data.reshape(-1, K).view(np.uint8)
-    with warnings.catch_warnings():   # the memory map is read-only
+    K = int(tensor.shape[0])  # GGUF lists the dimensions innermost first
+    data = (
+        tensor.data.reshape(-1, row_bytes(num, K))
+        if tensor.data.dtype == np.uint8
+        else tensor.data.reshape(-1, K).view(np.uint8)
+    )
+    with warnings.catch_warnings():  # the memory map is read-only
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(data), num, K
+
 
 # byte offsets of the float16 scale / min fields in each quantized block
 _HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
@@ -174,5 +211,5 @@ def random_blocks(qtype, n: int, k: int, seed: int = 0, d_max: float = 0.05) -> 
     for off in _HALF_FIELDS[num]:
         h = (rng.uniform(d_max / 500, d_max, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
         h[rng.random(h.shape) < 0.02] = np.float16(3e-6)
-        data[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // block, 2)
+        data[:, :, off : off + 2] = h.view(np.uint8).reshape(n, k // block, 2)
     return torch.from_numpy(data.reshape(n, -1))

@@ -8,6 +8,7 @@ attention and the MLP, attention and final logit soft-capping, query_pre_attn_sc
 sliding-window layers, routed experts. The model sees flat token batches and an `AttentionMetadata`; it
 never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ def checkpoint_parts(name: str) -> tuple[str, ...]:
     return tuple(prefix + dot + part for part in PACKED_PROJECTIONS.get(leaf, (leaf,)))
 
 
-SUPPORTED_ARCHITECTURES = {   # architecture -> its config's model_type
+SUPPORTED_ARCHITECTURES = {  # architecture -> its config's model_type
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
@@ -64,23 +65,23 @@ class ModelConfig:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hf_config: object = None     # the transformers config, for rope variants
+    hf_config: object = None  # the transformers config, for rope variants
     # per-architecture features (defaults: Llama's)
-    qk_norm: bool = False                 # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
-    norm_offset: bool = False             # norms scale by (1 + weight) (Gemma: folded into the weight at load)
-    embed_scale: float | None = None      # embeddings times sqrt(hidden) (Gemma)
-    sandwich_norms: bool = False          # norms after attention and after the MLP too (Gemma 2/3)
-    attn_scale: float | None = None       # query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5
-    attn_softcap: float | None = None     # attention logits -> tanh(s / cap) * cap (Gemma 2)
-    final_softcap: float | None = None    # the same on the output logits (Gemma 2)
-    hidden_act: str = "silu"              # the gated MLP's activation: silu | gelu_tanh
-    sliding_window: int | None = None     # the sliding layers attend to this many last positions
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_offset: bool = False  # norms scale by (1 + weight) (Gemma: folded into the weight at load)
+    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    attn_scale: float | None = None  # query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention logits -> tanh(s / cap) * cap (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
+    sliding_window: int | None = None  # the sliding layers attend to this many last positions
     sliding_layers: tuple[bool, ...] = ()  # per layer (empty: none)
-    num_experts: int = 0                  # > 0: routed experts (llmserve.model.moe) in the moe_layers
+    num_experts: int = 0  # > 0: routed experts (llmserve.model.moe) in the moe_layers
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
-    norm_topk_prob: bool = True           # renormalise the top-k routing weights to sum to 1
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
@@ -91,10 +92,11 @@ class ModelConfig:
         if arch is None:
             raise ValueError(
                 f"model: unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
-                f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         heads = hf.num_attention_heads
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        rope = rope.get("full_attention", rope)   # Gemma 3: one set per layer type (see Rotary)
+        rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see Rotary)
         theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         eos = hf.eos_token_id
@@ -133,22 +135,40 @@ def _features(hf, arch: str) -> dict:
     window = getattr(hf, "sliding_window", None)
     types = getattr(hf, "layer_types", None)
     sliding = tuple(t == "sliding_attention" for t in types) if types else (window is not None,) * layers
-    f = dict(hidden_act=ACTIVATIONS[act], sliding_window=window, sliding_layers=sliding if window else (),
-             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"))
+    f = dict(
+        hidden_act=ACTIVATIONS[act],
+        sliding_window=window,
+        sliding_layers=sliding if window else (),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+    )
     if arch in GEMMA:
-        f.update(norm_offset=True, embed_scale=hf.hidden_size ** 0.5, sandwich_norms=True,
-                 attn_scale=hf.query_pre_attn_scalar ** -0.5,
-                 attn_softcap=getattr(hf, "attn_logit_softcapping", None),
-                 final_softcap=getattr(hf, "final_logit_softcapping", None))
+        f.update(
+            norm_offset=True,
+            embed_scale=hf.hidden_size**0.5,
+            sandwich_norms=True,
+            attn_scale=hf.query_pre_attn_scalar**-0.5,
+            attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+            final_softcap=getattr(hf, "final_logit_softcapping", None),
+        )
     if arch == "MixtralForCausalLM":
-        f.update(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
-                 moe_intermediate_size=hf.intermediate_size, moe_layers=(True,) * layers)
+        f.update(
+            num_experts=hf.num_local_experts,
+            num_experts_per_tok=hf.num_experts_per_tok,
+            moe_intermediate_size=hf.intermediate_size,
+            moe_layers=(True,) * layers,
+        )
     elif arch == "Qwen3MoeForCausalLM":
-        sparse = tuple(i not in (hf.mlp_only_layers or []) and hf.num_experts > 0
-                       and (i + 1) % hf.decoder_sparse_step == 0 for i in range(layers))
-        f.update(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
-                 moe_intermediate_size=hf.moe_intermediate_size, moe_layers=sparse,
-                 norm_topk_prob=bool(hf.norm_topk_prob))
+        sparse = tuple(
+            i not in (hf.mlp_only_layers or []) and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
+            for i in range(layers)
+        )
+        f.update(
+            num_experts=hf.num_experts,
+            num_experts_per_tok=hf.num_experts_per_tok,
+            moe_intermediate_size=hf.moe_intermediate_size,
+            moe_layers=sparse,
+            norm_topk_prob=bool(hf.norm_topk_prob),
+        )
     return f
 
 
@@ -183,24 +203,26 @@ class Rotary(nn.Module):
     def _inv_freq(cfg: ModelConfig, layer_type: str | None) -> tuple[torch.Tensor, float]:
         params = local_rope_parameters(cfg, layer_type) or cfg.rope_scaling or {}
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type in ("longrope", "su"):   # Phi-3's long-context variants: factors that change with the length
-            raise ValueError(f"model: rope scaling {rope_type!r} is not supported (llmserve runs default, "
-                             f"linear, llama3 and yarn)")
+        if rope_type in ("longrope", "su"):  # Phi-3's long-context variants: factors that change with the length
+            raise ValueError(
+                f"model: rope scaling {rope_type!r} is not supported (llmserve runs default, linear, llama3 and yarn)"
+            )
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("model: partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         if rope_type != "default" and cfg.hf_config is not None:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"model: unsupported rope scaling {rope_type!r}")
             kw = {"layer_type": layer_type} if layer_type else {}
-            with torch.device("cpu"):   # (also when the model is being built on the meta device)
+            with torch.device("cpu"):  # (also when the model is being built on the meta device)
                 inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu", **kw)
             return inv_freq.float(), float(scale)
         d, theta = cfg.head_dim, params.get("rope_theta", cfg.rope_theta)
         return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)   # [T, 1, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -225,31 +247,42 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.attn_scale or self.head_dim ** -0.5
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window, self.softcap = window, cfg.attn_softcap
-        self.all_reduce = None   # tensor parallelism: sums the row-parallel o_proj partials
+        self.all_reduce = None  # tensor parallelism: sums the row-parallel o_proj partials
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:   # each head normed on its own, before rotary
+        if self.q_norm is not None:  # each head normed on its own, before rotary
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        written = ops.rotary_write_kv(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
-                                      self.head_dim, k_cache, v_cache, meta.slot_mapping)
+        written = ops.rotary_write_kv(
+            qkv,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if not written:
             q, k = rotary(q, k, positions)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written,
-                            window=self.window, softcap=self.softcap)
+        o = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written, window=self.window, softcap=self.softcap
+        )
         o = self.o_proj(o.reshape(T, self.q_size))
         return o if self.all_reduce is None else self.all_reduce(o)
 
@@ -268,7 +301,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = cfg.hidden_act
-        self.all_reduce = None   # tensor parallelism: sums the row-parallel down_proj partials
+        self.all_reduce = None  # tensor parallelism: sums the row-parallel down_proj partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         o = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
@@ -285,11 +318,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.sandwich_norms:   # Gemma: post_attention_layernorm norms the attention's output
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers and cfg.moe_layers[index]:
             from llmserve.model.moe import SparseMoE
+
             self.mlp = SparseMoE(cfg)
         else:
             self.mlp = MLP(cfg)
@@ -321,9 +355,15 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.make_rotary(max_positions or cfg.max_position_embeddings)
         # the fused C++ decode stack knows Llama layers only: any other feature takes the module path
-        self._llama_layers = not (cfg.qk_norm or cfg.sandwich_norms or cfg.attn_softcap or cfg.hidden_act != "silu"
-                                  or cfg.num_experts or self.rotary_local is not None
-                                  or any(layer.self_attn.window for layer in self.layers))
+        self._llama_layers = not (
+            cfg.qk_norm
+            or cfg.sandwich_norms
+            or cfg.attn_softcap
+            or cfg.hidden_act != "silu"
+            or cfg.num_experts
+            or self.rotary_local is not None
+            or any(layer.self_attn.window for layer in self.layers)
+        )
 
     def make_rotary(self, max_positions: int, device: torch.device | None = None) -> None:
         """float32 cos/sin tables for `max_positions` (on `device`): one for every layer, and a second for
@@ -335,9 +375,16 @@ class LlamaModel(nn.Module):
             self.rotary = self.rotary.to(device)
             self.rotary_local = self.rotary_local and self.rotary_local.to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, logits_indices: torch.Tensor, argmax: bool = False,
-                hidden_indices: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        argmax: bool = False,
+        hidden_indices: torch.Tensor | None = None,
+    ):
         """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab]);
         with `argmax`, those rows' greedy tokens instead ([len(logits_indices)], the same tokens as
         the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax).
@@ -348,7 +395,7 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         residual = None
         stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
-        if stack is not None:   # decode rows only: all layers in one call into the CPU kernels
+        if stack is not None:  # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
             x, residual = stack.run(x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
         else:
@@ -373,12 +420,12 @@ class LlamaModel(nn.Module):
             logits = head(x).float()
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    _screen = None   # (the head weight it was built from, its version, ops.head_screen's tensors)
+    _screen = None  # (the head weight it was built from, its version, ops.head_screen's tensors)
 
     def _head_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         head = self.lm_head
         if type(head) is not nn.Linear or head.bias is not None or self.cfg.final_softcap is not None:
-            return None   # (soft-capped logits can tie where the raw ones do not: argmax of the capped ones)
+            return None  # (soft-capped logits can tie where the raw ones do not: argmax of the capped ones)
         w = head.weight
         if x.dtype is not torch.float32 or w.dtype is not torch.float32 or w.is_cuda:
             return None
@@ -387,15 +434,20 @@ class LlamaModel(nn.Module):
                 self._screen = (w, w._version, ops.head_screen(w.detach()))
         return ops.head_argmax(x, w.detach(), self._screen[2])
 
-    _decode_stack = None   # ops.decode_stack(self) once built, False where the model does not fit it
-    lora_rows = False      # this step has LoRA adapter rows (llmserve.model.lora): the module path runs
+    _decode_stack = None  # ops.decode_stack(self) once built, False where the model does not fit it
+    lora_rows = False  # this step has LoRA adapter rows (llmserve.model.lora): the module path runs
 
     def _fused_decode(self, x: torch.Tensor, meta: AttentionMetadata):
         """The model's DecodeStack (every layer in one C++ call, see ops.decode_stack) when this step can use
         it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
         parallelism, no biases, no LoRA rows, Llama layers only; else None."""
-        if (meta.prefills or len(meta.decode_groups) != 1 or not self._llama_layers or self.lora_rows
-                or not ops.decode_stack_fits(x)):
+        if (
+            meta.prefills
+            or len(meta.decode_groups) != 1
+            or not self._llama_layers
+            or self.lora_rows
+            or not ops.decode_stack_fits(x)
+        ):
             return None
         if self._decode_stack is None:
             self._decode_stack = ops.decode_stack(self) or False
@@ -416,13 +468,13 @@ class LlamaModel(nn.Module):
         blocks, see quant.quantize_model) have no float parameter to load and are skipped. A checkpoint
         that packs a projection itself (Phi-3's qkv_proj, gate_up_proj) is read as it is; Gemma's norm
         weights are stored as w - 1 and loaded as 1 + w."""
-        keys = {k.removeprefix("model."): k for k in weights}   # `weights` may read each tensor when asked
+        keys = {k.removeprefix("model."): k for k in weights}  # `weights` may read each tensor when asked
         offset = self.cfg.norm_offset
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)} if offset else ()
         for name, p in self.named_parameters():
             layer, _, kind = name.rpartition(".")
             if name == "lm_head.weight" and name not in keys:
-                sources = ["embed_tokens.weight"]   # tied: the head reads the embedding
+                sources = ["embed_tokens.weight"]  # tied: the head reads the embedding
             elif name in keys:
                 sources = [name]
             else:

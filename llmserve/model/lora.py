@@ -15,6 +15,7 @@ zero where a part has no update), with the scaling folded into B: two matmuls pe
     lora = LoRALayers(model)                              # forward hooks on the projections
     lora.set_step([(adapter, first_row, num_rows), ...])  # before each forward (the runner)
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,15 @@ import torch.nn as nn
 from llmserve.model.llama import PACKED_PROJECTIONS
 
 # this model's layers that adapters may target, and where each checkpoint module sits in them
-_LAYER_OF = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
-             "v_proj": ("self_attn", "qkv_proj"), "o_proj": ("self_attn", "o_proj"),
-             "gate_proj": ("mlp", "gate_up_proj"), "up_proj": ("mlp", "gate_up_proj"),
-             "down_proj": ("mlp", "down_proj")}
+_LAYER_OF = {
+    "q_proj": ("self_attn", "qkv_proj"),
+    "k_proj": ("self_attn", "qkv_proj"),
+    "v_proj": ("self_attn", "qkv_proj"),
+    "o_proj": ("self_attn", "o_proj"),
+    "gate_proj": ("mlp", "gate_up_proj"),
+    "up_proj": ("mlp", "gate_up_proj"),
+    "down_proj": ("mlp", "down_proj"),
+}
 TARGET_MODULES = tuple(_LAYER_OF)
 # steps with up to this many adapter rows of several adapters run them as one batched matmul pair per layer
 BATCHED_ROWS = 64
@@ -47,7 +53,7 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int
-    adapter_id: int          # unique per load: the prefix cache's key (a reloaded name is a new adapter)
+    adapter_id: int  # unique per load: the prefix cache's key (a reloaded name is a new adapter)
     # (layer index, "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj") -> (A^T [in, R], B^T [R, out] scaled)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -71,8 +77,12 @@ def _read_config(path: str) -> dict:
         raise LoRAError(f"lora_path: {cfg_path} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"lora_path: peft_type {cfg.get('peft_type')!r} is not supported (LORA only)")
-    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (whole layers)"),
-                     ("alpha_pattern", "alpha_pattern"), ("layers_pattern", None)):
+    for key, why in (
+        ("use_dora", "DoRA"),
+        ("modules_to_save", "modules_to_save (whole layers)"),
+        ("alpha_pattern", "alpha_pattern"),
+        ("layers_pattern", None),
+    ):
         if why and cfg.get(key):
             raise LoRAError(f"lora_path: {why} is not supported")
     if cfg.get("bias", "none") != "none":
@@ -83,8 +93,10 @@ def _read_config(path: str) -> dict:
     if isinstance(targets, (list, tuple)):
         unknown = sorted({str(t).rsplit(".", 1)[-1] for t in targets} - set(TARGET_MODULES))
         if unknown:
-            raise LoRAError(f"lora_path: target modules {unknown} are not in this model (LoRA applies to "
-                            f"{', '.join(TARGET_MODULES)})")
+            raise LoRAError(
+                f"lora_path: target modules {unknown} are not in this model (LoRA applies to "
+                f"{', '.join(TARGET_MODULES)})"
+            )
     r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
         raise LoRAError(f"lora_path: bad r ({r!r}) or lora_alpha ({alpha!r}) in adapter_config.json")
@@ -95,6 +107,7 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
     if os.path.isfile(st):
         from safetensors.torch import load_file
+
         try:
             return load_file(st)
         except Exception as e:  # noqa: BLE001 - any corrupt file is the adapter's fault
@@ -102,8 +115,15 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise LoRAError(f"lora_path: {path!r} has no adapter_model.safetensors")
 
 
-def load_peft_adapter(path: str, model: nn.Module, max_rank: int, name: str = "", adapter_id: int = 0,
-                      device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoRAAdapter:
+def load_peft_adapter(
+    path: str,
+    model: nn.Module,
+    max_rank: int,
+    name: str = "",
+    adapter_id: int = 0,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> LoRAAdapter:
     """Read and check a PEFT LoRA adapter for `model` (a LlamaModel); raise LoRAError if it does not fit."""
     cfg = _read_config(path)
     tensors = _read_tensors(path)
@@ -114,12 +134,15 @@ def load_peft_adapter(path: str, model: nn.Module, max_rank: int, name: str = ""
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None:
-            raise LoRAError(f"lora_path: tensor {key!r} is not a LoRA update of a supported module "
-                            f"({', '.join(TARGET_MODULES)})")
+            raise LoRAError(
+                f"lora_path: tensor {key!r} is not a LoRA update of a supported module ({', '.join(TARGET_MODULES)})"
+            )
         layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if module not in _LAYER_OF or _LAYER_OF[module][0] != block:
-            raise LoRAError(f"lora_path: target module {block}.{module} is not in this model (LoRA applies "
-                            f"to {', '.join(TARGET_MODULES)})")
+            raise LoRAError(
+                f"lora_path: target module {block}.{module} is not in this model (LoRA applies "
+                f"to {', '.join(TARGET_MODULES)})"
+            )
         if layer >= mc.num_layers:
             raise LoRAError(f"lora_path: tensor {key!r} names layer {layer}; the model has {mc.num_layers}")
         found.setdefault((layer, module), {})[ab] = t
@@ -135,14 +158,21 @@ def load_peft_adapter(path: str, model: nn.Module, max_rank: int, name: str = ""
         target = getattr(getattr(model.layers[layer], block), packed)
         width = _part_slices(model, packed)[module] if packed in PACKED_PROJECTIONS else (0, target.out_features)
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or a.shape[1] != target.in_features \
-                or b.shape[0] != width[1] - width[0]:
-            raise LoRAError(f"lora_path: layers.{layer}.{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
-                            f"do not fit the model's {target.in_features} -> {width[1] - width[0]}")
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or b.shape[1] != r
+            or a.shape[1] != target.in_features
+            or b.shape[0] != width[1] - width[0]
+        ):
+            raise LoRAError(
+                f"lora_path: layers.{layer}.{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+                f"do not fit the model's {target.in_features} -> {width[1] - width[0]}"
+            )
         if r > max_rank:
             raise LoRAError(f"lora_path: rank {r} is more than --max-lora-rank {max_rank}")
         ranks.add(r)
-        scaling = alpha / (r ** 0.5 if rslora else r)
+        scaling = alpha / (r**0.5 if rslora else r)
         parts.setdefault((layer, packed), []).append((module, a, b, scaling))
     device = device or next(model.parameters()).device
     dtype = dtype or torch.float32
@@ -156,7 +186,7 @@ def load_peft_adapter(path: str, model: nn.Module, max_rank: int, name: str = ""
         r0 = 0
         for module, a, b, scaling in items:
             c0, c1 = slices[module] if slices else (0, out)
-            bt[r0:r0 + a.shape[0], c0:c1] = b.float().t() * scaling
+            bt[r0 : r0 + a.shape[0], c0:c1] = b.float().t() * scaling
             r0 += a.shape[0]
         at = torch.cat([a.float() for _, a, _, _ in items]).t()
         adapter.weights[(layer, packed)] = (at.contiguous().to(device, dtype), bt.to(device, dtype))
@@ -180,16 +210,20 @@ class LoRALayers:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.spans: list[tuple[LoRAAdapter, int, int]] = []   # (adapter, its rows' span in the gathered rows)
-        self.rows: slice | torch.Tensor | None = None          # the step's adapter rows, grouped by adapter
+        self.spans: list[tuple[LoRAAdapter, int, int]] = []  # (adapter, its rows' span in the gathered rows)
+        self.rows: slice | torch.Tensor | None = None  # the step's adapter rows, grouped by adapter
         self.num_rows = 0
-        self.batched = None   # few rows of several adapters: (gather index, group size, padding mask)
-        self._stack_ids: tuple = ()   # the adapters whose stacked weights _stacks holds (cached across steps)
+        self.batched = None  # few rows of several adapters: (gather index, group size, padding mask)
+        self._stack_ids: tuple = ()  # the adapters whose stacked weights _stacks holds (cached across steps)
         self._stacks: dict = {}
         self.handles = []
         for i, layer in enumerate(model.layers):
-            for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
-                                ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
+            for block, name in (
+                ("self_attn", "qkv_proj"),
+                ("self_attn", "o_proj"),
+                ("mlp", "gate_up_proj"),
+                ("mlp", "down_proj"),
+            ):
                 module = getattr(getattr(layer, block), name)
                 self.handles.append(module.register_forward_hook(self._hook((i, name))))
         # the step's index is dropped when the forward ends (an unloaded adapter is then held by nothing)
@@ -224,7 +258,7 @@ class LoRALayers:
         projection costs the same few ops whatever the number of adapters. Padding rows are zeroed."""
         g = max(end - start for _, start, end in spans)
         if g * len(spans) > 2 * len(order):
-            return   # groups too uneven: the per-adapter loop wastes less
+            return  # groups too uneven: the per-adapter loop wastes less
         idx, keep = [], []
         for _, start, end in spans:
             group = order[start:end]
@@ -234,7 +268,7 @@ class LoRALayers:
         if 0.0 in keep:
             mask = torch.tensor(keep, device=device).view(len(spans), g, 1)
         ids = tuple(a.adapter_id for a, _, _ in spans)
-        if ids != self._stack_ids:   # the stacked weights of this set of adapters, built per layer on use
+        if ids != self._stack_ids:  # the stacked weights of this set of adapters, built per layer on use
             self._stack_ids, self._stacks = ids, {}
         self.batched = (torch.tensor(idx, dtype=torch.long, device=device), g, mask)
 
@@ -252,8 +286,8 @@ class LoRALayers:
                 bt = present[0][1].new_zeros(len(ws), r, present[0][1].shape[1])
                 for i, w in enumerate(ws):
                     if w is not None:
-                        at[i, :, :w[0].shape[1]] = w[0]
-                        bt[i, :w[1].shape[0]] = w[1]
+                        at[i, :, : w[0].shape[1]] = w[0]
+                        bt[i, : w[1].shape[0]] = w[1]
                 self._stacks[key] = (at, bt)
         return self._stacks[key]
 
@@ -279,10 +313,11 @@ class LoRALayers:
                 w = adapter.weights.get(key)
                 if w is None:
                     continue
-                if delta is None:   # rows of adapters without this layer add nothing
+                if delta is None:  # rows of adapters without this layer add nothing
                     full = all(a.weights.get(key) is not None for a, _, _ in self.spans)
-                    delta = (torch.empty if full else torch.zeros)(self.num_rows, out.shape[1], dtype=out.dtype,
-                                                                   device=out.device)
+                    delta = (torch.empty if full else torch.zeros)(
+                        self.num_rows, out.shape[1], dtype=out.dtype, device=out.device
+                    )
                 torch.mm(xs[start:end] @ w[0], w[1], out=delta[start:end])
             if delta is None:
                 return None
@@ -291,6 +326,7 @@ class LoRALayers:
             else:
                 out.index_add_(0, rows, delta)
             return out
+
         return hook
 
     def remove(self) -> None:

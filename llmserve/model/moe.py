@@ -11,6 +11,7 @@ down_proj` (Qwen3-MoE's names; the loader renames Mixtral's w1 / w3 / w2, loader
 `experts.N.gate_up_proj` as any MLP's. The experts are ordinary Linear layers, so `--quantization`
 quantizes them too; the router is not one and stays float (routing is not perturbed).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,23 +36,23 @@ class SparseMoE(nn.Module):
         expert = dataclasses.replace(cfg, intermediate_size=cfg.moe_intermediate_size, mlp_bias=False)
         self.experts = nn.ModuleList(MLP(expert) for _ in range(cfg.num_experts))
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.all_reduce = None   # (tensor parallelism is refused for MoE models: parallel.plan_heads)
+        self.all_reduce = None  # (tensor parallelism is refused for MoE models: parallel.plan_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)                 # [T, k]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype).view(-1, 1)
         flat = chosen.view(-1)
-        order = flat.argsort(stable=True)            # (token, slot) pairs grouped by expert
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, n in zip(self.experts, counts):
             if n == 0:
                 continue
-            pairs = order[start:start + n]
+            pairs = order[start : start + n]
             start += n
             rows = pairs // self.top_k
             out.index_add_(0, rows, expert(x.index_select(0, rows)) * weights[pairs])

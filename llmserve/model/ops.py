@@ -10,6 +10,7 @@ The rest of llmserve calls the functions here and never the extension itself. Wh
 and the general path takes over is `KernelConfig` (llmserve/config.py): `configure` applies an engine's
 (EngineConfig.kernels) at start-up, for the whole process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,12 +55,17 @@ def cpu_kernels():
         return None
     try:
         from torch.utils.cpp_extension import load
+
         src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "cpu_ops.cpp")
-        _EXT = load(name="llmserve_cpu_ops", sources=[src], verbose=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"])
+        _EXT = load(
+            name="llmserve_cpu_ops",
+            sources=[src],
+            verbose=False,
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
         _EXT.set_avx512(envs.LLMSERVE_AVX512)
-    except Exception as e:   # no compiler, no ninja: the PyTorch ops do the same work, slower
+    except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp (%s); using PyTorch ops", e)
         _EXT = None
     return _EXT
@@ -83,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-_CROSSOVERS: dict[tuple, int] = {}   # (N, K, threads) -> rows from which at::linear wins (measured)
+_CROSSOVERS: dict[tuple, int] = {}  # (N, K, threads) -> rows from which at::linear wins (measured)
 
 
 def gemm_rows(weight: torch.Tensor) -> int:
@@ -110,6 +116,7 @@ def calibrate_gemv(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3
     the next (each the best of `repeats` interleaved runs: robust to a busy machine's stalls); past the
     largest, at::linear. Costs a few GEMV passes per shape (~0.1-1 s for a 1B model's shapes)."""
     import time
+
     ext = cpu_kernels()
     w = weight.detach()
     wins = 0
@@ -125,7 +132,7 @@ def calibrate_gemv(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3
                         ext.f32_linear(x, w, m + 1)
                     else:
                         F.linear(x, w)
-                    if rep:   # the first round warms up
+                    if rep:  # the first round warms up
                         best[i] = min(best[i], time.perf_counter() - t)
             if best[1] < best[0]:
                 wins += 1
@@ -159,8 +166,13 @@ def head_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> torch.Tensor |
     `linear` computes them, whatever the batch); None where the extension cannot (the
     caller computes the logits). Cheaper at any batch: 64 rows of SmolLM2's head 22 ms vs at::linear's 44."""
     ext = _fast(x)
-    if ext is None or x.dim() != 2 or x.shape[-1] % 32 or weight.dtype is not torch.float32 \
-            or weight.device.type != "cpu":
+    if (
+        ext is None
+        or x.dim() != 2
+        or x.shape[-1] % 32
+        or weight.dtype is not torch.float32
+        or weight.device.type != "cpu"
+    ):
         return None
     tokens = ext.head_argmax(x, weight, *screen)
     return None if bool((tokens < 0).any()) else tokens
@@ -194,24 +206,45 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-KV_DTYPES = (torch.float32, torch.float16)   # caches the extension's attention reads and writes in place
+KV_DTYPES = (torch.float32, torch.float16)  # caches the extension's attention reads and writes in place
 
 
-def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> bool:
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
     """Rotate the q and k heads of `qkv` [T, width] in place and write each row's K and V into the
     paged cache at its slot; False when the caller must do both."""
     ext = _fast(qkv)
-    if ext is None or head_dim % 16 or qkv.stride(-1) != 1 or cos.dtype != torch.float32 \
-            or k_cache.dtype not in KV_DTYPES:
+    if (
+        ext is None
+        or head_dim % 16
+        or qkv.stride(-1) != 1
+        or cos.dtype != torch.float32
+        or k_cache.dtype not in KV_DTYPES
+    ):
         return False
     ext.rotary_write_kv_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping)
     return True
 
 
-def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> bool:
+def paged_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> bool:
     """Decode rows' attention read in place from the paged cache into `out`; False when the
     caller must gather and use SDPA instead."""
     ext = _fast(q)
@@ -231,7 +264,7 @@ def weight_kernel(kind: str):
     return ext.q4_linear if kind == "int4" else ext.q8_linear
 
 
-_ALL_ROWS = 2 ** 62
+_ALL_ROWS = 2**62
 
 
 def decode_layer_args(model) -> list | None:
@@ -257,13 +290,17 @@ def decode_layer_args(model) -> list | None:
                 kinds.append(args[0])
                 bits.append(args[1])
                 w += args[2]
-                many.append(_ALL_ROWS)   # integer dots at every row count the stack takes
-            elif isinstance(lin, torch.nn.Linear) and lin.bias is None and lin.weight.dtype == torch.float32 \
-                    and lin.weight.device.type == "cpu":
+                many.append(_ALL_ROWS)  # integer dots at every row count the stack takes
+            elif (
+                isinstance(lin, torch.nn.Linear)
+                and lin.bias is None
+                and lin.weight.dtype == torch.float32
+                and lin.weight.device.type == "cpu"
+            ):
                 kinds.append(0)
                 bits.append(0)
                 w.append(lin.weight)
-                many.append(gemm_rows(lin.weight))   # shapes repeat: measured on the first layer only
+                many.append(gemm_rows(lin.weight))  # shapes repeat: measured on the first layer only
             else:
                 return None
         if any(t.dtype == torch.float32 and t.device.type != "cpu" for t in w):
@@ -280,8 +317,16 @@ def decode_stack(model):
     if not args:
         return None
     c = model.cfg
-    return _EXT.DecodeStack(args, c.rms_norm_eps, model.rotary.cos, model.rotary.sin, c.num_heads, c.num_kv_heads,
-                            c.head_dim, model.layers[0].self_attn.scale)
+    return _EXT.DecodeStack(
+        args,
+        c.rms_norm_eps,
+        model.rotary.cos,
+        model.rotary.sin,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        model.layers[0].self_attn.scale,
+    )
 
 
 def decode_stack_fits(x: torch.Tensor) -> bool:
@@ -294,10 +339,12 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, K: int, exact: b
     `exact` in float32 throughout (W widened, x as it is), otherwise llama.cpp's arithmetic (integer dots
     on the blocks, x rounded to int8 per block)."""
     from llmserve.model import gguf_kernels
+
     return gguf_kernels.linear_f32(x, raw, qtype, K) if exact else gguf_kernels.linear(x, raw, qtype, K)
 
 
 def gguf_dequantize(raw: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
     """float32 [N, K]: the values of a GGUF tensor's blocks (rows of it: embedding look-ups)."""
     from llmserve.model import gguf_kernels
+
     return gguf_kernels.dequantize(raw, qtype, K)

@@ -22,6 +22,7 @@ How heads are split (`plan_heads`):
 A rank's shard is a smaller model of the same class: a `ModelConfig` with its local head counts and
 intermediate size, loaded from sliced Hugging Face weights by the ordinary `load_hf_state_dict`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,15 +33,15 @@ import torch
 from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel, ModelConfig
 from llmserve.model.loader import build_model
 
-NOT_SHARDED = ("Phi3ForCausalLM",)   # its checkpoint packs q/k/v and gate/up, which the slicing below expects apart
+NOT_SHARDED = ("Phi3ForCausalLM",)  # its checkpoint packs q/k/v and gate/up, which the slicing below expects apart
 
 
 @dataclass(frozen=True)
 class RankShard:
     rank: int
-    q_heads: tuple[int, ...]        # global query heads of this rank (contiguous)
-    kv_heads: tuple[int, ...]       # global KV head stored in each local KV slot (may repeat)
-    mlp_cols: tuple[int, int]       # [start, end) of the intermediate dimension
+    q_heads: tuple[int, ...]  # global query heads of this rank (contiguous)
+    kv_heads: tuple[int, ...]  # global KV head stored in each local KV slot (may repeat)
+    mlp_cols: tuple[int, int]  # [start, end) of the intermediate dimension
 
     @property
     def num_heads(self) -> int:
@@ -68,16 +69,20 @@ def plan_heads(cfg: ModelConfig, world_size: int) -> list[RankShard]:
     if n < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {n}")
     if n > 1 and (cfg.num_experts or cfg.architecture in NOT_SHARDED):
-        raise ValueError(f"tensor_parallel_size: {cfg.architecture} is not split yet (experts and packed "
-                         f"checkpoint projections); use --tensor-parallel-size 1")
+        raise ValueError(
+            f"tensor_parallel_size: {cfg.architecture} is not split yet (experts and packed "
+            f"checkpoint projections); use --tensor-parallel-size 1"
+        )
     if h % hkv:
         raise ValueError(f"model: {h} attention heads are not a multiple of {hkv} KV heads")
     if n > h:
-        raise ValueError(f"tensor_parallel_size: {n} is more than the model's {h} attention heads; "
-                         f"use at most {h} (the heads are what is split)")
+        raise ValueError(
+            f"tensor_parallel_size: {n} is more than the model's {h} attention heads; "
+            f"use at most {h} (the heads are what is split)"
+        )
     if n > cfg.intermediate_size:
         raise ValueError(f"tensor_parallel_size: {n} is more than the MLP width {cfg.intermediate_size}")
-    group = h // hkv                     # query heads per KV head
+    group = h // hkv  # query heads per KV head
     mlp = _even(cfg.intermediate_size, n)
     shards = []
     if hkv >= n:
@@ -86,16 +91,16 @@ def plan_heads(cfg: ModelConfig, world_size: int) -> list[RankShard]:
         return shards
     for r, (qs, qe) in enumerate(_even(h, n)):
         q = tuple(range(qs, qe))
-        reads = [j // group for j in q]                      # the KV head each query head reads
-        runs: list[int] = []                                 # lengths of runs of the same KV head
+        reads = [j // group for j in q]  # the KV head each query head reads
+        runs: list[int] = []  # lengths of runs of the same KV head
         for i, kv in enumerate(reads):
             if i and kv == reads[i - 1]:
                 runs[-1] += 1
             else:
                 runs.append(1)
-        if len(set(runs)) == 1:          # uniform local GQA: one replica of each KV head read
+        if len(set(runs)) == 1:  # uniform local GQA: one replica of each KV head read
             kv = tuple(dict.fromkeys(reads))
-        else:                            # uneven: one KV slot per query head (plain MHA locally)
+        else:  # uneven: one KV slot per query head (plain MHA locally)
             kv = tuple(reads)
         shards.append(RankShard(r, q, kv, mlp[r]))
     return shards
@@ -103,12 +108,12 @@ def plan_heads(cfg: ModelConfig, world_size: int) -> list[RankShard]:
 
 def local_config(cfg: ModelConfig, shard: RankShard) -> ModelConfig:
     s, e = shard.mlp_cols
-    return dataclasses.replace(cfg, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
-                               intermediate_size=e - s)
+    return dataclasses.replace(cfg, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, intermediate_size=e - s)
 
 
-def shard_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
-                        shard: RankShard) -> dict[str, torch.Tensor]:
+def shard_hf_state_dict(
+    weights: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard
+) -> dict[str, torch.Tensor]:
     """Hugging Face-named weights -> this rank's slices, still Hugging Face-named (unpacked: the parts
     of llama.PACKED_PROJECTIONS are column-parallel, o_proj and down_proj row-parallel)."""
     d = cfg.head_dim
@@ -118,7 +123,7 @@ def shard_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
     q_part, *kv_parts = PACKED_PROJECTIONS["qkv_proj"]
     out = {}
     for name, w in weights.items():
-        layer = name.split(".")[-2]   # model.layers.0.self_attn.q_proj.weight -> q_proj
+        layer = name.split(".")[-2]  # model.layers.0.self_attn.q_proj.weight -> q_proj
         if layer == q_part:
             out[name] = w.index_select(0, q_rows)
         elif layer in kv_parts:
@@ -126,19 +131,25 @@ def shard_hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig,
         elif layer in PACKED_PROJECTIONS["gate_up_proj"]:
             out[name] = w[s:e]
         elif name.endswith(".o_proj.weight"):
-            out[name] = w.index_select(1, q_rows)                     # row-parallel: input columns
+            out[name] = w.index_select(1, q_rows)  # row-parallel: input columns
         elif name.endswith(".down_proj.weight"):
             out[name] = w[:, s:e]
         elif name.endswith((".down_proj.bias", ".o_proj.bias")):
             out[name] = w if shard.rank == 0 else torch.zeros_like(w)  # added once, after the sum
         else:
-            out[name] = w                                              # replicated
+            out[name] = w  # replicated
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_sharded_model(weights: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard,
-                       device: torch.device, dtype: torch.dtype, max_positions: int,
-                       all_reduce) -> LlamaModel:
+def load_sharded_model(
+    weights: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    shard: RankShard,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    all_reduce,
+) -> LlamaModel:
     """This rank's model: local head counts, sliced weights, `all_reduce` after o_proj and down_proj."""
     lcfg = local_config(cfg, shard)
     sliced = shard_hf_state_dict(weights, cfg, shard)

@@ -36,6 +36,7 @@ read from outside it:
   * `is_quantized(module)`: whether a module is one of these (it holds no float parameters).
 The tensor-parallel shards (parallel.py) are float only: the engine refuses quantization with them.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -85,11 +86,18 @@ class QuantLinear(nn.Module):
     fbgemm's float16 GEMM on the same values widened to float16 (see the module's docstring).
     Elsewhere (CUDA): int8 values and a per-channel scale, widened per call."""
 
-    def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                 bias: torch.Tensor | None, fp16_gemm: bool = True) -> None:
+    def __init__(
+        self,
+        kind: str,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        minv: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        fp16_gemm: bool = True,
+    ) -> None:
         super().__init__()
         self.kind = kind
-        self.act_bits = 16   # int8 weights: x rounded to int16 on the integer-dot path (8: faster, less exact)
+        self.act_bits = 16  # int8 weights: x rounded to int16 on the integer-dot path (8: faster, less exact)
         self.out_features = qweight.shape[0]
         self.in_features = qweight.shape[1] * (2 if kind == "int4" else 1)
         self.register_buffer("qweight", qweight.contiguous())
@@ -102,7 +110,7 @@ class QuantLinear(nn.Module):
         self.kernels = cpu and ops.weight_kernel(kind) is not None and self.in_features % 32 == 0
         self._packed = None
         if cpu and (fp16_gemm or not self.kernels) and "fbgemm" in torch.backends.quantized.supported_engines:
-            with warnings.catch_warnings():   # torch.ao is deprecated; its fbgemm kernels are not gone
+            with warnings.catch_warnings():  # torch.ao is deprecated; its fbgemm kernels are not gone
                 warnings.simplefilter("ignore")
                 self._packed = torch.ops.quantized.linear_prepack_fp16(self.dequantize(), self.bias)
         self._bind()
@@ -115,9 +123,9 @@ class QuantLinear(nn.Module):
             self._kernel = None
             return
         k = ops.kernel_config()
-        if self._packed is not None:   # beyond few_rows: fbgemm's float16 GEMM
+        if self._packed is not None:  # beyond few_rows: fbgemm's float16 GEMM
             limit = self._few_rows = k.few_rows
-        else:                          # all rows here: the kernel tiles float32 beyond its limit
+        else:  # all rows here: the kernel tiles float32 beyond its limit
             limit, self._few_rows = k.int4_dot_rows if self.kind == "int4" else k.int8_dot_rows, None
         many = limit + 1
         self._kernel = ops.weight_kernel(self.kind)
@@ -134,8 +142,9 @@ class QuantLinear(nn.Module):
         return out
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str,
-                   fp16_gemm: bool = True) -> "QuantLinear":
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, fp16_gemm: bool = True
+    ) -> "QuantLinear":
         if kind == "int4":
             q, scale, lo = quantize_int4(weight)
             return cls("int4", pack_int4(q), scale, lo, bias, fp16_gemm)
@@ -153,14 +162,17 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._kernel is not None and x2.dtype is torch.float32 and (self._few_rows is None
-                                                                     or x2.shape[0] <= self._few_rows):
-            y = self._kernel(x2, *self._kargs)   # the decode hot path
+        if (
+            self._kernel is not None
+            and x2.dtype is torch.float32
+            and (self._few_rows is None or x2.shape[0] <= self._few_rows)
+        ):
+            y = self._kernel(x2, *self._kargs)  # the decode hot path
             if self._bias is not None:
                 y += self._bias
         elif self._packed is not None:
             y = torch.ops.quantized.linear_dynamic_fp16(x2.float(), self._packed).to(x.dtype)
-        else:   # CUDA, or a CPU without the kernels and fbgemm
+        else:  # CUDA, or a CPU without the kernels and fbgemm
             y = F.linear(x2, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
@@ -205,8 +217,9 @@ class GGUFLinear(nn.Module):
 
     kind = "gguf"
 
-    def __init__(self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None,
-                 exact: bool) -> None:
+    def __init__(
+        self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None, exact: bool
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for raw, _ in parts)
@@ -233,12 +246,15 @@ class GGUFLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> None:
-        return None   # not a layer the fused decode stack reads
+        return None  # not a layer the fused decode stack reads
 
     def extra_repr(self) -> str:
         from llmserve.model.gguf_kernels import NAMES
-        return (f"gguf {'+'.join(NAMES[q] for q in self.qtypes)}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, exact={self.exact}")
+
+        return (
+            f"gguf {'+'.join(NAMES[q] for q in self.qtypes)}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, exact={self.exact}"
+        )
 
 
 class GGUFEmbedding(nn.Module):
@@ -258,8 +274,7 @@ class GGUFEmbedding(nn.Module):
         return ops.gguf_dequantize(rows, self.qtype, self.dim).view(*ids.shape, self.dim)
 
 
-def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], exact: bool,
-               floats=None) -> set[str]:
+def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], exact: bool, floats=None) -> set[str]:
     """Replace in place each Linear / Embedding of `model` (which may still be on the meta device) whose
     checkpoint tensors are all in `tensors` ({Hugging Face name without "model." and ".weight": (raw
     blocks, GGMLQuantizationType number)}) by a GGUFLinear / GGUFEmbedding over them; a layer's bias is
@@ -310,18 +325,21 @@ def _from_blocks(blocks: dict, names: list[str], bias, mode: str) -> QuantLinear
     it holds (many rows go through the kernels' float32 tiles)."""
     if not all(n in blocks for n in names):
         return None
-    parts = [blocks[n] for n in names]   # (a loader's mapping may convert each part only now)
+    parts = [blocks[n] for n in names]  # (a loader's mapping may convert each part only now)
     if len({p[0] for p in parts}) != 1 or mode == "int8" and parts[0][0] == "int4":
         return None
-    cat = [None if parts[0][i] is None else parts[0][i] if len(parts) == 1 else torch.cat([p[i] for p in parts])
-           for i in (1, 2, 3)]
+    cat = [
+        None if parts[0][i] is None else parts[0][i] if len(parts) == 1 else torch.cat([p[i] for p in parts])
+        for i in (1, 2, 3)
+    ]
     kind = parts[0][0]
     del parts
     return QuantLinear(kind, cat[0], cat[1], cat[2], bias, fp16_gemm=False)
 
 
-def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only_blocks: bool = False,
-                   weights=None) -> set[str]:
+def quantize_model(
+    model: nn.Module, mode: str, blocks: dict | None = None, only_blocks: bool = False, weights=None
+) -> set[str]:
     """Replace every Linear (and the embedding) of `model` in place; float weights are freed.
 
     `blocks` (llmserve.model.loader.GGUFPackedBlocks, a mapping): a GGUF file's quantized tensors, used as they
@@ -345,7 +363,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
         if t is None or not t.is_meta:
             return t
         keys = ["lm_head.weight" if n == "lm_head" else f"model.{n}.{kind}" for n in names]
-        if path and f"model.{path}.{kind}" in weights:   # a checkpoint that packs the projection itself (Phi-3)
+        if path and f"model.{path}.{kind}" in weights:  # a checkpoint that packs the projection itself (Phi-3)
             keys = [f"model.{path}.{kind}"]
         consumed.update(keys)
         return torch.cat([weights[k].float() for k in keys])
@@ -358,19 +376,21 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
                     names = ["embed_tokens" if tied else "lm_head"]
                 else:
                     names = list(checkpoint_parts(path))
-                q = None if only_blocks and child.bias is not None else \
-                    _from_blocks(blocks, names, child.bias, mode)
+                q = None if only_blocks and child.bias is not None else _from_blocks(blocks, names, child.bias, mode)
                 if q is None and only_blocks:
                     continue
-                if q is None:   # the LM head stays int8, as in llama.cpp's Q4 files
-                    q = QuantLinear.from_float(read(child.weight, names, "weight", path).detach(),
-                                               read(child.bias, names, "bias", path),
-                                               "int8" if name == "lm_head" else mode, fp16_gemm)
-                elif not (name == "lm_head" and tied):   # a tied head reads the embedding's weight
+                if q is None:  # the LM head stays int8, as in llama.cpp's Q4 files
+                    q = QuantLinear.from_float(
+                        read(child.weight, names, "weight", path).detach(),
+                        read(child.bias, names, "bias", path),
+                        "int8" if name == "lm_head" else mode,
+                        fp16_gemm,
+                    )
+                elif not (name == "lm_head" and tied):  # a tied head reads the embedding's weight
                     consumed.update(f"model.{n}.weight" if n != "lm_head" else "lm_head.weight" for n in names)
                 setattr(module, name, q)
                 if mode == "int4" and q.kind == "int8":
-                    q.act_bits = 8   # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
+                    q.act_bits = 8  # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
                     q._bind()
             elif isinstance(child, nn.Embedding):
                 b = blocks[path] if path in blocks else None
@@ -385,7 +405,13 @@ def quantize_model(model: nn.Module, mode: str, blocks: dict | None = None, only
     with torch.no_grad():
         convert(model, "")
         emb, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
-        if tied and isinstance(emb, Int8Embedding) and isinstance(head, QuantLinear) and head.kind == "int8" \
-                and torch.equal(emb.qweight, head.qweight) and torch.equal(emb.scale, head.scale):
-            emb.qweight, emb.scale = head.qweight, head.scale   # one copy of the tied table
+        if (
+            tied
+            and isinstance(emb, Int8Embedding)
+            and isinstance(head, QuantLinear)
+            and head.kind == "int8"
+            and torch.equal(emb.qweight, head.qweight)
+            and torch.equal(emb.scale, head.scale)
+        ):
+            emb.qweight, emb.scale = head.qweight, head.scale  # one copy of the tied table
     return consumed

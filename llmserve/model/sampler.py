@@ -6,6 +6,7 @@ Each sampled row draws its randomness from its own generator (the engine seeds i
 seed, or the next seed of --seed's stream; the exponential-race form of sampling: argmax(p / q) with
 q ~ Exp(1)), so a seeded row gives the same tokens whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ class SamplingRow:
     # tokens seen so far, for penalties: prompt and generated
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
-    banned_ids: list[int] = field(default_factory=list)   # e.g. EOS before min_tokens
+    banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
     # A grammar that masks the logits (engine/guided.py's GuidedMatcher), or None. Duck-typed: it has
     # `fill(bitmask, row)`, which writes the allowed tokens into row `row` of an int32 bitmask
     # [rows, ceil(vocab / 32)] (bit t of the row set: token t allowed), and `stop_token_ids`.
@@ -49,8 +50,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             mask[seen[seen < vocab]] = True
             x = logits[i]
-            logits[i] = torch.where(mask, torch.where(x > 0, x / p.repetition_penalty,
-                                                      x * p.repetition_penalty), x)
+            logits[i] = torch.where(mask, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
         if counts is not None:
             logits[i] -= p.frequency_penalty * counts
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -63,7 +63,7 @@ def _top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[Sampl
     k = max((w for w in want if w is not None), default=None)
     if k is None:
         return [None] * len(rows)
-    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (None, None))
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     for i, w in enumerate(want):
         if w is None:
@@ -84,10 +84,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     if any(r.params.needs_penalties for r in rows):
         logits = apply_penalties(logits.clone(), rows)
     for i, r in enumerate(rows):
-        if r.banned_ids and r.guided is None:   # a guided row's ban goes with its grammar's mask
+        if r.banned_ids and r.guided is None:  # a guided row's ban goes with its grammar's mask
             logits[i, r.banned_ids] = float("-inf")
     if any(r.guided is not None for r in rows):
-        apply_bitmask(logits, rows)   # in place; unconstrained rows untouched
+        apply_bitmask(logits, rows)  # in place; unconstrained rows untouched
 
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     chosen = logits.argmax(dim=-1)
@@ -122,7 +122,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         ps = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         cum = probs.cumsum(dim=-1)
-        remove |= (cum - probs) >= ps.unsqueeze(1)   # keep the smallest set reaching top_p
+        remove |= (cum - probs) >= ps.unsqueeze(1)  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
     if any(m > 0 for m in min_ps):

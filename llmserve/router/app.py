@@ -9,6 +9,7 @@
 
 This module assembles the ASGI app: `build_app(router)`.
 """
+
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -23,8 +24,16 @@ from .state import Router, RouterConfig
 __all__ = ["PROXY_PATHS", "Router", "RouterApp", "RouterConfig", "build_app"]
 
 # Requests the router proxies (POST). Any other POST under /v1/ is proxied too.
-PROXY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-               "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
+PROXY_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 def build_app(router: Router) -> "RouterApp":
@@ -36,8 +45,7 @@ def build_app(router: Router) -> "RouterApp":
         finally:
             await router.stop()
 
-    app = FastAPI(title="llmserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="llmserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     add_routes(app, router)
     return RouterApp(app, ProxyEndpoint(router))
@@ -53,8 +61,11 @@ class RouterApp:
         self.router = proxy.router
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] == "http" and scope["method"] == "POST"
-                and (scope["path"] in PROXY_PATHS or scope["path"].startswith("/v1/"))):
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and (scope["path"] in PROXY_PATHS or scope["path"].startswith("/v1/"))
+        ):
             await self.proxy(scope, receive, send)
         else:
             await self.app(scope, receive, send)

@@ -19,6 +19,7 @@ YAML file (`llmserve route --config fleet.yaml`):
       - name: llmserve-headless.default.svc.cluster.local
         port: 8000
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +85,9 @@ class Registry:
                 fn(backend)
         return backend
 
-    def sync(self, source: str, urls: Iterable[str],
-             template: Callable[[str], Backend] | None = None) -> tuple[list[str], list[str]]:
+    def sync(
+        self, source: str, urls: Iterable[str], template: Callable[[str], Backend] | None = None
+    ) -> tuple[list[str], list[str]]:
         """Make the backends owned by `source` exactly `urls`. Returns (added, removed) URLs."""
         want = {normalize_url(u) for u in urls}
         have = {u for u, b in self.backends.items() if b.source == source}
@@ -102,6 +104,7 @@ class Registry:
 # ----------------------------------------------------------------------------------------------
 # YAML
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class DnsSource:
@@ -125,7 +128,7 @@ class DnsSource:
 class FleetConfig:
     backends: list[Backend] = field(default_factory=list)
     dns: list[DnsSource] = field(default_factory=list)
-    settings: dict = field(default_factory=dict)     # other top-level keys (policy, ...)
+    settings: dict = field(default_factory=dict)  # other top-level keys (policy, ...)
 
 
 def backend_from_dict(d: dict | str, source: str = "yaml") -> Backend:
@@ -154,7 +157,7 @@ def load_config(path: str) -> FleetConfig:
 
     with open(path) as f:
         data = yaml.safe_load(f) or {}
-    if isinstance(data, list):          # a bare list of backends
+    if isinstance(data, list):  # a bare list of backends
         data = {"backends": data}
     cfg = FleetConfig()
     for entry in data.pop("backends", []) or []:
@@ -163,8 +166,7 @@ def load_config(path: str) -> FleetConfig:
         if isinstance(entry, str):
             cfg.dns.append(DnsSource.parse(entry))
         else:
-            cfg.dns.append(DnsSource(name=entry["name"], port=int(entry["port"]),
-                                     scheme=entry.get("scheme", "http")))
+            cfg.dns.append(DnsSource(name=entry["name"], port=int(entry["port"]), scheme=entry.get("scheme", "http")))
     cfg.settings = data
     return cfg
 
@@ -172,6 +174,7 @@ def load_config(path: str) -> FleetConfig:
 # ----------------------------------------------------------------------------------------------
 # DNS
 # ----------------------------------------------------------------------------------------------
+
 
 async def system_resolver(name: str, port: int) -> list[str]:
     """All IPv4/IPv6 addresses of `name`, as the system resolver returns them (a Kubernetes
@@ -188,10 +191,15 @@ class DnsDiscovery:
     tests can point a name at 127.0.0.2, 127.0.0.3, ... without touching /etc/hosts. A failed
     lookup keeps the current set (a DNS blip must not empty the fleet)."""
 
-    def __init__(self, registry: Registry, source: DnsSource, interval: float = 10.0,
-                 resolver: Resolver | None = None,
-                 template: Callable[[str], Backend] | None = None,
-                 on_change: Callable[[list[str], list[str]], None] | None = None):
+    def __init__(
+        self,
+        registry: Registry,
+        source: DnsSource,
+        interval: float = 10.0,
+        resolver: Resolver | None = None,
+        template: Callable[[str], Backend] | None = None,
+        on_change: Callable[[list[str], list[str]], None] | None = None,
+    ):
         self.registry = registry
         self.source = source
         self.interval = interval
@@ -211,11 +219,14 @@ class DnsDiscovery:
                 result = await result
             addresses = list(result)
         except (OSError, asyncio.TimeoutError) as e:
-            log.warning("DNS lookup of %s failed (%s); keeping %d backends", self.source.name, e,
-                        sum(1 for b in self.registry if b.source == self.tag))
+            log.warning(
+                "DNS lookup of %s failed (%s); keeping %d backends",
+                self.source.name,
+                e,
+                sum(1 for b in self.registry if b.source == self.tag),
+            )
             return [], []
-        added, removed = self.registry.sync(self.tag, [self.url_for(a) for a in addresses],
-                                            self.template)
+        added, removed = self.registry.sync(self.tag, [self.url_for(a) for a in addresses], self.template)
         if (added or removed) and self.on_change:
             self.on_change(added, removed)
         return added, removed

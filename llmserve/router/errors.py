@@ -1,5 +1,6 @@
 """The router's own answers, in OpenAI's error shape, or Anthropic's on /v1/messages (llmserve/errors.py),
 sent over raw ASGI."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,15 @@ from llmserve.errors import error_body_for, is_anthropic_path
 class RouterError(Exception):
     """An answer the router gives itself, in the shape of the API the request's path belongs to."""
 
-    def __init__(self, status: int, message: str, type: str, code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.headers = headers or {}

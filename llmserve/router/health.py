@@ -12,6 +12,7 @@
   `num_requests_running`, `num_requests_waiting` and `kv_cache_usage_perc` (llmserve: or vllm:
   prefix) land on the backend for the policies to use.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,11 +62,19 @@ def parse_load_metrics(text: str) -> dict[str, float]:
 
 
 class HealthChecker:
-    def __init__(self, registry: Registry, client: httpx.AsyncClient, metrics: RouterMetrics,
-                 interval: float = 5.0, timeout: float = 2.0, unhealthy_threshold: int = 3,
-                 healthy_threshold: int = 1, scrape_metrics: bool = False,
-                 headers: dict[str, str] | None = None,
-                 on_change: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+        unhealthy_threshold: int = 3,
+        healthy_threshold: int = 1,
+        scrape_metrics: bool = False,
+        headers: dict[str, str] | None = None,
+        on_change: Callable[[], None] | None = None,
+    ):
         self.registry = registry
         self.client = client
         self.metrics = metrics
@@ -109,7 +118,7 @@ class HealthChecker:
 
     # -- active checks --
     async def check(self, b: Backend) -> bool:
-        if b.url in self._checking:           # a slow check still running: do not pile up
+        if b.url in self._checking:  # a slow check still running: do not pile up
             return b.healthy
         self._checking.add(b.url)
         try:
@@ -136,8 +145,10 @@ class HealthChecker:
         if ok:
             b.consecutive_failures = 0
             b.consecutive_successes += 1
-            if not b.healthy and (not b.ever_healthy  # first admission: at once
-                                  or b.consecutive_successes >= self.healthy_threshold):
+            if not b.healthy and (
+                not b.ever_healthy  # first admission: at once
+                or b.consecutive_successes >= self.healthy_threshold
+            ):
                 self.admit(b)
             return True
         b.consecutive_failures += 1

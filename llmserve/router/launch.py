@@ -11,6 +11,7 @@ is killed (Linux parent-death signal).
 `--replica-command` runs something else as replicas (another server, vLLM, a fake backend for
 tests): a command line with {host}, {port} and {threads} placeholders.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve_actions: list[argparse.Action] = []
     try:
         from llmserve.server.flags import add_serve_arguments
-    except ImportError:          # the server is not installed: launch still works with
+    except ImportError:  # the server is not installed: launch still works with
         add_serve_arguments = None  # --replica-command
     if add_serve_arguments is not None:
         n = len(p._actions)
@@ -46,20 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("fleet")
     g.add_argument("--replicas", type=int, default=2, help="number of servers")
-    g.add_argument("--base-port", type=int, default=None,
-                   help="first replica port (default: --port + 1)")
-    g.add_argument("--replica-command", default=None,
-                   help="run this instead of `llmserve serve` (placeholders {host} {port} "
-                        "{threads})")
+    g.add_argument("--base-port", type=int, default=None, help="first replica port (default: --port + 1)")
+    g.add_argument(
+        "--replica-command",
+        default=None,
+        help="run this instead of `llmserve serve` (placeholders {host} {port} {threads})",
+    )
     g.add_argument("--max-restarts", type=int, default=5, help="restarts per replica")
-    g.add_argument("--router-policy", dest="router_policy", default="cache_aware",
-                   help="routing policy of the router")
+    g.add_argument("--router-policy", dest="router_policy", default="cache_aware", help="routing policy of the router")
     g.add_argument("--router-max-retries", dest="router_max_retries", type=int, default=2)
     g.add_argument("--router-health-interval", dest="router_health_interval", type=float, default=2.0)
     add("--host", default="127.0.0.1", help="router address")
     add("--port", type=int, default=8080, help="router port (the fleet's entry point)")
-    add("--num-threads", type=int, default=None,
-        help="threads for all replicas together (default: all cores)")
+    add("--num-threads", type=int, default=None, help="threads for all replicas together (default: all cores)")
     add("--api-key", default=None, help="key for the router and the replicas")
 
 
@@ -106,8 +106,7 @@ class Replica:
 
     def start(self) -> None:
         log.info("replica %d: %s", self.index, shlex.join(self.argv))
-        self.proc = subprocess.Popen(self.argv, preexec_fn=_pdeathsig
-                                     if sys.platform.startswith("linux") else None)
+        self.proc = subprocess.Popen(self.argv, preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None)
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -127,11 +126,21 @@ def replica_commands(args, n: int, base_port: int) -> list[list[str]]:
     for i in range(n):
         port = base_port + i
         if args.replica_command:
-            cmd = shlex.split(args.replica_command.format(host="127.0.0.1", port=port,
-                                                          threads=threads))
+            cmd = shlex.split(args.replica_command.format(host="127.0.0.1", port=port, threads=threads))
         else:
-            cmd = [sys.executable, "-m", "llmserve.cli", "serve", *serve_argv(args),
-                   "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "serve",
+                *serve_argv(args),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num-threads",
+                str(threads),
+            ]
             if args.api_key:
                 cmd += ["--api-key", args.api_key]
         cmds.append(cmd)
@@ -143,8 +152,7 @@ def run(args) -> int:
 
     from .app import Router, RouterConfig, build_app
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     n = max(1, args.replicas)
     base = args.base_port or args.port + 1
@@ -158,14 +166,26 @@ def run(args) -> int:
                     if r.restarts >= args.max_restarts:
                         continue
                     r.restarts += 1
-                    log.warning("replica %d exited with %s; restart %d/%d", r.index,
-                                r.proc.returncode, r.restarts, args.max_restarts)
+                    log.warning(
+                        "replica %d exited with %s; restart %d/%d",
+                        r.index,
+                        r.proc.returncode,
+                        r.restarts,
+                        args.max_restarts,
+                    )
                     r.start()
 
-    router = Router(RouterConfig(
-        backends=[f"http://127.0.0.1:{r.port}" for r in replicas], policy=args.router_policy,
-        max_retries=args.router_max_retries, health_interval=args.router_health_interval,
-        api_key=args.api_key, backend_api_key=args.api_key))
+    router = Router(
+        RouterConfig(
+            backends=[f"http://127.0.0.1:{r.port}" for r in replicas],
+            policy=args.router_policy,
+            max_retries=args.router_max_retries,
+            health_interval=args.router_health_interval,
+            api_key=args.api_key,
+            backend_api_key=args.api_key,
+        )
+    )
+
     # uvicorn turns SIGTERM / Ctrl-C into a graceful shutdown, then re-raises the signal with
     # the handlers it found: make those exit cleanly so the finally block stops the replicas.
     def _exit(sig, frame):
@@ -177,10 +197,16 @@ def run(args) -> int:
         for r in replicas:
             r.start()
         threading.Thread(target=supervise, daemon=True).start()
-        log.info("router on http://%s:%d over %d replicas (ports %d-%d)", args.host, args.port,
-                 n, base, base + n - 1)
-        uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning",
-                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=5)
+        log.info("router on http://%s:%d over %d replicas (ports %d-%d)", args.host, args.port, n, base, base + n - 1)
+        uvicorn.run(
+            build_app(router),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            timeout_graceful_shutdown=5,
+        )
     finally:
         stopping.set()
         for r in replicas:

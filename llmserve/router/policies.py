@@ -19,6 +19,7 @@ Policies:
 - `length`              prompt-length buckets: each backend declares the prompt lengths it takes;
                         least outstanding inside the bucket.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,13 +45,13 @@ class Backend:
 
     url: str
     models: set[str] = field(default_factory=set)
-    models_declared: bool = False          # models come from config, not from /v1/models
+    models_declared: bool = False  # models come from config, not from /v1/models
     model_cards: dict[str, dict] = field(default_factory=dict)  # the backend's /v1/models entries
     weight: float = 1.0
     min_prompt_tokens: int = 0
-    max_prompt_tokens: int | None = None   # None: no upper bound
-    max_outstanding: int | None = None     # None: router default
-    source: str = "static"                 # static | yaml | dns:<name>
+    max_prompt_tokens: int | None = None  # None: no upper bound
+    max_outstanding: int | None = None  # None: router default
+    source: str = "static"  # static | yaml | dns:<name>
     # live state, updated by the router and the health checker
     healthy: bool = False
     ever_healthy: bool = False
@@ -85,8 +86,8 @@ class RouteRequest:
     """What a policy may look at: no body, no headers beyond the session key."""
 
     model: str | None = None
-    prompt_text: str = ""          # prompt, or the chat messages flattened
-    prompt_tokens: int = 0         # an estimate (characters / chars_per_token)
+    prompt_text: str = ""  # prompt, or the chat messages flattened
+    prompt_tokens: int = 0  # an estimate (characters / chars_per_token)
     max_tokens: int | None = None
     session_key: str | None = None
     stream: bool = False
@@ -144,8 +145,7 @@ class RoundRobin(Policy):
 class LeastOutstanding(Policy):
     name = "least_outstanding"
 
-    def __init__(self, use_metrics: bool = False, power_of_two: bool = False,
-                 rng: random.Random | None = None):
+    def __init__(self, use_metrics: bool = False, power_of_two: bool = False, rng: random.Random | None = None):
         super().__init__(use_metrics)
         self.power_of_two = power_of_two
         self.rng = rng or random.Random()
@@ -160,13 +160,14 @@ class LeastOutstanding(Policy):
 # cache_aware: an approximate radix tree of the prompts each backend has recently seen
 # ----------------------------------------------------------------------------------------------
 
+
 class _Node:
     __slots__ = ("label", "children", "tenants")
 
     def __init__(self, label: str = ""):
-        self.label = label                          # edge label from the parent
-        self.children: dict[str, _Node] = {}        # first character -> child
-        self.tenants: dict[int, int] = {}           # backend id -> how many stored prompts pass here
+        self.label = label  # edge label from the parent
+        self.children: dict[str, _Node] = {}  # first character -> child
+        self.tenants: dict[int, int] = {}  # backend id -> how many stored prompts pass here
 
 
 class PrefixTree:
@@ -183,7 +184,7 @@ class PrefixTree:
         self.root = _Node()
         self.max_chars_per_tenant = max_chars_per_tenant
         self.max_prompt_chars = max_prompt_chars
-        self._recent: dict[int, OrderedDict[str, int]] = {}   # tenant -> prompt -> length
+        self._recent: dict[int, OrderedDict[str, int]] = {}  # tenant -> prompt -> length
         self._chars: dict[int, int] = {}
 
     # -- queries --
@@ -197,7 +198,7 @@ class PrefixTree:
                 break
             n = _common_prefix_len(child.label, text, i)
             for t in child.tenants:
-                matched[t] = i + n          # deeper nodes overwrite shallower ones
+                matched[t] = i + n  # deeper nodes overwrite shallower ones
             if n < len(child.label):
                 break
             node, i = child, i + n
@@ -212,7 +213,7 @@ class PrefixTree:
         if not text:
             return
         recent = self._recent.setdefault(tenant, OrderedDict())
-        if text in recent:                   # already stored: refresh its recency only
+        if text in recent:  # already stored: refresh its recency only
             recent.move_to_end(text)
             return
         self._add_path(text, tenant, +1)
@@ -239,7 +240,7 @@ class PrefixTree:
                 node.children[text[i]] = child
             n = _common_prefix_len(child.label, text, i)
             if n < len(child.label):
-                if delta < 0:                # a removal always follows an inserted path
+                if delta < 0:  # a removal always follows an inserted path
                     return
                 child = self._split(node, child, n)
             count = child.tenants.get(tenant, 0) + delta
@@ -247,7 +248,7 @@ class PrefixTree:
                 child.tenants[tenant] = count
             else:
                 child.tenants.pop(tenant, None)
-                if not child.tenants:         # counts shrink downwards: the subtree is empty
+                if not child.tenants:  # counts shrink downwards: the subtree is empty
                     del node.children[child.label[0]]
                     return
             node, i = child, i + n
@@ -266,12 +267,12 @@ def _common_prefix_len(label: str, text: str, start: int) -> int:
     """Length of the common prefix of `label` and `text[start:]`, by slice comparisons (done in C)
     and a binary search for the first difference: prompts are long and usually match whole."""
     n = min(len(label), len(text) - start)
-    if label[:n] == text[start:start + n]:
+    if label[:n] == text[start : start + n]:
         return n
-    lo, hi = 0, n          # label[:lo] matches, label[:hi] does not
+    lo, hi = 0, n  # label[:lo] matches, label[:hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if label[lo:mid] == text[start + lo:start + mid]:
+        if label[lo:mid] == text[start + lo : start + mid]:
             lo = mid
         else:
             hi = mid
@@ -292,9 +293,14 @@ class CacheAware(Policy):
 
     name = "cache_aware"
 
-    def __init__(self, use_metrics: bool = False, cache_threshold: float = 0.5,
-                 balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.5,
-                 max_chars_per_tenant: int = 200_000):
+    def __init__(
+        self,
+        use_metrics: bool = False,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: float = 32,
+        balance_rel_threshold: float = 1.5,
+        max_chars_per_tenant: int = 200_000,
+    ):
         super().__init__(use_metrics)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -315,8 +321,12 @@ class CacheAware(Policy):
             best, best_len = None, 0
             for b in candidates:
                 n = matched.get(id(b), 0)
-                if n > best_len or (n == best_len and best is not None and n > 0
-                                    and b.load(self.use_metrics) < best.load(self.use_metrics)):
+                if n > best_len or (
+                    n == best_len
+                    and best is not None
+                    and n > 0
+                    and b.load(self.use_metrics) < best.load(self.use_metrics)
+                ):
                     best, best_len = b, n
             if best is not None and best_len / min(len(text), self.tree.max_prompt_chars) > self.cache_threshold:
                 return Decision(best, REASON_CACHE_HIT)
@@ -335,6 +345,7 @@ class CacheAware(Policy):
 # ----------------------------------------------------------------------------------------------
 # session: consistent hashing
 # ----------------------------------------------------------------------------------------------
+
 
 def _hash64(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
@@ -411,6 +422,7 @@ class Session(Policy):
 # length: prompt-length buckets
 # ----------------------------------------------------------------------------------------------
 
+
 class Length(Policy):
     """Only backends whose declared range [min_prompt_tokens, max_prompt_tokens] holds the
     prompt's length take it (least outstanding among them). A prompt no range holds goes to the
@@ -423,10 +435,10 @@ class Length(Policy):
         fit = [b for b in candidates if b.takes_length(req.prompt_tokens)]
         if fit:
             return Decision(self.least_loaded(fit), REASON_LENGTH)
-        top = max(float("inf") if b.max_prompt_tokens is None else b.max_prompt_tokens
-                  for b in candidates)
-        widest = [b for b in candidates
-                  if (float("inf") if b.max_prompt_tokens is None else b.max_prompt_tokens) == top]
+        top = max(float("inf") if b.max_prompt_tokens is None else b.max_prompt_tokens for b in candidates)
+        widest = [
+            b for b in candidates if (float("inf") if b.max_prompt_tokens is None else b.max_prompt_tokens) == top
+        ]
         return Decision(self.least_loaded(widest), REASON_LENGTH_FALLBACK)
 
 

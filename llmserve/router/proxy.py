@@ -12,6 +12,7 @@
 A client that disconnects cancels the request task, which closes the upstream connection: the
 backend sees its client go and aborts the request. Errors are in OpenAI's shape.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,16 +33,28 @@ from .upstream import ConnectFailed, ConnectionLost, UpstreamResponse
 log = logging.getLogger("llmserve.router")
 
 RETRYABLE_STATUS = {429, 502, 503}
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-               "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-               "accept-encoding"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "accept-encoding",
+}
 _RESPONSE_DROP = {"connection", "keep-alive", "transfer-encoding", "date", "server"}
 _RESPONSE_DROP_B = {h.encode() for h in _RESPONSE_DROP}
 
 
-if hasattr(asyncio, "timeout_at"):          # Python 3.11+
+if hasattr(asyncio, "timeout_at"):  # Python 3.11+
     timeout_at = asyncio.timeout_at
-else:                                       # 3.10: cancel the task at the deadline ourselves
+else:  # 3.10: cancel the task at the deadline ourselves
+
     @asynccontextmanager
     async def timeout_at(when: float):
         loop = asyncio.get_running_loop()
@@ -88,8 +101,9 @@ def _part_text(p) -> str:
 def _turns(items: list, system=None) -> str:
     """Messages (chat, Anthropic) or input items (Responses) as role-tagged text, the system prompt first."""
     head = f"<system>{_flatten_content(system)}\n" if system else ""
-    return head + "".join(f"<{m.get('role') or m.get('type', '')}>{_part_text(m)}\n"
-                          for m in items if isinstance(m, dict))
+    return head + "".join(
+        f"<{m.get('role') or m.get('type', '')}>{_part_text(m)}\n" for m in items if isinstance(m, dict)
+    )
 
 
 def route_request(payload: dict, headers: Headers, cfg: RouterConfig) -> RouteRequest:
@@ -98,9 +112,9 @@ def route_request(payload: dict, headers: Headers, cfg: RouterConfig) -> RouteRe
     length is estimated as characters / chars_per_token."""
     text, ntok = "", None
     prompt = payload.get("prompt", payload.get("input", ""))
-    if isinstance(payload.get("messages"), list):               # chat; Anthropic (with `system`)
+    if isinstance(payload.get("messages"), list):  # chat; Anthropic (with `system`)
         text = _turns(payload["messages"], payload.get("system"))
-    elif isinstance(prompt, list) and any(isinstance(x, dict) for x in prompt):   # Responses input items
+    elif isinstance(prompt, list) and any(isinstance(x, dict) for x in prompt):  # Responses input items
         text = _turns(prompt, payload.get("instructions"))
     elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         text, ntok = " ".join(map(str, prompt)), len(prompt)
@@ -108,21 +122,26 @@ def route_request(payload: dict, headers: Headers, cfg: RouterConfig) -> RouteRe
         text = "\n".join(p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt)
     else:
         text = str(prompt or "")
-        if payload.get("instructions"):                          # Responses, input as a string
+        if payload.get("instructions"):  # Responses, input as a string
             text = _turns([{"role": "user", "content": text}], payload["instructions"])
     if ntok is None:
         ntok = math.ceil(len(text) / cfg.chars_per_token)
-    max_tokens = (payload.get("max_completion_tokens") or payload.get("max_tokens")
-                  or payload.get("max_output_tokens"))
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or payload.get("max_output_tokens")
     metadata = payload.get("metadata")
-    session = (headers.get(cfg.session_header) or payload.get("user")
-               or (metadata.get("user_id") if isinstance(metadata, dict) else None))
+    session = (
+        headers.get(cfg.session_header)
+        or payload.get("user")
+        or (metadata.get("user_id") if isinstance(metadata, dict) else None)
+    )
     model = payload.get("model")
-    return RouteRequest(model=model if isinstance(model, str) and model else None,
-                        prompt_text=text, prompt_tokens=ntok,
-                        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-                        session_key=str(session) if session else None,
-                        stream=bool(payload.get("stream")))
+    return RouteRequest(
+        model=model if isinstance(model, str) and model else None,
+        prompt_text=text,
+        prompt_tokens=ntok,
+        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        session_key=str(session) if session else None,
+        stream=bool(payload.get("stream")),
+    )
 
 
 async def _read_body(receive) -> bytes:
@@ -164,23 +183,22 @@ class ProxyEndpoint:
             return
         try:
             if not r.authorized(headers):
-                raise RouterError(401, "invalid or missing API key", "invalid_request_error",
-                                  "invalid_api_key")
+                raise RouterError(401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
             try:
                 payload = json.loads(body) if body else {}
             except ValueError as e:
-                raise RouterError(400, f"request body is not valid JSON: {e}",
-                                  "invalid_request_error", "invalid_json") from None
+                raise RouterError(
+                    400, f"request body is not valid JSON: {e}", "invalid_request_error", "invalid_json"
+                ) from None
             if not isinstance(payload, dict):
-                raise RouterError(400, "request body must be a JSON object",
-                                  "invalid_request_error", "invalid_json")
+                raise RouterError(400, "request body must be a JSON object", "invalid_request_error", "invalid_json")
             req = route_request(payload, headers, r.config)
             if req.model is not None and req.model not in r.known_models():
                 if not r.known_models():
-                    raise RouterError(503, "no backend is ready yet", "service_unavailable_error",
-                                      "no_healthy_backend")
-                raise RouterError(404, f"The model '{req.model}' does not exist",
-                                  "invalid_request_error", "model_not_found", "model")
+                    raise RouterError(503, "no backend is ready yet", "service_unavailable_error", "no_healthy_backend")
+                raise RouterError(
+                    404, f"The model '{req.model}' does not exist", "invalid_request_error", "model_not_found", "model"
+                )
         except RouterError as e:
             r.metrics.requests.labels("none", str(e.status)).inc()
             await send_error(send, e, scope["path"])
@@ -197,7 +215,7 @@ class ProxyEndpoint:
         watch = asyncio.create_task(self._wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:             # the client left: abort the backend request
+            if work not in done:  # the client left: abort the backend request
                 r.metrics.client_disconnects.inc()
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
@@ -205,8 +223,11 @@ class ProxyEndpoint:
                 log.error("request failed in the router", exc_info=work.exception())
                 if not started:
                     r.metrics.requests.labels("none", "502").inc()
-                    await send_error(send, RouterError(502, f"router error: {work.exception()!r}",
-                                                        "bad_gateway", "router_error"), scope["path"])
+                    await send_error(
+                        send,
+                        RouterError(502, f"router error: {work.exception()!r}", "bad_gateway", "router_error"),
+                        scope["path"],
+                    )
         finally:
             for t in (work, watch):
                 if not t.done():
@@ -222,7 +243,7 @@ class ProxyEndpoint:
     def _upstream_headers(self, headers: Headers, request_id: str) -> list[tuple[str, str]]:
         drop = set(_HOP_BY_HOP) | {"x-request-id"}
         key = self.router.config.backend_api_key
-        if key or not self.router.config.forward_client_key:   # the client's key stays here by default
+        if key or not self.router.config.forward_client_key:  # the client's key stays here by default
             drop |= {"authorization", "x-api-key"}
         out = [(k, v) for k, v in headers.items() if k not in drop]
         if key:
@@ -230,8 +251,7 @@ class ProxyEndpoint:
         out.append(("x-request-id", request_id))
         return out
 
-    async def _serve(self, scope, send, body: bytes, headers: Headers, req: RouteRequest,
-                     t0: float) -> None:
+    async def _serve(self, scope, send, body: bytes, headers: Headers, req: RouteRequest, t0: float) -> None:
         r, cfg = self.router, self.router.config
         loop = asyncio.get_running_loop()
         timeout = r.request_timeout(req, headers)
@@ -240,7 +260,7 @@ class ProxyEndpoint:
         up_headers = self._upstream_headers(headers, request_id)
         path = scope["path"] + (("?" + scope["query_string"].decode()) if scope.get("query_string") else "")
         tried: set[int] = set()
-        fallback: tuple | None = None   # the last retryable answer, given if nobody else can
+        fallback: tuple | None = None  # the last retryable answer, given if nobody else can
         for attempt in range(1 + max(cfg.max_retries, 0)):
             last = attempt == cfg.max_retries
             try:
@@ -262,8 +282,7 @@ class ProxyEndpoint:
                 if req.stream:
                     budget = min(budget, cfg.first_byte_timeout)
                 async with timeout_at(loop.time() + budget):
-                    upstream, first = await self._open(
-                        backend, path, scope["method"], body, up_headers, last)
+                    upstream, first = await self._open(backend, path, scope["method"], body, up_headers, last)
                 await self._relay(send, backend, upstream, first, req, deadline, request_id, t0, scope["path"])
                 return
             except _Retry as e:
@@ -272,15 +291,27 @@ class ProxyEndpoint:
                 if e.response is not None:
                     fallback = e.response
                 else:
-                    fallback = (502, {"content-type": "application/json"},
-                                RouterError(502, f"backend {backend.url} failed: {e.reason}",
-                                            "bad_gateway", "backend_error").body(scope["path"]), backend)
+                    fallback = (
+                        502,
+                        {"content-type": "application/json"},
+                        RouterError(
+                            502, f"backend {backend.url} failed: {e.reason}", "bad_gateway", "backend_error"
+                        ).body(scope["path"]),
+                        backend,
+                    )
             except asyncio.TimeoutError:
                 r.metrics.requests.labels(backend.url, "504").inc()
                 what = "first byte" if req.stream else "response"
-                await send_error(send, RouterError(
-                    504, f"backend {backend.url} sent no {what} within {budget:.1f}s",
-                    "timeout_error", "backend_timeout"), scope["path"])
+                await send_error(
+                    send,
+                    RouterError(
+                        504,
+                        f"backend {backend.url} sent no {what} within {budget:.1f}s",
+                        "timeout_error",
+                        "backend_timeout",
+                    ),
+                    scope["path"],
+                )
                 return
             finally:
                 if upstream is not None:
@@ -288,8 +319,9 @@ class ProxyEndpoint:
                 r.release(backend)
         await self._send_buffered(send, *fallback, request_id)
 
-    async def _open(self, backend: Backend, path: str, method: str, body: bytes,
-                    headers: list[tuple[str, str]], last: bool):
+    async def _open(
+        self, backend: Backend, path: str, method: str, body: bytes, headers: list[tuple[str, str]], last: bool
+    ):
         """Send the request and wait for the first body byte. Raises _Retry for failures that
         happened before anything reached the client."""
         health = self.router.health
@@ -315,12 +347,21 @@ class ProxyEndpoint:
                 await resp.aclose()
             raise
 
-    async def _relay(self, send, backend: Backend, upstream: UpstreamResponse, first: bytes,
-                     req: RouteRequest, deadline: float, request_id: str, t0: float, path: str) -> None:
+    async def _relay(
+        self,
+        send,
+        backend: Backend,
+        upstream: UpstreamResponse,
+        first: bytes,
+        req: RouteRequest,
+        deadline: float,
+        request_id: str,
+        t0: float,
+        path: str,
+    ) -> None:
         r = self.router
         status = upstream.status_code
-        out = [(k.lower(), v) for k, v in upstream.raw_headers
-               if k.lower() not in _RESPONSE_DROP_B]
+        out = [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in _RESPONSE_DROP_B]
         out.append((b"x-llmserve-backend", backend.url.encode()))
         if not any(k == b"x-request-id" for k, _ in out):
             out.append((b"x-request-id", request_id.encode()))
@@ -337,8 +378,9 @@ class ProxyEndpoint:
             outcome = "timeout"
             log.warning("request %s timed out mid-stream on %s", request_id, backend.url)
             if sse:
-                await _send_sse_error(send, RouterError(504, "request timed out at the router", "timeout_error",
-                                                        "request_timeout"), path)
+                await _send_sse_error(
+                    send, RouterError(504, "request timed out at the router", "timeout_error", "request_timeout"), path
+                )
         except ConnectionLost as e:
             # Cut mid-stream: never replayed. Tell an SSE client in OpenAI's way.
             outcome = "stream_error"
@@ -346,19 +388,24 @@ class ProxyEndpoint:
             r.health.report_failure(backend, e)
             log.warning("stream %s from %s cut: %s", request_id, backend.url, e)
             if sse:
-                await _send_sse_error(send, RouterError(502, f"backend {backend.url} failed mid-stream",
-                                                        "bad_gateway", "backend_stream_error"), path)
+                await _send_sse_error(
+                    send,
+                    RouterError(502, f"backend {backend.url} failed mid-stream", "bad_gateway", "backend_stream_error"),
+                    path,
+                )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         r.metrics.requests.labels(backend.url, outcome).inc()
         r.metrics.duration.labels(backend.url).observe(time.perf_counter() - t0)
 
-    async def _send_buffered(self, send, status: int, headers: dict, data: bytes,
-                             backend: Backend, request_id: str) -> None:
-        out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
-               if k.lower() not in _RESPONSE_DROP and k.lower() != "content-length"]
-        out += [(b"content-length", str(len(data)).encode()),
-                (b"x-llmserve-backend", backend.url.encode())]
+    async def _send_buffered(
+        self, send, status: int, headers: dict, data: bytes, backend: Backend, request_id: str
+    ) -> None:
+        out = [
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in headers.items()
+            if k.lower() not in _RESPONSE_DROP and k.lower() != "content-length"
+        ]
+        out += [(b"content-length", str(len(data)).encode()), (b"x-llmserve-backend", backend.url.encode())]
         await send({"type": "http.response.start", "status": status, "headers": out})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         self.router.metrics.requests.labels(backend.url, str(status)).inc()
-

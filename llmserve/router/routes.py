@@ -1,5 +1,6 @@
 """The router's own routes (everything but the proxied POSTs): probes, metrics, the backends' state,
 the web page, and /v1/models merged over the healthy backends."""
+
 from __future__ import annotations
 
 import os
@@ -35,13 +36,27 @@ def add_routes(app: FastAPI, router: Router) -> None:
 
     @app.get("/router/backends")
     async def backends():
-        return {"policy": router.policy.name, "queued": router.queued, "backends": [
-            {"url": b.url, "healthy": b.healthy, "models": sorted(b.models),
-             "outstanding": b.outstanding, "weight": b.weight, "source": b.source,
-             "ejected_reason": b.ejected_reason,
-             "prompt_tokens": [b.min_prompt_tokens, b.max_prompt_tokens],
-             "running": b.running, "waiting": b.waiting, "kv_usage": b.kv_usage}
-            for b in router.registry], "recent": list(router.recent_decisions)[::-1]}
+        return {
+            "policy": router.policy.name,
+            "queued": router.queued,
+            "backends": [
+                {
+                    "url": b.url,
+                    "healthy": b.healthy,
+                    "models": sorted(b.models),
+                    "outstanding": b.outstanding,
+                    "weight": b.weight,
+                    "source": b.source,
+                    "ejected_reason": b.ejected_reason,
+                    "prompt_tokens": [b.min_prompt_tokens, b.max_prompt_tokens],
+                    "running": b.running,
+                    "waiting": b.waiting,
+                    "kv_usage": b.kv_usage,
+                }
+                for b in router.registry
+            ],
+            "recent": list(router.recent_decisions)[::-1],
+        }
 
     # the web page (docs/web.md): shares the server's static files; no engine import here
     static = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server", "static")
@@ -49,10 +64,12 @@ def add_routes(app: FastAPI, router: Router) -> None:
     @app.get("/", include_in_schema=False)
     async def index():
         from fastapi.responses import FileResponse
+
         return FileResponse(os.path.join(static, "router.html"), media_type="text/html")
 
     if os.path.isdir(static):
         from fastapi.staticfiles import StaticFiles
+
         app.mount("/static", StaticFiles(directory=static), name="static")
 
     @app.get("/v1/models")
@@ -62,8 +79,7 @@ def add_routes(app: FastAPI, router: Router) -> None:
         cards: dict[str, dict] = {}
         for b in router.healthy_backends():
             for m in sorted(b.models):
-                cards.setdefault(m, dict(b.model_cards.get(m) or
-                                         {"id": m, "object": "model", "owned_by": "llmserve"}))
+                cards.setdefault(m, dict(b.model_cards.get(m) or {"id": m, "object": "model", "owned_by": "llmserve"}))
         return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model:path}")
@@ -72,8 +88,8 @@ def add_routes(app: FastAPI, router: Router) -> None:
             return denied
         for b in router.healthy_backends():
             if model in b.models:
-                return b.model_cards.get(model) or {"id": model, "object": "model",
-                                                    "owned_by": "llmserve"}
-        err = RouterError(404, f"The model '{model}' does not exist", "invalid_request_error",
-                          "model_not_found", "model")
+                return b.model_cards.get(model) or {"id": model, "object": "model", "owned_by": "llmserve"}
+        err = RouterError(
+            404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
+        )
         return JSONResponse(status_code=404, content=err.payload())

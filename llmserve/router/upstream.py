@@ -14,6 +14,7 @@ learns that the client went away. Errors: `ConnectFailed` (nothing reached the b
 `ConnectionLost` (it broke after connecting). A pooled connection that the server had already
 closed is retried once on a fresh one, so an idle-timeout race never looks like a dead backend.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ from urllib.parse import urlsplit
 import httptools
 
 _EOF = object()
-_HIGH_WATER, _LOW_WATER = 64, 16       # queued body chunks: pause / resume reading
+_HIGH_WATER, _LOW_WATER = 64, 16  # queued body chunks: pause / resume reading
 
 
 class UpstreamError(Exception):
@@ -46,7 +47,7 @@ class _Connection(asyncio.Protocol):
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.used = 0                   # requests sent on this connection
+        self.used = 0  # requests sent on this connection
         self._reset()
 
     def _reset(self) -> None:
@@ -59,7 +60,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.paused = False
-        self.delimited = False          # Content-Length or chunked: not read-until-close
+        self.delimited = False  # Content-Length or chunked: not read-until-close
 
     # -- asyncio.Protocol --
     def connection_made(self, transport) -> None:
@@ -79,12 +80,12 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
         if self.head is None or self.complete:
             return
-        if self.head.done() and not self.delimited:   # read-until-close body: EOF ends it
+        if self.head.done() and not self.delimited:  # read-until-close body: EOF ends it
             self.on_message_complete()
             return
         self._fail(ConnectionLost(f"connection closed by the backend ({exc or 'EOF'})"))
 
-    def pause_writing(self) -> None:   # request bodies are small: nothing to do
+    def pause_writing(self) -> None:  # request bodies are small: nothing to do
         pass
 
     def resume_writing(self) -> None:
@@ -110,7 +111,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
-        self.keep_alive = self.parser.should_keep_alive()   # only valid inside the callback
+        self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         if self.head is not None and not self.head.done():
             self.head.set_result(self.parser.get_status_code())
         self.body.append(_EOF)
@@ -220,8 +221,8 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=ssl),
-                self.connect_timeout)
+                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=ssl), self.connect_timeout
+            )
         except asyncio.TimeoutError:
             raise ConnectFailed(f"connect to {host}:{port} timed out") from None
         except OSError as e:
@@ -241,24 +242,24 @@ class UpstreamPool:
         if idle and conn in idle:
             idle.remove(conn)
 
-    async def request(self, method: str, base_url: str, path: str,
-                      headers: list[tuple[str, str]], body: bytes = b"") -> UpstreamResponse:
+    async def request(
+        self, method: str, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes = b""
+    ) -> UpstreamResponse:
         """Send the request and wait for the response headers."""
         key = self.key_of(base_url)
         host_header = f"{key[1]}:{key[2]}"
-        head = [f"{method} {path} HTTP/1.1", f"host: {host_header}",
-                f"content-length: {len(body)}"]
+        head = [f"{method} {path} HTTP/1.1", f"host: {host_header}", f"content-length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in headers]
         data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         idle = self._idle.get(key)
-        while idle:                                  # most recently used first
+        while idle:  # most recently used first
             conn = idle.pop()
             if conn.closed or conn.transport is None or conn.transport.is_closing():
                 continue
             try:
                 return await self._send(conn, data)
             except ConnectionLost:
-                if conn.got_bytes:                   # the backend did answer something: real
+                if conn.got_bytes:  # the backend did answer something: real
                     raise
                 # a kept-alive connection the server had closed: try a fresh one
         return await self._send(await self._connect(key), data)

@@ -17,6 +17,7 @@ and usage, message_stop; `event: error` on failure, `event: ping` while waiting.
 are in Anthropic's shape (llmserve/errors.py), the 401 of the key check included; the key may come as
 `x-api-key` or as a Bearer token.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,6 +95,7 @@ class CountTokensResponse(BaseModel):
 
 class MessageObject(BaseModel):
     """The documented shape of a non-streamed answer (for /openapi.json)."""
+
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -154,14 +156,27 @@ def chat_messages(body: _MessagesFields) -> list[P.ChatMessage]:
             elif kind == "tool_use" and m.role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise ValueError(f"{where}[{k}]: a tool_use block needs an id and a name")
-                calls.append({"id": b["id"], "type": "function", "function": {
-                    "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": b["id"],
+                        "type": "function",
+                        "function": {
+                            "name": b["name"],
+                            "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False),
+                        },
+                    }
+                )
             elif kind == "tool_result" and m.role == "user":
                 if not isinstance(b.get("tool_use_id"), str):
                     raise ValueError(f"{where}[{k}].tool_use_id: must be a string")
                 out = _block_text(b.get("content"), f"{where}[{k}].content")
-                results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                                "content": ("Error: " + out) if b.get("is_error") else out})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": b["tool_use_id"],
+                        "content": ("Error: " + out) if b.get("is_error") else out,
+                    }
+                )
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             else:
@@ -183,8 +198,9 @@ def chat_tools(tools: list[dict] | None, tool_choice: dict | None) -> tuple[list
         for k, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "custom") not in ("custom", None):
                 kind = t.get("type") if isinstance(t, dict) else None
-                raise ValueError(f"tools[{k}]: only client tools (name, description, input_schema) are "
-                                 f"supported, got type {kind!r}")
+                raise ValueError(
+                    f"tools[{k}]: only client tools (name, description, input_schema) are supported, got type {kind!r}"
+                )
             f = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
             if t.get("description"):
                 f["description"] = t["description"]
@@ -198,8 +214,9 @@ def chat_tools(tools: list[dict] | None, tool_choice: dict | None) -> tuple[list
         return chat, "required"
     if kind == "tool" and isinstance(tool_choice.get("name"), str):
         return chat, {"type": "function", "function": {"name": tool_choice["name"]}}
-    raise ValueError('tool_choice: must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
-                     '{"type": "tool", "name": ...}')
+    raise ValueError(
+        'tool_choice: must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...}'
+    )
 
 
 # -- the answer ------------------------------------------------------------------------------------------
@@ -239,11 +256,17 @@ class MessagesRendering(Rendering):
     def _append(self, kind: str, delta: str) -> None:
         block = self.open
         if block is None or block["type"] != kind:
-            block = self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
-                                else {"type": "text", "text": ""})
+            block = self._start(
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
         block[kind] += delta
-        d = {"type": "thinking_delta", "thinking": delta} if kind == "thinking" else {"type": "text_delta",
-                                                                                       "text": delta}
+        d = (
+            {"type": "thinking_delta", "thinking": delta}
+            if kind == "thinking"
+            else {"type": "text_delta", "text": delta}
+        )
         self._event("content_block_delta", index=len(self.blocks) - 1, delta=d)
 
     def _close(self) -> None:
@@ -253,10 +276,17 @@ class MessagesRendering(Rendering):
 
     def _tool_use(self, call: dict) -> None:
         args = call["function"]["arguments"]
-        block = self._start({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
-                             "name": call["function"]["name"], "input": {}})
-        self._event("content_block_delta", index=len(self.blocks) - 1,
-                    delta={"type": "input_json_delta", "partial_json": args})
+        block = self._start(
+            {
+                "type": "tool_use",
+                "id": "toolu_" + call["id"].removeprefix("call_"),
+                "name": call["function"]["name"],
+                "input": {},
+            }
+        )
+        self._event(
+            "content_block_delta", index=len(self.blocks) - 1, delta={"type": "input_json_delta", "partial_json": args}
+        )
         block["input"] = json.loads(args)
         self._close()
 
@@ -269,7 +299,7 @@ class MessagesRendering(Rendering):
         if not finished:
             return
         calls = []
-        if self.text.tool_plan is not None:   # the content was held back for the tool-call parse
+        if self.text.tool_plan is not None:  # the content was held back for the tool-call parse
             content, calls = self.text.calls()
             if content:
                 self._append("text", content)
@@ -280,21 +310,42 @@ class MessagesRendering(Rendering):
 
     def _usage(self, gen) -> dict:
         prompt, completion, cached = gen.counts()
-        return {"input_tokens": prompt - cached, "output_tokens": completion, "cache_read_input_tokens": cached,
-                "cache_creation_input_tokens": 0}
+        return {
+            "input_tokens": prompt - cached,
+            "output_tokens": completion,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        }
 
     def body(self, gen) -> dict:
         c = gen.finals[0].outputs[0]
         self._advance(c, c.text, True)
-        return {"id": self.mid, "type": "message", "role": "assistant", "model": gen.model, "content": self.blocks,
-                "stop_reason": self.stop[0], "stop_sequence": self.stop[1], "usage": self._usage(gen)}
+        return {
+            "id": self.mid,
+            "type": "message",
+            "role": "assistant",
+            "model": gen.model,
+            "content": self.blocks,
+            "stop_reason": self.stop[0],
+            "stop_sequence": self.stop[1],
+            "usage": self._usage(gen),
+        }
 
     def stream_open(self, gen) -> list[str]:
         prompt = gen.counts()[0]
-        self._event("message_start", message={
-            "id": self.mid, "type": "message", "role": "assistant", "model": gen.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": prompt, "output_tokens": 0}})
+        self._event(
+            "message_start",
+            message={
+                "id": self.mid,
+                "type": "message",
+                "role": "assistant",
+                "model": gen.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": 0},
+            },
+        )
         return self._take()
 
     def stream_output(self, gen, i: int, out) -> list[str]:
@@ -303,8 +354,9 @@ class MessagesRendering(Rendering):
         return self._take()
 
     def stream_close(self, gen) -> list[str]:
-        self._event("message_delta", delta={"stop_reason": self.stop[0], "stop_sequence": self.stop[1]},
-                    usage=self._usage(gen))
+        self._event(
+            "message_delta", delta={"stop_reason": self.stop[0], "stop_sequence": self.stop[1]}, usage=self._usage(gen)
+        )
         self._event("message_stop")
         return self._take()
 

@@ -14,6 +14,7 @@ token ids and SamplingParams to the engine, and turns the engine's outputs into 
 
 This module assembles the app: `build_app(settings)`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,11 @@ log = logging.getLogger("llmserve.server")
 
 def build_app(settings: ServerSettings, load_in_background: bool = True) -> FastAPI:
     state = ServerState(settings)
-    app = FastAPI(title="llmserve", version=__version__,
-                  description="OpenAI-compatible LLM server (chat and text completions, SSE streaming).")
+    app = FastAPI(
+        title="llmserve",
+        version=__version__,
+        description="OpenAI-compatible LLM server (chat and text completions, SSE streaming).",
+    )
     app.state.llm = state
     install_middleware(app, state)
 

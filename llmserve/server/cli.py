@@ -1,4 +1,5 @@
 """`llmserve serve`: flags (named as vLLM names them), YAML config, uvicorn, graceful shutdown."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ def _apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
 
 def settings_from_args(args: argparse.Namespace):
     from llmserve.server.app import ServerSettings
+
     return ServerSettings(
         engine=engine_config_from_args(args),
         api_key=args.api_key or envs.LLMSERVE_API_KEY,
@@ -58,14 +60,21 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if settings.engine.tensor_parallel_size > 1:
         from llmserve.engine import tp
+
         ext = tp.external_launch()
-        if ext is not None and ext[0] != 0:   # torchrun / RANK>0: a worker, no HTTP
+        if ext is not None and ext[0] != 0:  # torchrun / RANK>0: a worker, no HTTP
             return tp.run_external_worker(settings.engine)
     app = build_app(settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-                            h11_max_incomplete_event_size=64 * 1024, timeout_keep_alive=5,
-                            http=http_protocol(args.read_timeout, 64 * 1024))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+        h11_max_incomplete_event_size=64 * 1024,
+        timeout_keep_alive=5,
+        http=http_protocol(args.read_timeout, 64 * 1024),
+    )
     server = uvicorn.Server(config)
     exit_code = {"code": 0}
 

@@ -8,6 +8,7 @@ are freed at once. The answer: `data[]` of `embedding` objects (floats, or base6
 as OpenAI's client asks by default), usage in prompt tokens. `dimensions` other than the model's hidden
 size is refused: the vectors are not trained for truncation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,7 @@ from llmserve.server.errors import APIError
 from llmserve.server.rendering import Rendering
 
 POOLING = ("last", "mean")
-MAX_INPUTS = 2048   # as OpenAI's API
+MAX_INPUTS = 2048  # as OpenAI's API
 
 
 class EmbeddingRequest(P._Request):
@@ -32,7 +33,7 @@ class EmbeddingRequest(P._Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    priority: int = Field(default=0, ge=-(2 ** 31), lt=2 ** 31)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
     @field_validator("input")
     @classmethod
@@ -53,6 +54,7 @@ class EmbeddingRequest(P._Request):
 
 class EmbeddingResponse(BaseModel):
     """The documented shape of the answer (for /openapi.json)."""
+
     object: Literal["list"] = "list"
     data: list[dict[str, Any]]
     model: str
@@ -63,9 +65,13 @@ async def runs(eng, body: EmbeddingRequest, pooling: str) -> list:
     """One run (serving.Run) per input; an empty, too long or out-of-vocabulary input is a 400 naming it."""
     hidden = eng.engine.model_config.hidden_size
     if body.dimensions is not None and body.dimensions != hidden:
-        raise APIError(400, f"dimensions: not supported: this model's embeddings have {hidden} dimensions (its "
-                            f"hidden size) and are not trained to be truncated; leave dimensions out",
-                       param="dimensions", code="unsupported_parameter")
+        raise APIError(
+            400,
+            f"dimensions: not supported: this model's embeddings have {hidden} dimensions (its "
+            f"hidden size) and are not trained to be truncated; leave dimensions out",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
     vocab, max_len = eng.engine.model_config.vocab_size, eng.engine.max_model_len
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
     out = []
@@ -78,9 +84,13 @@ async def runs(eng, body: EmbeddingRequest, pooling: str) -> list:
         if any(t < 0 or t >= vocab for t in ids):
             raise APIError(400, f"{where}: token ids must be in [0, {vocab})", param="input", code="invalid_value")
         if len(ids) >= max_len:
-            raise APIError(400, f"{where}: {len(ids)} tokens; this model's maximum context length is {max_len} "
-                                f"tokens ({len(ids) - max_len + 1} too many)", param="input",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{where}: {len(ids)} tokens; this model's maximum context length is {max_len} "
+                f"tokens ({len(ids) - max_len + 1} too many)",
+                param="input",
+                code="context_length_exceeded",
+            )
         out.append((k, k, ids, params))
     return out
 
@@ -98,7 +108,13 @@ class EmbeddingRendering(Rendering):
 
     def body(self, gen) -> dict:
         prompt = gen.counts()[0]
-        data = [{"object": "embedding", "index": i, "embedding": self._vector(gen.finals[i].embedding)}
-                for i in sorted(gen.finals)]
-        return {"object": "list", "data": data, "model": gen.model,
-                "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+        data = [
+            {"object": "embedding", "index": i, "embedding": self._vector(gen.finals[i].embedding)}
+            for i in sorted(gen.finals)
+        ]
+        return {
+            "object": "list",
+            "data": data,
+            "model": gen.model,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+        }

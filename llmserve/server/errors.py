@@ -1,6 +1,7 @@
 """The server's errors: APIError (raised anywhere, answered as JSON or as an SSE event) and the
 conversions of pydantic's and the engine's ValueErrors. The shapes are llmserve/errors.py's: OpenAI's,
 or Anthropic's on /v1/messages (an answer names the request's path to get its API's shape)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,15 @@ from llmserve.errors import error_body_for, error_type
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
@@ -30,7 +38,7 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body())}\n\n"
 
 
-_FIELD_RE = re.compile(r"^(\w[\w.\[\]]*)\s*:")   # "top_p: ...", "input[2].role: ..."
+_FIELD_RE = re.compile(r"^(\w[\w.\[\]]*)\s*:")  # "top_p: ...", "input[2].role: ..."
 
 
 def from_value_error(e: ValueError) -> APIError:
@@ -48,7 +56,8 @@ def from_validation_errors(errors: list[dict]) -> APIError:
         if param is None and loc:
             param = loc[0]
         if err.get("type") == "json_invalid":
-            return APIError(400, f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}",
-                            code="invalid_json")
+            return APIError(
+                400, f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", code="invalid_json"
+            )
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return APIError(400, "; ".join(parts) or "invalid request", param=param, code="invalid_value")

@@ -1,6 +1,7 @@
 """uvicorn's httptools protocol with two limits it lacks: request headers must arrive within a
 timeout (slowloris, and connections opened and left idle before their first request), and their total
 size is capped. Bodies are timed by GuardMiddleware (llmserve/server/middleware.py)."""
+
 from __future__ import annotations
 
 try:
@@ -38,7 +39,7 @@ def http_protocol(header_timeout: float, max_header_bytes: int):
 
         def _count(self, n: int) -> None:
             self._hdr_bytes += n
-            if self._hdr_bytes > max_header_bytes:   # -> HttpParserError -> 400 and close
+            if self._hdr_bytes > max_header_bytes:  # -> HttpParserError -> 400 and close
                 raise httptools.HttpParserError("request headers too large")
 
         def on_message_begin(self) -> None:

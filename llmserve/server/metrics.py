@@ -3,6 +3,7 @@
 Engine state (running, waiting, KV usage, prefix-cache counters, preemptions) is read from the engine
 at scrape time; request figures (TTFT, ITL, latency, tokens, outcomes) are recorded as requests go.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,9 +14,32 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 P = "llmserve:"
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-RECENT_WINDOW = 60.0    # seconds of TTFT/ITL samples kept for /stats percentiles
+LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+RECENT_WINDOW = 60.0  # seconds of TTFT/ITL samples kept for /stats percentiles
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -52,19 +76,30 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted (recomputed later) to free KV blocks.", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.steps)
-        yield counter("spec_decode_num_draft_tokens", "Speculative (n-gram) tokens proposed.",
-                      s.spec_decode_num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted by verification.",
-                      s.spec_decode_num_accepted_tokens)
-        info = GaugeMetricFamily(P + "cache_config_info", "KV cache configuration (labels; the value is 1).",
-                                 labels=labels + ["block_size", "cache_dtype", "enable_prefix_caching", "num_blocks"])
+        yield counter(
+            "spec_decode_num_draft_tokens", "Speculative (n-gram) tokens proposed.", s.spec_decode_num_draft_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative tokens accepted by verification.",
+            s.spec_decode_num_accepted_tokens,
+        )
+        info = GaugeMetricFamily(
+            P + "cache_config_info",
+            "KV cache configuration (labels; the value is 1).",
+            labels=labels + ["block_size", "cache_dtype", "enable_prefix_caching", "num_blocks"],
+        )
         info.add_metric(v + [str(s.block_size), s.cache_dtype, str(s.enable_prefix_caching), str(s.num_blocks)], 1)
         yield info
-        if s.max_lora is not None:   # --enable-lora: as vLLM's vllm:lora_requests_info (the value: the time)
-            lora = GaugeMetricFamily(P + "lora_requests_info", "LoRA adapters of running and waiting requests.",
-                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-            lora.add_metric([str(s.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
-                            time.time())
+        if s.max_lora is not None:  # --enable-lora: as vLLM's vllm:lora_requests_info (the value: the time)
+            lora = GaugeMetricFamily(
+                P + "lora_requests_info",
+                "LoRA adapters of running and waiting requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric(
+                [str(s.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)], time.time()
+            )
             yield lora
         yield from _cuda_metrics(labels, v)
 
@@ -72,6 +107,7 @@ class _EngineCollector:
 def _cuda_metrics(labels, values):
     try:
         import torch
+
         if not torch.cuda.is_available():
             return
         g = GaugeMetricFamily(P + "gpu_memory_allocated_bytes", "GPU memory held by tensors.", labels=labels)
@@ -81,7 +117,7 @@ def _cuda_metrics(labels, values):
         g.add_metric(values, torch.cuda.memory_reserved())
         yield g
         try:
-            util = torch.cuda.utilization()   # NVML
+            util = torch.cuda.utilization()  # NVML
             g = GaugeMetricFamily(P + "gpu_utilization_perc", "GPU utilisation (NVML, 0-100).", labels=labels)
             g.add_metric(values, util)
             yield g
@@ -97,31 +133,48 @@ class ServerMetrics:
         r, lab = self.registry, ["model_name"]
         self.model_name = model_name
         self.get_stats = get_stats
-        self.recent: deque = deque(maxlen=50000)   # (time, is_ttft, seconds) for /stats percentiles
-        self.tokens_streamed = 0                   # output tokens as they reach the server (live rate)
+        self.recent: deque = deque(maxlen=50000)  # (time, is_ttft, seconds) for /stats percentiles
+        self.tokens_streamed = 0  # output tokens as they reach the server (live rate)
         self._proc = None
-        ProcessCollector(registry=r)   # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         r.register(_EngineCollector(get_stats, model_name))
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", lab, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", lab, registry=r)
-        self.request_success = Counter(P + "request_success", "Requests finished, by finish reason.",
-                                       lab + ["finished_reason"], registry=r)
-        self.request_errors = Counter(P + "request_errors", "Requests that failed, by kind.",
-                                      lab + ["kind"], registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", lab,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", lab,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, arrival to finish.", lab,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time waiting before first scheduled.",
-                                    lab, buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_len = Histogram(P + "request_prompt_tokens", "Prompt length of requests.", lab,
-                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.gen_len = Histogram(P + "request_generation_tokens", "Output length of requests.", lab,
-                                 buckets=TOKEN_BUCKETS, registry=r)
-        self.http_requests = Counter(P + "http_requests", "HTTP requests by route and status.",
-                                     ["route", "status"], registry=r)
+        self.request_success = Counter(
+            P + "request_success", "Requests finished, by finish reason.", lab + ["finished_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            P + "request_errors", "Requests that failed, by kind.", lab + ["kind"], registry=r
+        )
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "Time to first token.", lab, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds", "Time between output tokens.", lab, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            lab,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            P + "request_queue_time_seconds",
+            "Time waiting before first scheduled.",
+            lab,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_len = Histogram(
+            P + "request_prompt_tokens", "Prompt length of requests.", lab, buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.gen_len = Histogram(
+            P + "request_generation_tokens", "Output length of requests.", lab, buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.http_requests = Counter(
+            P + "http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -150,21 +203,34 @@ class ServerMetrics:
         cpu = rss = None
         try:
             import psutil
+
             self._proc = self._proc or psutil.Process()
             t = self._proc.cpu_times()
             cpu, rss = t.user + t.system, self._proc.memory_info().rss
         except Exception:  # noqa: BLE001 - psutil missing or unsupported: leave them out
             pass
-        out = {"time": now, "model": self.model_name, "generation_tokens": self.tokens_streamed,
-               "ttft": _percentiles(ttft), "itl": _percentiles(itl),
-               "process_cpu_seconds": cpu, "process_resident_memory_bytes": rss}
+        out = {
+            "time": now,
+            "model": self.model_name,
+            "generation_tokens": self.tokens_streamed,
+            "ttft": _percentiles(ttft),
+            "itl": _percentiles(itl),
+            "process_cpu_seconds": cpu,
+            "process_resident_memory_bytes": rss,
+        }
         if s is not None:
-            out.update(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
-                       num_requests_preempted=s.num_preempted, kv_cache_usage=s.kv_cache_usage,
-                       prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-                       num_preemptions=s.num_preemptions, engine_steps=s.steps,
-                       running_lora_adapters=list(s.running_lora_adapters),
-                       waiting_lora_adapters=list(s.waiting_lora_adapters))
+            out.update(
+                num_requests_running=s.num_running,
+                num_requests_waiting=s.num_waiting,
+                num_requests_preempted=s.num_preempted,
+                kv_cache_usage=s.kv_cache_usage,
+                prefix_cache_queries=s.prefix_cache_queries,
+                prefix_cache_hits=s.prefix_cache_hits,
+                num_preemptions=s.num_preemptions,
+                engine_steps=s.steps,
+                running_lora_adapters=list(s.running_lora_adapters),
+                waiting_lora_adapters=list(s.waiting_lora_adapters),
+            )
         return out
 
     def finished(self, out, num_prompt_tokens: int) -> None:

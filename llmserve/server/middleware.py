@@ -6,6 +6,7 @@ limits are uvicorn's protocol's (http_limits.py); the body's are here: a body ov
 not arrive within --read-timeout a 408. An oversize body is drained first (_drain_body), so that a
 client that writes its whole body before reading sees the 413.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,14 @@ def install_middleware(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
-        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials=False)
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials=False,
+        )
     app.add_middleware(GuardMiddleware, state=state)
 
 
@@ -37,13 +44,21 @@ class BodyRefused(StarletteHTTPException):
 
 
 def _too_large_error(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than the limit of {limit} bytes (--max-request-body-bytes)",
-                    code="request_too_large", headers={"Connection": "close"})
+    return APIError(
+        413,
+        f"request body is larger than the limit of {limit} bytes (--max-request-body-bytes)",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
 
 
 def _too_slow_error(timeout: float) -> APIError:
-    return APIError(408, f"the request body did not arrive within {timeout:g} s (--read-timeout)",
-                    code="request_timeout", headers={"Connection": "close"})
+    return APIError(
+        408,
+        f"the request body did not arrive within {timeout:g} s (--read-timeout)",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
 
 
 OPEN_PATHS = ("/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs", "/")
@@ -71,10 +86,14 @@ class GuardMiddleware:
         path = scope.get("path", "")
         if s.api_key and scope.get("method") != "OPTIONS":
             open_path = (path in OPEN_PATHS or path.startswith("/static/")) and not (
-                s.protect_metrics and path in ("/health", "/ready", "/version", "/metrics", "/stats"))
+                s.protect_metrics and path in ("/health", "/ready", "/version", "/metrics", "/stats")
+            )
             if not open_path and not _key_ok(headers, s.api_key):
-                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' "
-                                    "or 'x-api-key: <key>')", code="invalid_api_key")
+                err = APIError(
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                    code="invalid_api_key",
+                )
                 return await err.response(path)(scope, receive, send)
         limit = s.max_request_body_bytes
         try:
@@ -93,7 +112,7 @@ class GuardMiddleware:
             nonlocal seen, body_done, deadline
             if body_done or not read_timeout:
                 msg = await receive()
-            else:   # the whole body must arrive within read_timeout of the first read (slow bodies)
+            else:  # the whole body must arrive within read_timeout of the first read (slow bodies)
                 loop = asyncio.get_running_loop()
                 deadline = deadline or loop.time() + read_timeout
                 try:
@@ -130,7 +149,7 @@ class GuardMiddleware:
         await _too_large_error(limit).response(path)(scope, receive, send)
 
 
-DRAIN_MAX_BYTES = 64 * 1024 * 1024   # of an oversize body, read and discarded before the 413
+DRAIN_MAX_BYTES = 64 * 1024 * 1024  # of an oversize body, read and discarded before the 413
 
 
 async def _drain_body(receive, read_timeout: float) -> None:
@@ -151,8 +170,7 @@ async def _drain_body(receive, read_timeout: float) -> None:
             return
         msg = getter.result()
         if msg["type"] != "http.request":
-            return   # the client went away
+            return  # the client went away
         drained += len(msg.get("body", b""))
         if not msg.get("more_body"):
             return
-

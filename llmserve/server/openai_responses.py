@@ -15,6 +15,7 @@ output_item.done (function calls: function_call_arguments.delta / .done); then r
 response.incomplete when max_output_tokens cut it short). A failure mid-stream is an `error` event and
 response.failed. Every event carries its `sequence_number`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -63,8 +64,9 @@ class ResponsesRequest(P.EngineExtras):
         if fmt is None:
             return None
         if not isinstance(fmt, dict):
-            raise ValueError('text.format: must be an object such as {"type": "json_schema", "name": ..., '
-                             '"schema": {...}}')
+            raise ValueError(
+                'text.format: must be an object such as {"type": "json_schema", "name": ..., "schema": {...}}'
+            )
         if fmt.get("type") == "json_schema":
             return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
         return {"type": fmt.get("type")}
@@ -73,15 +75,28 @@ class ResponsesRequest(P.EngineExtras):
 def check_stateless(body: ResponsesRequest) -> None:
     """This server keeps no state: refuse what needs a stored response or conversation."""
     if body.previous_response_id is not None:
-        raise APIError(400, f"previous_response_id: response {body.previous_response_id!r} was not stored: "
-                            f"this server stores no responses (store is always false); send the whole "
-                            f"conversation in input", param="previous_response_id", code="previous_response_not_found")
+        raise APIError(
+            400,
+            f"previous_response_id: response {body.previous_response_id!r} was not stored: "
+            f"this server stores no responses (store is always false); send the whole "
+            f"conversation in input",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     if body.conversation is not None:
-        raise APIError(400, "conversation: this server stores no conversations; send the whole conversation in "
-                            "input", param="conversation", code="unsupported_parameter")
+        raise APIError(
+            400,
+            "conversation: this server stores no conversations; send the whole conversation in input",
+            param="conversation",
+            code="unsupported_parameter",
+        )
     if body.background:
-        raise APIError(400, "background: background responses need stored responses, which this server does not "
-                            "keep", param="background", code="unsupported_parameter")
+        raise APIError(
+            400,
+            "background: background responses need stored responses, which this server does not keep",
+            param="background",
+            code="unsupported_parameter",
+        )
 
 
 def _text(content: Any, where: str) -> str:
@@ -126,22 +141,29 @@ def chat_messages(body: ResponsesRequest) -> list[P.ChatMessage]:
                 raise ValueError(f"{where}: a function_call needs call_id, name and arguments (a JSON string)")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = msgs[-1] if msgs else None
-            if last is not None and last["role"] == "assistant":   # calls after the text of the same turn
+            if last is not None and last["role"] == "assistant":  # calls after the text of the same turn
                 last.setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ValueError(f"{where}.call_id: must be a string")
-            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": _text(item.get("output"), f"{where}.output")})
+            msgs.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": _text(item.get("output"), f"{where}.output"),
+                }
+            )
         elif kind == "reasoning":
-            continue   # earlier turns' reasoning is not shown to the model again (as chat templates drop it)
+            continue  # earlier turns' reasoning is not shown to the model again (as chat templates drop it)
         elif kind == "item_reference":
             raise ValueError(f"{where}: item references need stored items; this server stores none")
         else:
-            raise ValueError(f"{where}.type: {kind!r} items are not supported (message, function_call, "
-                             f"function_call_output, reasoning)")
+            raise ValueError(
+                f"{where}.type: {kind!r} items are not supported (message, function_call, "
+                f"function_call_output, reasoning)"
+            )
     if not msgs or all(m["role"] == "system" for m in msgs):
         raise ValueError("input: must hold at least one message")
     return [P.ChatMessage(**m) for m in msgs]
@@ -170,8 +192,9 @@ class ResponsesRendering(Rendering):
     """The response object and its stream events (one choice). Output items are built as the text arrives,
     the same way for the JSON body (the whole text at once) and for the stream."""
 
-    def __init__(self, tokenizer, body: ResponsesRequest, tool_plan=None,
-                 reasoning: ReasoningParser | None = None) -> None:
+    def __init__(
+        self, tokenizer, body: ResponsesRequest, tool_plan=None, reasoning: ReasoningParser | None = None
+    ) -> None:
         self.tok, self.req = tokenizer, body
         self.rid = _id("resp")
         self.text = ChoiceText(reasoning, tool_plan)
@@ -194,15 +217,19 @@ class ResponsesRendering(Rendering):
             item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress",
-                    "content": []}
+            item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self.items.append(item)
         self.open = item
         self._event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))
         item["content"].append(part)
-        self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
-                    content_index=0, part=dict(part))
+        self._event(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=len(self.items) - 1,
+            content_index=0,
+            part=dict(part),
+        )
         return item
 
     def _append(self, kind: str, delta: str) -> None:
@@ -230,14 +257,25 @@ class ResponsesRendering(Rendering):
 
     def _call(self, call: dict) -> None:
         args = call["function"]["arguments"]
-        item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": call["function"]["name"],
-                "arguments": "", "status": "in_progress"}
+        item = {
+            "type": "function_call",
+            "id": _id("fc"),
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": "",
+            "status": "in_progress",
+        }
         self.items.append(item)
         index = len(self.items) - 1
         self._event("response.output_item.added", output_index=index, item=dict(item))
         self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=args)
-        self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                    name=item["name"], arguments=args)
+        self._event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            name=item["name"],
+            arguments=args,
+        )
         item.update(arguments=args, status="completed")
         self._event("response.output_item.done", output_index=index, item=item)
 
@@ -251,7 +289,7 @@ class ResponsesRendering(Rendering):
             return
         self.finish = finish_reason
         status = "incomplete" if finish_reason == "length" else "completed"
-        if self.text.tool_plan is not None:   # the content was held back for the tool-call parse
+        if self.text.tool_plan is not None:  # the content was held back for the tool-call parse
             self._close(status)
             content, calls = self.text.calls()
             if content:
@@ -259,7 +297,7 @@ class ResponsesRendering(Rendering):
             self._close(status)
             for call in calls:
                 self._call(call)
-        if not self.items:   # nothing at all: one empty message, so that output_text is ""
+        if not self.items:  # nothing at all: one empty message, so that output_text is ""
             self._open("message")
         self._close(status)
 
@@ -267,15 +305,32 @@ class ResponsesRendering(Rendering):
     def _response(self, gen, status: str, usage: bool = True) -> dict:
         b = self.req
         fmt = (b.text or {}).get("format") or {"type": "text"}
-        d = {"id": self.rid, "object": "response", "created_at": gen.created, "status": status, "background": False,
-             "error": None, "incomplete_details": None, "instructions": b.instructions,
-             "max_output_tokens": b.max_output_tokens, "model": gen.model, "output": copy.deepcopy(self.items),
-             "parallel_tool_calls": b.parallel_tool_calls if b.parallel_tool_calls is not None else True,
-             "previous_response_id": None, "reasoning": b.reasoning or {"effort": None, "summary": None},
-             "store": False, "temperature": 1.0 if b.temperature is None else b.temperature,
-             "text": {"format": fmt}, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
-             "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": b.truncation or "disabled",
-             "usage": self._usage(gen) if usage else None, "user": b.user, "metadata": b.metadata or {}}
+        d = {
+            "id": self.rid,
+            "object": "response",
+            "created_at": gen.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": gen.model,
+            "output": copy.deepcopy(self.items),
+            "parallel_tool_calls": b.parallel_tool_calls if b.parallel_tool_calls is not None else True,
+            "previous_response_id": None,
+            "reasoning": b.reasoning or {"effort": None, "summary": None},
+            "store": False,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "text": {"format": fmt},
+            "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [],
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "truncation": b.truncation or "disabled",
+            "usage": self._usage(gen) if usage else None,
+            "user": b.user,
+            "metadata": b.metadata or {},
+        }
         if status == "incomplete":
             d["incomplete_details"] = {"reason": "max_output_tokens"}
         return d
@@ -283,9 +338,13 @@ class ResponsesRendering(Rendering):
     def _usage(self, gen) -> dict:
         prompt, completion, cached = gen.counts()
         reasoning = len(self.tok.encode(self.text.reasoning, add_special_tokens=False)) if self.text.reasoning else 0
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": min(reasoning, completion)},
-                "total_tokens": prompt + completion}
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning, completion)},
+            "total_tokens": prompt + completion,
+        }
 
     def _status(self) -> str:
         return "incomplete" if self.finish == "length" else "completed"
@@ -324,6 +383,7 @@ class ResponsesRendering(Rendering):
 
 class ResponseObject(BaseModel):
     """The documented shape of a non-streamed answer (for /openapi.json)."""
+
     id: str
     object: Literal["response"] = "response"
     created_at: int

@@ -3,6 +3,7 @@ special tokens in message content), SamplingParams (context length checks, guide
 tool calls), the grammar compiled, n choices fanned out into runs, and admission checked before the
 answer starts (`chat_runs` does all of it for the chat-shaped APIs: chat, Responses, Messages). Every
 refusal is an APIError (400, or 429 / 503 at admission)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,16 +18,19 @@ from llmserve.server.serving import to_api_error
 from llmserve.server.state import ServerSettings
 
 
-def encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs,
-                 tool_plan=None) -> list[int]:
+def encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs, tool_plan=None) -> list[int]:
     msgs = []
     specials = _special_strings(tok)
     for m in messages:
         for text in (m.text(), m.name or ""):
             hit = next((sp for sp in specials if sp in text), None)
-            if hit is not None:   # rendered text is tokenized with special tokens parsed: refuse injection
-                raise APIError(400, f"messages: content must not contain the special token {hit!r}",
-                               param="messages", code="invalid_value")
+            if hit is not None:  # rendered text is tokenized with special tokens parsed: refuse injection
+                raise APIError(
+                    400,
+                    f"messages: content must not contain the special token {hit!r}",
+                    param="messages",
+                    code="invalid_value",
+                )
         d = {"role": m.role, "content": m.text()}
         if m.name:
             d["name"] = m.name
@@ -59,9 +63,15 @@ def _special_strings(tok) -> tuple[str, ...]:
         for t in (getattr(hf, "added_tokens_decoder", None) or {}).values():
             if getattr(t, "special", False):
                 names.add(str(t.content if hasattr(t, "content") else t))
-        try:   # only those the chat template itself uses (turn markers) and bos/eos: "<filename>" stays text
-            sample = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                                              {"role": "assistant", "content": "a"}], add_generation_prompt=True)
+        try:  # only those the chat template itself uses (turn markers) and bos/eos: "<filename>" stays text
+            sample = tok.apply_chat_template(
+                [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": "a"},
+                ],
+                add_generation_prompt=True,
+            )
         except Exception:  # noqa: BLE001 - no template: no chat requests either
             sample = ""
         keep = {getattr(hf, "eos_token", None), getattr(hf, "bos_token", None)}
@@ -80,25 +90,50 @@ async def compile_guided(eng: AsyncEngine, params: SamplingParams) -> None:
             raise from_value_error(e) from e
 
 
-async def chat_runs(eng: AsyncEngine, settings: ServerSettings, body, messages: list[P.ChatMessage],
-                    max_tokens: int | None, tool_plan=None, logprobs: int | None = None,
-                    template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                    prompt_param: str = "messages", max_tokens_param: str = "max_tokens") -> list:
+async def chat_runs(
+    eng: AsyncEngine,
+    settings: ServerSettings,
+    body,
+    messages: list[P.ChatMessage],
+    max_tokens: int | None,
+    tool_plan=None,
+    logprobs: int | None = None,
+    template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
+) -> list:
     """A chat-shaped request's runs (serving.Run), checked and admitted: the messages rendered and tokenized,
     the sampling parameters of `body` (its fields as the chat API names them), the grammar compiled."""
-    ids = await asyncio.to_thread(encode_chat, eng.tokenizer, messages, add_generation_prompt, template_kwargs,
-                                  tool_plan)
-    params = sampling_params(body, eng, len(ids), max_tokens, logprobs=logprobs, tool_plan=tool_plan,
-                             prompt_param=prompt_param, max_tokens_param=max_tokens_param)
+    ids = await asyncio.to_thread(
+        encode_chat, eng.tokenizer, messages, add_generation_prompt, template_kwargs, tool_plan
+    )
+    params = sampling_params(
+        body,
+        eng,
+        len(ids),
+        max_tokens,
+        logprobs=logprobs,
+        tool_plan=tool_plan,
+        prompt_param=prompt_param,
+        max_tokens_param=max_tokens_param,
+    )
     await compile_guided(eng, params)
     runs = [(i, 0, ids, p) for i, p in enumerate(fan_out(params))]
     admit(eng, runs, settings)
     return runs
 
 
-def sampling_params(body, eng: AsyncEngine, prompt_len: int, max_tokens: int | None,
-                     logprobs: int | None, tool_plan=None, prompt_param: str | None = None,
-                     max_tokens_param: str = "max_tokens") -> SamplingParams:
+def sampling_params(
+    body,
+    eng: AsyncEngine,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    tool_plan=None,
+    prompt_param: str | None = None,
+    max_tokens_param: str = "max_tokens",
+) -> SamplingParams:
     """SamplingParams from a request body's fields, named as the chat API names them (a body without `n`,
     `stop`, `temperature`... gets the defaults)."""
     max_len = eng.engine.max_model_len
@@ -106,31 +141,49 @@ def sampling_params(body, eng: AsyncEngine, prompt_len: int, max_tokens: int | N
     if prompt_len == 0:
         raise APIError(400, f"{prompt_param}: must not be empty", param=prompt_param)
     if prompt_len >= max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
-                            f"prompt has {prompt_len} tokens ({prompt_len - max_len + 1} too many, leaving "
-                            f"room for at least one output token). Please shorten the prompt.",
-                       param=prompt_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens ({prompt_len - max_len + 1} too many, leaving "
+            f"room for at least one output token). Please shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = max_len - prompt_len
     elif prompt_len + max_tokens > max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
-                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                            f"{max_tokens} in the completion): {prompt_len + max_tokens - max_len} too many. "
-                            f"Please reduce the prompt or {max_tokens_param}.",
-                       param=max_tokens_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion): {prompt_len + max_tokens - max_len} too many. "
+            f"Please reduce the prompt or {max_tokens_param}.",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
     temperature, top_p = getattr(body, "temperature", None), getattr(body, "top_p", None)
     try:
         guided = tools_mod.guided_kwargs(body, tool_plan)
         return SamplingParams(
-            n=getattr(body, "n", 1), temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            n=getattr(body, "n", 1),
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=body.seed, max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
-            stop=getattr(body, "stop", None), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output, **guided)
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=min(body.min_tokens, max_tokens),
+            stop=getattr(body, "stop", None),
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            **guided,
+        )
     except ValueError as e:
         raise from_value_error(e) from e
 
@@ -146,4 +199,3 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
     if params.n == 1:
         return [params]
     return [params.clone(n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)]
-

@@ -3,6 +3,7 @@
 Unknown fields are ignored, as OpenAI's API ignores them. Values are checked here for type and range
 so that every bad request gets a 400 naming the field.
 """
+
 from __future__ import annotations
 
 import time
@@ -51,14 +52,15 @@ class ChatMessage(_Request):
 class EngineExtras(_Request):
     """vLLM's sampling and structured-output extras, accepted by every generating API (the Responses and
     Messages APIs too, where clients send them as extra body fields)."""
+
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)
-    priority: int = Field(default=0, ge=-(2 ** 31), lt=2 ** 31)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
@@ -177,7 +179,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llmserve"
     root: str | None = None
-    parent: str | None = None          # a LoRA adapter's base model (as vLLM lists adapters)
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
     max_model_len: int | None = None
 
 

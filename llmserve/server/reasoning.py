@@ -16,11 +16,12 @@ text: a tokenizer that marks them as special tokens drops them with skip_special
 Chat answers carry the reasoning as `reasoning_content` (message and deltas); the Responses API as a
 `reasoning` output item; the Messages API as a `thinking` block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = {"deepseek_r1": True, "qwen3": False}   # name -> the output starts inside the reasoning
+PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> the output starts inside the reasoning
 DEFAULT_START, DEFAULT_END = "<think>", "</think>"
 
 
@@ -31,8 +32,7 @@ class ReasoningParser:
     implicit_start: bool = False
 
     @classmethod
-    def from_name(cls, name: str | None, start: str | None = None,
-                  end: str | None = None) -> "ReasoningParser | None":
+    def from_name(cls, name: str | None, start: str | None = None, end: str | None = None) -> "ReasoningParser | None":
         """The parser --reasoning-parser names; None without one."""
         if not name:
             return None
@@ -68,7 +68,7 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.p = parser
-        self.state = "start"     # start -> (reasoning_lead -> reasoning -> content_lead)? -> content
+        self.state = "start"  # start -> (reasoning_lead -> reasoning -> content_lead)? -> content
         self.buf = ""
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -78,9 +78,9 @@ class ReasoningStream:
             if self.state == "start":
                 text = self.buf.lstrip()
                 if text.startswith(self.p.start):
-                    self.buf, self.state = text[len(self.p.start):], "reasoning_lead"
+                    self.buf, self.state = text[len(self.p.start) :], "reasoning_lead"
                 elif not text or self.p.start.startswith(text):
-                    break   # whitespace, or maybe the start marker: wait for more
+                    break  # whitespace, or maybe the start marker: wait for more
                 elif self.p.implicit_start:
                     self.buf, self.state = text, "reasoning_lead"
                 else:
@@ -93,11 +93,11 @@ class ReasoningStream:
                 at = self.buf.find(self.p.end)
                 if at >= 0:
                     reasoning.append(self.buf[:at])
-                    self.buf, self.state = self.buf[at + len(self.p.end):], "content_lead"
+                    self.buf, self.state = self.buf[at + len(self.p.end) :], "content_lead"
                     continue
                 keep = _held(self.buf, self.p.end)
-                reasoning.append(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+                reasoning.append(self.buf[: len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep :]
                 break
             else:
                 content.append(self.buf)

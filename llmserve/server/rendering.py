@@ -16,6 +16,7 @@ The Responses and Messages APIs have their own renderings (openai_responses.py, 
 ChoiceText splits a choice's text into reasoning (--reasoning-parser), content and tool calls for all of
 them. Logprobs are formatted here too, in each API's shape.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,11 +97,21 @@ def chat_logprobs(tok, lps) -> dict | None:
     content = []
     for lp in lps:
         t = _token_text(tok, lp.token_id)
-        content.append({
-            "token": t, "logprob": lp.logprob, "bytes": list(t.encode("utf-8")),
-            "top_logprobs": [{"token": (x := _token_text(tok, a.token_id)), "logprob": a.logprob,
-                              "bytes": list(x.encode("utf-8"))} for a in lp.top],
-        })
+        content.append(
+            {
+                "token": t,
+                "logprob": lp.logprob,
+                "bytes": list(t.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": (x := _token_text(tok, a.token_id)),
+                        "logprob": a.logprob,
+                        "bytes": list(x.encode("utf-8")),
+                    }
+                    for a in lp.top
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -140,12 +151,17 @@ class ChoicesRendering(Rendering):
 
     def body(self, gen) -> dict:
         choices = [self.choice(i, gen.finals[i]) for i in sorted(gen.finals)]
-        return {"id": gen.rid, "object": self.object, "created": gen.created, "model": gen.model,
-                "choices": choices, "usage": gen.usage()}
+        return {
+            "id": gen.rid,
+            "object": self.object,
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            "usage": gen.usage(),
+        }
 
     def _chunk(self, gen, choices: list, usage=None) -> str:
-        d = {"id": gen.rid, "object": self.chunk_object, "created": gen.created, "model": gen.model,
-             "choices": choices}
+        d = {"id": gen.rid, "object": self.chunk_object, "created": gen.created, "model": gen.model, "choices": choices}
         if usage is not None:
             d["usage"] = usage
         return sse_event(d)
@@ -174,8 +190,9 @@ class ChatRendering(ChoicesRendering):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer, tool_plan: tools_mod.ToolPlan | None = None,
-                 reasoning: ReasoningParser | None = None) -> None:
+    def __init__(
+        self, tokenizer, tool_plan: tools_mod.ToolPlan | None = None, reasoning: ReasoningParser | None = None
+    ) -> None:
         super().__init__()
         self.tok = tokenizer
         self.tool_plan = tool_plan if tool_plan is not None and tool_plan.parse else None
@@ -192,8 +209,13 @@ class ChatRendering(ChoicesRendering):
         if calls:
             message["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
-        return {"index": i, "message": message, "logprobs": chat_logprobs(self.tok, c.logprobs),
-                "finish_reason": finish, "stop_reason": c.stop_reason}
+        return {
+            "index": i,
+            "message": message,
+            "logprobs": chat_logprobs(self.tok, c.logprobs),
+            "finish_reason": finish,
+            "stop_reason": c.stop_reason,
+        }
 
     def opening(self, i: int) -> list[dict]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
@@ -210,12 +232,16 @@ class ChatRendering(ChoicesRendering):
         if self.tool_plan is None:
             if not delta and not out.finished:
                 return []
-            choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(self.tok, c.delta_logprobs),
-                      "finish_reason": c.finish_reason}
+            choice = {
+                "index": i,
+                "delta": delta,
+                "logprobs": chat_logprobs(self.tok, c.delta_logprobs),
+                "finish_reason": c.finish_reason,
+            }
             if out.finished:
                 choice["stop_reason"] = c.stop_reason
             return [choice]
-        chunks = [_delta(i, delta)] if delta else []   # reasoning streams; the content waits for the parse
+        chunks = [_delta(i, delta)] if delta else []  # reasoning streams; the content waits for the parse
         return chunks + (self._tool_deltas(i, c, text) if out.finished else [])
 
     @staticmethod
@@ -249,8 +275,13 @@ class CompletionRendering(ChoicesRendering):
     def choice(self, i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
         prefix = self._prompt_text(i) if self.echo else ""
-        return {"index": i, "text": prefix + c.text, "logprobs": completion_logprobs(self.tok, c.logprobs, len(prefix)),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {
+            "index": i,
+            "text": prefix + c.text,
+            "logprobs": completion_logprobs(self.tok, c.logprobs, len(prefix)),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
     def opening(self, i: int) -> list[dict]:
         if not self.echo:
@@ -261,8 +292,12 @@ class CompletionRendering(ChoicesRendering):
         c = out.outputs[0]
         if not c.delta_text and not out.finished:
             return []
-        choice = {"index": i, "text": c.delta_text,
-                  "logprobs": completion_logprobs(self.tok, c.delta_logprobs), "finish_reason": c.finish_reason}
+        choice = {
+            "index": i,
+            "text": c.delta_text,
+            "logprobs": completion_logprobs(self.tok, c.delta_logprobs),
+            "finish_reason": c.finish_reason,
+        }
         if out.finished:
             choice["stop_reason"] = c.stop_reason
         return [choice]

@@ -1,6 +1,7 @@
 """The HTTP routes, thin: each checks readiness and the model name, prepares the engine runs
 (prepare.py) and hands them to a serving.Generation with the API's rendering (rendering.py; the
 Responses, Messages and embeddings APIs: openai_responses.py, anthropic_messages.py, embeddings.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,16 +26,25 @@ from llmserve.server.serving import Generation
 from llmserve.server.state import ServerState
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-ERROR_RESPONSES = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
-                   404: {"model": P.ErrorResponse}, 413: {"model": P.ErrorResponse},
-                   429: {"model": P.ErrorResponse}, 503: {"model": P.ErrorResponse}}
+ERROR_RESPONSES = {
+    400: {"model": P.ErrorResponse},
+    401: {"model": P.ErrorResponse},
+    404: {"model": P.ErrorResponse},
+    413: {"model": P.ErrorResponse},
+    429: {"model": P.ErrorResponse},
+    503: {"model": P.ErrorResponse},
+}
 ANTHROPIC_ERROR_RESPONSES = {status: {"model": A.AnthropicErrorResponse} for status in ERROR_RESPONSES}
 
 
 def engine_or_503(state: ServerState) -> AsyncEngine:
     if not state.ready:
-        raise APIError(503, "the model is not ready yet" if state.engine is None else
-                       "the server is not ready", code="not_ready", headers={"Retry-After": "5"})
+        raise APIError(
+            503,
+            "the model is not ready yet" if state.engine is None else "the server is not ready",
+            code="not_ready",
+            headers={"Retry-After": "5"},
+        )
     return state.engine
 
 
@@ -43,23 +53,31 @@ def check_model(state: ServerState, name: str | None) -> str:
     if name and name not in state.model_names:
         if state.lora_name(name):
             return name
-        raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(state.served_names())}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {', '.join(state.served_names())}",
+            param="model",
+            code="model_not_found",
+        )
     return state.model_names[0]
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
-    reasoning = ReasoningParser.from_name(settings.reasoning_parser, settings.reasoning_start_marker,
-                                          settings.reasoning_end_marker)
+    reasoning = ReasoningParser.from_name(
+        settings.reasoning_parser, settings.reasoning_start_marker, settings.reasoning_end_marker
+    )
 
     # -- probes and info ------------------------------------------------------------------------
     @app.get("/health", summary="Liveness: the process answers")
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: model loaded and engine loop making progress",
-             responses={503: {"model": P.ErrorResponse}})
+    @app.get(
+        "/ready",
+        summary="Readiness: model loaded and engine loop making progress",
+        responses={503: {"model": P.ErrorResponse}},
+    )
     async def ready():
         if state.ready:
             return {"status": "ready", "model": state.model_names[0]}
@@ -84,11 +102,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=P.ModelList, responses=ERROR_RESPONSES)
     async def models():
         eng = engine_or_503(state)
-        cards = [P.ModelCard(id=n, root=eng.engine.model_path, max_model_len=eng.engine.max_model_len)
-                 for n in state.model_names]
+        cards = [
+            P.ModelCard(id=n, root=eng.engine.model_path, max_model_len=eng.engine.max_model_len)
+            for n in state.model_names
+        ]
         for a in state.lora.adapters() if state.lora is not None else ():
-            cards.append(P.ModelCard(id=a.name, root=a.path, parent=state.model_names[0],
-                                     max_model_len=eng.engine.max_model_len))
+            cards.append(
+                P.ModelCard(id=a.name, root=a.path, parent=state.model_names[0], max_model_len=eng.engine.max_model_len)
+            )
         return P.ModelList(data=cards)
 
     if envs.LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING:
@@ -104,6 +125,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     if os.path.isdir(STATIC_DIR):
         from fastapi.staticfiles import StaticFiles
+
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     # -- tokenizer ------------------------------------------------------------------------------
@@ -136,12 +158,27 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             tool_plan = tools_mod.plan(body.tools, body.tool_choice)
         except ValueError as e:
             raise from_value_error(e) from e
-        runs = await chat_runs(eng, settings, body, body.messages, body.max_completion_tokens or body.max_tokens,
-                               tool_plan, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                               template_kwargs=body.chat_template_kwargs,
-                               add_generation_prompt=body.add_generation_prompt)
-        gen = Generation(state, eng, P.random_id("chatcmpl"), runs, body.priority, model, request,
-                         ChatRendering(eng.tokenizer, tool_plan, reasoning))
+        runs = await chat_runs(
+            eng,
+            settings,
+            body,
+            body.messages,
+            body.max_completion_tokens or body.max_tokens,
+            tool_plan,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            template_kwargs=body.chat_template_kwargs,
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        gen = Generation(
+            state,
+            eng,
+            P.random_id("chatcmpl"),
+            runs,
+            body.priority,
+            model,
+            request,
+            ChatRendering(eng.tokenizer, tool_plan, reasoning),
+        )
         return await gen.response(body.stream, body.stream_options)
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERROR_RESPONSES)
@@ -166,12 +203,24 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 runs.append((pi * params.n + j, pi, ids, p))
         admit(eng, runs, settings)
         rid = P.random_id("cmpl")
-        gen = Generation(state, eng, rid, runs, body.priority, model, request,
-                         CompletionRendering(eng.tokenizer, runs, echo=body.echo))
+        gen = Generation(
+            state,
+            eng,
+            rid,
+            runs,
+            body.priority,
+            model,
+            request,
+            CompletionRendering(eng.tokenizer, runs, echo=body.echo),
+        )
         return await gen.response(body.stream, body.stream_options)
 
-    @app.post("/v1/responses", response_model=R.ResponseObject, responses=ERROR_RESPONSES,
-              summary="OpenAI's Responses API (stateless)")
+    @app.post(
+        "/v1/responses",
+        response_model=R.ResponseObject,
+        responses=ERROR_RESPONSES,
+        summary="OpenAI's Responses API (stateless)",
+    )
     async def responses(body: R.ResponsesRequest, request: Request):
         eng = engine_or_503(state)
         model = check_model(state, body.model)
@@ -181,22 +230,42 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             tool_plan = tools_mod.plan(*R.chat_tools(body.tools, body.tool_choice))
         except ValueError as e:
             raise from_value_error(e) from e
-        runs = await chat_runs(eng, settings, body, messages, body.max_output_tokens, tool_plan,
-                               template_kwargs=body.chat_template_kwargs, prompt_param="input",
-                               max_tokens_param="max_output_tokens")
+        runs = await chat_runs(
+            eng,
+            settings,
+            body,
+            messages,
+            body.max_output_tokens,
+            tool_plan,
+            template_kwargs=body.chat_template_kwargs,
+            prompt_param="input",
+            max_tokens_param="max_output_tokens",
+        )
         rendering = R.ResponsesRendering(eng.tokenizer, body, tool_plan, reasoning)
         gen = Generation(state, eng, rendering.rid, runs, body.priority, model, request, rendering)
         return await gen.response(body.stream)
 
-    @app.post("/v1/embeddings", response_model=E.EmbeddingResponse, responses=ERROR_RESPONSES,
-              summary="Embeddings: the served model's pooled hidden states (--pooling)")
+    @app.post(
+        "/v1/embeddings",
+        response_model=E.EmbeddingResponse,
+        responses=ERROR_RESPONSES,
+        summary="Embeddings: the served model's pooled hidden states (--pooling)",
+    )
     async def embeddings(body: E.EmbeddingRequest, request: Request):
         eng = engine_or_503(state)
         model = check_model(state, body.model)
         runs = await E.runs(eng, body, settings.pooling)
         admit(eng, runs, settings)
-        gen = Generation(state, eng, P.random_id("embd"), runs, body.priority, model, request,
-                         E.EmbeddingRendering(body.encoding_format))
+        gen = Generation(
+            state,
+            eng,
+            P.random_id("embd"),
+            runs,
+            body.priority,
+            model,
+            request,
+            E.EmbeddingRendering(body.encoding_format),
+        )
         return await gen.response(False)
 
     # -- Anthropic's Messages API (errors in Anthropic's shape on these paths: app.py) --------------------
@@ -206,20 +275,29 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:
             raise from_value_error(e) from e
 
-    @app.post("/v1/messages", response_model=A.MessageObject, responses=ANTHROPIC_ERROR_RESPONSES,
-              summary="Anthropic's Messages API")
+    @app.post(
+        "/v1/messages",
+        response_model=A.MessageObject,
+        responses=ANTHROPIC_ERROR_RESPONSES,
+        summary="Anthropic's Messages API",
+    )
     async def messages(body: A.MessagesRequest, request: Request):
         eng = engine_or_503(state)
         model = check_model(state, body.model)
         msgs, tool_plan = anthropic_chat(body)
-        runs = await chat_runs(eng, settings, body, msgs, body.max_tokens, tool_plan,
-                               template_kwargs=body.template_kwargs())
+        runs = await chat_runs(
+            eng, settings, body, msgs, body.max_tokens, tool_plan, template_kwargs=body.template_kwargs()
+        )
         rendering = A.MessagesRendering(body, tool_plan, reasoning)
         gen = Generation(state, eng, rendering.mid, runs, body.priority, model, request, rendering)
         return await gen.response(body.stream)
 
-    @app.post("/v1/messages/count_tokens", response_model=A.CountTokensResponse,
-              responses=ANTHROPIC_ERROR_RESPONSES, summary="Anthropic's token count of a Messages request")
+    @app.post(
+        "/v1/messages/count_tokens",
+        response_model=A.CountTokensResponse,
+        responses=ANTHROPIC_ERROR_RESPONSES,
+        summary="Anthropic's token count of a Messages request",
+    )
     async def count_tokens(body: A.CountTokensRequest):
         eng = engine_or_503(state)
         check_model(state, body.model)
@@ -234,12 +312,19 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     def registry():
         engine_or_503(state)
         if state.lora is None:
-            raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora)",
-                           code="lora_not_enabled")
+            raise APIError(
+                400,
+                "LoRA adapters are not enabled on this server (start it with --enable-lora)",
+                code="lora_not_enabled",
+            )
         return state.lora
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES,
-              summary="Load a LoRA adapter (a PEFT folder) under a name")
+    @app.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=ERROR_RESPONSES,
+        summary="Load a LoRA adapter (a PEFT folder) under a name",
+    )
     async def load_lora_adapter(body: P.LoadLoRAAdapterRequest):
         lora = registry()
         try:
@@ -248,13 +333,18 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
             raise from_value_error(e) from e
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES,
-              summary="Unload a LoRA adapter (requests running with it finish first)")
+    @app.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=ERROR_RESPONSES,
+        summary="Unload a LoRA adapter (requests running with it finish first)",
+    )
     async def unload_lora_adapter(body: P.UnloadLoRAAdapterRequest):
         lora = registry()
         try:
             lora.unload(body.lora_name)
         except KeyError:
-            raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name",
-                           code="model_not_found") from None
+            raise APIError(
+                404, f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name", code="model_not_found"
+            ) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -4,6 +4,7 @@ stream, with keep-alive pings, the request timeout, abort when the client goes a
 metrics and the request log line. The answer is a JSON body or SSE events; what they look like is the
 rendering's (rendering.py, openai_responses.py, anthropic_messages.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,17 +33,26 @@ class Generation:
     """One HTTP request's engine requests, merged into one stream; `rendering` is a rendering.Rendering
     (chat, completions, responses, messages)."""
 
-    def __init__(self, state: ServerState, eng: AsyncEngine, rid: str, runs: list[Run], priority: int,
-                 model: str, request: Request | None, rendering) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        eng: AsyncEngine,
+        rid: str,
+        runs: list[Run],
+        priority: int,
+        model: str,
+        request: Request | None,
+        rendering,
+    ) -> None:
         self.state, self.eng, self.rid, self.runs = state, eng, rid, runs
         self.priority, self.model, self.request, self.rendering = priority, model, request, rendering
         self.created = int(time.time())
         self.arrival = time.time()
         self.s = state.settings
         self.finals: dict[int, RequestOutput] = {}
-        self.latest: dict[int, RequestOutput] = {}   # each choice's newest output (continuous usage stats)
+        self.latest: dict[int, RequestOutput] = {}  # each choice's newest output (continuous usage stats)
         self.stream_options: P.StreamOptions | None = None
-        self.lora = state.lora_name(model)   # the LoRA adapter the request names as its model, or None
+        self.lora = state.lora_name(model)  # the LoRA adapter the request names as its model, or None
 
     def _deadline(self) -> float | None:
         t = self.s.request_timeout
@@ -80,8 +90,12 @@ class Generation:
                 if deadline is not None:
                     left = deadline - time.time()
                     if left <= 0:
-                        raise APIError(504, f"the request took longer than the server's request timeout "
-                                            f"of {self.s.request_timeout:g} s", code="request_timeout")
+                        raise APIError(
+                            504,
+                            f"the request took longer than the server's request timeout "
+                            f"of {self.s.request_timeout:g} s",
+                            code="request_timeout",
+                        )
                     timeout = left if timeout is None else min(timeout, left)
                 getter = getter or asyncio.ensure_future(queue.get())
                 if not (await asyncio.wait({getter}, timeout=timeout))[0]:
@@ -113,7 +127,7 @@ class Generation:
 
     def counts(self) -> tuple[int, int, int]:
         """(prompt, completion, cached prompt) tokens so far: each prompt once, however many choices."""
-        firsts = {}   # prompt index -> (choice index of its first run, prompt length)
+        firsts = {}  # prompt index -> (choice index of its first run, prompt length)
         for i, pi, ids, _ in self.runs:
             firsts.setdefault(pi, (i, len(ids)))
         prompt = sum(n for _, n in firsts.values())
@@ -124,14 +138,20 @@ class Generation:
     def usage(self) -> dict:
         """OpenAI's usage object."""
         prompt, completion, cached = self.counts()
-        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                           prompt_tokens_details={"cached_tokens": cached}).model_dump(exclude_none=True)
+        return P.UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details={"cached_tokens": cached},
+        ).model_dump(exclude_none=True)
 
     async def _collect(self) -> None:
         """Non-streaming: run to the end, aborting if the client goes away."""
+
         async def consume():
             async for _ in self.events():
                 pass
+
         work = asyncio.create_task(consume())
         gone = asyncio.create_task(_wait_disconnect(self.request))
         try:
@@ -184,8 +204,12 @@ def to_api_error(e: BaseException, s: ServerSettings) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFullError):
-        return APIError(429, f"the server is at capacity: {e}; retry later", code="queue_full",
-                        headers={"Retry-After": str(s.retry_after_seconds)})
+        return APIError(
+            429,
+            f"the server is at capacity: {e}; retry later",
+            code="queue_full",
+            headers={"Retry-After": str(s.retry_after_seconds)},
+        )
     if isinstance(e, ValueError):
         return from_value_error(e)
     if isinstance(e, EngineDeadError):

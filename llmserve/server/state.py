@@ -1,5 +1,6 @@
 """The server's settings and its one piece of state: the engine (loaded in the background), the metrics,
 readiness, and the record of each finished engine request (metrics and the request log line)."""
+
 from __future__ import annotations
 
 import json
@@ -22,19 +23,19 @@ req_log = logging.getLogger("llmserve.requests")
 class ServerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     api_key: str | None = None
-    protect_metrics: bool = False           # /metrics, /health, /ready and /version need the key too
+    protect_metrics: bool = False  # /metrics, /health, /ready and /version need the key too
     allowed_origins: list[str] = field(default_factory=list)
-    request_timeout: float | None = None    # seconds; past it a request is aborted
+    request_timeout: float | None = None  # seconds; past it a request is aborted
     max_request_body_bytes: int = 4 * 1024 * 1024
-    read_timeout: float = 30.0              # seconds for a request's headers, and again for its body
-    sse_ping_interval: float = 0.0          # seconds between ': ping' comments while a stream waits; 0: none
-    ready_stall_seconds: float = 120.0      # /ready fails if the engine loop made no progress this long
+    read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
+    sse_ping_interval: float = 0.0  # seconds between ': ping' comments while a stream waits; 0: none
+    ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
     log_prompts: bool = False
     retry_after_seconds: int = 1
-    reasoning_parser: str | None = None     # deepseek_r1 | qwen3: split <think>...</think> (reasoning.py)
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> (reasoning.py)
     reasoning_start_marker: str | None = None
     reasoning_end_marker: str | None = None
-    pooling: str = "last"                   # /v1/embeddings: last | mean (embeddings.py)
+    pooling: str = "last"  # /v1/embeddings: last | mean (embeddings.py)
 
 
 class ServerState:
@@ -45,7 +46,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.model_names: list[str] = []
         self.draining = False
-        self.on_fatal = None   # set by the CLI: called when the process should exit non-zero
+        self.on_fatal = None  # set by the CLI: called when the process should exit non-zero
 
     @property
     def ready(self) -> bool:
@@ -98,8 +99,7 @@ class ServerState:
         if self.on_fatal:
             self.on_fatal(e)
 
-    def record_finished(self, out: RequestOutput, num_prompt_tokens: int, times: list[float],
-                        arrival: float) -> None:
+    def record_finished(self, out: RequestOutput, num_prompt_tokens: int, times: list[float], arrival: float) -> None:
         """Metrics and the request log line for one finished engine request (aborted ones included)."""
         m = self.metrics
         if m is not None:
@@ -108,12 +108,15 @@ class ServerState:
         met = out.metrics
         comp = out.outputs[0]
         fields = {
-            "request_id": out.request_id, "prompt_tokens": num_prompt_tokens, "output_tokens": len(comp.token_ids),
+            "request_id": out.request_id,
+            "prompt_tokens": num_prompt_tokens,
+            "output_tokens": len(comp.token_ids),
             "cached_tokens": out.num_cached_tokens,
             "queue_time": round((met.first_scheduled_time or met.arrival_time) - met.arrival_time, 4) if met else None,
             "ttft": round(times[0] - met.arrival_time, 4) if met and times else None,
             "total_time": round((met.finished_time or time.time()) - met.arrival_time, 4) if met else None,
-            "finish_reason": comp.finish_reason, "preemptions": met.num_preemptions if met else 0,
+            "finish_reason": comp.finish_reason,
+            "preemptions": met.num_preemptions if met else 0,
         }
         if self.settings.log_prompts:
             fields["prompt"] = out.prompt

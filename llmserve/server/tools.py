@@ -10,6 +10,7 @@ parsing the model's output into OpenAI's `tool_calls`.
   constrain the output with a JSON schema (anyOf over the functions, or the one named), so the
   output is always exactly one parseable call.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,8 @@ DEFAULT_TOOLS_PROMPT = (
     "with the user's request. Here are the available functions, as JSON schemas:\n<tools>\n{tools}\n"
     "</tools>\nTo call a function, answer with a JSON object of its name and arguments inside "
     "<tool_call></tool_call> tags, like this:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>')
+    '{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>'
+)
 
 _CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -34,9 +36,9 @@ class ToolError(ValueError):
 
 @dataclass
 class ToolPlan:
-    tools: list[dict]                 # OpenAI tool objects (type function)
-    choice: str                       # "auto", "none", "required" or "function"
-    name: str | None = None           # the function tool_choice names
+    tools: list[dict]  # OpenAI tool objects (type function)
+    choice: str  # "auto", "none", "required" or "function"
+    name: str | None = None  # the function tool_choice names
     forced_schema: dict | None = None
 
     @property
@@ -53,7 +55,7 @@ class ToolPlan:
 
 def _function(t: Any) -> dict:
     if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-        raise ToolError("tools: each tool must be {\"type\": \"function\", \"function\": {...}}")
+        raise ToolError('tools: each tool must be {"type": "function", "function": {...}}')
     f = t["function"]
     if not isinstance(f.get("name"), str) or not f["name"]:
         raise ToolError("tools: each function needs a name")
@@ -81,8 +83,12 @@ def plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
 
     def call_schema(f: dict) -> dict:
         params = f.get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
-                "required": ["name", "arguments"], "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
 
     if tool_choice == "required":
         schemas = [call_schema(f) for f in funcs]
@@ -91,8 +97,9 @@ def plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
         is_function = tool_choice.get("type", "function") == "function"
         name = (tool_choice.get("function") or {}).get("name") if is_function else None
         if not name:
-            raise ToolError('tool_choice: must be "auto", "none", "required" or '
-                            '{"type": "function", "function": {"name": ...}}')
+            raise ToolError(
+                'tool_choice: must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+            )
         if name not in names:
             raise ToolError(f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})")
         f = funcs[names.index(name)]
@@ -121,16 +128,20 @@ def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple
                     args = json.loads(args) if isinstance(args, str) else args
                 except json.JSONDecodeError:
                     pass
-                calls.append("<tool_call>\n" + json.dumps({"name": f.get("name"), "arguments": args},
-                                                          ensure_ascii=False) + "\n</tool_call>")
+                calls.append(
+                    "<tool_call>\n"
+                    + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False)
+                    + "\n</tool_call>"
+                )
             m["content"] = ((m.get("content") or "") + "\n".join(calls)).strip()
             m.pop("tool_calls")
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
     if p is not None and p.choice != "none":
-        text = DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"], ensure_ascii=False)
-                                                           for t in p.tools))
+        text = DEFAULT_TOOLS_PROMPT.format(
+            tools="\n".join(json.dumps(t["function"], ensure_ascii=False) for t in p.tools)
+        )
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = dict(out[0], content=(out[0]["content"] + "\n\n" + text).strip())
         else:
@@ -147,8 +158,11 @@ def _call(obj: Any, names: set[str]) -> dict | None:
             args = json.loads(args)
         except json.JSONDecodeError:
             return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+    }
 
 
 def parse(text: str, p: ToolPlan) -> tuple[str | None, list[dict]]:
@@ -187,11 +201,17 @@ def stream_deltas(calls: list[dict]) -> list[dict]:
     then the arguments string in pieces."""
     out = []
     for i, c in enumerate(calls):
-        out.append({"index": i, "id": c["id"], "type": "function",
-                    "function": {"name": c["function"]["name"], "arguments": ""}})
+        out.append(
+            {
+                "index": i,
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": ""},
+            }
+        )
         args = c["function"]["arguments"]
         for k in range(0, len(args), 16):
-            out.append({"index": i, "function": {"arguments": args[k:k + 16]}})
+            out.append({"index": i, "function": {"arguments": args[k : k + 16]}})
     return out
 
 
@@ -208,8 +228,9 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
             js = rf.get("json_schema")
             schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError('response_format: {"type": "json_schema"} needs '
-                                 '"json_schema": {"name": ..., "schema": {...}}')
+                raise ValueError(
+                    'response_format: {"type": "json_schema"} needs "json_schema": {"name": ..., "schema": {...}}'
+                )
             kw["guided_json"] = schema
         elif kind != "text":
             raise ValueError(f'response_format: type must be "text", "json_object" or "json_schema", got {kind!r}')
@@ -221,7 +242,8 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
             kw[name] = v
     if p is not None and p.forced:
         if kw:
-            raise ValueError("tool_choice: a required or named tool call cannot be combined with "
-                             "response_format or guided_*")
+            raise ValueError(
+                "tool_choice: a required or named tool call cannot be combined with response_format or guided_*"
+            )
         kw["guided_json"] = p.forced_schema
     return kw

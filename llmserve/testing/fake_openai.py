@@ -29,6 +29,7 @@ with and the counters and request numbering restart, so one process can serve ma
     python -m llmserve.testing.fake_openai --port 8001 --ttft 0.2 --itl 0.02
     python -m llmserve.testing.fake_openai --port 8002 --model fake-a --model fake-b --itl 0.01
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ BLOCK = 16  # characters per block of the toy prefix cache
 @dataclass
 class FakeConfig:
     """How the fake answers; `POST /_control` (or `FakeOpenAI.configure`) changes it at run time."""
+
     models: list[str] = field(default_factory=lambda: ["fake-model"])
     ttft: float = 0.0  # seconds to the first token
     itl: float = 0.0  # seconds between tokens
@@ -98,14 +100,20 @@ class FakeOpenAI:
         self.start_config = copy.deepcopy(config or FakeConfig())
         self.tok = WordTokenizer()
         self.reset()
-        self.app = Starlette(routes=[
-            Route("/health", self._health), Route("/ready", self._ready),
-            Route("/v1/models", self._models), Route("/metrics", self._metrics),
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/completions", self._completions, methods=["POST"]),
-            Route("/tokenize", self._tokenize, methods=["POST"]),
-            Route("/detokenize", self._detokenize, methods=["POST"]),
-            Route("/_control", self._control, methods=["POST"]), Route("/_stats", self._stats)])
+        self.app = Starlette(
+            routes=[
+                Route("/health", self._health),
+                Route("/ready", self._ready),
+                Route("/v1/models", self._models),
+                Route("/metrics", self._metrics),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/detokenize", self._detokenize, methods=["POST"]),
+                Route("/_control", self._control, methods=["POST"]),
+                Route("/_stats", self._stats),
+            ]
+        )
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -135,7 +143,7 @@ class FakeOpenAI:
         h, hit, n = b"", 0, len(text) // BLOCK
         still = True
         for i in range(n):
-            h = hashlib.blake2b(h + text[i * BLOCK:(i + 1) * BLOCK].encode(), digest_size=8).digest()
+            h = hashlib.blake2b(h + text[i * BLOCK : (i + 1) * BLOCK].encode(), digest_size=8).digest()
             if still and h in self.cache:
                 hit += 1
                 self.cache.move_to_end(h)
@@ -157,8 +165,12 @@ class FakeOpenAI:
         return JSONResponse({"ready": self.cfg.ready}, status_code=200 if self.cfg.ready else 503)
 
     async def _models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.cfg.models]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.cfg.models],
+            }
+        )
 
     async def _tokenize(self, request: Request):
         body = await request.json()
@@ -174,17 +186,19 @@ class FakeOpenAI:
             return PlainTextResponse("not found", 404)
         label = f'{{model_name="{self.cfg.models[0]}"}}'
         kv = min(1.0, len(self.cache) / max(self.cfg.cache_blocks, 1))
-        lines = ["# TYPE llmserve:num_requests_running gauge",
-                 f"llmserve:num_requests_running{label} {self.running}",
-                 f"llmserve:num_requests_waiting{label} 0",
-                 f"llmserve:kv_cache_usage_perc {kv}",
-                 f"llmserve:prompt_tokens_total {self.prompt_tokens}",
-                 f"llmserve:generation_tokens_total {self.generated}",
-                 f"llmserve:prefix_cache_queries_total {self.queries}",
-                 f"llmserve:prefix_cache_hits_total {self.hits}",
-                 "llmserve:num_preemptions_total 0",
-                 f'llmserve:request_success_total{{finished_reason="length"}} {self.completed}',
-                 f'llmserve:request_success_total{{finished_reason="abort"}} {self.aborted}']
+        lines = [
+            "# TYPE llmserve:num_requests_running gauge",
+            f"llmserve:num_requests_running{label} {self.running}",
+            f"llmserve:num_requests_waiting{label} 0",
+            f"llmserve:kv_cache_usage_perc {kv}",
+            f"llmserve:prompt_tokens_total {self.prompt_tokens}",
+            f"llmserve:generation_tokens_total {self.generated}",
+            f"llmserve:prefix_cache_queries_total {self.queries}",
+            f"llmserve:prefix_cache_hits_total {self.hits}",
+            "llmserve:num_preemptions_total 0",
+            f'llmserve:request_success_total{{finished_reason="length"}} {self.completed}',
+            f'llmserve:request_success_total{{finished_reason="abort"}} {self.aborted}',
+        ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def _control(self, request: Request):
@@ -199,11 +213,20 @@ class FakeOpenAI:
         return JSONResponse({"ok": True})
 
     async def _stats(self, request: Request):
-        return JSONResponse({
-            "pid": os.getpid(), "requests": self.requests, "completed": self.completed,
-            "aborted": self.aborted, "running": self.running, "models": self.cfg.models,
-            "prompts": list(self.prompts), "headers": list(self.headers),
-            "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits})
+        return JSONResponse(
+            {
+                "pid": os.getpid(),
+                "requests": self.requests,
+                "completed": self.completed,
+                "aborted": self.aborted,
+                "running": self.running,
+                "models": self.cfg.models,
+                "prompts": list(self.prompts),
+                "headers": list(self.headers),
+                "prefix_cache_queries": self.queries,
+                "prefix_cache_hits": self.hits,
+            }
+        )
 
     async def _chat(self, request: Request):
         return await self._generate(request, chat=True)
@@ -230,25 +253,35 @@ class FakeOpenAI:
             await asyncio.sleep(3600)
         model = body.get("model") or cfg.models[0]
         if model not in cfg.models:
-            return APIError(404, f"The model '{model}' does not exist", param="model",
-                            code="model_not_found").response()
+            return APIError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            ).response()
         prompt = _prompt_text(body)
         self.prompts.append(prompt)
         ttft = cfg.ttft + self.lookup_and_insert(prompt) * cfg.prefill_per_char
-        n = cfg.tokens if cfg.tokens is not None else int(
-            body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        n = (
+            cfg.tokens
+            if cfg.tokens is not None
+            else int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        )
         n_prompt = len(self.tok.encode_sync(prompt))
         self.prompt_tokens += n_prompt
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:12]
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model}
+        head = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
         tokens = self._tokens(t0 + ttft, n)
         if body.get("stream"):
             send_usage = bool((body.get("stream_options") or {}).get("include_usage")) and cfg.send_usage
-            return StreamingResponse(self._sse(tokens, head, chat, n, usage if send_usage else None, kind),
-                                     media_type="text/event-stream",
-                                     headers={"x-request-id": request.headers.get("x-request-id", rid)})
+            return StreamingResponse(
+                self._sse(tokens, head, chat, n, usage if send_usage else None, kind),
+                media_type="text/event-stream",
+                headers={"x-request-id": request.headers.get("x-request-id", rid)},
+            )
 
         async def collect():
             return [piece async for piece in tokens]
@@ -261,10 +294,8 @@ class FakeOpenAI:
                 return JSONResponse({}, status_code=499)
             await asyncio.wait({task}, timeout=0.05)
         text = "".join(task.result())
-        choice = ({"message": {"role": "assistant", "content": text}} if chat
-                  else {"text": text, "logprobs": None})
-        return JSONResponse({**head, "choices": [{"index": 0, **choice, "finish_reason": "length"}],
-                             "usage": usage})
+        choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
+        return JSONResponse({**head, "choices": [{"index": 0, **choice, "finish_reason": "length"}], "usage": usage})
 
     async def _tokens(self, first_at: float, n: int):
         """Token i's text at `first_at + i * itl`; counts the request completed, or aborted when
@@ -288,8 +319,12 @@ class FakeOpenAI:
         cfg = self.cfg
 
         def event(choice: dict | None, **extra) -> bytes:
-            data = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "choices": [choice] if choice else [], **extra}
+            data = {
+                **head,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "choices": [choice] if choice else [],
+                **extra,
+            }
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
         try:
@@ -301,11 +336,11 @@ class FakeOpenAI:
                     yield APIError(500, "injected error").sse().encode()
                     return
                 if chat and i == 0:  # role first, with empty content, as OpenAI and vLLM do
-                    yield event({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "finish_reason": None})
+                    yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
                 finish = "length" if i == n - 1 else None
-                choice = ({"index": 0, "delta": {"content": text}} if chat
-                          else {"index": 0, "text": text, "logprobs": None})
+                choice = (
+                    {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text, "logprobs": None}
+                )
                 data = event({**choice, "finish_reason": finish})
                 if cfg.split_lines:
                     cut = len(data) // 2
@@ -329,6 +364,7 @@ def control(url: str, reset: bool = False, **changes) -> None:
     """`POST /_control` to a running fake at `url`: FakeConfig fields (and `fail_next`); with
     `reset`, its start config, counters and request numbering come back first."""
     import httpx
+
     httpx.post(url + "/_control", json={"reset": reset, **changes}, timeout=5).raise_for_status()
 
 
@@ -339,20 +375,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=None, help="a model name (repeatable; default fake-model)")
     p.add_argument("--ttft", type=float, default=0.0, help="seconds to the first token")
     p.add_argument("--itl", type=float, default=0.0, help="seconds between tokens")
-    p.add_argument("--prefill-per-char", type=float, default=0.0,
-                   help="more TTFT per prompt character the toy prefix cache misses")
+    p.add_argument(
+        "--prefill-per-char", type=float, default=0.0, help="more TTFT per prompt character the toy prefix cache misses"
+    )
     p.add_argument("--tokens", type=int, default=None, help="answer length (default: max_tokens)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--config", default=None, help="more FakeConfig fields as JSON")
     a = p.parse_args(argv)
-    settings = {"ttft": a.ttft, "itl": a.itl, "prefill_per_char": a.prefill_per_char, "tokens": a.tokens,
-              "api_key": a.api_key, **({"models": a.model} if a.model else {}), **json.loads(a.config or "{}")}
+    settings = {
+        "ttft": a.ttft,
+        "itl": a.itl,
+        "prefill_per_char": a.prefill_per_char,
+        "tokens": a.tokens,
+        "api_key": a.api_key,
+        **({"models": a.model} if a.model else {}),
+        **json.loads(a.config or "{}"),
+    }
     fake = FakeOpenAI(FakeConfig(**settings))
 
     import uvicorn
+
     print(f"fake OpenAI server on http://{a.host}:{a.port} (Ctrl-C to stop)", flush=True)
-    uvicorn.run(fake.app, host=a.host, port=a.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=1)
+    uvicorn.run(fake.app, host=a.host, port=a.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     return 0
 
 

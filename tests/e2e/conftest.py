@@ -1,4 +1,5 @@
 """Servers that several e2e files share (one start-up each for the whole session)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,16 @@ API_KEY = "sk-apis"
 def reasoning_server():
     """The bundled model as "x" with an API key and the qwen3 reasoning parser: the Responses and
     Messages API tests (test_responses.py, test_messages.py)."""
-    with ServerProcess("--num-threads", "1", "--served-model-name", "x", "--api-key", API_KEY,
-                       "--reasoning-parser", "qwen3", "--max-model-len", "1024") as srv:
+    with ServerProcess(
+        "--num-threads",
+        "1",
+        "--served-model-name",
+        "x",
+        "--api-key",
+        API_KEY,
+        "--reasoning-parser",
+        "qwen3",
+        "--max-model-len",
+        "1024",
+    ) as srv:
         yield srv.wait_ready()

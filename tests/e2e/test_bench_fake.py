@@ -4,6 +4,7 @@ The fake server runs in its own process on 127.0.0.1 (so it shares no GIL with t
 answers every request with a first token after TTFT = 200 ms and one token every 20 ms: the
 measured TTFT, TPOT, ITL, E2E and throughput must match that truth within 10%.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,7 @@ def configure(fake, **fields) -> None:
 
 def bench(fake, tmp_path, *args: str) -> dict:
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--base-url", fake.url + "/v1", "--no-progress",
-               "--output-json", str(out), *args])
+    rc = main(["bench", "--base-url", fake.url + "/v1", "--no-progress", "--output-json", str(out), *args])
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -48,8 +48,7 @@ def close(measured: float, truth: float, tol: float = 0.10) -> bool:
 def test_timings_and_throughput_match_the_truth(fake, tmp_path):
     configure(fake, ttft=TTFT, itl=ITL, tokens=TOKENS)
     out_dir = tmp_path / "out"
-    result = bench(fake, tmp_path, "--concurrency", "1,4", "--num-requests", "4,8",
-                   "--output-dir", str(out_dir))
+    result = bench(fake, tmp_path, "--concurrency", "1,4", "--num-requests", "4,8", "--output-dir", str(out_dir))
     assert [p["summary"]["phase"] for p in result["phases"]] == ["concurrency=1", "concurrency=4"]
     for phase, waves in zip(result["phases"], (4, 2)):
         s = phase["summary"]
@@ -78,12 +77,16 @@ def test_timings_and_throughput_match_the_truth(fake, tmp_path):
 
 
 def test_injected_errors_are_counted_not_crashed_on(fake, tmp_path):
-    configure(fake, ttft=0.01, itl=0.005, tokens=8,
-                   errors={1: "http_500", 2: "http_429", 3: "cut", 4: "abort", 5: "error_event"})
+    configure(
+        fake,
+        ttft=0.01,
+        itl=0.005,
+        tokens=8,
+        errors={1: "http_500", 2: "http_429", 3: "cut", 4: "abort", 5: "error_event"},
+    )
     result = bench(fake, tmp_path, "--concurrency", "2", "--num-requests", "10")
     s = result["phases"][0]["summary"]
-    assert s["errors"] == {"http_500": 1, "http_429": 1, "incomplete_stream": 2,
-                           "server_error": 1}
+    assert s["errors"] == {"http_500": 1, "http_429": 1, "incomplete_stream": 2, "server_error": 1}
     assert s["completed"] == 5 and s["failed"] == 5
     assert s["total_output_tokens"] == 5 * 8
     assert any("refused (429/503)" in t for t in result["advice"])
@@ -101,8 +104,7 @@ def test_a_hung_request_times_out(fake, tmp_path):
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_no_usage_chunk_split_lines_pings_and_utf8(fake, endpoint):
     """N re-counted by the server's /tokenize; events cut mid-line; pings; multi-byte text."""
-    configure(fake, ttft=0.01, itl=0.005, tokens=12, send_usage=False, split_lines=True,
-                   ping_every=3, word="tök")
+    configure(fake, ttft=0.01, itl=0.005, tokens=12, send_usage=False, split_lines=True, ping_every=3, word="tök")
 
     async def go():
         client = OpenAIClient(fake.url, endpoint=endpoint)
@@ -111,6 +113,7 @@ def test_no_usage_chunk_split_lines_pings_and_utf8(fake, endpoint):
             return await client.send(BenchRequest("Hello there", 2, 12))
         finally:
             await client.aclose()
+
     rec = asyncio.run(go())
     assert rec.success and rec.error is None
     assert rec.text == " ".join(f"tök{i}" for i in range(12))
@@ -119,8 +122,20 @@ def test_no_usage_chunk_split_lines_pings_and_utf8(fake, endpoint):
 
 def test_without_usage_the_bench_retokenises(fake, tmp_path):
     configure(fake, ttft=0.01, itl=0.005, tokens=9, send_usage=False)
-    result = bench(fake, tmp_path, "--endpoint", "completions", "--num-requests", "3",
-                   "--dataset", "random", "--input-len", "10-20", "--output-len", "9")
+    result = bench(
+        fake,
+        tmp_path,
+        "--endpoint",
+        "completions",
+        "--num-requests",
+        "3",
+        "--dataset",
+        "random",
+        "--input-len",
+        "10-20",
+        "--output-len",
+        "9",
+    )
     s = result["phases"][0]["summary"]
     assert s["output_tokens_source"] == {"tokenizer": 3} and s["total_output_tokens"] == 27
     assert all(10 <= r["prompt_len"] <= 20 for r in result["phases"][0]["requests"])
@@ -133,8 +148,7 @@ def test_rate_burst_and_users_modes(fake, tmp_path):
     assert burst["peak_concurrency"] == 6 and burst["completed"] == 6
     starts = sorted(r["start_s"] for r in result["phases"][1]["requests"])
     assert paced["completed"] == 10 and 0.1 < starts[-1] < 2.0  # ~9 gaps of 50 ms on average
-    result = bench(fake, tmp_path, "--users", "2", "--think-time", "0.05-0.1",
-                   "--num-requests", "6", "--warmup", "2")
+    result = bench(fake, tmp_path, "--users", "2", "--think-time", "0.05-0.1", "--num-requests", "6", "--warmup", "2")
     s = result["phases"][0]["summary"]
     assert s["completed"] == 6 and s["peak_concurrency"] <= 2
     result = bench(fake, tmp_path, "--concurrency", "2", "--duration", "0.5")

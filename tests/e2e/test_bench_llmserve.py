@@ -4,6 +4,7 @@ A sweep of concurrency 1 and 5, 10 requests each, 16 tokens at most: the JSON an
 exist and parse, and the token counts in the JSON are the server's own (its usage chunks, and the
 increase of its /metrics token counters over the run).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,24 @@ def counters(url: str) -> dict:
 def test_sweep_1_5_writes_json_and_plots_with_the_servers_token_counts(server, tmp_path):
     before = counters(server)
     out = tmp_path / "out"
-    rc = main(["bench", "--base-url", server, "--concurrency", "1,5", "--num-requests", "10",
-               "--output-len", "16", "--output-dir", str(out), "--no-progress",
-               "--scrape-interval", "0.5"])
+    rc = main(
+        [
+            "bench",
+            "--base-url",
+            server,
+            "--concurrency",
+            "1,5",
+            "--num-requests",
+            "10",
+            "--output-len",
+            "16",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--scrape-interval",
+            "0.5",
+        ]
+    )
     assert rc == 0
     after = counters(server)
 
@@ -56,11 +72,11 @@ def test_sweep_1_5_writes_json_and_plots_with_the_servers_token_counts(server, t
     out_tokens = sum(r["output_tokens"] for r in records)
     assert out_tokens == sum(p["summary"]["total_output_tokens"] for p in phases)
     assert after["generation_tokens"] - before["generation_tokens"] == out_tokens
-    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(
-        r["prompt_tokens"] for r in records)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(r["prompt_tokens"] for r in records)
     assert sum(p["summary"]["server"]["generation_tokens"] for p in phases) == out_tokens
 
     import matplotlib.image as mpimg
+
     for png in ("throughput.png", "latency_percentiles.png", "latency_cdf.png"):
         assert mpimg.imread(out / png).ndim == 3
     assert "## Comparison across phases" in (out / "report.md").read_text()
@@ -72,9 +88,29 @@ def test_the_responses_messages_and_embeddings_apis(server, tmp_path, endpoint):
     embeddings: one answer each, no output tokens."""
     before = counters(server)
     out = tmp_path / "bench.json"
-    assert main(["bench", "--base-url", server, "--endpoint", endpoint, "--concurrency", "2",
-                 "--num-requests", "4", "--output-len", "8", "--output-json", str(out), "--no-progress",
-                 "--metrics-url", "none"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--base-url",
+                server,
+                "--endpoint",
+                endpoint,
+                "--concurrency",
+                "2",
+                "--num-requests",
+                "4",
+                "--output-len",
+                "8",
+                "--output-json",
+                str(out),
+                "--no-progress",
+                "--metrics-url",
+                "none",
+            ]
+        )
+        == 0
+    )
     after = counters(server)
     phase = json.loads(out.read_text())["phases"][0]
     s = phase["summary"]

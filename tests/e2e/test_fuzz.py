@@ -10,6 +10,7 @@ examples per operation and mode (default 12). The Responses, Messages and embedd
 The cases are drawn with hypothesis from each operation's `as_strategy()` inside one plain test, not
 through `schemathesis.pytest.from_fixture`: that lazy loader reaches into pytest internals
 (`Item._nodeid`) that pytest 9 no longer has."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,17 @@ KEY = "fuzz-key"
 H = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
 OPEN = {"/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs"}
-API = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-       ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"), ("POST", "/v1/messages"),
-       ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/embeddings")}
+API = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/embeddings"),
+}
 # operations whose generated cases must include answered ones (embeddings' random token ids and strings are
 # mostly refused, as they should be: their answers are covered by tests/e2e/test_embeddings.py)
 GENERATING = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages")
@@ -42,8 +51,7 @@ TIMEOUT = 150
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--api-key", KEY, "--max-model-len", "256", "--max-num-seqs", "32",
-                        "--request-timeout", "120")
+    srv = ServerProcess("--api-key", KEY, "--max-model-len", "256", "--max-num-seqs", "32", "--request-timeout", "120")
     try:
         srv.wait_ready()
         yield srv
@@ -89,7 +97,7 @@ def _check_case(case, url: str, tally: dict) -> None:
     _check_shape(resp, f"{case.method} {case.path} with key", case.path)
     checks = [not_a_server_error]
     ctype = resp.headers.get("content-type") or ""
-    ctype = ctype[0] if isinstance(ctype, list) else ctype   # schemathesis' Response: lists of values
+    ctype = ctype[0] if isinstance(ctype, list) else ctype  # schemathesis' Response: lists of values
     if resp.status_code < 300 and ctype.startswith("application/json"):
         checks += [content_type_conformance, response_schema_conformance]
     case.validate_response(resp, checks=checks)
@@ -105,8 +113,9 @@ def _check_case(case, url: str, tally: dict) -> None:
             raw = json.dumps(case.body).encode()
         except (TypeError, ValueError):
             raw = str(case.body).encode()
-        r = httpx.post(url + case.formatted_path, content=raw, timeout=TIMEOUT,
-                       headers={**H, "Content-Type": "text/plain"})
+        r = httpx.post(
+            url + case.formatted_path, content=raw, timeout=TIMEOUT, headers={**H, "Content-Type": "text/plain"}
+        )
         _check_shape(r, f"POST {case.path} as text/plain", case.path)
         tally["calls"] += 1
 
@@ -121,11 +130,19 @@ def test_openapi_operations(server):
     t0 = time.time()
     for op in ops:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+            @settings(
+                max_examples=EXAMPLES,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=op.as_strategy(generation_mode=mode))
             def run(case):
                 _check_case(case, server.url, tally)
+
             try:
                 run()
             except Unsatisfiable:
@@ -134,8 +151,10 @@ def test_openapi_operations(server):
                     failures.append(f"{op.method.upper()} {op.path} ({mode.value}): no cases generated")
             except Exception as e:  # noqa: BLE001 - every operation is tried; all failures reported
                 failures.append(f"{op.method.upper()} {op.path} ({mode.value}): {e!r}"[:2000])
-    print(f"\nfuzz: {len(ops)} operations, {tally.get('calls', 0)} calls in {time.time() - t0:.0f} s; "
-          f"answers with the key: " + ", ".join(f"{k[0]} {k[1]}: {v}" for k, v in tally.items() if k != "calls"))
+    print(
+        f"\nfuzz: {len(ops)} operations, {tally.get('calls', 0)} calls in {time.time() - t0:.0f} s; "
+        f"answers with the key: " + ", ".join(f"{k[0]} {k[1]}: {v}" for k, v in tally.items() if k != "calls")
+    )
     assert not failures, "\n\n".join(failures)
-    for label in GENERATING:   # valid and invalid cases both sent
+    for label in GENERATING:  # valid and invalid cases both sent
         assert tally.get((label, "2xx")) and tally.get((label, "4xx")), (label, tally)

@@ -2,6 +2,7 @@
 adapter by `model` (chat, completions, Responses, Messages), /v1/models lists adapters with their base as
 `parent`, runtime load / unload (LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING), errors with the right status and
 body, base and adapter requests batched together. (Outputs against PEFT: tests/integration/test_lora.py.)"""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -20,17 +21,31 @@ PROMPT = [{"role": "user", "content": "Name three colours."}]
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    return {"sql": write_random_adapter(str(root / "sql"), rank=8, seed=1),
-            "poet": write_random_adapter(str(root / "poet"), rank=4, targets=("q_proj", "v_proj", "down_proj"),
-                                         seed=2),
-            "big": write_random_adapter(str(root / "big"), rank=16, targets=("q_proj",), seed=3)}
+    return {
+        "sql": write_random_adapter(str(root / "sql"), rank=8, seed=1),
+        "poet": write_random_adapter(str(root / "poet"), rank=4, targets=("q_proj", "v_proj", "down_proj"), seed=2),
+        "big": write_random_adapter(str(root / "big"), rank=16, targets=("q_proj",), seed=3),
+    }
 
 
 @pytest.fixture(scope="module")
 def server(adapters):
-    srv = ServerProcess("--num-threads", "1", "--served-model-name", "base", "--max-model-len", "512",
-                        "--enable-lora", "--lora-modules", f"sql={adapters['sql']}", "--max-loras", "2",
-                        "--max-lora-rank", "8", env={"LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    srv = ServerProcess(
+        "--num-threads",
+        "1",
+        "--served-model-name",
+        "base",
+        "--max-model-len",
+        "512",
+        "--enable-lora",
+        "--lora-modules",
+        f"sql={adapters['sql']}",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        env={"LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -66,7 +81,7 @@ def test_adapter_by_model_name_batched_with_base(server, client):
             seen.append(httpx.get(server.url + "/metrics").text)
             done.wait(0.05)
 
-    with cf.ThreadPoolExecutor(7) as pool:   # base and adapter rows in the same steps
+    with cf.ThreadPoolExecutor(7) as pool:  # base and adapter rows in the same steps
         scraper = pool.submit(scrape)
         try:
             got = list(pool.map(lambda m: _chat(client, m), ["base", "sql"] * 3))
@@ -132,14 +147,15 @@ def test_runtime_load_unload_and_errors(server, client, adapters, tmp_path):
         assert r.status_code == 400 and message in r.json()["error"]["message"], (what, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert {m.id for m in client.models.list().data} == {"base", "sql"}
-    assert _chat(client, "sql") and _chat(client, "base")   # still serving
+    assert _chat(client, "sql") and _chat(client, "base")  # still serving
 
 
 def test_router_routes_adapter_names(server, adapters):
     """The router's per-model pools come from each backend's /v1/models: adapters are routed like models,
     including one loaded at runtime (after the next health check)."""
-    with ServerProcess("--backend", server.url, "--health-interval", "0.3", "--log-level", "warning",
-                       cmd=ROUTE).wait_ready(30) as router:
+    with ServerProcess(
+        "--backend", server.url, "--health-interval", "0.3", "--log-level", "warning", cmd=ROUTE
+    ).wait_ready(30) as router:
         via = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
         assert wait_until(lambda: {m.id for m in via.models.list().data} == {"base", "sql"}, timeout=30)
         assert {m.id: getattr(m, "parent", None) for m in via.models.list().data}["sql"] == "base"
@@ -157,8 +173,14 @@ def test_router_routes_adapter_names(server, adapters):
 
 
 def test_runtime_updates_off_by_default(adapters):
-    with ServerProcess("--num-threads", "1", "--max-model-len", "256", "--enable-lora",
-                       env={"LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": ""}) as srv:
+    with ServerProcess(
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "256",
+        "--enable-lora",
+        env={"LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": ""},
+    ) as srv:
         srv.wait_ready()
         r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["sql"]})
         assert r.status_code == 404

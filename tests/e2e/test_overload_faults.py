@@ -7,6 +7,7 @@
   request alone with a 500 in OpenAI's shape and frees its blocks; a fault in the engine loop turns
   /ready to 503 and the process exits 1 so that a supervisor restarts it.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,15 +24,19 @@ from tests.server_proc import ServerProcess
 
 CHAT = "/v1/chat/completions"
 KV_GIB = 0.25
-RUNTIME_ALLOWANCE = 1.5 * 2 ** 30   # python, torch, tokenizer, activations: measured ~0.7 GiB
+RUNTIME_ALLOWANCE = 1.5 * 2**30  # python, torch, tokenizer, activations: measured ~0.7 GiB
 # Answers are kept short (6 greedy tokens, e.g. 'The number 3 in words') so that a burst of 40 through
 # 4 running slots takes seconds on 2 cores; long enough to tell the five prompts' answers apart.
 TOKENS = 6
 
 
 def body(i: int, max_tokens: int = TOKENS, **kw) -> dict:
-    return {"messages": [{"role": "user", "content": f"Say the number {i % 5} in words."}],
-            "max_tokens": max_tokens, "temperature": 0, **kw}
+    return {
+        "messages": [{"role": "user", "content": f"Say the number {i % 5} in words."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **kw,
+    }
 
 
 class RSSSampler:
@@ -61,22 +66,22 @@ def memory_bound(srv: ServerProcess) -> float:
     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["root"]
     weights = os.path.getsize(model) if os.path.isfile(model) else 0
     # GGUF weights are dequantized to float32 on CPU: allow for that expansion
-    return 4 * weights + KV_GIB * 2 ** 30 + RUNTIME_ALLOWANCE
+    return 4 * weights + KV_GIB * 2**30 + RUNTIME_ALLOWANCE
 
 
 def kv_idle(srv: ServerProcess, timeout: float = 20) -> dict:
     deadline = time.time() + timeout
     while True:
         s = httpx.get(srv.url + "/stats", timeout=5).json()
-        if (s["kv_cache_usage"] == 0 and s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0) \
-                or time.time() > deadline:
+        if (
+            s["kv_cache_usage"] == 0 and s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
+        ) or time.time() > deadline:
             return s
         time.sleep(0.2)
 
 
 def burst(url: str, n: int) -> list[httpx.Response]:
-    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=n)) as c, \
-            ThreadPoolExecutor(n) as pool:
+    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=n)) as c, ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda i: c.post(url + CHAT, json=body(i)), range(n)))
 
 
@@ -87,14 +92,22 @@ def references(url: str) -> dict[int, str]:
         r = httpx.post(url + CHAT, json=body(i), timeout=120)
         assert r.status_code == 200, r.text
         out[i] = r.json()["choices"][0]["message"]["content"]
-    assert len(set(out.values())) >= 4, out   # distinct answers: a mixed-up reply would be caught
+    assert len(set(out.values())) >= 4, out  # distinct answers: a mixed-up reply would be caught
     return out
 
 
 def test_burst_bounded_queue_gets_429_with_retry_after():
     seqs, queued = 2, 2
-    srv = ServerProcess("--max-num-seqs", str(seqs), "--max-queued-requests", str(queued),
-                        "--kv-cache-memory", str(KV_GIB), "--max-model-len", "512")
+    srv = ServerProcess(
+        "--max-num-seqs",
+        str(seqs),
+        "--max-queued-requests",
+        str(queued),
+        "--kv-cache-memory",
+        str(KV_GIB),
+        "--max-model-len",
+        "512",
+    )
     try:
         srv.wait_ready()
         refs = references(srv.url)
@@ -112,8 +125,10 @@ def test_burst_bounded_queue_gets_429_with_retry_after():
             assert r.json()["choices"][0]["message"]["content"] == refs[i % 5]
         assert max(rss.samples) < memory_bound(srv), (max(rss.samples), memory_bound(srv))
         assert kv_idle(srv)["kv_cache_usage"] == 0
-        print(f"\nburst {n} at capacity {seqs + queued}: {len(ok)} answered, {len(rejected)} x 429; "
-              f"peak RSS {max(rss.samples) / 2**20:.0f} MiB")
+        print(
+            f"\nburst {n} at capacity {seqs + queued}: {len(ok)} answered, {len(rejected)} x 429; "
+            f"peak RSS {max(rss.samples) / 2**20:.0f} MiB"
+        )
     finally:
         srv.kill()
 
@@ -134,8 +149,10 @@ def test_unbounded_queue_all_finish_memory_bounded():
         bound = memory_bound(srv)
         assert max(rss.samples) < bound, (max(rss.samples), bound)
         assert kv_idle(srv)["kv_cache_usage"] == 0
-        print(f"\nunbounded: {n} queued at 4 running, all answered correctly in {wall:.1f} s; "
-              f"peak RSS {max(rss.samples) / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)")
+        print(
+            f"\nunbounded: {n} queued at 4 running, all answered correctly in {wall:.1f} s; "
+            f"peak RSS {max(rss.samples) / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)"
+        )
     finally:
         srv.kill()
 
@@ -148,8 +165,7 @@ def _openai_error(r: httpx.Response, status: int) -> dict:
 
 
 def test_fault_in_one_request_fails_it_alone_then_loop_fault_exits():
-    srv = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512",
-                        env={"LLMSERVE_FAULT_INJECTION": "1"})
+    srv = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512", env={"LLMSERVE_FAULT_INJECTION": "1"})
     try:
         srv.wait_ready()
         bad = {"messages": [{"role": "user", "content": f"{FAULT_REQUEST_MARKER} say hi"}], "max_tokens": 16}
@@ -174,8 +190,9 @@ def test_fault_in_one_request_fails_it_alone_then_loop_fault_exits():
         # a fault in the engine loop itself: the requests in flight, this one included, fail with 503
         # engine_dead; /ready is 503 (or refused: the server has stopped listening) until the process
         # exits with status 1 (a supervisor restarts it)
-        inflight = ThreadPoolExecutor(1).submit(httpx.post, srv.url + CHAT, json=body(2, 200, ignore_eos=True),
-                                                timeout=120)
+        inflight = ThreadPoolExecutor(1).submit(
+            httpx.post, srv.url + CHAT, json=body(2, 200, ignore_eos=True), timeout=120
+        )
         time.sleep(0.5)
         loop = {"messages": [{"role": "user", "content": f"{FAULT_LOOP_MARKER}"}], "max_tokens": 4}
         r = httpx.post(srv.url + CHAT, json=loop, timeout=60)

@@ -3,6 +3,7 @@ fake backend processes; one is SIGKILLed while 40 requests run, then started aga
 
 The same scenario with two real `llmserve serve` replicas is in test_router_e2e.py; this one
 needs no model and runs in seconds."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -22,8 +23,9 @@ HEALTH_INTERVAL = 0.5
 
 
 def fake(port: int, tmp_path, itl: float = 0.02) -> ServerProcess:
-    return ServerProcess("--model", "m", "--itl", str(itl), cmd=FAKE, port=port,
-                         log_path=str(tmp_path / f"fake-{port}.log"))
+    return ServerProcess(
+        "--model", "m", "--itl", str(itl), cmd=FAKE, port=port, log_path=str(tmp_path / f"fake-{port}.log")
+    )
 
 
 @pytest.fixture
@@ -36,12 +38,25 @@ def fleet(tmp_path):
             procs[p] = fake(p, tmp_path)
         for p in ports:
             procs[p].wait_ready(30)
-        router = ServerProcess("--backend", f"http://127.0.0.1:{ports[0]}",
-                               "--backend", f"http://127.0.0.1:{ports[1]}",
-                               "--policy", "least_outstanding", "--max-retries", "2",
-                               "--health-interval", str(HEALTH_INTERVAL), "--unhealthy-threshold", "2",
-                               "--log-level", "warning", cmd=ROUTE, port=rport,
-                               log_path=str(tmp_path / "router.log"))
+        router = ServerProcess(
+            "--backend",
+            f"http://127.0.0.1:{ports[0]}",
+            "--backend",
+            f"http://127.0.0.1:{ports[1]}",
+            "--policy",
+            "least_outstanding",
+            "--max-retries",
+            "2",
+            "--health-interval",
+            str(HEALTH_INTERVAL),
+            "--unhealthy-threshold",
+            "2",
+            "--log-level",
+            "warning",
+            cmd=ROUTE,
+            port=rport,
+            log_path=str(tmp_path / "router.log"),
+        )
         procs["router"] = router.wait_ready(30)
         yield procs, ports, router.url, tmp_path
     finally:
@@ -66,14 +81,14 @@ def test_sigkill_one_backend_during_40_requests(fleet):
         try:
             if stream:
                 rsp = client.chat.completions.with_raw_response.create(
-                    model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=30,
-                    stream=True)
+                    model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=30, stream=True
+                )
                 first_byte_from = rsp.headers["x-llmserve-backend"]
-                text = "".join(c.choices[0].delta.content or "" for c in rsp.parse()
-                               if c.choices)
+                text = "".join(c.choices[0].delta.content or "" for c in rsp.parse() if c.choices)
             else:
                 out = client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=30)
+                    model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=30
+                )
                 text = out.choices[0].message.content
             ok = text == " ".join(f"tok{k}" for k in range(30))
             results.append((i, stream, first_byte_from, ok, None))
@@ -101,8 +116,7 @@ def test_sigkill_one_backend_during_40_requests(fleet):
     assert len(failed) < 10
 
     # ejected within the health interval (passive ejection usually makes it immediate)
-    assert wait_until(lambda: not backends(router_url)[victim_url]["healthy"],
-                      timeout=2 * HEALTH_INTERVAL + 1)
+    assert wait_until(lambda: not backends(router_url)[victim_url]["healthy"], timeout=2 * HEALTH_INTERVAL + 1)
     assert time.monotonic() - t_kill < 2 * HEALTH_INTERVAL + 10
     m = httpx.get(router_url + "/metrics").text
     assert f'llmserve_router:ejections_total{{backend="{victim_url}"' in m
@@ -112,8 +126,9 @@ def test_sigkill_one_backend_during_40_requests(fleet):
     assert wait_until(lambda: backends(router_url)[victim_url]["healthy"], timeout=10)
     seen = set()
     for i in range(8):
-        rsp = httpx.post(router_url + "/v1/completions", json={"model": "m", "prompt": str(i),
-                                                                "max_tokens": 2}, timeout=30)
+        rsp = httpx.post(
+            router_url + "/v1/completions", json={"model": "m", "prompt": str(i), "max_tokens": 2}, timeout=30
+        )
         assert rsp.status_code == 200
         seen.add(rsp.headers["x-llmserve-backend"])
     assert victim_url in seen
@@ -125,8 +140,12 @@ def test_stream_cut_mid_way_is_not_replayed(fleet):
     """A stream under way when its backend dies ends with an OpenAI error event; the router
     does not resend it to the other backend."""
     procs, ports, router_url, tmp_path = fleet
-    with httpx.stream("POST", router_url + "/v1/completions", timeout=30, json={
-            "model": "m", "prompt": "long", "max_tokens": 500, "stream": True}) as s:
+    with httpx.stream(
+        "POST",
+        router_url + "/v1/completions",
+        timeout=30,
+        json={"model": "m", "prompt": "long", "max_tokens": 500, "stream": True},
+    ) as s:
         victim = s.headers["x-llmserve-backend"]
         events = iter_sse(s.iter_bytes())
         assert next(events).json()["choices"]
@@ -136,4 +155,4 @@ def test_stream_cut_mid_way_is_not_replayed(fleet):
     other = procs[ports[1] if victim_port == ports[0] else ports[0]]
     assert "error" in rest[-1].json() and not any(e.done for e in rest)
     stats = httpx.get(other.url + "/_stats").json()
-    assert stats["requests"] == 0         # not replayed on the surviving backend
+    assert stats["requests"] == 0  # not replayed on the surviving backend

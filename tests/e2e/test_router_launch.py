@@ -2,6 +2,7 @@
 
 Replicas are fake backends here (`--replica-command`), so the test needs no model; the command
 line, process supervision and shutdown are the real ones."""
+
 from __future__ import annotations
 
 import os
@@ -32,20 +33,33 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
     port, base = free_port(), free_port()
     while base + 1 == port or base == port:
         base = free_port()
-    replica = (f"{sys.executable} -m llmserve.testing.fake_openai --host {{host}} "
-               f"--port {{port}} --model m")
-    launcher = ServerProcess("--replicas", "2", "--base-port", str(base), "--replica-command", replica,
-                             "--router-policy", "round_robin", "--router-health-interval", "0.3",
-                             cmd=LAUNCH, port=port, log_path=str(tmp_path / "launch.log"))
+    replica = f"{sys.executable} -m llmserve.testing.fake_openai --host {{host}} --port {{port}} --model m"
+    launcher = ServerProcess(
+        "--replicas",
+        "2",
+        "--base-port",
+        str(base),
+        "--replica-command",
+        replica,
+        "--router-policy",
+        "round_robin",
+        "--router-health-interval",
+        "0.3",
+        cmd=LAUNCH,
+        port=port,
+        log_path=str(tmp_path / "launch.log"),
+    )
     pids = []
     try:
         launcher.wait_ready(60)
         urls = {f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"}
-        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"]
-                          == 2, timeout=30)
-        seen = {httpx.post(launcher.url + "/v1/completions", json={
-            "model": "m", "prompt": str(i), "max_tokens": 1}).headers["x-llmserve-backend"]
-            for i in range(4)}
+        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30)
+        seen = {
+            httpx.post(
+                launcher.url + "/v1/completions", json={"model": "m", "prompt": str(i), "max_tokens": 1}
+            ).headers["x-llmserve-backend"]
+            for i in range(4)
+        }
         assert seen == urls
         pids = [httpx.get(u + "/_stats").json()["pid"] for u in sorted(urls)]
 
@@ -58,10 +72,10 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
                 return httpx.get(first + "/_stats", timeout=1).json()["pid"] != pids[0]
             except httpx.HTTPError:
                 return False
+
         assert wait_until(restarted, timeout=30)
         pids.append(httpx.get(first + "/_stats").json()["pid"])
-        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"]
-                          == 2, timeout=30)
+        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30)
 
         # SIGTERM to the launcher stops the router and every replica
         launcher.proc.send_signal(signal.SIGTERM)

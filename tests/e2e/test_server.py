@@ -1,4 +1,5 @@
 """`llmserve serve` as a real process on loopback, driven by the official openai client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +53,7 @@ def test_models_and_probes(server, client):
     assert httpx.get(server.url + "/version").json()["version"]
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
-    m = server.metrics(headers=H)   # the KV cache's configuration, as vLLM's cache_config_info
+    m = server.metrics(headers=H)  # the KV cache's configuration, as vLLM's cache_config_info
     (info,) = [k for k in m if k.startswith("llmserve:cache_config_info{")]
     blocks = int(m["llmserve:kv_cache_num_blocks"])
     assert m[info] == 1 and 'block_size="16"' in info and 'cache_dtype="float32"' in info
@@ -63,8 +64,11 @@ def test_chat_stream_equals_non_stream(client, server):
     full = client.chat.completions.create(model="smol", messages=Q, max_tokens=24, temperature=0)
     text = full.choices[0].message.content
     assert text and full.choices[0].finish_reason in ("stop", "length")
-    chunks = list(client.chat.completions.create(model="smol", messages=Q, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smol", messages=Q, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     ids = {c.id for c in chunks}
     assert len(ids) == 1
     content_chunks = [c for c in chunks if c.choices]
@@ -75,8 +79,7 @@ def test_chat_stream_equals_non_stream(client, server):
     assert chunks[-1].choices == [] and usage is not None
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.completion_tokens == full.usage.completion_tokens
-    tok = httpx.post(server.url + "/tokenize", headers=H,
-                     json={"messages": Q}).json()
+    tok = httpx.post(server.url + "/tokenize", headers=H, json={"messages": Q}).json()
     assert tok["count"] == usage.prompt_tokens == full.usage.prompt_tokens
 
 
@@ -84,11 +87,17 @@ def test_completions_stream_and_echo(client):
     full = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=12, temperature=0)
     text = full.choices[0].text
     assert text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="smol", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="smol", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == text
-    echo = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=12,
-                                     temperature=0, echo=True)
+    echo = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=12, temperature=0, echo=True
+    )
     assert echo.choices[0].text == "The capital of France is" + text
     multi = client.completions.create(model="smol", prompt=["One, two,", "A, B,"], max_tokens=4, temperature=0)
     assert sorted(c.index for c in multi.choices) == [0, 1]
@@ -98,8 +107,9 @@ def test_n_logprobs_and_stop(client):
     r = client.chat.completions.create(model="smol", messages=Q, max_tokens=8, n=3, temperature=0.8, seed=1)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == sum(1 for _ in r.choices) * 0 + r.usage.completion_tokens
-    r = client.chat.completions.create(model="smol", messages=Q, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model="smol", messages=Q, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     lp = r.choices[0].logprobs.content
     assert len(lp) == r.usage.completion_tokens
     for item in lp:
@@ -112,7 +122,7 @@ def test_n_logprobs_and_stop(client):
     word = text.split()[3]
     cut = client.chat.completions.create(model="smol", messages=Q, max_tokens=24, temperature=0, stop=[word])
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].message.content == text[:text.index(word)]
+    assert cut.choices[0].message.content == text[: text.index(word)]
     assert word not in cut.choices[0].message.content
 
 
@@ -125,9 +135,9 @@ def test_error_statuses(client, server, small_server):
     body = e.value.body
     assert body["param"] == "temperature" if isinstance(body, dict) and "param" in body else True
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="smol", messages=Q, max_tokens=10 ** 9)
+        client.chat.completions.create(model="smol", messages=Q, max_tokens=10**9)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="smol", messages=Q, max_tokens=4, n=10 ** 6)
+        client.chat.completions.create(model="smol", messages=Q, max_tokens=4, n=10**6)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=Q, max_tokens=4)
     small = openai.OpenAI(base_url=small_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -139,13 +149,15 @@ def test_error_statuses(client, server, small_server):
 
     def call():
         try:
-            small.chat.completions.create(messages=Q, model=small.models.list().data[0].id, max_tokens=24,
-                                          temperature=0)
+            small.chat.completions.create(
+                messages=Q, model=small.models.list().data[0].id, max_tokens=24, temperature=0
+            )
             results.append("ok")
         except openai.RateLimitError as err:
             assert err.response.headers.get("retry-after")
             assert err.body["code"] == "queue_full" if isinstance(err.body, dict) else True
             results.append("429")
+
     threads = [threading.Thread(target=call) for _ in range(6)]
     for t in threads:
         t.start()
@@ -155,11 +167,11 @@ def test_error_statuses(client, server, small_server):
 
 
 def test_bad_json_and_wrong_types(server):
-    r = httpx.post(server.url + "/v1/chat/completions", headers={**H, "content-type": "application/json"},
-                   content=b"{not json")
+    r = httpx.post(
+        server.url + "/v1/chat/completions", headers={**H, "content-type": "application/json"}, content=b"{not json"
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(server.url + "/v1/chat/completions", headers=H,
-                   json={"messages": "hello", "max_tokens": "many"})
+    r = httpx.post(server.url + "/v1/chat/completions", headers=H, json={"messages": "hello", "max_tokens": "many"})
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(server.url + "/v1/completions", headers=H, json={"prompt": "", "max_tokens": 3})
     assert r.status_code == 400
@@ -176,15 +188,20 @@ def _wait_idle(server, timeout=5.0):
 
 
 def _aborted(m: dict) -> float:
-    return sum(v for k, v in m.items()
-               if k.startswith("llmserve:request_success_total{") and 'finished_reason="abort"' in k)
+    return sum(
+        v for k, v in m.items() if k.startswith("llmserve:request_success_total{") and 'finished_reason="abort"' in k
+    )
 
 
 def test_disconnect_aborts(server):
     before = _aborted(_wait_idle(server))
     with httpx.Client(timeout=60) as c:
-        with c.stream("POST", server.url + "/v1/chat/completions", headers=H,
-                      json={"messages": Q, "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
+        with c.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            headers=H,
+            json={"messages": Q, "max_tokens": 500, "stream": True, "ignore_eos": True},
+        ) as r:
             # kept referenced: a dropped generator closes the connection early
             events = iter_sse(r.iter_bytes())
             for n, _ in enumerate(events, 1):
@@ -200,8 +217,12 @@ def test_disconnect_aborts(server):
     _wait_metric(server, _aborted, before + 1)
     # a non-streamed request whose client gives up (a read timeout closes the connection): aborted too
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/chat/completions", headers=H, timeout=1.0,
-                   json={"messages": Q, "max_tokens": 500, "ignore_eos": True})
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            headers=H,
+            timeout=1.0,
+            json={"messages": Q, "max_tokens": 500, "ignore_eos": True},
+        )
     _wait_idle(server, timeout=5.0)
     _wait_metric(server, _aborted, before + 2)
 
@@ -218,8 +239,13 @@ def test_fifty_concurrent_streams_and_counters(server):
 
     async def one(i, c: openai.AsyncOpenAI):
         stream = await c.chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": f"Count to {i % 7 + 2}."}],
-            max_tokens=8 + i % 5, temperature=0, stream=True, stream_options={"include_usage": True})
+            model="smol",
+            messages=[{"role": "user", "content": f"Count to {i % 7 + 2}."}],
+            max_tokens=8 + i % 5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         async for ch in stream:
             if ch.choices:
@@ -261,9 +287,11 @@ def test_ready_before_load_and_sigterm_drains():
 
         def call():
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-            r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=Q, max_tokens=40,
-                                          temperature=0, extra_body={"ignore_eos": True})
+            r = c.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=Q, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+            )
             results.append(r.usage.completion_tokens)
+
         threads = [threading.Thread(target=call) for _ in range(3)]
         for t in threads:
             t.start()

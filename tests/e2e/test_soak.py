@@ -7,6 +7,7 @@ RSS climbs for the first few hundred requests on CPU (the allocator meeting new 
 figure here, which the full run gives. This test holds RSS under the stated bound (weights + KV budget +
 runtime allowance) at every sample, and round 2 within 160 MiB of round 1, a coarse guard that a leak
 of about 1 MB per request would trip."""
+
 from __future__ import annotations
 
 import httpx
@@ -27,8 +28,9 @@ def _check(res: dict) -> None:
 
 
 def test_short_soak_loses_nothing_and_leaks_no_blocks():
-    srv = ServerProcess("--scheduling-policy", "priority", "--max-num-seqs", "16", "--max-model-len", "512",
-                        "--kv-cache-memory", "0.25")
+    srv = ServerProcess(
+        "--scheduling-policy", "priority", "--max-num-seqs", "16", "--max-model-len", "512", "--kv-cache-memory", "0.25"
+    )
     try:
         srv.wait_ready()
         first = run_soak(srv.url, srv.proc.pid, n=N, concurrency=16, seed=1)
@@ -37,7 +39,7 @@ def test_short_soak_loses_nothing_and_leaks_no_blocks():
         second = run_soak(srv.url, srv.proc.pid, n=N, concurrency=16, seed=2)
         print("soak, round 2:", second)
         _check(second)
-        bound = memory_bound(srv) / 2 ** 20
+        bound = memory_bound(srv) / 2**20
         assert max(first["rss_peak_mib"], second["rss_peak_mib"]) < bound, (bound, first, second)
         assert second["rss_peak_mib"] <= first["rss_peak_mib"] + 160, (first, second)
         assert httpx.get(srv.url + "/ready", timeout=5).status_code == 200

@@ -1,4 +1,5 @@
 """Structured output and tool calling through a real `llmserve serve` and the official openai client."""
+
 from __future__ import annotations
 
 import json
@@ -9,22 +10,44 @@ import pytest
 
 from tests.server_proc import ServerProcess
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 16},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Current time in a time zone",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
-                   "required": ["tz"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+            "required": ["tz"],
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 Q = [{"role": "user", "content": "What is the weather in Paris?"}]
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +67,19 @@ def _check_call(call):
 
 
 def test_tool_choice_required_round_trip(client):
-    r = client.chat.completions.create(model="x", messages=Q, tools=TOOLS, tool_choice="required",
-                                       temperature=0, max_tokens=60)
+    r = client.chat.completions.create(
+        model="x", messages=Q, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60
+    )
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert len(ch.message.tool_calls) == 1
     call = ch.message.tool_calls[0]
     _check_call(call)
     # the tool result goes back; the model answers
-    msgs = Q + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    msgs = Q + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+    ]
     r2 = client.chat.completions.create(model="x", messages=msgs, tools=TOOLS, temperature=0, max_tokens=16)
     m = r2.choices[0].message
     assert m.content or m.tool_calls
@@ -62,8 +88,14 @@ def test_tool_choice_required_round_trip(client):
 
 def test_named_tool_choice_streamed(client):
     stream = client.chat.completions.create(
-        model="x", messages=Q, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-        temperature=0, max_tokens=40, stream=True)
+        model="x",
+        messages=Q,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -83,36 +115,59 @@ def test_named_tool_choice_streamed(client):
 
 
 def test_tool_choice_none_and_bad_choices(client):
-    r = client.chat.completions.create(model="x", messages=Q, tools=TOOLS, tool_choice="none",
-                                       temperature=0, max_tokens=8)
+    r = client.chat.completions.create(
+        model="x", messages=Q, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model="x", messages=Q, tools=TOOLS, max_tokens=8,
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model="x",
+            messages=Q,
+            tools=TOOLS,
+            max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
 
 
 def test_response_format_json_schema_streamed_and_not(client):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "A person?"}],
-                                       response_format=rf, temperature=0, max_tokens=60)
+    r = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "A person?"}], response_format=rf, temperature=0, max_tokens=60
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
     text = ""
-    for chunk in client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Someone?"}],
-                                                response_format=rf, temperature=0.8, seed=1, max_tokens=60,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Someone?"}],
+        response_format=rf,
+        temperature=0.8,
+        seed=1,
+        max_tokens=60,
+        stream=True,
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
     jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_vllm_extras_and_bad_schema(client):
-    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Pick."}], max_tokens=10,
-                                       temperature=0, extra_body={"guided_choice": ["red", "blue"]})
+    r = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Pick."}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_choice": ["red", "blue"]},
+    )
     assert r.choices[0].message.content in ("red", "blue")
-    c = client.completions.create(model="x", prompt="Code:", max_tokens=10, temperature=0,
-                                  extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
+    c = client.completions.create(
+        model="x", prompt="Code:", max_tokens=10, temperature=0, extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"}
+    )
     assert len(c.choices[0].text) == 4
     with pytest.raises(openai.BadRequestError, match="response_format") as e:
-        client.chat.completions.create(model="x", messages=Q, max_tokens=8, response_format={
-            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}})
+        client.chat.completions.create(
+            model="x",
+            messages=Q,
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}},
+        )
     assert "objekt" in str(e.value)

@@ -6,6 +6,7 @@ A screenshot under load is saved as test-artifacts/web-page-under-load.png.
 `make test` installs Chromium from Debian (`make browser`). Without it the test fails, except when
 not root (apt unavailable), where it is skipped with a message.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ import pytest
 from tests.server_proc import ROOT, ServerProcess
 
 CHROMIUM = os.environ.get("LLMSERVE_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 KEY = "web-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
@@ -61,6 +70,7 @@ def server():
 def browser():
     _need_browser()
     from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         try:
@@ -85,9 +95,19 @@ def page(browser):
 def test_stats_endpoint_is_open_like_metrics(server):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     s = httpx.get(server.url + "/stats").json()
-    for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_hits",
-              "prefix_cache_queries", "num_preemptions", "generation_tokens", "ttft", "itl",
-              "process_cpu_seconds", "process_resident_memory_bytes"):
+    for k in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage",
+        "prefix_cache_hits",
+        "prefix_cache_queries",
+        "num_preemptions",
+        "generation_tokens",
+        "ttft",
+        "itl",
+        "process_cpu_seconds",
+        "process_resident_memory_bytes",
+    ):
         assert k in s, k
     for path in ("/", "/static/app.js", "/static/common.js", "/static/style.css"):
         assert httpx.get(server.url + path).status_code == 200, path
@@ -96,9 +116,17 @@ def test_stats_endpoint_is_open_like_metrics(server):
 def test_router_page_shows_backends_health_and_routing(browser):
     """`llmserve route`'s page, over two fake backends: health, load, where requests went and why."""
     from tests.server_proc import fake_backends, router_thread
-    with fake_backends("fake", "fake", itl=0.005) as (a, b), router_thread(
-            backends=[a.url, b.url], health_interval=0.2, unhealthy_threshold=1,
-            scrape_metrics=True, policy="least_outstanding") as r:
+
+    with (
+        fake_backends("fake", "fake", itl=0.005) as (a, b),
+        router_thread(
+            backends=[a.url, b.url],
+            health_interval=0.2,
+            unhealthy_threshold=1,
+            scrape_metrics=True,
+            policy="least_outstanding",
+        ) as r,
+    ):
         ctx = browser.new_context(viewport={"width": 1280, "height": 900})
         try:
             page = ctx.new_page()
@@ -106,24 +134,27 @@ def test_router_page_shows_backends_health_and_routing(browser):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(r.url + "/")
             rows = page.locator("#backends tbody tr")
-            page.wait_for_function("[...document.querySelectorAll('#backends tbody tr')]"
-                                   ".filter(r => r.textContent.includes('healthy')).length === 2",
-                                   timeout=20_000)
+            page.wait_for_function(
+                "[...document.querySelectorAll('#backends tbody tr')]"
+                ".filter(r => r.textContent.includes('healthy')).length === 2",
+                timeout=20_000,
+            )
             assert {a.url, b.url} == {rows.nth(i).locator("td").first.text_content() for i in range(2)}
-            page.wait_for_function("document.getElementById('conn').textContent === 'ready'",
-                                   timeout=20_000)
+            page.wait_for_function("document.getElementById('conn').textContent === 'ready'", timeout=20_000)
             page.get_by_label("Message", exact=True).fill("Hello router")
             page.get_by_label("Message", exact=True).press("Enter")
             page.wait_for_function(
-                "[...document.querySelectorAll('.msg.assistant')].pop()?.dataset.done === 'finished'",
-                timeout=30_000)
+                "[...document.querySelectorAll('.msg.assistant')].pop()?.dataset.done === 'finished'", timeout=30_000
+            )
             assert page.locator(".msg.assistant .text").last.text_content()
             page.locator("#recent tbody tr").first.wait_for(timeout=10_000)
             cells = page.locator("#recent tbody tr").first.locator("td").all_text_contents()
             assert cells[1] in (a.url, b.url) and cells[2] and cells[3] == "fake", cells
             b.stop()
-            page.wait_for_function("[...document.querySelectorAll('#backends tbody tr')]"
-                                   ".some(r => r.textContent.includes('down'))", timeout=20_000)
+            page.wait_for_function(
+                "[...document.querySelectorAll('#backends tbody tr')].some(r => r.textContent.includes('down'))",
+                timeout=20_000,
+            )
             os.makedirs(ARTIFACTS, exist_ok=True)
             page.screenshot(path=os.path.join(ARTIFACTS, "web-router-page.png"), full_page=True)
             assert not errors, errors
@@ -148,8 +179,10 @@ def _running(server) -> float:
 
 def test_chat_streams_and_stop_aborts_on_server(server, page):
     _open(page, server)
-    assert page.locator("#model").input_value() == httpx.get(
-        server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    assert (
+        page.locator("#model").input_value()
+        == httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    )
     page.get_by_text("Settings").click()
     page.get_by_label("Max tokens", exact=True).fill("1000")
     page.get_by_label("Ignore end of text", exact=True).check()
@@ -162,11 +195,13 @@ def test_chat_streams_and_stop_aborts_on_server(server, page):
     # streamed: the text appears, then grows while the request is still running
     page.wait_for_function(
         "(() => { const t = [...document.querySelectorAll('.msg.assistant .text')].pop();"
-        " return t && t.textContent.length >= 10; })()", timeout=60_000)
+        " return t && t.textContent.length >= 10; })()",
+        timeout=60_000,
+    )
     first = len(answer.text_content())
     page.wait_for_function(
-        f"[...document.querySelectorAll('.msg.assistant .text')].pop().textContent.length > {first}",
-        timeout=30_000)
+        f"[...document.querySelectorAll('.msg.assistant .text')].pop().textContent.length > {first}", timeout=30_000
+    )
     assert _running(server) == 1
     assert page.locator(".msg.assistant.streaming").count() == 1
     expect_ttft = page.locator(".msg.assistant .fig-TTFT").last
@@ -175,8 +210,7 @@ def test_chat_streams_and_stop_aborts_on_server(server, page):
     page.get_by_role("button", name="Stop").click()
     page.locator(".msg.assistant[data-done=stopped]").wait_for(timeout=10_000)
     _until(lambda: _running(server) == 0, 15, "the server's running count to drop to 0")
-    page.wait_for_function("document.getElementById('stat-requests-running').textContent === '0'",
-                           timeout=10_000)
+    page.wait_for_function("document.getElementById('stat-requests-running').textContent === '0'", timeout=10_000)
     assert page.get_by_role("button", name="Send").is_enabled()
     assert page.get_by_role("button", name="Stop").is_disabled()
     tokens = int(page.locator(".msg.assistant .fig-tokens").last.text_content().split()[-1])
@@ -193,6 +227,7 @@ def test_reasoning_is_shown_folded(server, page):
         body = json.loads(route.request.post_data)
         body.update(temperature=0, guided_regex="<think>[a-z ]{5,40}</think>[A-Za-z ]{5,40}[.]")
         route.continue_(post_data=json.dumps(body))
+
     page.route("**/v1/chat/completions", think)
     page.get_by_label("Message", exact=True).fill("What is two plus two?")
     page.get_by_label("Message", exact=True).press("Enter")
@@ -210,9 +245,15 @@ def test_reasoning_is_shown_folded(server, page):
 def _load(server, stop: threading.Event, counts: list[int]):
     with httpx.Client(timeout=60, headers=AUTH) as c:
         while not stop.is_set():
-            r = c.post(server.url + "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "Write a haiku about servers."}],
-                "max_tokens": 24, "ignore_eos": True, "temperature": 0.7})
+            r = c.post(
+                server.url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Write a haiku about servers."}],
+                    "max_tokens": 24,
+                    "ignore_eos": True,
+                    "temperature": 0.7,
+                },
+            )
             r.raise_for_status()
             counts.append(r.json()["usage"]["completion_tokens"])
 
@@ -222,8 +263,9 @@ def test_dashboard_moves_under_load_and_screenshot(server, page):
     page.wait_for_function("document.getElementById('stat-memory').textContent !== '–'", timeout=10_000)
 
     def dash():
-        return page.evaluate("Object.fromEntries([...document.querySelectorAll('[id^=stat-]')]"
-                             ".map(e => [e.id, e.textContent]))")
+        return page.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('[id^=stat-]')].map(e => [e.id, e.textContent]))"
+        )
 
     before = dash()
     stop, counts = threading.Event(), []
@@ -232,16 +274,22 @@ def test_dashboard_moves_under_load_and_screenshot(server, page):
         t.start()
     try:
         page.wait_for_function(
-            "Number(document.getElementById('stat-requests-running').textContent) >= 1", timeout=30_000)
-        page.wait_for_function(
-            "Number(document.getElementById('stat-tokens-per-s').textContent) > 0", timeout=30_000)
+            "Number(document.getElementById('stat-requests-running').textContent) >= 1", timeout=30_000
+        )
+        page.wait_for_function("Number(document.getElementById('stat-tokens-per-s').textContent) > 0", timeout=30_000)
         # a request finishes under load: TTFT and ITL percentiles appear
         page.wait_for_function(
             "document.getElementById('stat-ttft-p50').textContent.endsWith('ms')"
-            " && document.getElementById('stat-itl-p99').textContent.endsWith('ms')", timeout=60_000)
+            " && document.getElementById('stat-itl-p99').textContent.endsWith('ms')",
+            timeout=60_000,
+        )
         seen = set()
-        _until(lambda: seen.add(page.locator("#stat-tokens-per-s").text_content()) or len(seen) >= 3,
-               30, "tokens/s to change over time", interval=0.5)
+        _until(
+            lambda: seen.add(page.locator("#stat-tokens-per-s").text_content()) or len(seen) >= 3,
+            30,
+            "tokens/s to change over time",
+            interval=0.5,
+        )
         after = dash()
         changed = {k for k in before if before[k] != after.get(k)}
         assert "stat-tokens-per-s" in changed, (before, after)
@@ -253,9 +301,9 @@ def test_dashboard_moves_under_load_and_screenshot(server, page):
         page.get_by_label("Message", exact=True).fill("Hello!")
         page.get_by_role("button", name="Send").click()
         page.wait_for_function(
-            "[...document.querySelectorAll('.msg.assistant')].pop()?.dataset.done === 'finished'",
-            timeout=90_000)
-        page.wait_for_timeout(1100)   # one more dashboard tick with the load still on
+            "[...document.querySelectorAll('.msg.assistant')].pop()?.dataset.done === 'finished'", timeout=90_000
+        )
+        page.wait_for_timeout(1100)  # one more dashboard tick with the load still on
         os.makedirs(ARTIFACTS, exist_ok=True)
         page.screenshot(path=os.path.join(ARTIFACTS, "web-page-under-load.png"), full_page=True)
     finally:
@@ -275,7 +323,8 @@ def test_narrow_screen_and_keyboard(server, browser):
         # every form control has a label
         unlabeled = page.evaluate(
             "[...document.querySelectorAll('input, select, textarea')]"
-            ".filter(e => !e.labels || e.labels.length === 0).map(e => e.id)")
+            ".filter(e => !e.labels || e.labels.length === 0).map(e => e.id)"
+        )
         assert unlabeled == []
         # keyboard: Tab reaches the message box and the Send button
         reached = set()

@@ -6,6 +6,7 @@
 - urllib and requests write the whole body before they read the answer: a server that answers 413 and
   closes while the body is still arriving resets the connection, and the client never sees the 413.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,10 +63,12 @@ def _stripping_reader(reads: list[bytes]) -> tuple[int, str]:
 async def _streams(url: str, n: int) -> list[list[bytes]]:
     """n concurrent streamed completions; each one's network reads as they came."""
     async with httpx.AsyncClient(timeout=120) as client:
+
         async def one() -> list[bytes]:
             async with client.stream("POST", url + "/v1/completions", json=PROMPT) as r:
                 assert r.status_code == 200
                 return [chunk async for chunk in r.aiter_raw()]
+
         return await asyncio.gather(*(one() for _ in range(n)))
 
 
@@ -120,21 +123,28 @@ def _raw_post(url: str, head: str, body_parts: list[bytes]) -> bytes:
 
 def test_oversize_body_written_whole_first_gets_the_413(server):
     big = json.dumps({"prompt": "x" * (10 * 1024 * 1024), "max_tokens": 1}).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=big,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(server.url + "/v1/completions", data=big, headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == 413
     assert json.loads(e.value.read())["error"]["code"] == "request_too_large"
 
     # the same through a raw socket, body declared and body chunked (its size unknown until it is read)
-    answer = _raw_post(server.url, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                                   f"\r\nContent-Length: {len(big)}\r\n\r\n", [big])
+    answer = _raw_post(
+        server.url,
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(big)}\r\n\r\n",
+        [big],
+    )
     assert answer.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in answer
     mib = b"x" * (1024 * 1024)
     chunks = [b"%x\r\n%s\r\n" % (len(mib), mib)] * 3 + [b"0\r\n\r\n"]
-    answer = _raw_post(server.url, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                                   "\r\nTransfer-Encoding: chunked\r\n\r\n", chunks)
+    answer = _raw_post(
+        server.url,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        "\r\nTransfer-Encoding: chunked\r\n\r\n",
+        chunks,
+    )
     assert answer.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in answer
     # and the server still serves
     r = httpx.post(server.url + "/v1/completions", json={**PROMPT, "stream": False}, timeout=60)
@@ -145,11 +155,17 @@ def test_chat_stream_opens_with_its_first_token(server):
     """vLLM sends the assistant-role chunk with the first token, and `vllm bench serve` times the first
     token from the first chunk: a role chunk sent as the request is queued would fake the TTFT. With one
     running request at a time, the second stream's first chunk comes after the first stream's last."""
-    chat = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 24, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    chat = {
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
+
             async def one(delay: float) -> list[tuple[float, dict]]:
                 await asyncio.sleep(delay)
                 got = []
@@ -158,6 +174,7 @@ def test_chat_stream_opens_with_its_first_token(server):
                         if line.startswith("data: {"):
                             got.append((time.monotonic(), json.loads(line[6:])))
                 return got
+
             return await asyncio.gather(one(0), one(0.2))
 
     first, second = asyncio.run(main())

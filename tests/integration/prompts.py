@@ -1,4 +1,5 @@
 """Prompts for the parity tests: chat prompts of mixed lengths, one longer than the token budget."""
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,8 @@ def long_document(chars: int = 2400) -> str:
 
 def chat_messages() -> list[list[dict]]:
     convs = [[{"role": "user", "content": c}] for c in CHATS]
-    convs.append([{"role": "system", "content": "You are a terse assistant."},
-                  {"role": "user", "content": long_document(1200)}])
+    convs.append(
+        [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": long_document(1200)}]
+    )
     convs.append([{"role": "user", "content": long_document(2400)}])
     return convs

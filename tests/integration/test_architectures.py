@@ -1,6 +1,7 @@
 """Every supported architecture on a tiny random checkpoint written by transformers (config class +
 save_pretrained, no hub): llmserve's greedy tokens equal transformers' (eager attention, float32),
 batched and alone, with chunked prefill and prefix caching on; prompts outgrow the sliding windows."""
+
 from __future__ import annotations
 
 import json
@@ -11,36 +12,83 @@ import torch
 from llmserve import LLM, SamplingParams
 
 VOCAB, MAX_TOKENS = 49152, 12
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.15,
+)
 
 
 def _configs():
     import transformers as T
+
     moe = dict(num_experts_per_tok=2)
     return {
-        "llama3-rope": (T.LlamaConfig, dict(rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
+        "llama3-rope": (
+            T.LlamaConfig,
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "rope_theta": 10000.0,
+                }
+            ),
+        ),
         "mistral-sliding": (T.MistralConfig, dict(sliding_window=24, head_dim=16)),
         "qwen3": (T.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
         "phi3": (T.Phi3Config, dict()),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
-        "qwen3-moe": (T.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=48, head_dim=16,
-                                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-                                             **moe)),
-        "qwen3-moe-unnormed": (T.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=48, head_dim=16,
-                                                      norm_topk_prob=False, **moe)),
-        "gemma2": (T.Gemma2Config, dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
-                                        layer_types=["sliding_attention", "full_attention"],
-                                        attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
-        "gemma3": (T.Gemma3TextConfig, dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
-                                            layer_types=["sliding_attention", "full_attention"],
-                                            rope_parameters={
-                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                                   "rope_theta": 1000000.0}})),
+        "qwen3-moe": (
+            T.Qwen3MoeConfig,
+            dict(
+                num_experts=4,
+                moe_intermediate_size=48,
+                head_dim=16,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+                **moe,
+            ),
+        ),
+        "qwen3-moe-unnormed": (
+            T.Qwen3MoeConfig,
+            dict(num_experts=4, moe_intermediate_size=48, head_dim=16, norm_topk_prob=False, **moe),
+        ),
+        "gemma2": (
+            T.Gemma2Config,
+            dict(
+                head_dim=16,
+                sliding_window=24,
+                query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"],
+                attn_logit_softcapping=0.5,
+                final_logit_softcapping=2.0,
+            ),
+        ),
+        "gemma3": (
+            T.Gemma3TextConfig,
+            dict(
+                head_dim=16,
+                sliding_window=24,
+                query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                },
+            ),
+        ),
     }
 
 
@@ -50,10 +98,12 @@ ARCHS = list(_configs())
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()
-    return [torch.randint(3, VOCAB, (5,), generator=g).tolist(),
-            shared + torch.randint(3, VOCAB, (9,), generator=g).tolist(),     # longer than the token budget
-            shared + torch.randint(3, VOCAB, (3,), generator=g).tolist(),     # the same prefix: cached blocks
-            torch.randint(3, VOCAB, (21,), generator=g).tolist()]
+    return [
+        torch.randint(3, VOCAB, (5,), generator=g).tolist(),
+        shared + torch.randint(3, VOCAB, (9,), generator=g).tolist(),  # longer than the token budget
+        shared + torch.randint(3, VOCAB, (3,), generator=g).tolist(),  # the same prefix: cached blocks
+        torch.randint(3, VOCAB, (21,), generator=g).tolist(),
+    ]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -61,11 +111,12 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
     import transformers
 
     from llmserve.tokenizer import Tokenizer
+
     cls, extra = _configs()[request.param]
     cfg = cls(**{**SMALL, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():   # norms away from their initial ones (and zeros, Gemma's), so that mistakes show
+    with torch.no_grad():  # norms away from their initial ones (and zeros, Gemma's), so that mistakes show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if cls in (transformers.Gemma2Config, transformers.Gemma3TextConfig) else 1.0, 0.3)
@@ -74,8 +125,12 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
     Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(d)
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
     with torch.inference_mode():
-        want = [ref.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in _prompts()]
+        want = [
+            ref.generate(
+                torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in _prompts()
+        ]
         first = _prompts()[0]
         logprob = ref(torch.tensor([first])).logits[0, -1].float().log_softmax(-1)[want[0][0]].item()
     return request.param, d, want, logprob
@@ -105,12 +160,15 @@ def test_quantized_new_layers_run(checkpoint, mode):
     quantized): every token comes back."""
     if checkpoint[0] not in ("qwen3", "phi3", "mixtral", "gemma2"):
         pytest.skip("one of each kind of layer is enough")
-    llm = LLM(model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode,
-              num_threads=2)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(
+        model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode, num_threads=2
+    )
+    outs = llm.generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
     from llmserve.model.quant import QuantLinear
+
     layer = llm.engine.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
     if checkpoint[0] == "mixtral":
@@ -124,6 +182,7 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     from safetensors.torch import load_file
 
     from llmserve.model.loader import GGUF_ARCHS
+
     cfg = json.loads((folder / "config.json").read_text())
     w = GGUFWriter(path, arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -142,7 +201,7 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     names = {v: k for k, v in GGUF_ARCHS[arch].names.items()}
     layer_names = {v: k for k, v in GGUF_ARCHS[arch].layer_names.items()}
     for name, t in load_file(folder / "model.safetensors").items():
-        if name not in names:   # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
+        if name not in names:  # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
             parts = name.split(".")
             names[name] = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
         w.add_tensor(names[name], t.numpy().astype(np.float32))
@@ -178,9 +237,12 @@ def test_longrope_is_refused_clearly():
     import transformers
 
     from llmserve.model.llama import LlamaModel, ModelConfig
-    cfg = transformers.Phi3Config(**{**SMALL, "max_position_embeddings": 512}, original_max_position_embeddings=256,
-                                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                                "long_factor": [2.0] * 8})
+
+    cfg = transformers.Phi3Config(
+        **{**SMALL, "max_position_embeddings": 512},
+        original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    )
     with pytest.raises(ValueError, match="longrope"):
         LlamaModel(ModelConfig.from_hf(cfg))
 
@@ -190,9 +252,12 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
 
     from llmserve.model.llama import ModelConfig
     from llmserve.model.parallel import plan_heads
+
     base = ModelConfig("LlamaForCausalLM", 100, 128, 256, 2, 4, 2, 32, 1e-5, 1e4, 128, False)
     assert len(plan_heads(base, 2)) == 2
-    for cfg in (dataclasses.replace(base, architecture="MixtralForCausalLM", num_experts=4),
-                dataclasses.replace(base, architecture="Phi3ForCausalLM")):
+    for cfg in (
+        dataclasses.replace(base, architecture="MixtralForCausalLM", num_experts=4),
+        dataclasses.replace(base, architecture="Phi3ForCausalLM"),
+    ):
         with pytest.raises(ValueError, match="not split yet"):
             plan_heads(cfg, 2)

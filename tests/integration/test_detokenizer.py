@@ -1,4 +1,5 @@
 """Incremental detokenization: byte-correct UTF-8, stop strings across token boundaries."""
+
 from __future__ import annotations
 
 import pytest

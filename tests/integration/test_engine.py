@@ -1,4 +1,5 @@
 """Engine behaviour with the real bundled model: continuous batching, seeds, bad input, n, stops."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,10 @@ def test_new_request_joins_running_batch(llm):
         while eng.has_unfinished_requests():
             step += 1
             if step == 5:
-                late = eng.add_request(chat_ids(llm, "Write a long poem about the sea and the wind. " * 8),
-                                       SamplingParams(temperature=0, max_tokens=5))
+                late = eng.add_request(
+                    chat_ids(llm, "Write a long poem about the sea and the wind. " * 8),
+                    SamplingParams(temperature=0, max_tokens=5),
+                )
             for out in eng.step():
                 if out.outputs[0].delta_token_ids:
                     first_token.setdefault(out.request_id, step)
@@ -58,16 +61,23 @@ def test_seeded_request_same_alone_and_in_batch(llm):
     assert again == alone
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda llm: llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False), "prompt"),
-    (lambda llm: llm.generate([[1] * (llm.engine.max_model_len + 5)], SamplingParams(max_tokens=4),
-                              use_tqdm=False), "prompt"),
-    (lambda llm: SamplingParams(max_tokens=0), "max_tokens"),
-    (lambda llm: SamplingParams(top_p=0.0), "top_p"),
-    (lambda llm: SamplingParams(top_p=1.5), "top_p"),
-    (lambda llm: SamplingParams(temperature=-0.5), "temperature"),
-    (lambda llm: llm.generate([[10 ** 9]], SamplingParams(max_tokens=4), use_tqdm=False), "prompt"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda llm: llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False), "prompt"),
+        (
+            lambda llm: llm.generate(
+                [[1] * (llm.engine.max_model_len + 5)], SamplingParams(max_tokens=4), use_tqdm=False
+            ),
+            "prompt",
+        ),
+        (lambda llm: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda llm: SamplingParams(top_p=0.0), "top_p"),
+        (lambda llm: SamplingParams(top_p=1.5), "top_p"),
+        (lambda llm: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda llm: llm.generate([[10**9]], SamplingParams(max_tokens=4), use_tqdm=False), "prompt"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(llm, make, field):
     with pytest.raises(ValueError) as e:
         make(llm)
@@ -80,6 +90,7 @@ def test_bad_input_is_a_clear_value_error(llm, make, field):
 
 def test_unknown_model_path():
     from llmserve import LLM
+
     with pytest.raises(ValueError) as e:
         LLM(model="/nonexistent/model/dir")
     assert str(e.value).startswith("model")
@@ -99,21 +110,24 @@ def test_n_stop_logprobs_and_finish_reasons(llm):
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
     words = greedy.text.split()
     stop = words[2]
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False)[0].outputs[
+        0
+    ]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    assert cut.text == greedy.text[:greedy.text.index(stop)]
+    assert cut.text == greedy.text[: greedy.text.index(stop)]
     lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0].outputs[0]
     assert len(lp.logprobs) == 5
     for tok, entry in zip(lp.token_ids, lp.logprobs):
         assert entry.token_id == tok and entry.logprob <= 0
-        assert entry.top[0].token_id == tok     # greedy picks the most likely token
+        assert entry.top[0].token_id == tok  # greedy picks the most likely token
     stop_tok = greedy.token_ids[3]
-    st = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok]),
-                      use_tqdm=False)[0].outputs[0]
+    st = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok]), use_tqdm=False
+    )[0].outputs[0]
     assert st.finish_reason == "stop" and st.stop_reason == stop_tok and st.token_ids == greedy.token_ids[:4]
-    mt = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, min_tokens=29, ignore_eos=False),
-                      use_tqdm=False)[0].outputs[0]
+    mt = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, min_tokens=29, ignore_eos=False), use_tqdm=False
+    )[0].outputs[0]
     assert len(mt.token_ids) >= 29
 
 
@@ -131,6 +145,7 @@ def test_abort_frees_blocks(llm):
 
 def test_full_queue_raises_typed_error_engine_keeps_serving(llm):
     from llmserve.engine.scheduler import QueueFullError
+
     eng = llm.engine
     seqs = eng.scheduler.max_num_seqs
     eng.scheduler.max_queued_requests, eng.scheduler.max_num_seqs = 1, 1

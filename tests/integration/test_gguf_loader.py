@@ -1,6 +1,7 @@
 """GGUF files served as they come: greedy parity with transformers loading the same file (Q8_0 and a
 Q4_K_M-like mix of K-quants), the file's blocks kept (never rounded twice, no float32 copy, nothing
 written to the cache), and the refusals (truncated, corrupt, unknown type or architecture, too big)."""
+
 from __future__ import annotations
 
 import os
@@ -20,13 +21,15 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf")
-    return {"mixed": write_tiny_gguf(str(d / "mixed" / "tiny.gguf"), MIXED),
-            "q8_0": write_tiny_gguf(str(d / "q8" / "tiny.gguf"), Q8, tied=True, seed=1)}
+    return {
+        "mixed": write_tiny_gguf(str(d / "mixed" / "tiny.gguf"), MIXED),
+        "q8_0": write_tiny_gguf(str(d / "q8" / "tiny.gguf"), Q8, tied=True, seed=1),
+    }
 
 
 def _prompts(vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(7)
-    return [rng.integers(3, vocab, n).tolist() for n in (5, 23, 90)]   # 90 > the token budget: chunked
+    return [rng.integers(3, vocab, n).tolist() for n in (5, 23, 90)]  # 90 > the token budget: chunked
 
 
 def _strip_eos(ids):
@@ -38,22 +41,25 @@ def test_greedy_matches_transformers_on_the_same_gguf(files, kind, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from llmserve.model import loader
+
     monkeypatch.setattr(loader, "gguf_as_hf_folder", lambda *a: pytest.fail("a float32 folder was written"))
     path = files[kind]
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
+    ).eval()
     llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=64)
     model = llm.engine.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear) and model.layers[0].self_attn.qkv_proj.exact
     assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
-    assert all("norm" in n for n, _ in model.named_parameters())   # no float weights but the norms
+    assert all("norm" in n for n, _ in model.named_parameters())  # no float weights but the norms
     prompts = _prompts(model.cfg.vocab_size)
     refs = []
     with torch.inference_mode():
         for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=2, pad_token_id=2)
-            refs.append(out[0, len(ids):].tolist())
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=2
+            )
+            refs.append(out[0, len(ids) :].tolist())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -79,7 +85,8 @@ def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
     ids = torch.tensor([3, 500, q.cfg.vocab_size - 1])
     assert torch.equal(q.embed_tokens(ids), exact.embed_tokens(ids))
     out = LLM(model=path, quantization=mode, kv_cache_memory=0.05).generate(
-        [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+        [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) >= 1
 
 
@@ -103,7 +110,7 @@ def test_truncated_gguf_refused(files, tmp_path):
 def test_corrupt_gguf_refused(files, tmp_path):
     bad = str(tmp_path / "bad.gguf")
     shutil.copy(files["q8_0"], bad)
-    with open(bad, "r+b") as f:   # the tensor count and the first key's length: nonsense sizes
+    with open(bad, "r+b") as f:  # the tensor count and the first key's length: nonsense sizes
         f.seek(8)
         f.write(b"\xff" * 24)
     _refused(bad, "truncated or corrupt")
@@ -113,12 +120,14 @@ def test_unknown_quant_type_refused(tmp_path):
     from gguf import GGMLQuantizationType
 
     import tests.gguf_files as gf
+
     real = gf._weight
 
     def with_q2k(name, qtype, rows, cols, rng):
         if qtype == "Q2_K":
             return np.zeros((rows, cols // 256 * 84), np.uint8)
         return real(name, qtype, rows, cols, rng)
+
     gf._weight = with_q2k
     try:
         path = gf.write_tiny_gguf(str(tmp_path / "q2k.gguf"), {**Q8, "ffn_up": "Q2_K"})

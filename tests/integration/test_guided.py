@@ -1,6 +1,7 @@
 """Guided decoding with the bundled model: JSON schemas, json_object, choices, regexes and EBNF are
 obeyed (streamed or not), bad schemas are ValueErrors naming the field, and constrained requests do
 not change the greedy output of the free requests batched with them."""
+
 from __future__ import annotations
 
 import json
@@ -13,45 +14,118 @@ from llmserve import SamplingParams
 
 S = {"type": "string", "maxLength": 12}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
+    {
+        "type": "object",
+        "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+    },
     {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
-    {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -10, "maximum": 10},
-        "y": {"type": "integer", "minimum": -10, "maximum": 10}},
-        "required": ["x", "y"]}}, "required": ["point"]},
-    {"type": "object", "properties": {"city": S, "country": {"enum": ["FR", "DE", "US"]}},
-     "required": ["city", "country"]},
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -10, "maximum": 10},
+                    "y": {"type": "integer", "minimum": -10, "maximum": 10},
+                },
+                "required": ["x", "y"],
+            }
+        },
+        "required": ["point"],
+    },
+    {
+        "type": "object",
+        "properties": {"city": S, "country": {"enum": ["FR", "DE", "US"]}},
+        "required": ["city", "country"],
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"level": {"type": "string", "enum": ["low", "mid", "high"]},
-                                      "score": {"type": "integer", "minimum": 0, "maximum": 100}},
-     "required": ["level", "score"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 999}, "admin": {"type": "boolean"}},
-        "required": ["id", "admin"]}}, "required": ["user"]},
+    {
+        "type": "object",
+        "properties": {
+            "level": {"type": "string", "enum": ["low", "mid", "high"]},
+            "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["level", "score"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999}, "admin": {"type": "boolean"}},
+                "required": ["id", "admin"],
+            }
+        },
+        "required": ["user"],
+    },
     {"type": "object", "properties": {"title": S, "done": {"type": "boolean"}}, "required": ["title", "done"]},
     {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"]},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}},
-     "required": ["items"]},
-    {"type": "object", "properties": {"lang": {"enum": ["python", "rust", "go"]}, "year": {
-        "type": "integer", "minimum": 1990, "maximum": 2030}}, "required": ["lang", "year"]},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
-        "c": {"enum": [1, 2, 3]}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["n"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "lang": {"enum": ["python", "rust", "go"]},
+            "year": {"type": "integer", "minimum": 1990, "maximum": 2030},
+        },
+        "required": ["lang", "year"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "object", "properties": {"c": {"enum": [1, 2, 3]}}, "required": ["c"]}},
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
     {"type": "object", "properties": {"first": S, "last": S}, "required": ["first", "last"]},
-    {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]}, "qty": {
-        "type": "integer", "minimum": 1, "maximum": 5}}, "required": ["size", "qty"]},
-    {"type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
-     "required": ["flags"]},
-    {"type": "object", "properties": {"status": {"const": "ok"}, "code": {"type": "integer", "minimum": 200,
-                                                                         "maximum": 599}},
-     "required": ["status", "code"]},
+    {
+        "type": "object",
+        "properties": {"size": {"enum": ["S", "M", "L"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["size", "qty"],
+    },
+    {
+        "type": "object",
+        "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+        "required": ["flags"],
+    },
+    {
+        "type": "object",
+        "properties": {"status": {"const": "ok"}, "code": {"type": "integer", "minimum": 200, "maximum": 599}},
+        "required": ["status", "code"],
+    },
     {"type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{1,8}$"}}, "required": ["word"]},
-    {"type": "object", "properties": {"pair": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 2,
-                                               "maxItems": 2}, "note": S}, "required": ["pair", "note"]},
+    {
+        "type": "object",
+        "properties": {
+            "pair": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 2, "maxItems": 2},
+            "note": S,
+        },
+        "required": ["pair", "note"],
+    },
 ]
 assert len(SCHEMAS) == 20
 
@@ -99,13 +173,15 @@ def test_streamed_json_schema_validates(llm):
 def test_json_object_choice_regex_grammar(llm):
     p = _encode(llm, [{"role": "user", "content": "Is the sky blue? Answer."}])
     choices = ["yes", "no", "it depends"]
-    params = [SamplingParams(temperature=0, max_tokens=MAX, guided_json_object=True),
-              SamplingParams(temperature=0, max_tokens=20, guided_choice=choices),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=20, guided_choice=choices),
-              SamplingParams(temperature=0, max_tokens=20, guided_regex=r"[0-9]{3}-[a-z]{2,4}"),
-              SamplingParams(temperature=0, max_tokens=20, guided_grammar='root ::= "ans: " ("A" | "B" | "C") "."')]
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX, guided_json_object=True),
+        SamplingParams(temperature=0, max_tokens=20, guided_choice=choices),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=20, guided_choice=choices),
+        SamplingParams(temperature=0, max_tokens=20, guided_regex=r"[0-9]{3}-[a-z]{2,4}"),
+        SamplingParams(temperature=0, max_tokens=20, guided_grammar='root ::= "ans: " ("A" | "B" | "C") "."'),
+    ]
     o = [x.outputs[0] for x in llm.generate([p] * len(params), params, use_tqdm=False)]
-    if o[0].finish_reason == "stop":       # a free-form object may run to max_tokens; then a prefix
+    if o[0].finish_reason == "stop":  # a free-form object may run to max_tokens; then a prefix
         assert isinstance(json.loads(o[0].text), dict)
     else:
         assert o[0].text.startswith("{")
@@ -116,8 +192,10 @@ def test_json_object_choice_regex_grammar(llm):
 
 
 def test_mixed_batch_free_requests_unchanged(llm):
-    free = [_encode(llm, [{"role": "user", "content": t}]) for t in
-            ("What is a hash table?", "Name three colors.", "Write a haiku about rain.")]
+    free = [
+        _encode(llm, [{"role": "user", "content": t}])
+        for t in ("What is a hash table?", "Name three colors.", "Write a haiku about rain.")
+    ]
     fp = SamplingParams(temperature=0, max_tokens=24)
     alone = [o.outputs[0].token_ids for o in llm.generate(free, fp, use_tqdm=False)]
     prompts, params = [], []
@@ -128,13 +206,16 @@ def test_mixed_batch_free_requests_unchanged(llm):
     assert [outs[2 * i].outputs[0].token_ids for i in range(len(free))] == alone
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"guided_json": {"type": "objekt"}}, "response_format"),
-    ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "response_format"),
-    ({"guided_json": "{not json"}, "response_format"),
-    ({"guided_regex": "([a-z"}, "guided_regex"),
-    ({"guided_grammar": "root ::= ("}, "guided_grammar"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"guided_json": {"type": "objekt"}}, "response_format"),
+        ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "response_format"),
+        ({"guided_json": "{not json"}, "response_format"),
+        ({"guided_regex": "([a-z"}, "guided_regex"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ],
+)
 def test_bad_constraints_are_value_errors(llm, kw, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         llm.generate("hi", SamplingParams(max_tokens=4, **kw), use_tqdm=False)

@@ -1,5 +1,6 @@
 """LLM.generate takes the prompt forms code moving from vLLM passes: text, token ids, and vLLM's
 TextPrompt / TokensPrompt dicts ({"prompt": ...}, {"prompt_token_ids": ...}), alone or in a list."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,14 +21,17 @@ def test_prompt_dicts_equal_plain_prompts(llm):
     assert len(one) == 1 and one[0].outputs[0].token_ids == want
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
-    ({}, "exactly one"),
-    ({"prompt": "a", "multi_modal_data": {}}, "multi_modal_data"),
-    ({"prompt": 5}, "'prompt' must be a string"),
-    ({"prompt_token_ids": "1 2"}, "list of token ids"),
-    (3.5, "float"),
-])
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+        ({}, "exactly one"),
+        ({"prompt": "a", "multi_modal_data": {}}, "multi_modal_data"),
+        ({"prompt": 5}, "'prompt' must be a string"),
+        ({"prompt_token_ids": "1 2"}, "list of token ids"),
+        (3.5, "float"),
+    ],
+)
 def test_bad_prompt_dicts_are_refused_before_anything_runs(llm, prompt, words):
     with pytest.raises(ValueError, match=words):
         llm.generate(["fine", prompt], GREEDY, use_tqdm=False)

@@ -1,6 +1,7 @@
 """LoRA adapters (`enable_lora`): greedy output with an adapter equals PEFT's on transformers, alone and
 batched with base-model requests and with another adapter; the prefix cache never mixes adapters; float
 and quantized base weights; bad adapters fail clearly; unloading frees the adapter."""
+
 from __future__ import annotations
 
 import gc
@@ -22,29 +23,47 @@ def lora_setup(tmp_path_factory, bundled_gguf):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmserve.tokenizer import Tokenizer
+
     root = tmp_path_factory.mktemp("lora")
     base_dir = root / "base"
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, rope_theta=10000.0, initializer_range=0.2,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(base_dir)
     tok = Tokenizer(bundled_gguf, gguf=True)
     tok.hf.save_pretrained(base_dir)
     adapters = {
-        "all7": LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj"]),
-        "qv_down": LoraConfig(r=4, lora_alpha=8, use_rslora=True, init_lora_weights=False,
-                              target_modules=["q_proj", "v_proj", "down_proj"]),
+        "all7": LoraConfig(
+            r=8,
+            lora_alpha=16,
+            init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+        "qv_down": LoraConfig(
+            r=4,
+            lora_alpha=8,
+            use_rslora=True,
+            init_lora_weights=False,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        ),
     }
     for i, (name, lc) in enumerate(adapters.items()):
         torch.manual_seed(10 + i)
         peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), lc)
         peft_model.save_pretrained(root / name)
-    prompts = [tok.encode(t) for t in ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4,
-                                        "1 2 3 4 5"]]
+    prompts = [tok.encode(t) for t in ["Hello world", "The quick brown fox jumps over the lazy dog. " * 4, "1 2 3 4 5"]]
     refs = {}
     with torch.inference_mode():
         base = LlamaForCausalLM.from_pretrained(base_dir).eval()
@@ -58,17 +77,22 @@ def lora_setup(tmp_path_factory, bundled_gguf):
 
 
 def _hf_greedy(model, ids):
-    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                         min_new_tokens=MAX_TOKENS, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        input_ids=torch.tensor([ids]),
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        min_new_tokens=MAX_TOKENS,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def _llm(setup, **kw):
     from llmserve import LLM
+
     root = setup["root"]
     kw.setdefault("lora_modules", [f"all7={root / 'all7'}", f"qv_down={root / 'qv_down'}"])
-    return LLM(model=setup["base"], kv_cache_memory=0.05, max_num_batched_tokens=64, max_loras=3,
-               max_lora_rank=8, **kw)
+    return LLM(model=setup["base"], kv_cache_memory=0.05, max_num_batched_tokens=64, max_loras=3, max_lora_rank=8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +102,13 @@ def lora_llm(lora_setup):
 
 def _gen(llm, prompts, loras):
     from llmserve import SamplingParams
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False, lora_request=loras)
+
+    outs = llm.generate(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=loras,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -92,6 +121,7 @@ def test_adapter_alone_matches_peft(lora_setup, lora_llm):
 
 def test_adapters_batched_with_base_and_each_other(lora_setup, lora_llm):
     from llmserve import LoRARequest
+
     prompts, refs = lora_setup["prompts"], lora_setup["refs"]
     batch, loras, want = [], [], []
     for i, p in enumerate(prompts):
@@ -109,7 +139,7 @@ def test_prefix_cache_never_shared_across_adapters(lora_setup, lora_llm):
     for name in (None, "all7", "qv_down", "all7"):
         hits = kv.prefix_cache_hits
         assert _gen(lora_llm, [p], [name]) == [refs[name][1]], name
-    assert kv.prefix_cache_hits > hits   # the second all7 run reused all7's own blocks
+    assert kv.prefix_cache_hits > hits  # the second all7 run reused all7's own blocks
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -154,6 +184,7 @@ def _write_adapter(src, dst, config=None, tensors=None):
     import shutil
 
     from safetensors.torch import load_file, save_file
+
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "adapter_config.json").read_text())
     cfg.update(config or {})
@@ -165,21 +196,44 @@ def _write_adapter(src, dst, config=None, tensors=None):
 
 def test_bad_adapters_fail_clearly_and_unload_frees(lora_setup, lora_llm, tmp_path):
     from llmserve.engine.lora import LoRAError
+
     src = lora_setup["root"] / "all7"
     reg = lora_llm.engine.lora
     cases = {
         "missing": (str(tmp_path / "nowhere"), "not a directory"),
         "no_config": (str(tmp_path), "no adapter_config.json"),
-        "rank": (_write_adapter(src, tmp_path / "r", tensors=lambda t: {
-            k: (torch.cat([v, v]) if ".lora_A." in k else torch.cat([v, v], dim=1)) for k, v in t.items()}),
-            "more than --max-lora-rank 8"),
-        "target": (_write_adapter(src, tmp_path / "t", {"target_modules": ["q_proj", "c_attn"]}),
-                   "target modules ['c_attn'] are not in this model"),
-        "tensor": (_write_adapter(src, tmp_path / "x", tensors=lambda t: {
-            **t, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 128)}), "not a LoRA update"),
-        "shape": (_write_adapter(src, tmp_path / "s", tensors=lambda t: {
-            k: v[:, :64].contiguous() if k.endswith("q_proj.lora_A.weight") else v for k, v in t.items()}),
-            "do not fit"),
+        "rank": (
+            _write_adapter(
+                src,
+                tmp_path / "r",
+                tensors=lambda t: {
+                    k: (torch.cat([v, v]) if ".lora_A." in k else torch.cat([v, v], dim=1)) for k, v in t.items()
+                },
+            ),
+            "more than --max-lora-rank 8",
+        ),
+        "target": (
+            _write_adapter(src, tmp_path / "t", {"target_modules": ["q_proj", "c_attn"]}),
+            "target modules ['c_attn'] are not in this model",
+        ),
+        "tensor": (
+            _write_adapter(
+                src,
+                tmp_path / "x",
+                tensors=lambda t: {**t, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 128)},
+            ),
+            "not a LoRA update",
+        ),
+        "shape": (
+            _write_adapter(
+                src,
+                tmp_path / "s",
+                tensors=lambda t: {
+                    k: v[:, :64].contiguous() if k.endswith("q_proj.lora_A.weight") else v for k, v in t.items()
+                },
+            ),
+            "do not fit",
+        ),
         "corrupt": (_write_adapter(src, tmp_path / "c"), "cannot read"),
         "dora": (_write_adapter(src, tmp_path / "d", {"use_dora": True}), "DoRA"),
     }
@@ -203,4 +257,4 @@ def test_bad_adapters_fail_clearly_and_unload_frees(lora_setup, lora_llm, tmp_pa
     gc.collect()
     assert ref() is None, "an unloaded adapter's weights are freed"
     assert reg.get("third") is None and sorted(reg.names()) == ["all7", "qv_down"]
-    assert lora_llm.engine.kv.num_free_blocks == lora_llm.engine.num_blocks   # blocks all came back
+    assert lora_llm.engine.kv.num_free_blocks == lora_llm.engine.num_blocks  # blocks all came back

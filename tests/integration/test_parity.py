@@ -1,5 +1,6 @@
 """Greedy output of llmserve equals transformers' greedy output on the same weights, alone or in a
 batch, whatever the block size, with chunked prefill."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ def prompt_ids(llm):
     tok = llm.get_tokenizer()
     ids = [tok.encode_chat(m) for m in chat_messages()]
     lens = [len(p) for p in ids]
-    assert max(lens) > 256 * 2, lens          # longer than the token budget: prefilled in chunks
+    assert max(lens) > 256 * 2, lens  # longer than the token budget: prefilled in chunks
     assert min(lens) < 40, lens
     return ids
 
@@ -26,9 +27,10 @@ def reference(hf_model, prompt_ids):
     refs = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                    eos_token_id=2, pad_token_id=2)
-            refs.append(out[0, len(ids):].tolist())
+            out = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=2
+            )
+            refs.append(out[0, len(ids) :].tolist())
     return refs
 
 
@@ -70,8 +72,10 @@ def test_greedy_tokens_and_logits_paths_agree(llm, prompt_ids, reference):
     eng.runner.execute = spy
     try:
         ids = prompt_ids[:4]
-        params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0 if i == 1 else None)
-                  for i in range(len(ids))]
+        params = [
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0 if i == 1 else None)
+            for i in range(len(ids))
+        ]
         together = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
         assert False in paths
         paths.clear()
@@ -91,13 +95,14 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy_output(llm, ll
     SDPA path read the same stored values and must agree with each other."""
     from llmserve.config import KernelConfig
     from llmserve.model import ops
+
     half = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, kv_cache_dtype="float16")
     assert half.engine.runner.kv_caches[0].dtype is torch.float16
     assert half.engine.num_blocks == 2 * llm.engine.num_blocks
     got = _greedy(half, prompt_ids)
     pairs = [(a, b) for g, r in zip(got, reference) for a, b in zip(_strip_eos(g), _strip_eos(r))]
     assert sum(a == b for a, b in pairs) >= 0.95 * len(pairs), (got, reference)
-    saved = ops.configure(KernelConfig(in_place_decode=False))   # decode through the gather + SDPA path
+    saved = ops.configure(KernelConfig(in_place_decode=False))  # decode through the gather + SDPA path
     try:
         sdpa = _greedy(half, prompt_ids[:3])
     finally:
@@ -122,7 +127,7 @@ def test_bfloat16_kv_cache_serves_through_the_sdpa_path(llm_factory, prompt_ids,
 
 def test_greedy_unchanged_without_prefix_caching(llm_factory, prompt_ids, reference):
     llm = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, enable_prefix_caching=False)
-    got = _greedy(llm, prompt_ids + prompt_ids[:3])     # repeats would hit the cache if it were on
+    got = _greedy(llm, prompt_ids + prompt_ids[:3])  # repeats would hit the cache if it were on
     assert llm.engine.kv.prefix_cache_hits == 0
     for g, r in zip(got, reference + reference[:3]):
         assert _strip_eos(g) == _strip_eos(r)
@@ -172,6 +177,7 @@ def test_shared_prefix_is_served_from_cache(llm):
 
 def test_max_model_len_that_cannot_fit_fails_at_startup():
     from llmserve import LLM
+
     with pytest.raises(ValueError) as e:
         LLM(max_model_len=4096, kv_cache_memory=0.01)
     assert "--kv-cache-memory" in str(e.value) and "--max-model-len" in str(e.value)
@@ -183,9 +189,10 @@ def test_greedy_matches_transformers_with_gemm_in_the_fused_decode(llm, prompt_i
     still equals transformers'."""
     from llmserve.config import KernelConfig
     from llmserve.model import ops
+
     model = llm.engine.model
     saved = ops.configure(KernelConfig(gemv_rows=0))
-    model._decode_stack = None   # rebuilt with the new row limits
+    model._decode_stack = None  # rebuilt with the new row limits
     try:
         got = _greedy(llm, prompt_ids)
         assert model._decode_stack, "the fused path must run here"

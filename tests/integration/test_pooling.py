@@ -2,6 +2,7 @@
 final-normed hidden states of the bundled model, pooled the same way (last token, mean), alone, in a batch
 with generating requests (whose greedy output stays transformers'), over chunked prefill and preemption;
 KV blocks always come back."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,13 @@ import torch
 from llmserve import SamplingParams
 from tests.integration.prompts import long_document
 
-TEXTS = ["The capital of France is Paris.", "Hi", "def add(a, b):\n    return a + b",
-         long_document(1600),   # longer than the 256-token budget: prefilled in chunks
-         long_document(700)]
+TEXTS = [
+    "The capital of France is Paris.",
+    "Hi",
+    "def add(a, b):\n    return a + b",
+    long_document(1600),  # longer than the 256-token budget: prefilled in chunks
+    long_document(700),
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +29,11 @@ def reference(hf_model, llm):
         for t in TEXTS:
             ids = tok.encode(t)
             h = hf_model.model(torch.tensor([ids])).last_hidden_state[0].float()
-            out[t] = {"last": torch.nn.functional.normalize(h[-1], dim=0),
-                      "mean": torch.nn.functional.normalize(h.mean(0), dim=0), "ids": ids}
+            out[t] = {
+                "last": torch.nn.functional.normalize(h[-1], dim=0),
+                "mean": torch.nn.functional.normalize(h.mean(0), dim=0),
+                "ids": ids,
+            }
     assert len(out[TEXTS[3]]["ids"]) > 256
     return out
 
@@ -41,11 +49,11 @@ def _close(got: list[float], want: torch.Tensor) -> None:
 def test_pooled_vectors_match_transformers(llm, reference, pooling):
     eng = llm.engine
     free = eng.kv.num_free_blocks
-    for t in TEXTS:   # alone
+    for t in TEXTS:  # alone
         (out,) = llm.embed([t], pooling=pooling)
         _close(out.embedding, reference[t][pooling])
         assert out.finished and out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "stop"
-    outs = llm.embed(TEXTS, pooling=pooling)   # together
+    outs = llm.embed(TEXTS, pooling=pooling)  # together
     for t, out in zip(TEXTS, outs):
         _close(out.embedding, reference[t][pooling])
     assert eng.kv.num_free_blocks == free and not eng.has_unfinished_requests()
@@ -55,8 +63,12 @@ def test_pooling_next_to_generation(llm, reference):
     """One batch: generating requests keep their greedy tokens, pooling requests get transformers' vectors."""
     gen = SamplingParams(temperature=0, max_tokens=16)
     alone = [o.outputs[0].token_ids for o in llm.generate(TEXTS[:2], gen, use_tqdm=False)]
-    params = [gen, SamplingParams(max_tokens=1, temperature=0, pooling="mean"), gen,
-              SamplingParams(max_tokens=1, temperature=0, pooling="last")]
+    params = [
+        gen,
+        SamplingParams(max_tokens=1, temperature=0, pooling="mean"),
+        gen,
+        SamplingParams(max_tokens=1, temperature=0, pooling="last"),
+    ]
     outs = llm.generate([TEXTS[0], TEXTS[3], TEXTS[1], TEXTS[2]], params, use_tqdm=False)
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
     assert outs[0].embedding is None
@@ -82,12 +94,13 @@ def test_pooling_under_preemption_and_prefix_cache(llm_factory, reference):
             for out in eng.step():
                 if out.finished:
                     finals[out.request_id] = out
+
     eng.add_request(ids, gen, request_id="g1")
     eng.add_request(ids, gen, request_id="g2")
-    run(lambda: eng.scheduler.requests["g1"].num_output_tokens >= 50)   # 2 x 4 of the 16 blocks held
+    run(lambda: eng.scheduler.requests["g1"].num_output_tokens >= 50)  # 2 x 4 of the 16 blocks held
     before = eng.scheduler.num_preemptions
     assert 12 * 16 < len(eng.tokenizer.encode(TEXTS[4])) < 20 * 16
-    for k in range(2):   # the same prompt twice: the second finds its blocks cached
+    for k in range(2):  # the same prompt twice: the second finds its blocks cached
         eng.add_request(eng.tokenizer.encode(TEXTS[4]), pool, request_id=f"p{k}")
     eng.add_request(eng.tokenizer.encode(TEXTS[1]), pool, request_id="p2")
     run(lambda: False)

@@ -5,6 +5,7 @@ Greedy agreement is teacher-forced: both models score the same 1,000 tokens that
 (tests/data/alice.txt, public domain). Both are measured twice: as one prefill (many rows per matmul:
 the float16 GEMM) and one token per step as decoding runs (the integer-dot kernels on the packed
 weights and the in-place decode attention)."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ from llmserve.model.quant import Int8Embedding, QuantLinear
 from tests.integration.prompts import CHATS
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "alice.txt")
-PROMPTS = CHATS + ["Tell me about the history of Rome.", "Write a Python function that reverses a string.",
-                   "Why is the sky blue?", "Give me a recipe for pancakes."]
+PROMPTS = CHATS + [
+    "Tell me about the history of Rome.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +50,18 @@ def test_quantized_close_to_float32(llm_factory, reference, mode, max_ppl_change
     for decode in (False, True):
         ppl_q = perplexity(model, text_ids, decode=decode)
         agreement = greedy_agreement(model, ref_model, seqs, decode=decode)
-        print(f"{mode} ({'decode steps' if decode else 'prefill'}): perplexity {ppl_q:.3f} vs float32 "
-              f"{ppl_ref:.3f} ({ppl_q / ppl_ref - 1:+.2%}); greedy agreement {agreement:.1%} over 1,000 tokens")
+        print(
+            f"{mode} ({'decode steps' if decode else 'prefill'}): perplexity {ppl_q:.3f} vs float32 "
+            f"{ppl_ref:.3f} ({ppl_q / ppl_ref - 1:+.2%}); greedy agreement {agreement:.1%} over 1,000 tokens"
+        )
         assert abs(ppl_q / ppl_ref - 1) <= max_ppl_change
         assert agreement >= min_agreement
     # and it serves: a short greedy answer through the engine
-    out = q.chat([[{"role": "user", "content": "What is the capital of France?"}]],
-                 SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    out = q.chat(
+        [[{"role": "user", "content": "What is the capital of France?"}]],
+        SamplingParams(max_tokens=12, temperature=0),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text, out.outputs[0].text
     assert q.engine.kv.usage == 0
 
@@ -69,7 +79,7 @@ def test_gguf_blocks_kept_as_in_the_file(llm, llm_factory):
     head = q.lm_head
     assert head.kind == "int8" and head.scale.shape == (ref.cfg.vocab_size, ref.cfg.hidden_size // 32)
     assert torch.equal(head.dequantize(), ref.lm_head.dequantize())
-    assert q.embed_tokens.qweight is head.qweight   # tied: one copy
+    assert q.embed_tokens.qweight is head.qweight  # tied: one copy
     ids = torch.tensor([0, 17, ref.cfg.vocab_size - 1])
     assert torch.equal(q.embed_tokens(ids), ref.embed_tokens(ids))
 
@@ -78,15 +88,18 @@ def test_gguf_quantized_layers_never_read_as_float32(monkeypatch):
     """With --quantization int4 the GGUF's Q4_1 / Q8_0 tensors go straight into the quantized layers:
     the loader reads only the other tensors (the norms) as float32, nothing for the projections."""
     from llmserve.model import loader
+
     read = []
     real = loader.GGUFTensors.__getitem__
 
     def recording(self, name):
         read.append(name)
         return real(self, name)
+
     monkeypatch.setattr(loader.GGUFTensors, "__getitem__", recording)
     from llmserve import LLM
-    model = LLM(quantization="int4", kv_cache_memory=0.05).engine.model   # a fresh load, not a cached one
+
+    model = LLM(quantization="int4", kv_cache_memory=0.05).engine.model  # a fresh load, not a cached one
     assert read and all(n.endswith("norm.weight") for n in read), [n for n in read if "norm" not in n][:5]
     assert len(read) == 2 * len(model.layers) + 1
 
@@ -95,6 +108,7 @@ def test_fused_decode_layer_equals_the_module_path(llm_factory):
     """Decode rows run each layer as one C++ call (ops.decode_layer); the same steps through the
     modules give the same logits."""
     from llmserve.model.evaluate import sequence_logits
+
     ids = list(range(100, 140))
     for mode in ("int4", "int8"):
         model = llm_factory(quantization=mode, kv_cache_memory=0.1).engine.model

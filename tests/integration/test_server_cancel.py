@@ -1,6 +1,7 @@
 """A client that goes away aborts its engine request, even when the cancellation lands just as an
 output arrives (Python 3.11's asyncio.wait_for drops such a cancellation: the request then ran to its
 end with nobody reading, seen as a flaky test_disconnect_aborts)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,6 +52,7 @@ def test_cancel_as_an_output_arrives_aborts_the_engine_request(llm):
             async def consume():
                 async for ev in gen.events():
                     seen.append(ev)
+
             counter.task = asyncio.create_task(consume())
             try:
                 await counter.task

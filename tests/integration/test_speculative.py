@@ -1,4 +1,5 @@
 """n-gram speculative decoding (--speculative-ngram): output identical to plain decoding."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,9 @@ from tests.integration.prompts import chat_messages, long_document
 
 
 def test_propose_ngram_finds_latest_continuation():
-    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]   # latest match of (1,2,3)
-    assert propose_ngram([4, 5, 6, 4], 3) == [5, 6, 4]                       # falls back to a 1-gram
-    assert propose_ngram([1, 2, 3], 4) == []                                 # nothing repeats
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]  # latest match of (1,2,3)
+    assert propose_ngram([4, 5, 6, 4], 3) == [5, 6, 4]  # falls back to a 1-gram
+    assert propose_ngram([1, 2, 3], 4) == []  # nothing repeats
     assert propose_ngram([1, 2, 1, 2], 0) == []
 
 
@@ -32,21 +33,23 @@ def test_greedy_output_equals_plain_decoding(llm, spec_llm):
     before = spec_llm.engine.num_spec_accepted
     spec = [o.outputs[0].token_ids for o in spec_llm.chat(msgs, params, use_tqdm=False)]
     assert spec == plain
-    assert spec_llm.engine.num_spec_accepted - before >= 20   # the copy task accepts many proposals
+    assert spec_llm.engine.num_spec_accepted - before >= 20  # the copy task accepts many proposals
     alone = spec_llm.chat([msgs[-1]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == plain[-1]
     e = spec_llm.engine
     assert e.kv.usage == 0 and not e.has_unfinished_requests()
-    stats = e.stats()   # what /metrics exports as llmserve:spec_decode_num_*_tokens_total
+    stats = e.stats()  # what /metrics exports as llmserve:spec_decode_num_*_tokens_total
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
 
 
 def test_limits_stops_and_sampled_requests_unchanged(llm, spec_llm):
     msgs = _messages()[-1:]
-    cases = [SamplingParams(max_tokens=7, temperature=0),                       # ends mid-proposal
-             SamplingParams(max_tokens=40, temperature=0, stop=["def "]),       # stop string
-             SamplingParams(max_tokens=30, temperature=0.8, seed=7),            # sampled: not speculated
-             SamplingParams(max_tokens=30, temperature=0, logprobs=2)]
+    cases = [
+        SamplingParams(max_tokens=7, temperature=0),  # ends mid-proposal
+        SamplingParams(max_tokens=40, temperature=0, stop=["def "]),  # stop string
+        SamplingParams(max_tokens=30, temperature=0.8, seed=7),  # sampled: not speculated
+        SamplingParams(max_tokens=30, temperature=0, logprobs=2),
+    ]
     for p in cases:
         a = llm.chat(msgs, p, use_tqdm=False)[0].outputs[0]
         b = spec_llm.chat(msgs, p, use_tqdm=False)[0].outputs[0]

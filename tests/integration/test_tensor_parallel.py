@@ -2,6 +2,7 @@
 TP=1 on the bundled model and on random-weight Llama checkpoints whose heads split evenly, unevenly
 and with replicated KV heads; impossible splits are refused at start-up; a worker killed mid-run makes
 the engine raise at once (offline) and the server stop being ready and exit non-zero."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -17,8 +18,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.model.llama import ModelConfig
 from llmserve.model.parallel import plan_heads
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
-           "List three colours: red, " * 8]
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "List three colours: red, " * 8]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SMALL = dict(num_threads=1, kv_cache_memory=0.1, max_num_batched_tokens=64)
 
@@ -61,11 +61,24 @@ def _write_llama(d, bundled_gguf, heads: int, kv_heads: int, bias: bool) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmserve.tokenizer import Tokenizer
+
     torch.manual_seed(heads * 10 + kv_heads)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32 * heads, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
-                      max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2,
-                      attention_bias=bias, mlp_bias=bias, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32 * heads,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        attention_bias=bias,
+        mlp_bias=bias,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     if bias:
         with torch.no_grad():
@@ -77,8 +90,11 @@ def _write_llama(d, bundled_gguf, heads: int, kv_heads: int, bias: bool) -> str:
     return str(d)
 
 
-@pytest.mark.parametrize("heads,kv_heads,bias", [(4, 2, False), (4, 1, True), (6, 3, True)],
-                         ids=["4h-2kv", "4h-1kv-replicated-bias", "6h-3kv-uneven-bias"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,bias",
+    [(4, 2, False), (4, 1, True), (6, 3, True)],
+    ids=["4h-2kv", "4h-1kv-replicated-bias", "6h-3kv-uneven-bias"],
+)
 def test_random_checkpoint_tp2_equals_tp1(tmp_path, bundled_gguf, heads, kv_heads, bias):
     path = _write_llama(tmp_path, bundled_gguf, heads, kv_heads, bias)
     one = LLM(model=path, **SMALL)
@@ -89,7 +105,7 @@ def test_random_checkpoint_tp2_equals_tp1(tmp_path, bundled_gguf, heads, kv_head
         assert _greedy(two) == want
     finally:
         two.engine.shutdown()
-    assert not any(p.is_alive() for p in two.engine.tp.procs)   # the workers stop with the engine
+    assert not any(p.is_alive() for p in two.engine.tp.procs)  # the workers stop with the engine
 
 
 # -- the bundled model ------------------------------------------------------------------------------
@@ -111,6 +127,7 @@ def test_bundled_model_tp2_equals_tp1(bundled_tp1):
 
 def test_killed_worker_makes_the_engine_raise_promptly():
     from llmserve.engine.tp import TensorParallelError
+
     llm = LLM(tensor_parallel_size=2, **SMALL)
     eng = llm.engine
     try:
@@ -131,33 +148,57 @@ def test_killed_worker_makes_the_engine_raise_promptly():
 # -- the server ------------------------------------------------------------------------------------
 def _children(pid: int) -> list[int]:
     import psutil
-    return [c.pid for c in psutil.Process(pid).children(recursive=True)
-            if "spawn_main" in " ".join(c.cmdline())]
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
 
 
 def test_server_with_a_killed_worker_stops_being_ready_and_exits_nonzero():
     from tests.server_proc import ServerProcess
-    with ServerProcess("-tp", "2", "--num-threads", "1", "--kv-cache-memory", "0.1",
-                       "--max-num-batched-tokens", "64", "--graceful-shutdown-timeout", "3") as srv:
+
+    with ServerProcess(
+        "-tp",
+        "2",
+        "--num-threads",
+        "1",
+        "--kv-cache-memory",
+        "0.1",
+        "--max-num-batched-tokens",
+        "64",
+        "--graceful-shutdown-timeout",
+        "3",
+    ) as srv:
         srv.wait_ready(timeout=120)
-        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            timeout=60,
+            json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         workers = _children(srv.proc.pid)
         assert workers, "no tensor-parallel worker process found"
 
         def stream():
             try:
-                with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                        "model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[1], "max_tokens": 2000,
-                        "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+                with httpx.stream(
+                    "POST",
+                    srv.url + "/v1/completions",
+                    timeout=60,
+                    json={
+                        "model": "SmolLM2-135M-Instruct",
+                        "prompt": PROMPTS[1],
+                        "max_tokens": 2000,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                ) as s:
                     return s.status_code, list(s.iter_lines())
             except httpx.HTTPError as e:
                 return None, [repr(e)]
 
         with cf.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(stream)
-            time.sleep(1.0)                       # the stream is generating
+            time.sleep(1.0)  # the stream is generating
             statuses = []
             os.kill(workers[0], signal.SIGKILL)
             t0 = time.time()
@@ -174,4 +215,4 @@ def test_server_with_a_killed_worker_stops_being_ready_and_exits_nonzero():
         assert statuses[-1:] != [200] or len(statuses) == 1, statuses
         with pytest.raises(httpx.HTTPError):
             httpx.get(srv.url + "/ready", timeout=2)
-        assert code is None or any("error" in x for x in lines), lines[-3:]   # the stream failed, no hang
+        assert code is None or any("error" in x for x in lines), lines[-3:]  # the stream failed, no hang

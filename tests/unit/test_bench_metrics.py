@@ -1,4 +1,5 @@
 """The bench's figures from hand-made records: formulas, goodput, knee, SLO, advice, outputs."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,19 @@ from llmserve.bench.scrape import parse_prometheus, pick
 
 
 def rec(i, start, ttft, e2e, n, ok=True, error=None, gaps=None) -> RequestRecord:
-    r = RequestRecord(index=i, prompt_len=10, max_tokens=n, start=start, end=start + e2e,
-                      ttft=ttft if ok else None, output_tokens=n if ok else None,
-                      output_tokens_source="usage" if ok else "", success=ok, error=error)
-    r.itl = gaps if gaps is not None else (
-        [(e2e - ttft) / (n - 1)] * (n - 1) if ok and n > 1 else [])
+    r = RequestRecord(
+        index=i,
+        prompt_len=10,
+        max_tokens=n,
+        start=start,
+        end=start + e2e,
+        ttft=ttft if ok else None,
+        output_tokens=n if ok else None,
+        output_tokens_source="usage" if ok else "",
+        success=ok,
+        error=error,
+    )
+    r.itl = gaps if gaps is not None else ([(e2e - ttft) / (n - 1)] * (n - 1) if ok and n > 1 else [])
     return r
 
 
@@ -55,9 +64,12 @@ def test_distribution_matches_numpy_percentiles():
 
 
 def test_tpot_and_summary_formulas():
-    recs = [rec(0, 100.0, 0.2, 0.2 + 9 * 0.05, 10), rec(1, 100.0, 0.3, 0.3 + 4 * 0.1, 5),
-            rec(2, 100.5, 0.1, 0.1, 1),  # one token: no TPOT
-            rec(3, 100.2, 0, 0.5, 0, ok=False, error="timeout")]
+    recs = [
+        rec(0, 100.0, 0.2, 0.2 + 9 * 0.05, 10),
+        rec(1, 100.0, 0.3, 0.3 + 4 * 0.1, 5),
+        rec(2, 100.5, 0.1, 0.1, 1),  # one token: no TPOT
+        rec(3, 100.2, 0, 0.5, 0, ok=False, error="timeout"),
+    ]
     assert request_tpot(recs[0]) == pytest.approx(0.05)
     assert request_tpot(recs[2]) is None
     s = summarize(phase_run(4, recs, 2.0))
@@ -73,8 +85,12 @@ def test_tpot_and_summary_formulas():
 
 
 def test_goodput_counts_requests_meeting_every_slo():
-    recs = [rec(0, 0, 0.2, 0.2 + 9 * 0.02, 10), rec(1, 0, 0.6, 0.6 + 9 * 0.02, 10),
-            rec(2, 0, 0.2, 0.2 + 9 * 0.08, 10), rec(3, 0, 0, 1, 0, ok=False, error="http_500")]
+    recs = [
+        rec(0, 0, 0.2, 0.2 + 9 * 0.02, 10),
+        rec(1, 0, 0.6, 0.6 + 9 * 0.02, 10),
+        rec(2, 0, 0.2, 0.2 + 9 * 0.08, 10),
+        rec(3, 0, 0, 1, 0, ok=False, error="http_500"),
+    ]
     slo = parse_slo(["ttft:500", "tpot:50"])
     assert slo == {"ttft": 500.0, "tpot": 50.0}
     assert [meets_slo(r, slo) for r in recs] == [True, False, False, False]
@@ -136,17 +152,23 @@ def test_best_under_slo_is_the_highest_level_meeting_it():
 
 
 def server(waiting_max, kv_max, running_max=8, preemptions=0):
-    return {"running": {"mean": running_max / 2, "max": running_max},
-            "waiting": {"mean": waiting_max / 2, "max": waiting_max},
-            "kv_usage": {"mean": kv_max / 2, "max": kv_max}, "preemptions": preemptions}
+    return {
+        "running": {"mean": running_max / 2, "max": running_max},
+        "waiting": {"mean": waiting_max / 2, "max": waiting_max},
+        "kv_usage": {"mean": kv_max / 2, "max": kv_max},
+        "preemptions": preemptions,
+    }
 
 
-@pytest.mark.parametrize("srv, expect", [
-    (server(6, 0.97), "--kv-cache-memory"),
-    (server(6, 0.2), "--max-num-seqs"),
-    (server(0, 0.3), "compute-bound"),
-    (server(0, 0.95, preemptions=3), "preempted"),
-])
+@pytest.mark.parametrize(
+    "srv, expect",
+    [
+        (server(6, 0.97), "--kv-cache-memory"),
+        (server(6, 0.2), "--max-num-seqs"),
+        (server(0, 0.3), "compute-bound"),
+        (server(0, 0.95, preemptions=3), "preempted"),
+    ],
+)
 def test_advice_reads_server_metrics(srv, expect):
     s = sweep([(1, 30, 0.6), (20, 35, 2.8)])
     s[-1]["server"] = srv
@@ -175,8 +197,15 @@ vllm:num_preemptions_total 0
 vllm:generation_tokens_total 1e3
 """
     got = pick(parse_prometheus(text))
-    assert got == {"running": 5.0, "waiting": 1.0, "kv_usage": 0.5, "prefix_queries": 100.0,
-                   "prefix_hits": 25.0, "preemptions": 0.0, "generation_tokens": 1000.0}
+    assert got == {
+        "running": 5.0,
+        "waiting": 1.0,
+        "kv_usage": 0.5,
+        "prefix_queries": 100.0,
+        "prefix_hits": 25.0,
+        "preemptions": 0.0,
+        "generation_tokens": 1000.0,
+    }
 
 
 def test_word_tokenizer_and_exact_length_text():
@@ -196,26 +225,27 @@ def test_datasets_with_the_word_tokenizer(tmp_path):
     reqs = asyncio.run(build_requests(DatasetConfig("sharegpt"), 50, tok))
     assert len(reqs) == 50 and all(r.output_len >= 4 and r.prompt_len >= 4 for r in reqs)
 
-    reqs = asyncio.run(build_requests(DatasetConfig("random", input_len=(20, 40),
-                                                    output_len=(5, 9)), 20, tok))
+    reqs = asyncio.run(build_requests(DatasetConfig("random", input_len=(20, 40), output_len=(5, 9)), 20, tok))
     assert all(20 <= r.prompt_len <= 40 and 5 <= r.output_len <= 9 for r in reqs)
     assert all(len(tok.encode_sync(r.prompt)) == r.prompt_len for r in reqs)
     assert len({r.prompt for r in reqs}) == 20
 
-    reqs = asyncio.run(build_requests(DatasetConfig("prefix", input_len=(8, 8), prefix_len=30),
-                                      6, tok))
+    reqs = asyncio.run(build_requests(DatasetConfig("prefix", input_len=(8, 8), prefix_len=30), 6, tok))
     firsts = {tuple(tok.encode_sync(r.prompt)[:30]) for r in reqs}
     assert len(firsts) == 1 and all(r.prompt_len == 38 for r in reqs)
 
     txt = tmp_path / "p.txt"
     txt.write_text("first prompt here\n\nsecond one\n")
-    reqs = asyncio.run(build_requests(DatasetConfig("prompts", str(txt), output_len=(7, 7)), 3,
-                                      tok))
+    reqs = asyncio.run(build_requests(DatasetConfig("prompts", str(txt), output_len=(7, 7)), 3, tok))
     assert [r.prompt for r in reqs] == ["first prompt here", "second one", "first prompt here"]
     assert [r.output_len for r in reqs] == [7, 7, 7]
     jl = tmp_path / "p.jsonl"
-    jl.write_text(json.dumps({"prompt": "a b", "max_tokens": 3}) + "\n"
-                  + json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n")
+    jl.write_text(
+        json.dumps({"prompt": "a b", "max_tokens": 3})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi there"}]})
+        + "\n"
+    )
     reqs = asyncio.run(build_requests(DatasetConfig("prompts", str(jl)), 2, tok))
     assert reqs[0].output_len == 3 and reqs[1].messages[0]["content"] == "hi there"
     assert parse_range("5") == (5, 5) and parse_range("5-9") == (5, 9)
@@ -241,12 +271,14 @@ def parse_args(argv):
 def test_phases_from_args():
     ph = cli.phases_from_args(parse_args(["--concurrency", "1,5,20", "--num-requests", "10,5,20"]))
     assert [(p.mode, p.level, p.num_requests) for p in ph] == [
-        ("concurrency", 1, 10), ("concurrency", 5, 5), ("concurrency", 20, 20)]
+        ("concurrency", 1, 10),
+        ("concurrency", 5, 5),
+        ("concurrency", 20, 20),
+    ]
     ph = cli.phases_from_args(parse_args(["--request-rate", "2,inf", "--burstiness", "0.5"]))
     assert [p.name for p in ph] == ["rate=2/s", "rate=inf/s"] and ph[0].burstiness == 0.5
     assert [p.num_requests for p in ph] == [20, 50]
-    ph = cli.phases_from_args(parse_args(["--users", "3", "--think-time", "0.5-1",
-                                          "--duration", "9"]))
+    ph = cli.phases_from_args(parse_args(["--users", "3", "--think-time", "0.5-1", "--duration", "9"]))
     assert ph[0].think_time == (0.5, 1.0) and ph[0].duration == 9 and ph[0].num_requests is None
     ph = cli.phases_from_args(parse_args(["--concurrency", "1,2", "--duration", "5"]))
     assert [(p.num_requests, p.duration) for p in ph] == [(None, 5), (None, 5)]
@@ -260,8 +292,7 @@ def test_reports_text_markdown_and_plots(tmp_path):
     rng = random.Random(0)
     runs, summaries = [], []
     for level in (1, 4):
-        recs = [rec(i, 100 + i * 0.1, 0.2 + rng.random() / 10, 0.7 + rng.random() / 5, 20)
-                for i in range(8)]
+        recs = [rec(i, 100 + i * 0.1, 0.2 + rng.random() / 10, 0.7 + rng.random() / 5, 20) for i in range(8)]
         r = phase_run(level, recs, 2.0)
         runs.append(r)
         summaries.append(summarize(r))
@@ -271,12 +302,21 @@ def test_reports_text_markdown_and_plots(tmp_path):
         assert needle in text
     plots = report.write_plots(tmp_path, summaries, runs, find_knee(summaries))
     import matplotlib.image as mpimg
+
     for name in plots.values():
         assert mpimg.imread(tmp_path / name).shape[0] > 100
-    result = {"config": {"base_url": "u", "model": "m", "endpoint": "chat", "dataset": "d",
-                         "tokenizer": "t", "started": "now"},
-              "phases": [report.phase_json(r, s) for r, s in zip(runs, summaries)],
-              "advice": ["do this"]}
+    result = {
+        "config": {
+            "base_url": "u",
+            "model": "m",
+            "endpoint": "chat",
+            "dataset": "d",
+            "tokenizer": "t",
+            "started": "now",
+        },
+        "phases": [report.phase_json(r, s) for r, s in zip(runs, summaries)],
+        "advice": ["do this"],
+    }
     md = report.markdown_report(result, plots)
     assert "![throughput](throughput.png)" in md and "- do this" in md
     report.write_json(tmp_path / "x.json", result)
@@ -286,12 +326,33 @@ def test_reports_text_markdown_and_plots(tmp_path):
 
 def test_scrape_summary_gauges_and_counter_increases():
     from llmserve.bench.scrape import MetricsScraper
+
     sc = MetricsScraper(http=None)
-    sc.samples = [(0.0, {"running": 0.0, "waiting": 0.0, "kv_usage": 0.1}),  # counters not born
-                  (1.0, {"running": 4.0, "waiting": 2.0, "kv_usage": 0.5,
-                         "prefix_queries": 50.0, "prefix_hits": 10.0, "generation_tokens": 30.0}),
-                  (2.0, {"running": 2.0, "waiting": 0.0, "kv_usage": 0.3,
-                         "prefix_queries": 100.0, "prefix_hits": 40.0, "generation_tokens": 64.0})]
+    sc.samples = [
+        (0.0, {"running": 0.0, "waiting": 0.0, "kv_usage": 0.1}),  # counters not born
+        (
+            1.0,
+            {
+                "running": 4.0,
+                "waiting": 2.0,
+                "kv_usage": 0.5,
+                "prefix_queries": 50.0,
+                "prefix_hits": 10.0,
+                "generation_tokens": 30.0,
+            },
+        ),
+        (
+            2.0,
+            {
+                "running": 2.0,
+                "waiting": 0.0,
+                "kv_usage": 0.3,
+                "prefix_queries": 100.0,
+                "prefix_hits": 40.0,
+                "generation_tokens": 64.0,
+            },
+        ),
+    ]
     s = sc.summary()
     assert s["running"] == {"mean": 2.0, "max": 4.0} and s["waiting"]["max"] == 2.0
     assert s["generation_tokens"] == 64.0 and s["prefix_cache_hit_rate"] == pytest.approx(0.4)

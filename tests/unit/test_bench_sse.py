@@ -1,4 +1,5 @@
 """The bench's SSE parser: any split of the byte stream gives the same events."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ def test_whole_stream():
 
 
 def test_one_byte_at_a_time_splits_lines_and_multibyte_characters():
-    events, _ = parse([STREAM[i:i + 1] for i in range(len(STREAM))])
+    events, _ = parse([STREAM[i : i + 1] for i in range(len(STREAM))])
     assert events == EXPECTED
     content = json.loads(events[1])["choices"][0]["delta"]["content"]
     assert content == "日本語 🚀"  # 3- and 4-byte characters survived every split
@@ -63,7 +64,7 @@ def test_event_name_is_kept():
 
 
 def test_cut_off_stream_yields_what_arrived_and_no_done():
-    cut = STREAM[:STREAM.index(b"data: [DONE]")] + b'data: {"partial": tr'
+    cut = STREAM[: STREAM.index(b"data: [DONE]")] + b'data: {"partial": tr'
     events, _ = parse([cut])
     assert "[DONE]" not in events
     assert events[:4] == EXPECTED[:4]

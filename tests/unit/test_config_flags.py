@@ -1,5 +1,6 @@
 """Engine flags generated from EngineConfig, the environment read in one place, and which module may
 import which (no CLI imports the server's; ops.py does not import quant.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,41 @@ def test_every_flagged_field_has_its_flag_and_the_rest_have_none():
 
 
 def test_flags_and_aliases_reach_the_config():
-    cfg = engine_config_from_args(parse(["-tp", "2", "--seed", "7", "--quantization", "none",
-                                         "--no-enable-prefix-caching", "--kv-cache-memory", "0.5"]))
-    assert (cfg.tensor_parallel_size, cfg.seed, cfg.quantization, cfg.enable_prefix_caching,
-            cfg.kv_cache_memory) == (2, 7, None, False, 0.5)
+    cfg = engine_config_from_args(
+        parse(
+            [
+                "-tp",
+                "2",
+                "--seed",
+                "7",
+                "--quantization",
+                "none",
+                "--no-enable-prefix-caching",
+                "--kv-cache-memory",
+                "0.5",
+            ]
+        )
+    )
+    assert (cfg.tensor_parallel_size, cfg.seed, cfg.quantization, cfg.enable_prefix_caching, cfg.kv_cache_memory) == (
+        2,
+        7,
+        None,
+        False,
+        0.5,
+    )
     assert cfg.kernels == KernelConfig()
     with pytest.raises(SystemExit):
         parse(["--dtype", "float64"])
     assert flag_dests(["-tp", "2", "--max-num-seqs=3", "--model", "m.gguf"]) == {
-        "tensor_parallel_size", "max_num_seqs", "model"}
+        "tensor_parallel_size",
+        "max_num_seqs",
+        "model",
+    }
 
 
 def test_yaml_settings_yield_to_flags_also_to_aliases(tmp_path):
     from llmserve.server.cli import _apply_config_file, add_arguments
+
     path = tmp_path / "s.yaml"
     path.write_text("max-num-seqs: 8\ntensor-parallel-size: 1\nblock-size: 32\n")
     p = argparse.ArgumentParser()
@@ -113,8 +136,10 @@ assert "llmserve.model.quant" not in sys.modules, "ops imports quant"
 
 def test_lora_flags_as_vllm_names_them():
     from llmserve.engine.lora import parse_lora_modules
-    cfg = engine_config_from_args(parse(["--lora-modules", "sql=/a/sql", "poet=/b", "--max-loras", "2",
-                                         "--max-lora-rank", "8"]))
+
+    cfg = engine_config_from_args(
+        parse(["--lora-modules", "sql=/a/sql", "poet=/b", "--max-loras", "2", "--max-lora-rank", "8"])
+    )
     assert cfg.enable_lora and cfg.lora_modules == ["sql=/a/sql", "poet=/b"]
     assert (cfg.max_loras, cfg.max_lora_rank) == (2, 8)
     assert parse_lora_modules(cfg.lora_modules) == [("sql", "/a/sql"), ("poet", "/b")]

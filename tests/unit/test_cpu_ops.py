@@ -1,4 +1,5 @@
 """llmserve/csrc/cpu_ops.cpp against plain PyTorch: every fused kernel, odd sizes included."""
+
 from __future__ import annotations
 
 import shutil
@@ -49,7 +50,7 @@ def test_f32_linear(ext, rows, k):
     w, x = torch.randn(70, k), torch.randn(rows, k)
     # rows >= 5 and K not a multiple of 8 go to at::linear; the rest through the GEMV kernel
     assert close(ext.f32_linear(x, w, 5), x @ w.t(), 1e-5)
-    assert close(ext.f32_linear(x.t().contiguous().t(), w, 5), x @ w.t(), 1e-5)   # strided x
+    assert close(ext.f32_linear(x.t().contiguous().t(), w, 5), x @ w.t(), 1e-5)  # strided x
 
 
 def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
@@ -57,6 +58,7 @@ def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
     shape (one of the calibration row counts, or past the largest); a number fixes it for every shape.
     ops.linear is x @ w.T either side of it."""
     from llmserve.config import KernelConfig
+
     w = torch.randn(96, 64)
     saved = ops.configure(KernelConfig(calibration_rows=(2, 4, 8)))
     try:
@@ -64,7 +66,7 @@ def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
         rows = ops.gemm_rows(w)
         assert rows in (2, 4, 8, 9)
         assert ops._CROSSOVERS == {(96, 64, torch.get_num_threads()): rows}
-        assert ops.gemm_rows(torch.randn(96, 12)) == 0   # K not a multiple of 8: at::linear always
+        assert ops.gemm_rows(torch.randn(96, 12)) == 0  # K not a multiple of 8: at::linear always
         for m in (1, 3, 9):
             x = torch.randn(m, 64)
             assert close(ops.linear(x, w), x @ w.t(), 1e-5)
@@ -80,33 +82,35 @@ def test_head_argmax_is_the_argmax_of_the_float32_logits(ext, rows, n, k):
     torch.manual_seed(n + rows)
     w = torch.randn(n, k) * 0.05
     # near-ties the int8 screen cannot tell apart: rows a hair from row 0, and an exact duplicate
-    w[1:n // 2] = w[0] + 1e-6 * torch.randn(n // 2 - 1, k)
+    w[1 : n // 2] = w[0] + 1e-6 * torch.randn(n // 2 - 1, k)
     w[n - 1] = w[0]
     x = torch.randn(rows, k) * 3
     x[0] = w[0] / w[0].norm()
     screen = ops.head_screen(w)
     got = ops.head_argmax(x, w, screen)
-    logits = ext.f32_linear(x, w, 1 << 30)   # the GEMV's rounding, whatever the number of rows
-    assert torch.equal(got, logits.argmax(dim=-1))   # the same token, first index on ties
-    assert torch.equal(ext.head_argmax(x.t().contiguous().t(), w, *screen), got)   # strided x
+    logits = ext.f32_linear(x, w, 1 << 30)  # the GEMV's rounding, whatever the number of rows
+    assert torch.equal(got, logits.argmax(dim=-1))  # the same token, first index on ties
+    assert torch.equal(ext.head_argmax(x.t().contiguous().t(), w, *screen), got)  # strided x
     x[rows - 1, 0] = float("nan")
-    assert ops.head_argmax(x, w, screen) is None      # the caller computes the logits instead
+    assert ops.head_argmax(x, w, screen) is None  # the caller computes the logits instead
     with pytest.raises(RuntimeError):
         ext.head_argmax(x, w[:-1].contiguous(), *screen)
 
 
 # group == K: per channel (one scale a row); 32: Q8_0's blocks; in between: a scale per 64 values
-@pytest.mark.parametrize("rows,group,k", [(1, 64, 64), (3, 64, 64), (6, 32, 64), (1, 32, 64), (17, 64, 64),
-                                          (1, 64, 192), (2, 192, 192), (1, 32, 32)])
+@pytest.mark.parametrize(
+    "rows,group,k",
+    [(1, 64, 64), (3, 64, 64), (6, 32, 64), (1, 32, 64), (17, 64, 64), (1, 64, 192), (2, 192, 192), (1, 32, 32)],
+)
 def test_q8_linear(ext, rows, group, k):
     torch.manual_seed(rows)
     q = torch.randint(-127, 128, (70, k), dtype=torch.int8)
     s = torch.rand(70, k // group) + 0.1
     ref = (q.float().view(70, -1, group) * s[..., None]).view(70, k)
     x = torch.randn(rows, k)
-    for many in (1, 10**9):   # the tiled float32 path; integer dots with x rounded to int16
+    for many in (1, 10**9):  # the tiled float32 path; integer dots with x rounded to int16
         assert close(ext.q8_linear(x, q, s, many, 16), x @ ref.t(), 2e-4)
-    assert close(ext.q8_linear(x, q, s, 10**9, 8), x @ ref.t(), 2e-2)   # x rounded to int8
+    assert close(ext.q8_linear(x, q, s, 10**9, 8), x @ ref.t(), 2e-2)  # x rounded to int8
 
 
 def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
@@ -115,6 +119,7 @@ def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
     import os
     import subprocess
     import sys
+
     if not ext.uses_avx512():
         pytest.skip("this CPU has no AVX-512: the AVX2 kernel is the one tested above")
     torch.manual_seed(3)
@@ -122,9 +127,11 @@ def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
     s = torch.rand(300, 1) + 0.1
     x = torch.randn(13, 576)
     torch.save((x, q, s), tmp_path / "in.pt")
-    code = ("import sys, torch; sys.path.insert(0, '.'); from llmserve.model import ops; e = ops.cpu_kernels(); "
-            f"x, q, s = torch.load('{tmp_path}/in.pt'); assert not e.uses_avx512(); "
-            f"torch.save(e.q8_linear(x, q, s, 10**9, 16), '{tmp_path}/out.pt')")
+    code = (
+        "import sys, torch; sys.path.insert(0, '.'); from llmserve.model import ops; e = ops.cpu_kernels(); "
+        f"x, q, s = torch.load('{tmp_path}/in.pt'); assert not e.uses_avx512(); "
+        f"torch.save(e.q8_linear(x, q, s, 10**9, 16), '{tmp_path}/out.pt')"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "LLMSERVE_AVX512": "0"}, cwd=root)
     assert close(ext.q8_linear(x, q, s, 10**9, 16), torch.load(tmp_path / "out.pt"), 1e-6)
@@ -175,22 +182,22 @@ def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
     slots = torch.tensor([7, 0, 33, 12, 5])
     half = torch.randn(40, D // 2)
     cos, sin = torch.cat([half.cos(), half.cos()], -1), torch.cat([half.sin(), half.sin()], -1)
-    q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
+    q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + Hk) * D].view(T, Hk, D)
     rq, rk = _rotate(q, cos[pos][:, None], sin[pos][:, None]), _rotate(k, cos[pos][:, None], sin[pos][:, None])
-    v = qkv[:, (H + Hk) * D:].clone()
+    v = qkv[:, (H + Hk) * D :].clone()
     kc, vc = torch.zeros(3, 16, Hk, D, dtype=cache_dtype), torch.zeros(3, 16, Hk, D, dtype=cache_dtype)
     ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, slots)
-    assert close(qkv[:, :H * D].view(T, H, D), rq) and close(qkv[:, H * D:(H + Hk) * D].view(T, Hk, D), rk)
-    assert torch.equal(qkv[:, (H + Hk) * D:], v)
+    assert close(qkv[:, : H * D].view(T, H, D), rq) and close(qkv[:, H * D : (H + Hk) * D].view(T, Hk, D), rk)
+    assert torch.equal(qkv[:, (H + Hk) * D :], v)
     # the cache holds the rotated keys and the values, rounded as torch rounds to its dtype (float16:
     # to nearest, ties to even)
-    written_k = qkv[:, H * D:(H + Hk) * D].view(T, Hk, D).to(cache_dtype)
+    written_k = qkv[:, H * D : (H + Hk) * D].view(T, Hk, D).to(cache_dtype)
     assert torch.equal(kc.view(-1, Hk, D)[slots], written_k)
     assert torch.equal(vc.view(-1, Hk, D)[slots], v.view(T, Hk, D).to(cache_dtype))
     untouched = torch.ones(48, dtype=torch.bool)
     untouched[slots] = False
     assert kc.view(-1, Hk, D)[untouched].abs().sum() == 0
-    with pytest.raises(RuntimeError):   # a slot outside the cache is refused, not written
+    with pytest.raises(RuntimeError):  # a slot outside the cache is refused, not written
         ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, torch.tensor([7, 0, 48, 12, 5]))
 
 
@@ -202,27 +209,32 @@ def test_paged_decode_attention(ext, head_dim, cache_dtype):
     kc, vc = torch.randn(NB, BS, Hk, D).to(cache_dtype), torch.randn(NB, BS, Hk, D).to(cache_dtype)
     lens = torch.tensor([1, 17, 100, 33])
     tables = torch.stack([torch.randperm(NB)[:7] for _ in range(B)])
-    qkv = torch.randn(B, (H + 2) * D)   # strided query rows, as the model passes them
-    q = qkv[:, :H * D].view(B, H, D)
+    qkv = torch.randn(B, (H + 2) * D)  # strided query rows, as the model passes them
+    q = qkv[:, : H * D].view(B, H, D)
     out = torch.zeros(B, H, D)
     ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.1)
     for b in range(B):
         n = int(lens[b])
-        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()   # the stored values, widened
+        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()  # the stored values, widened
         v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()
         ref = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.1, enable_gqa=True)[0, :, 0]
         assert close(out[b], ref, 1e-5)
     bad = tables.clone()
-    bad[2, 3] = NB   # a block id outside the cache is refused, not read
+    bad[2, 3] = NB  # a block id outside the cache is refused, not read
     with pytest.raises(RuntimeError):
         ext.paged_decode_attention_(out, q, kc, vc, bad, lens, 0.1)
-    with pytest.raises(RuntimeError):   # keys and values of different types are refused
+    with pytest.raises(RuntimeError):  # keys and values of different types are refused
         ext.paged_decode_attention_(out, q, kc, vc.double(), tables, lens, 0.1)
 
 
 def test_bad_input_is_an_error_not_a_crash(ext):
     with pytest.raises(RuntimeError):
-        ext.q4_linear(torch.randn(2, 33), torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1).half(),
-                      torch.ones(4, 1).half(), 8)
+        ext.q4_linear(
+            torch.randn(2, 33),
+            torch.zeros(4, 16, dtype=torch.uint8),
+            torch.ones(4, 1).half(),
+            torch.ones(4, 1).half(),
+            8,
+        )
     with pytest.raises(RuntimeError):
         ext.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

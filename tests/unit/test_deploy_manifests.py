@@ -2,6 +2,7 @@
 (kubernetes-validate's bundled ones), the CRD and custom-metric parts are checked structurally, the
 pieces refer to each other correctly (the router's --backend-dns names the headless Service, ...), and
 docker-compose.yml parses with two servers and the router."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,21 +34,26 @@ def _by_kind(kind: str) -> dict[str, dict]:
 
 
 def _containers() -> dict[str, dict]:
-    return {c["name"]: c for d in _by_kind("Deployment").values()
-            for c in d["spec"]["template"]["spec"]["containers"]}
+    return {c["name"]: c for d in _by_kind("Deployment").values() for c in d["spec"]["template"]["spec"]["containers"]}
 
 
 def test_every_resource_validates_against_the_kubernetes_schema():
     kv = pytest.importorskip("kubernetes_validate")
     docs = _docs()
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "ConfigMap", "PersistentVolumeClaim", "HorizontalPodAutoscaler",
-            "ServiceMonitor"} <= kinds
+    assert {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+    } <= kinds
     checked = 0
     for d in docs:
         if d["apiVersion"].startswith("monitoring.coreos.com"):
-            continue                                   # a CRD: no bundled schema (checked below)
-        kv.validate(d, K8S_VERSION, strict=True)       # raises ValidationError with the path
+            continue  # a CRD: no bundled schema (checked below)
+        kv.validate(d, K8S_VERSION, strict=True)  # raises ValidationError with the path
         checked += 1
     assert checked == len(docs) - 1
 
@@ -76,6 +82,7 @@ def test_servers_probes_resources_and_volumes():
     assert cms <= set(_by_kind("ConfigMap"))
     # the server's settings file holds only flags `llmserve serve` knows
     from llmserve.server.cli import add_arguments
+
     p = argparse.ArgumentParser()
     add_arguments(p)
     known = {a.dest for a in p._actions}
@@ -93,18 +100,21 @@ def test_router_discovers_the_servers_through_the_headless_service():
     assert len(headless) == 1
     h = headless[0]
     assert h["spec"]["selector"].items() <= pod_labels.items()
-    assert not h["spec"].get("publishNotReadyAddresses", False)   # only ready pods are in DNS
+    assert not h["spec"].get("publishNotReadyAddresses", False)  # only ready pods are in DNS
     router = _containers()["router"]
     from llmserve.router.cli import add_arguments
+
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(router["args"][2:])
     assert args.backend_dns == [f"{h['metadata']['name']}:{h['spec']['ports'][0]['port']}"]
-    assert not args.backends                      # no fixed list: replicas scale freely
+    assert not args.backends  # no fixed list: replicas scale freely
     assert args.dns_interval <= 10
     rs = services["llmserve-router"]
-    assert rs["spec"]["selector"].items() <= \
-        _by_kind("Deployment")["llmserve-router"]["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        rs["spec"]["selector"].items()
+        <= _by_kind("Deployment")["llmserve-router"]["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_hpa_scales_the_servers_on_waiting_requests():
@@ -120,6 +130,7 @@ def test_hpa_scales_the_servers_on_waiting_requests():
     rule = adapter["rules"]["custom"][0]
     assert rule["name"]["as"] == name and rule["name"]["matches"] == "llmserve:num_requests_waiting"
     from llmserve.server.metrics import P
+
     assert P + "num_requests_waiting" == "llmserve:num_requests_waiting"
 
 
@@ -128,8 +139,7 @@ def test_servicemonitor_is_well_formed_and_selects_the_services():
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     (expr,) = sm["spec"]["selector"]["matchExpressions"]
     assert expr["operator"] == "In"
-    selected = [s for s in _by_kind("Service").values()
-                if s["metadata"]["labels"].get(expr["key"]) in expr["values"]]
+    selected = [s for s in _by_kind("Service").values() if s["metadata"]["labels"].get(expr["key"]) in expr["values"]]
     assert len(selected) == 2
     for ep in sm["spec"]["endpoints"]:
         assert ep["path"] == "/metrics"

@@ -1,5 +1,6 @@
 """llmserve/csrc/gguf_ops.cpp against the gguf package's NumPy dequantization, on synthetic blocks of
 every type (gguf_kernels.random_blocks: random bytes, the float16 scale fields set to finite values)."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,11 @@ ALL = [Q.F32, Q.F16, Q.BF16] + QUANTIZED
 
 @pytest.fixture(scope="module")
 def ext():
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("g++") \
-            or os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+    if (
+        torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+        or not shutil.which("g++")
+        or os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0"
+    ):
         pytest.skip("no AVX2, no compiler or LLMSERVE_CPU_KERNELS=0: the NumPy / PyTorch fallbacks run instead")
     e = gk.gguf_kernels()
     assert e is not None, "the extension must build where AVX2 and a compiler exist"
@@ -29,7 +33,7 @@ def ext():
 
 
 def reference(raw: torch.Tensor, qtype) -> torch.Tensor:
-    if qtype == Q.BF16:   # (older gguf packages lack BF16's dequantization)
+    if qtype == Q.BF16:  # (older gguf packages lack BF16's dequantization)
         return (raw.numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32))
 
@@ -41,7 +45,7 @@ def test_dequantize_is_bit_exact(ext, qtype, n, k):
     got = gk.dequantize(raw, qtype, k)
     want = torch.as_tensor(reference(raw, qtype))
     assert got.dtype == torch.float32 and got.shape == (n, k)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32).reshape(n, k))   # the same bits
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32).reshape(n, k))  # the same bits
 
 
 def rounding_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
@@ -60,9 +64,9 @@ def test_linear(ext, qtype, rows):
     raw = gk.random_blocks(qtype, n, k, seed=rows)
     w = gk.dequantize(raw, qtype, k).double()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    x[:, 5] *= 20   # an outlier: the per-block scales must follow it
+    x[:, 5] *= 20  # an outlier: the per-block scales must follow it
     exact = x.double() @ w.t()
-    scale = x.double().abs() @ w.abs().t()   # float32 accumulation: a relative error of the absolute sum
+    scale = x.double().abs() @ w.abs().t()  # float32 accumulation: a relative error of the absolute sum
     # integer dots: x rounded per 256 values (K-quants) or 32 (the rest), within the rounding's bound
     block = 256 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 32
     got = gk.linear(x, raw, qtype, k, many_rows=rows + 1).double()
@@ -83,7 +87,7 @@ def test_linear_extreme_blocks(ext, qtype, fill):
     raw = gk.random_blocks(qtype, 3, k)
     scales = raw.clone()
     raw.fill_(fill)
-    for off in gk._HALF_FIELDS[gk.qtype_number(qtype)]:   # keep the random float16 scales
+    for off in gk._HALF_FIELDS[gk.qtype_number(qtype)]:  # keep the random float16 scales
         block = gguf.GGML_QUANT_SIZES[qtype][1]
         cols = torch.arange(0, raw.shape[1], block) + off
         raw[:, cols], raw[:, cols + 1] = scales[:, cols], scales[:, cols + 1]
@@ -105,14 +109,14 @@ def test_linear_plain_types(ext, qtype):
 def test_linear_strided_inputs(ext, qtype):
     k = 512
     raw = gk.random_blocks(qtype, 11, k)
-    x = torch.randn(k, 3).t()   # not contiguous
+    x = torch.randn(k, 3).t()  # not contiguous
     want = gk.linear(x.contiguous(), raw, qtype, k)
     assert torch.equal(gk.linear(x, raw, qtype, k), want)
     # rows of a wider buffer (raw.stride(0) > row_bytes): read in place
     wide = torch.zeros(11, raw.shape[1] + 64, dtype=torch.uint8)
-    wide[:, :raw.shape[1]] = raw
-    assert torch.equal(gk.linear(x, wide[:, :raw.shape[1]], qtype, k), want)
-    assert torch.equal(gk.dequantize(wide[:, :raw.shape[1]], qtype, k), gk.dequantize(raw, qtype, k))
+    wide[:, : raw.shape[1]] = raw
+    assert torch.equal(gk.linear(x, wide[:, : raw.shape[1]], qtype, k), want)
+    assert torch.equal(gk.dequantize(wide[:, : raw.shape[1]], qtype, k), gk.dequantize(raw, qtype, k))
 
 
 def test_the_bundled_files_tensors(ext, bundled_gguf):
@@ -124,14 +128,14 @@ def test_the_bundled_files_tensors(ext, bundled_gguf):
             continue
         seen.add(t.tensor_type)
         raw, num, k = gk.from_reader(t)
-        raw = raw[:300]   # (the embeddings: 49,152 rows)
+        raw = raw[:300]  # (the embeddings: 49,152 rows)
         want = torch.as_tensor(reference(raw, t.tensor_type)).reshape(raw.shape[0], k)
         assert torch.equal(gk.dequantize(raw, num, k), want), t.name
         x = torch.randn(2, k)
         got = gk.linear(x, raw, num, k).double()
         exact = x.double() @ want.double().t()
         tol = 1e-5 * (x.double().abs() @ want.double().abs().t())
-        if t.tensor_type != Q.F32:   # the integer dots: x rounded per 32 values
+        if t.tensor_type != Q.F32:  # the integer dots: x rounded per 32 values
             tol += rounding_bound(x.double(), want.double(), 32)
         assert ((got - exact).abs() <= tol).all(), t.name
     assert {t.name for t in seen} == {"Q4_1", "Q8_0", "F32"}

@@ -7,6 +7,7 @@ rolls back rejected speculative proposals. So the test can check that every comp
 running request reads its own token: a block is never shared between requests whose contents differ,
 and a rollback never leaves a rejected proposal inside the computed prefix.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,20 +21,25 @@ from llmserve.engine.scheduler import QueueFullError, SampledTokens, Scheduler, 
 
 
 class Sim:
-    def __init__(self, num_blocks, block_size, max_seqs, budget, caching, policy="fcfs", max_queued=None,
-                 spec=0):
+    def __init__(self, num_blocks, block_size, max_seqs, budget, caching, policy="fcfs", max_queued=None, spec=0):
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.max_model_len = num_blocks * block_size
         self.sched = Scheduler(self.kv, max_seqs, budget, self.max_model_len, policy, max_queued)
-        self.slots: dict[tuple[int, int], int] = {}    # (block id, offset) -> token written there
+        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token written there
         self.bs = block_size
         self.n = 0
-        self.spec = spec   # up to this many speculative proposals per decoding request and step
+        self.spec = spec  # up to this many speculative proposals per decoding request and step
 
     def add(self, prompt, max_tokens, priority=0):
         self.n += 1
-        r = Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens), {999}, priority=priority,
-                    arrival_time=float(self.n))
+        r = Request(
+            f"r{self.n}",
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            {999},
+            priority=priority,
+            arrival_time=float(self.n),
+        )
         self.sched.add_request(r)
         return r
 
@@ -55,13 +61,13 @@ class Sim:
             self.propose(rng)
         out = self.sched.schedule()
         sampled = []
-        for r in out.requests:   # the runner: write the scheduled tokens, sample where the known ones end
+        for r in out.requests:  # the runner: write the scheduled tokens, sample where the known ones end
             n = out.num_scheduled_tokens[r.request_id]
             k = out.num_spec_tokens.get(r.request_id, 0)
             c = r.num_computed_tokens
             ids = self.kv.get_block_ids(r.request_id)
             assert len(ids) * self.bs >= c + n
-            for pos, token in zip(range(c, c + n), r.all_token_ids[c:c + n - k] + r.spec_token_ids[:k]):
+            for pos, token in zip(range(c, c + n), r.all_token_ids[c : c + n - k] + r.spec_token_ids[:k]):
                 self.slots[(ids[pos // self.bs], pos % self.bs)] = token
             if c + n - k >= r.num_tokens:
                 # one token per verified position: the proposal itself half of the time
@@ -84,16 +90,27 @@ class Sim:
         assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "finish", "preempt"]),
-                         st.integers(0, 10_000)), min_size=1, max_size=120)
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "finish", "preempt"]), st.integers(0, 10_000)),
+    min_size=1,
+    max_size=120,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
-       max_seqs=st.integers(1, 6), budget=st.integers(1, 64), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]), spec=st.sampled_from([0, 0, 3]))
-def test_random_interleavings_never_leak_or_corrupt(ops, num_blocks, block_size, max_seqs, budget, caching, policy,
-                                                    spec):
+@given(
+    ops=ops,
+    num_blocks=st.integers(4, 24),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    max_seqs=st.integers(1, 6),
+    budget=st.integers(1, 64),
+    caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    spec=st.sampled_from([0, 0, 3]),
+)
+def test_random_interleavings_never_leak_or_corrupt(
+    ops, num_blocks, block_size, max_seqs, budget, caching, policy, spec
+):
     sim = Sim(num_blocks, block_size, max_seqs, budget, caching, policy, spec=spec)
     rng = random.Random(0)
     # A few documents, so that prompts often repeat prefixes of each other (and of evicted blocks).
@@ -131,7 +148,7 @@ def test_prefix_hit_skips_cached_blocks():
         sim.step(random.Random(1))
     b = sim.add(prompt[:28] + [99, 98], 2)
     out = sim.step(random.Random(1))
-    assert b.num_cached_tokens == 28            # 7 full blocks of 4
+    assert b.num_cached_tokens == 28  # 7 full blocks of 4
     assert out.num_scheduled_tokens[b.request_id] == 2
     assert sim.kv.prefix_cache_hits == 28
 
@@ -139,11 +156,11 @@ def test_prefix_hit_skips_cached_blocks():
 def test_lru_eviction_keeps_recent_prefixes():
     sim = Sim(num_blocks=8, block_size=4, max_seqs=1, budget=64, caching=True)
     rng = random.Random(2)
-    for base in (0, 100):   # two prompts of 2 blocks + 1 token each (3 blocks while running)
+    for base in (0, 100):  # two prompts of 2 blocks + 1 token each (3 blocks while running)
         sim.add([base + i for i in range(9)], 1)
         while sim.sched.has_unfinished():
             sim.step(rng)
-    sim.add([200 + i for i in range(9)], 1)     # needs 3 blocks: evicts the least recently used
+    sim.add([200 + i for i in range(9)], 1)  # needs 3 blocks: evicts the least recently used
     while sim.sched.has_unfinished():
         sim.step(rng)
     r = sim.add([100 + i for i in range(9)], 1)  # the second prompt is still cached
@@ -161,7 +178,7 @@ def test_blocks_without_cached_contents_are_reused_first():
         used: set[int] = set()
         allocate = sim.kv.pool.allocate
         sim.kv.pool.allocate = lambda n, used=used, allocate=allocate: [used.add(b.block_id) or b for b in allocate(n)]
-        for base in range(0, 500, 100):   # 5 requests of 2 full blocks + a partial one, one after another
+        for base in range(0, 500, 100):  # 5 requests of 2 full blocks + a partial one, one after another
             sim.add([base + i for i in range(9)], 1)
             while sim.sched.has_unfinished():
                 sim.step(rng)
@@ -187,7 +204,7 @@ def test_priority_request_scheduled_at_once_when_pool_full():
     low = [sim.add(list(range(10 * i, 10 * i + 14)), 50, priority=10) for i in range(2)]
     rng = random.Random(4)
     sim.step(rng)
-    assert sim.kv.num_free_blocks == 0        # the pool is full of low-priority requests
+    assert sim.kv.num_free_blocks == 0  # the pool is full of low-priority requests
     high = sim.add([1, 2, 3, 4, 5], 3, priority=0)
     out = sim.step(rng)
     assert high.request_id in out.num_scheduled_tokens
@@ -221,7 +238,7 @@ def test_full_queue_raises_typed_error_and_keeps_serving():
     rng = random.Random(6)
     while sim.sched.has_unfinished():
         sim.step(rng)
-    last = sim.add([7, 8, 9], 2)   # room again
+    last = sim.add([7, 8, 9], 2)  # room again
     while sim.sched.has_unfinished():
         sim.step(rng)
     assert last.is_finished and last.num_output_tokens == 2

@@ -1,4 +1,5 @@
 """The reasoning parser (--reasoning-parser): whole outputs, and the same outputs streamed in every split."""
+
 from __future__ import annotations
 
 import random
@@ -10,7 +11,7 @@ from llmserve.server.reasoning import ReasoningParser
 R1 = ReasoningParser.from_name("deepseek_r1")
 QWEN = ReasoningParser.from_name("qwen3")
 
-CASES = [   # text, (deepseek_r1 split), (qwen3 split)
+CASES = [  # text, (deepseek_r1 split), (qwen3 split)
     ("<think>\nLet me add.\n</think>\n\nIt is 4.", ("Let me add.\n", "It is 4."), ("Let me add.\n", "It is 4.")),
     ("Let me add.</think>It is 4.", ("Let me add.", "It is 4."), ("", "Let me add.</think>It is 4.")),
     ("It is 4.", ("It is 4.", ""), ("", "It is 4.")),
@@ -39,9 +40,9 @@ def test_whole_outputs(text, r1, qwen):
 @pytest.mark.parametrize("text,r1,qwen", CASES)
 def test_every_split_streams_the_same_pieces(text, r1, qwen):
     rng = random.Random(len(text))
-    splits = [[text[:k], text[k:]] for k in range(len(text) + 1)]          # every 2-way split
-    splits += [list(text)]                                                 # a character at a time
-    for _ in range(20):                                                    # random cuts
+    splits = [[text[:k], text[k:]] for k in range(len(text) + 1)]  # every 2-way split
+    splits += [list(text)]  # a character at a time
+    for _ in range(20):  # random cuts
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6))))
         splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
     for parser, want in ((R1, r1), (QWEN, qwen)):

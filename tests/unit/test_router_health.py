@@ -1,4 +1,5 @@
 """Health checks and metrics scraping against httpx mock transports: no network, no clock."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +31,7 @@ class FakeFleet:
     """A mock transport: each backend's answer to /ready is set by the test."""
 
     def __init__(self):
-        self.ready: dict[str, object] = {}   # host -> status code, or "refuse"
+        self.ready: dict[str, object] = {}  # host -> status code, or "refuse"
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         state = self.ready.get(request.url.host, 200)
@@ -39,8 +40,9 @@ class FakeFleet:
         if request.url.path == "/ready":
             return httpx.Response(state)
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [
-                {"id": f"model-{request.url.host}", "object": "model"}]})
+            return httpx.Response(
+                200, json={"object": "list", "data": [{"id": f"model-{request.url.host}", "object": "model"}]}
+            )
         if request.url.path == "/metrics":
             return httpx.Response(200, text=METRICS_PAGE)
         return httpx.Response(404)
@@ -83,12 +85,12 @@ def test_ejected_after_n_failures_in_a_row_and_readmitted():
             await hc.check_all()
 
     run(rounds(2))
-    assert b0.healthy                        # two failures: still in
+    assert b0.healthy  # two failures: still in
     run(rounds(1))
-    assert not b0.healthy                    # the third ejects
+    assert not b0.healthy  # the third ejects
     fleet.ready["b0"] = 200
     run(rounds(1))
-    assert not b0.healthy                    # one good check is not enough (threshold 2)
+    assert not b0.healthy  # one good check is not enough (threshold 2)
     run(rounds(1))
     assert b0.healthy
     assert hc.metrics.readmissions.labels(b0.url)._value.get() == 1
@@ -107,7 +109,7 @@ def test_refused_connection_ejects_at_once_and_passive_reports_eject():
     assert hc.metrics.ejections.labels(b1.url, "passive")._value.get() == 1
     fleet.ready["b0"] = 200
     run(hc.check_all())
-    assert b0.healthy and b1.healthy          # both come back through active checks
+    assert b0.healthy and b1.healthy  # both come back through active checks
 
 
 def test_scrape_metrics_sets_backend_load():

@@ -1,4 +1,5 @@
 """Routing policies on fake backends: pure selection logic, no network."""
+
 from __future__ import annotations
 
 import random
@@ -32,6 +33,7 @@ def req(text: str = "", **kw) -> RouteRequest:
 
 # -- round robin ---------------------------------------------------------------------------------
 
+
 def test_round_robin_takes_each_backend_in_turn():
     bs = backends(3)
     p = RoundRobin()
@@ -44,6 +46,7 @@ def test_round_robin_takes_each_backend_in_turn():
 
 # -- least outstanding ---------------------------------------------------------------------------
 
+
 def test_least_outstanding_picks_fewest_in_flight():
     a, b, c = backends(3)
     a.outstanding, b.outstanding, c.outstanding = 5, 1, 3
@@ -53,7 +56,7 @@ def test_least_outstanding_picks_fewest_in_flight():
 
 def test_least_outstanding_divides_by_weight_and_spreads_ties():
     a, b = backends(2)
-    a.weight, a.outstanding, b.outstanding = 4.0, 6, 2      # 1.5 vs 2.0
+    a.weight, a.outstanding, b.outstanding = 4.0, 6, 2  # 1.5 vs 2.0
     assert LeastOutstanding().choose(req(), [a, b]).backend is a
     a.weight, a.outstanding, b.outstanding = 1.0, 0, 0
     p = LeastOutstanding()
@@ -62,7 +65,7 @@ def test_least_outstanding_divides_by_weight_and_spreads_ties():
 
 def test_least_outstanding_uses_scraped_load_when_enabled():
     a, b = backends(2)
-    a.running, a.waiting = 7, 3            # busy with someone else's traffic
+    a.running, a.waiting = 7, 3  # busy with someone else's traffic
     b.running, b.waiting = 0, 0
     a.outstanding = b.outstanding = 1
     assert LeastOutstanding(use_metrics=True).choose(req(), [a, b]).backend is b
@@ -78,13 +81,17 @@ def test_power_of_two_choices_takes_the_better_of_two_samples():
         # never the most loaded: it can only win if sampled with itself
         assert d.backend is not bs[-1]
     counts = Counter(p.choose(req(), bs).backend.url for _ in range(500))
-    assert len(counts) >= 3                # not a plain argmin: load spreads
+    assert len(counts) >= 3  # not a plain argmin: load spreads
 
 
 # -- cache aware ---------------------------------------------------------------------------------
 
-SYSTEM = ["You are a pirate assistant. " * 20, "You are a legal clerk. Be precise. " * 20,
-          "Answer only in haiku about the sea. " * 20, "You translate to French. " * 20]
+SYSTEM = [
+    "You are a pirate assistant. " * 20,
+    "You are a legal clerk. Be precise. " * 20,
+    "Answer only in haiku about the sea. " * 20,
+    "You translate to French. " * 20,
+]
 
 
 def test_cache_aware_follows_the_prefix_and_spreads_new_prefixes():
@@ -110,10 +117,10 @@ def test_cache_aware_balances_when_load_is_imbalanced():
     p = CacheAware(balance_abs_threshold=4, balance_rel_threshold=1.5)
     r = req(SYSTEM[0] + "q")
     p.on_routed(r, a)
-    a.outstanding, b.outstanding = 10, 1          # gap 9 > 4 and 10 > 1.5
+    a.outstanding, b.outstanding = 10, 1  # gap 9 > 4 and 10 > 1.5
     d = p.choose(r, [a, b])
     assert d.backend is b and d.reason == "balance"
-    a.outstanding, b.outstanding = 4, 1           # gap 3: small, the cache wins
+    a.outstanding, b.outstanding = 4, 1  # gap 3: small, the cache wins
     d = p.choose(r, [a, b])
     assert d.backend is a and d.reason == "cache_hit"
 
@@ -138,7 +145,7 @@ def test_prefix_tree_match_split_and_eviction():
     # tenant 1 holds 15 chars; adding 20 more evicts its oldest prompt ("hello world")
     t.insert("a" * 20, 1)
     assert t.size(1) == 24
-    assert t.match("hello world") == {1: 3, 2: 6}   # only "help" is left: "hel"
+    assert t.match("hello world") == {1: 3, 2: 6}  # only "help" is left: "hel"
     t.remove_tenant(2)
     assert t.match("hello there") == {1: 3}
     t.remove_tenant(1)
@@ -146,9 +153,10 @@ def test_prefix_tree_match_split_and_eviction():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.text("ab", min_size=1, max_size=12), st.integers(0, 2)),
-                max_size=25),
-       st.text("ab", max_size=14))
+@given(
+    st.lists(st.tuples(st.text("ab", min_size=1, max_size=12), st.integers(0, 2)), max_size=25),
+    st.text("ab", max_size=14),
+)
 def test_prefix_tree_matches_brute_force(ops, query):
     t = PrefixTree(max_chars_per_tenant=40)
     stored: dict[int, list[str]] = {}
@@ -177,6 +185,7 @@ def test_prefix_tree_matches_brute_force(ops, query):
 
 # -- session -------------------------------------------------------------------------------------
 
+
 def test_session_sticks_and_falls_back_without_a_key():
     bs = backends(3)
     p = Session()
@@ -193,10 +202,10 @@ def test_consistent_hashing_is_stable_when_a_backend_joins_or_leaves():
     keys = [f"session-{i}" for i in range(2000)]
     p = Session()
     before = {k: p.choose(req(session_key=k), bs[:3]).backend for k in keys}
-    after = {k: p.choose(req(session_key=k), bs).backend for k in keys}   # bs[3] joins
+    after = {k: p.choose(req(session_key=k), bs).backend for k in keys}  # bs[3] joins
     moved = [k for k in keys if before[k] is not after[k]]
-    assert all(after[k] is bs[3] for k in moved)          # keys only move to the newcomer
-    assert 0.15 < len(moved) / len(keys) < 0.40           # about a quarter of them
+    assert all(after[k] is bs[3] for k in moved)  # keys only move to the newcomer
+    assert 0.15 < len(moved) / len(keys) < 0.40  # about a quarter of them
     # bs[0] is ejected: only its keys move; it comes back and they return
     gone = {k: p.choose(req(session_key=k), bs[1:]).backend for k in keys}
     assert all(gone[k] is after[k] for k in keys if after[k] is not bs[0])
@@ -216,6 +225,7 @@ def test_hash_ring_remove():
 
 
 # -- length --------------------------------------------------------------------------------------
+
 
 def test_length_buckets_route_by_prompt_length():
     short, long_ = backends(2)

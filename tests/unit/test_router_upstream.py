@@ -1,4 +1,5 @@
 """The proxy's HTTP/1.1 client against raw asyncio servers on 127.0.0.1 that misbehave on cue."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,9 @@ def test_content_length_chunked_keep_alive_and_headers():
             except asyncio.IncompleteReadError:
                 return
             if b"/chunked" in req:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 for part in (b"data: 1\n\n", b"data: 2\n\n"):
                     writer.write(b"%x\r\n%s\r\n" % (len(part), part))
                     await writer.drain()
@@ -54,16 +56,14 @@ def test_content_length_chunked_keep_alive_and_headers():
                 writer.write(b"0\r\n\r\n")
             else:
                 body = req.split(b"\r\n\r\n", 1)[1]
-                writer.write(b"HTTP/1.1 201 Created\r\nx-echo: yes\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(body), body))
+                writer.write(b"HTTP/1.1 201 Created\r\nx-echo: yes\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
 
     async def main():
         server, url, conns = await serve(handler)
         pool = UpstreamPool()
         try:
-            r = await pool.request("POST", url, "/echo", [("content-type", "application/json")],
-                                   b'{"a": 1}')
+            r = await pool.request("POST", url, "/echo", [("content-type", "application/json")], b'{"a": 1}')
             assert r.status_code == 201 and r.headers["x-echo"] == "yes"
             assert await r.aread() == b'{"a": 1}'
             r = await pool.request("POST", url, "/chunked", [], b"{}")
@@ -71,10 +71,11 @@ def test_content_length_chunked_keep_alive_and_headers():
             assert [c async for c in r] == [b"data: 1\n\n", b"data: 2\n\n"]
             r = await pool.request("GET", url, "/echo", [])
             assert await r.aread() == b""
-            assert conns() == 1                     # one kept-alive connection for all three
+            assert conns() == 1  # one kept-alive connection for all three
         finally:
             await pool.aclose()
             server.close()
+
     asyncio.run(main())
 
 
@@ -83,6 +84,7 @@ def test_refused_connection_is_connect_failed():
         pool = UpstreamPool(connect_timeout=2)
         with pytest.raises(ConnectFailed):
             await pool.request("POST", f"http://127.0.0.1:{free_port()}", "/", [], b"")
+
     asyncio.run(main())
 
 
@@ -107,6 +109,7 @@ def test_server_dying_before_and_during_the_response():
         finally:
             await pool.aclose()
             server.close()
+
     asyncio.run(main())
 
 
@@ -129,6 +132,7 @@ def test_stale_kept_alive_connection_is_replaced_transparently():
         finally:
             await pool.aclose()
             server.close()
+
     asyncio.run(main())
 
 
@@ -140,7 +144,7 @@ def test_aclose_of_an_unfinished_response_closes_the_connection():
             await read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
             await writer.drain()
-            if await reader.read(1) == b"":      # the client hung up
+            if await reader.read(1) == b"":  # the client hung up
                 seen_eof.set()
 
         server, url, _ = await serve(handler)
@@ -153,6 +157,7 @@ def test_aclose_of_an_unfinished_response_closes_the_connection():
         finally:
             await pool.aclose()
             server.close()
+
     asyncio.run(main())
 
 
@@ -171,6 +176,7 @@ def test_read_until_close_body():
         finally:
             await pool.aclose()
             server.close()
+
     asyncio.run(main())
 
 
@@ -192,9 +198,10 @@ def test_slow_consumer_pauses_reading_and_gets_everything():
             got = b""
             async for chunk in r:
                 got += chunk
-                await asyncio.sleep(0)           # a consumer slower than the socket
+                await asyncio.sleep(0)  # a consumer slower than the socket
             assert got == b"".join(parts)
         finally:
             await pool.aclose()
             server.close()
+
     asyncio.run(main())

@@ -1,5 +1,6 @@
 """The sampler without a model: hand-made logits through `sample` (temperature, top-k, top-p, min-p,
 penalties, seeds, banned tokens, grammar masks, logprobs)."""
+
 from __future__ import annotations
 
 import ast
@@ -32,15 +33,15 @@ def test_temperature_follows_the_softmax():
     freq = draw(SamplingParams(temperature=1.0))
     for t, p in enumerate((0.5, 0.3, 0.15, 0.05)):
         assert abs(freq[t] / 2000 - p) < 0.04, freq
-    sharp = draw(SamplingParams(temperature=0.25))   # p^4, renormalised: token 0 ~ 0.88
+    sharp = draw(SamplingParams(temperature=0.25))  # p^4, renormalised: token 0 ~ 0.88
     assert sharp[0] / 2000 > 0.8 and set(sharp) <= {0, 1, 2, 3}
 
 
 def test_top_k_top_p_min_p_filter():
     assert set(draw(SamplingParams(top_k=2))) == {0, 1}
-    assert set(draw(SamplingParams(top_p=0.7))) == {0, 1}          # 0.5 + 0.3 is the smallest set >= 0.7
+    assert set(draw(SamplingParams(top_p=0.7))) == {0, 1}  # 0.5 + 0.3 is the smallest set >= 0.7
     assert set(draw(SamplingParams(top_p=0.85))) == {0, 1, 2}
-    assert set(draw(SamplingParams(min_p=0.2))) == {0, 1, 2}        # p >= 0.2 * 0.5
+    assert set(draw(SamplingParams(min_p=0.2))) == {0, 1, 2}  # p >= 0.2 * 0.5
     assert set(draw(SamplingParams(min_p=0.5))) == {0, 1}
     assert set(draw(SamplingParams(top_k=3, top_p=0.7, min_p=0.01))) == {0, 1}
 
@@ -48,9 +49,10 @@ def test_top_k_top_p_min_p_filter():
 def test_penalties():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     row = SamplingRow(SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1])
-    assert apply_penalties(logits.clone(), [row]).tolist() == [[1.0, -4.0, 1.0, 0.5]]   # seen: 0 and 1
-    row = SamplingRow(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt_ids=[3],
-                      output_ids=[2, 2, 0])
+    assert apply_penalties(logits.clone(), [row]).tolist() == [[1.0, -4.0, 1.0, 0.5]]  # seen: 0 and 1
+    row = SamplingRow(
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt_ids=[3], output_ids=[2, 2, 0]
+    )
     # the prompt does not count for frequency and presence penalties
     assert apply_penalties(logits.clone(), [row]).tolist() == [[1.25, -2.0, -0.25, 0.5]]
     # a strong enough penalty changes the greedy pick
@@ -85,8 +87,11 @@ def test_banned_ids_are_never_drawn():
 
 def test_logprobs_shapes_and_values():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=3)),
-            SamplingRow(SamplingParams(temperature=0, logprobs=0)), SamplingRow(SamplingParams(temperature=0))]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logprobs=3)),
+        SamplingRow(SamplingParams(temperature=0, logprobs=0)),
+        SamplingRow(SamplingParams(temperature=0)),
+    ]
     res = sample(logits.clone(), rows)
     full = torch.log_softmax(logits, dim=-1)
     a, b, c = res.logprobs
@@ -118,8 +123,7 @@ class OnlyToken:
 
 
 def test_grammar_mask_leaves_other_rows_alone():
-    rows = [SamplingRow(SamplingParams(temperature=0), guided=OnlyToken(2)),
-            SamplingRow(SamplingParams(temperature=0))]
+    rows = [SamplingRow(SamplingParams(temperature=0), guided=OnlyToken(2)), SamplingRow(SamplingParams(temperature=0))]
     assert sample(LOGITS.repeat(2, 1), rows).token_ids == [2, 0]
     torch.manual_seed(0)
     rows = [SamplingRow(SamplingParams(), guided=OnlyToken(2))] * 200
@@ -135,7 +139,10 @@ def test_complete_grammar_with_eos_banned_ends_with_eos():
 
 def test_the_sampler_does_not_import_the_engine():
     src = pathlib.Path(__file__).parents[2] / "llmserve" / "model" / "sampler.py"
-    imported = [n.module if isinstance(n, ast.ImportFrom) else a.name
-                for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in n.names]
+    imported = [
+        n.module if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(ast.parse(src.read_text()))
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    ]
     assert not [m for m in imported if m and m.startswith("llmserve.engine")], imported

@@ -1,6 +1,7 @@
 """Stop handling without a model: `Scheduler.update_from_output` (EOS, stop token ids, max_tokens,
 max_model_len, speculative rollback) and the `OutputProcessor` (detokenizing, stop strings), driven with
 hand-picked "sampled" tokens and a tokenizer whose tokens are fixed text pieces."""
+
 from __future__ import annotations
 
 from llmserve.engine.kv_cache import KVCacheManager
@@ -24,8 +25,9 @@ class Harness:
     """Scheduler + output processor; `step` plays the runner: it hands out the given sampled tokens."""
 
     def __init__(self, max_model_len=64):
-        self.sched = Scheduler(KVCacheManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64,
-                               max_model_len=max_model_len)
+        self.sched = Scheduler(
+            KVCacheManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=max_model_len
+        )
         self.proc = OutputProcessor(PieceTokenizer(), self.sched)
         self.outputs: dict[str, list] = {}
 
@@ -68,14 +70,15 @@ def test_stop_string_across_token_boundaries():
     h = Harness()
     req, c = h.run(SamplingParams(max_tokens=10, stop=["o wor"]), [10, 11, 12, 13, 14])
     assert (c.text, c.finish_reason, c.stop_reason) == ("Hell", "stop", "o wor")
-    assert c.token_ids == [10, 11, 12, 13]          # up to the token that completed the stop string
+    assert c.token_ids == [10, 11, 12, 13]  # up to the token that completed the stop string
     assert h.sched.kv.num_free_blocks == 32 and not h.sched.has_unfinished()
     assert not h.proc.detokenizers
 
 
 def test_include_stop_str_in_output():
-    _, c = Harness().run(SamplingParams(max_tokens=10, stop=["o wor"], include_stop_str_in_output=True),
-                         [10, 11, 12, 13, 14])
+    _, c = Harness().run(
+        SamplingParams(max_tokens=10, stop=["o wor"], include_stop_str_in_output=True), [10, 11, 12, 13, 14]
+    )
     assert (c.text, c.stop_reason) == ("Hello wor", "o wor")
 
 
@@ -84,13 +87,13 @@ def test_text_that_may_start_a_stop_string_is_held_back():
     req = h.add(SamplingParams(max_tokens=10, stop=["lo!"]))
     for t in (10, 11):
         h.step({"r": [t]})
-    assert "".join(o.outputs[0].delta_text for o in h.outputs["r"]) == "Hel"   # "lo" may start "lo!"
+    assert "".join(o.outputs[0].delta_text for o in h.outputs["r"]) == "Hel"  # "lo" may start "lo!"
     for t in (12, 13, 14):
         h.step({"r": [t]})
-    assert not req.is_finished                      # "Hello world!" never contains "lo!"
+    assert not req.is_finished  # "Hello world!" never contains "lo!"
     assert h.outputs["r"][-1].outputs[0].text == "Hello worl"
     h.step({"r": [EOS]})
-    assert h.final("r").text == "Hello world!"      # the end releases what was held back
+    assert h.final("r").text == "Hello world!"  # the end releases what was held back
 
 
 def test_stop_token_ids_keep_the_token_and_its_text():
@@ -111,7 +114,7 @@ def test_max_tokens_and_max_model_len():
     _, c = Harness().run(SamplingParams(max_tokens=3), [10, 11, 12, 13])
     assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == ([10, 11, 12], "length", None, "Hello wo")
     _, c = Harness(max_model_len=5).run(SamplingParams(max_tokens=None), [10, 11, 12, 13])
-    assert (c.token_ids, c.finish_reason) == ([10, 11], "length")     # 3 prompt tokens + 2 = max_model_len
+    assert (c.token_ids, c.finish_reason) == ([10, 11], "length")  # 3 prompt tokens + 2 = max_model_len
 
 
 def test_a_stop_string_wins_over_length_at_the_same_token():
@@ -127,7 +130,7 @@ def test_speculative_run_verified_rejected_and_rolled_back():
     # proposals 11, 99, 13: the model agrees with 11 only, then picks 12 (99 rejected)
     h.step({"r": [11, 12, 13, 14]}, proposals={"r": [11, 99, 13]})
     assert req.output_token_ids == [10, 11, 12]
-    assert req.num_computed_tokens == req.num_tokens - 1      # KV valid up to the accepted proposal
+    assert req.num_computed_tokens == req.num_tokens - 1  # KV valid up to the accepted proposal
     assert (h.sched.num_spec_proposed, h.sched.num_spec_accepted) == (3, 1)
     o = h.outputs["r"][-1].outputs[0]
     assert (o.delta_token_ids, o.delta_text) == ([11, 12], "lo wo")
@@ -138,8 +141,11 @@ def test_speculative_run_cut_by_a_stop_string_or_max_tokens():
     req = h.add(SamplingParams(max_tokens=10, stop=["lo w"], logprobs=0))
     h.step({"r": [10]}, logprobs=[TokenLogprobs(10, -0.5)])
     # every proposal verified; the stop string ends at the second token: the rest is dropped
-    h.step({"r": [11, 12, 13, 14]}, proposals={"r": [11, 12, 13]},
-           logprobs=[TokenLogprobs(t, -0.25) for t in (11, 12, 13, 14)])
+    h.step(
+        {"r": [11, 12, 13, 14]},
+        proposals={"r": [11, 12, 13]},
+        logprobs=[TokenLogprobs(t, -0.25) for t in (11, 12, 13, 14)],
+    )
     c = h.final("r")
     assert (c.token_ids, c.text, c.stop_reason) == ([10, 11, 12], "Hel", "lo w")
     assert [lp.token_id for lp in c.logprobs] == [10, 11, 12] and c.cumulative_logprob == -1.0

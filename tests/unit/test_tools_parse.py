@@ -1,5 +1,6 @@
 """Tool calling without a model: the plan from tools/tool_choice, parsing output into tool_calls, the
 streamed form of the calls, and the chat rendering that holds a choice's text back to parse it."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,13 @@ import pytest
 from llmserve.server import tools
 from llmserve.server.rendering import ChatRendering
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -42,15 +48,18 @@ def test_plan_choices():
     assert named.forced_schema["properties"]["name"] == {"const": "get_time"}
 
 
-@pytest.mark.parametrize("tools_, choice, match", [
-    ([{"type": "function"}], "auto", "each tool must be"),
-    ([{"type": "function", "function": {"name": ""}}], "auto", "needs a name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "auto", "JSON schema object"),
-    ([WEATHER, WEATHER], "auto", "unique"),
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
-    ([WEATHER], {"type": "function"}, "must be"),
-    ([WEATHER], "sometimes", "must be"),
-])
+@pytest.mark.parametrize(
+    "tools_, choice, match",
+    [
+        ([{"type": "function"}], "auto", "each tool must be"),
+        ([{"type": "function", "function": {"name": ""}}], "auto", "needs a name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": []}}], "auto", "JSON schema object"),
+        ([WEATHER, WEATHER], "auto", "unique"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ([WEATHER], {"type": "function"}, "must be"),
+        ([WEATHER], "sometimes", "must be"),
+    ],
+)
 def test_plan_refuses(tools_, choice, match):
     with pytest.raises(tools.ToolError, match=match):
         tools.plan(tools_, choice)
@@ -62,8 +71,9 @@ def test_plain_text_stays_content():
 
 
 def test_one_call():
-    content, calls = tools.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-                                 auto())
+    content, calls = tools.parse(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', auto()
+    )
     assert content is None
     assert len(calls) == 1
     c = calls[0]
@@ -72,8 +82,10 @@ def test_one_call():
 
 
 def test_several_calls_with_text_around():
-    text = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
-            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.')
+    text = (
+        'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.'
+    )
     content, calls = tools.parse(text, auto())
     assert content == "Let me check. \n Done."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
@@ -93,13 +105,16 @@ def test_bare_json_object_and_string_arguments():
     assert args_of(calls[0]) == {"city": "Lima"}
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',          # malformed JSON
-    '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',             # not a tool
-    '<tool_call>["get_weather"]</tool_call>',                                         # not an object
-    '<tool_call>{"name": "get_weather", "arguments": "{not json"}</tool_call>',       # bad arguments string
-    '{"name": "get_weather", "arguments": {"city": "Paris"}',                         # bare, unclosed
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # malformed JSON
+        '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',  # not a tool
+        '<tool_call>["get_weather"]</tool_call>',  # not an object
+        '<tool_call>{"name": "get_weather", "arguments": "{not json"}</tool_call>',  # bad arguments string
+        '{"name": "get_weather", "arguments": {"city": "Paris"}',  # bare, unclosed
+    ],
+)
 def test_no_valid_call_leaves_the_text_as_content(text):
     assert tools.parse(text, auto()) == (text, [])
 
@@ -123,12 +138,17 @@ def test_non_ascii_arguments_are_kept():
 
 # -- streaming -------------------------------------------------------------------------------------
 def test_stream_deltas_split_the_arguments():
-    _, calls = tools.parse('<tool_call>{"name": "get_weather", "arguments": {"city": "Llanfairpwllgwyngyll"}}'
-                           '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>', auto())
+    _, calls = tools.parse(
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Llanfairpwllgwyngyll"}}'
+        '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        auto(),
+    )
     deltas = tools.stream_deltas(calls)
     heads = [d for d in deltas if "id" in d]
-    assert [(d["index"], d["function"]) for d in heads] == [(0, {"name": "get_weather", "arguments": ""}),
-                                                            (1, {"name": "get_time", "arguments": ""})]
+    assert [(d["index"], d["function"]) for d in heads] == [
+        (0, {"name": "get_weather", "arguments": ""}),
+        (1, {"name": "get_time", "arguments": ""}),
+    ]
     assert all(d["type"] == "function" for d in heads)
     for i, c in enumerate(calls):
         pieces = [d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d]
@@ -138,8 +158,14 @@ def test_stream_deltas_split_the_arguments():
 
 
 def _out(text: str, finished: bool, finish_reason: str | None = None, delta: str | None = None):
-    c = SimpleNamespace(text=text, delta_text=text if delta is None else delta, finish_reason=finish_reason,
-                        stop_reason=None, logprobs=None, delta_logprobs=None)
+    c = SimpleNamespace(
+        text=text,
+        delta_text=text if delta is None else delta,
+        finish_reason=finish_reason,
+        stop_reason=None,
+        logprobs=None,
+        delta_logprobs=None,
+    )
     return SimpleNamespace(outputs=[c], finished=finished)
 
 
@@ -147,18 +173,18 @@ def test_chat_rendering_holds_the_text_back_and_streams_the_calls():
     r = ChatRendering(tokenizer=None, tool_plan=auto())
     assert r.deltas(0, _out("Sure. <tool_call>{", finished=False)) == []
     text = 'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-    chunks = r.deltas(0, _out(text, finished=True, finish_reason="stop", delta=text[len("Sure. <tool_call>{"):]))
+    chunks = r.deltas(0, _out(text, finished=True, finish_reason="stop", delta=text[len("Sure. <tool_call>{") :]))
     assert chunks[0]["delta"] == {"content": "Sure."}
     calls = [d for ch in chunks for d in ch["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_time"
-    assert chunks[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls",
-                          "stop_reason": None}
+    assert chunks[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}
     message = r.choice(0, _out(text, finished=True, finish_reason="stop"))
     assert message["finish_reason"] == "tool_calls" and message["message"]["content"] == "Sure."
 
 
 def test_chat_rendering_without_calls_streams_text_as_it_comes():
-    r = ChatRendering(tokenizer=None, tool_plan=tools.plan([WEATHER], "none"))   # "none": nothing parsed
-    assert r.deltas(0, _out("Hi", finished=False)) == [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None,
-                                                        "finish_reason": None}]
+    r = ChatRendering(tokenizer=None, tool_plan=tools.plan([WEATHER], "none"))  # "none": nothing parsed
+    assert r.deltas(0, _out("Hi", finished=False)) == [
+        {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+    ]
     assert r.choice(0, _out("Hi", finished=True, finish_reason="length"))["finish_reason"] == "length"
