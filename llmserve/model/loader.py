@@ -365,6 +365,10 @@ class GGUFPackedBlocks(Mapping):
 
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as float weights; every other type is kept as blocks
 Q4_TYPES = (2, 3)  # Q4_0, Q4_1
+# a GGUF served without --quantization keeps its blocks (GGUFLinear, float32-exact) when its float32 weights
+# would take more than this; a smaller one is widened tensor by tensor to plain float32 layers (the same
+# values, the fused decode kernels: the bundled 135M model takes 0.5 GiB)
+WIDEN_GGUF_BYTES = 2 << 30
 
 
 def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
@@ -424,12 +428,16 @@ def load_gguf_model(
     run llama.cpp's integer dots on their own blocks; only float tensors (F32 / F16 / BF16) are rounded to
     int8 / int4, and under int8 the Q4_0 / Q4_1 tensors (int8 is the accurate mode: int16 activations,
     which the Q4 kernels lack), rounded to int8 per channel from the file's values.
-    Elsewhere (CUDA) tensors are dequantized one at a time into the model's dtype."""
+    Elsewhere (CUDA), and on CPU without `quantization` for a model whose float32 weights take at most
+    WIDEN_GGUF_BYTES, tensors are dequantized one at a time into the model's dtype: the same values as
+    GGUFLinear's, served by the fused float32 decode kernels (the bundled model: the fast default)."""
     tensors = GGUFTensors(path, reader, cfg)
-    check_fits(path, gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
+    float_bytes = sum(tensors.numel(n) for n in tensors) * torch.finfo(dtype).bits // 8
+    widen = device.type != "cpu" or (not quantization and float_bytes <= WIDEN_GGUF_BYTES)
+    check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions)
-    if device.type == "cpu":
+    if not widen:
         skip = set()
         if quantization:
             skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True)
