@@ -125,6 +125,12 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: its contents are not what the hash names."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if block.block_hash is not None:
             return
@@ -233,6 +239,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        # Blocks are named by hash when allocated, ahead of the step that computes them; a request freed
+        # before that step ran (preempted in the schedule that allocated them) leaves them uncomputed:
+        # forget their hashes, unless another request holds them too.
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.ref_cnt == 1:
+                self.pool.uncache(block)
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
         self.pool.free(reversed(blocks))
 

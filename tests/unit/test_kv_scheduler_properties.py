@@ -211,6 +211,20 @@ def test_priority_request_scheduled_at_once_when_pool_full():
     assert out.preempted_request_ids and set(out.preempted_request_ids) <= {r.request_id for r in low}
 
 
+def test_request_preempted_in_the_schedule_that_allocated_it_leaves_no_stale_cache():
+    """A running request is given blocks for this step (and they are named by hash), then a higher-priority
+    arrival preempts it in the same schedule: those blocks were never computed, so its re-admission must not
+    find them in the prefix cache (found by the random-interleavings property test)."""
+    sim = Sim(num_blocks=4, block_size=2, max_seqs=1, budget=3, caching=True, policy="priority")
+    rng = random.Random(0)
+    sim.add([8] * 5, 8, priority=1)
+    sim.step(rng)  # 3 of 5 prompt tokens computed
+    sim.add([0], 1, priority=0)  # preempts the first after its blocks for positions 3-4 were allocated
+    for _ in range(6):
+        sim.step(rng)  # check_contents: every computed position holds its token
+        sim.check_pool()
+
+
 def test_priority_request_scheduled_at_once_when_batch_full():
     sim = Sim(num_blocks=64, block_size=4, max_seqs=2, budget=64, caching=False, policy="priority")
     for _ in range(2):
