@@ -41,6 +41,10 @@ class KernelConfig:
     # to ~64 rows, a 1B model's MLP leaves it at 8-16 (BENCHMARKS.md "Path choice per shape").
     gemv_rows: int | None = None
     calibration_rows: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)
+    # the float32 GEMM of the many-rows paths: "onednn" (oneDNN's matmul), "aten" (at::linear: MKL's sgemm in
+    # torch's CPU build), None: measured at start-up (ops.gemm_engine; on this AMD machine oneDNN 2-2.4x MKL,
+    # which keeps to AVX2 there)
+    gemm: str | None = None
     # decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
     # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
     # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,

@@ -6,7 +6,7 @@
 //    one scale each, per channel when group == K). Few rows (decode): integer dot products in one
 //    pass over the weights, each unpacked block reused for up to 4 rows (int4: x rounded to int8 per
 //    32 values; int8: to int16). Many rows (prefill):
-//    tiles of weights widened to float32 and multiplied with at::mm.
+//    tiles of weights widened to float32 and multiplied with gemm() (MKL or oneDNN, measured).
 //  * rms_norm / add_rms_norm_: RMSNorm, and the residual add fused with the next norm (in place).
 //  * rotary_write_kv_: neox-style rotary embedding applied in place to the q and k heads of fused qkv
 //    rows, and the rows' K and V written into the paged cache.
@@ -15,6 +15,7 @@
 //    paged cache (no gather copy), the heads sharing a KV head processed together.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -253,7 +254,47 @@ void q8_block(const T* xq, const float* dx, const int8_t* qw, const float* sc, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Many rows (prefill, big batches): weight tiles widened to float32, multiplied with at::mm.
+// The float32 GEMM every many-rows path ends in: at::linear (MKL's sgemm in torch's CPU build) or oneDNN's
+// matmul (torch's own mkldnn::_linear_pointwise op, called through the dispatcher). Which one is measured at
+// start-up (ops.gemm_engine): on AMD CPUs MKL keeps to its AVX2 code while oneDNN runs AVX-512 (2-2.4x here).
+// oneDNN builds a primitive per shape (~1 ms, kept in its cache of 1024): rows are padded up to a bucket so a
+// model meets a few dozen row counts per weight shape, not one per prefill chunk length.
+
+bool gemm_onednn = false;   // set by ops.py (set_gemm_engine)
+
+int64_t gemm_bucket(int64_t M) {   // exact to 64 rows; then steps of 16 to 128, of 32 to 512, of 64 beyond
+  if (M <= 64) return M;
+  const int64_t step = M <= 128 ? 16 : M <= 512 ? 32 : 64;
+  return (M + step - 1) / step * step;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         std::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<std::string_view>)>();
+  const int64_t M = x.size(0), Mb = gemm_bucket(M);
+  if (Mb == M) return op.call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  at::Tensor xp = at::empty({Mb, x.size(1)}, x.options());
+  xp.narrow(0, 0, M).copy_(x);
+  xp.narrow(0, M, Mb - M).zero_();
+  return op.call(xp, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt).narrow(0, 0, M);
+}
+
+// x [M, K] @ w [N, K].T, float32
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w) {
+  if (gemm_onednn && x.dim() == 2 && x.size(0) > 0) return onednn_linear(x.contiguous(), w.contiguous());
+  return at::linear(x, w);
+}
+
+bool set_gemm_engine(bool onednn) {
+  gemm_onednn = onednn;
+  return gemm_onednn;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Many rows (prefill, big batches): weight tiles widened to float32, multiplied with gemm().
 
 void q4_dequant_row(const uint8_t* q, const at::Half* s, const at::Half* mi, int64_t K, float* w) {
   const __m128i low = _mm_set1_epi8(0x0F);
@@ -277,7 +318,7 @@ void q8_dequant_row(const int8_t* q, const float* s, int64_t K, int64_t group, f
   }
 }
 
-constexpr int64_t kTileRows = 256;   // weight rows widened per at::mm call
+constexpr int64_t kTileRows = 256;   // weight rows widened per gemm() call
 
 template <typename Dequant>
 void tiled_matmul(const at::Tensor& x, int64_t N, Dequant dequant, at::Tensor& out) {
@@ -289,7 +330,7 @@ void tiled_matmul(const at::Tensor& x, int64_t N, Dequant dequant, at::Tensor& o
     at::parallel_for(0, nt, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) dequant(n0 + r, wp + r * K);
     });
-    out.narrow(1, n0, nt).copy_(at::mm(x, w.narrow(0, 0, nt).t()));
+    out.narrow(1, n0, nt).copy_(gemm(x, w.narrow(0, 0, nt)));
   }
 }
 
@@ -523,13 +564,13 @@ LLMSERVE_AVX512 void f32_rows_avx512(const float* xp, const float* wp, int64_t M
   });
 }
 
-// out [M, N] = x [M, K] @ w.T, w float32 [N, K]; rows >= many_rows (or K not a multiple of 8): at::linear.
+// out [M, N] = x [M, K] @ w.T, w float32 [N, K]; rows >= many_rows (or K not a multiple of 8): gemm().
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t many_rows) {
   check_cpu_f32(x_in, "f32_linear");
   check_cpu_f32(w, "f32_linear");
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "f32_linear: shape mismatch");
   const int64_t M = x_in.size(0), N = w.size(0), K = w.size(1);
-  if (M >= many_rows || K % 8 != 0 || !w.is_contiguous()) return at::linear(x_in, w);
+  if (M >= many_rows || K % 8 != 0 || !w.is_contiguous()) return gemm(x_in, w);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
@@ -996,6 +1037,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
   m.def("set_avx512", &set_avx512, "allow the AVX-512 kernels or not; returns uses_avx512()");
   m.def("f32_linear", &f32_linear, "x @ W.T, W float32, few rows");
+  m.def("gemm", &gemm, "x @ W.T, W float32: at::linear or oneDNN's matmul (set_gemm_engine)");
+  m.def("set_gemm_engine", &set_gemm_engine, "true: gemm() runs oneDNN's matmul, false: at::linear");
   m.def("head_argmax", &head_argmax, "argmax(x @ W.T) per row, W float32 screened by its int8 copy");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");

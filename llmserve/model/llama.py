@@ -172,6 +172,17 @@ def _features(hf, arch: str) -> dict:
     return f
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose float32 CPU matmul runs through ops.linear (the GEMV, or the GEMM engine measured fastest
+    on this CPU: oneDNN's or MKL's, see ops.gemm_engine)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not torch.float32 or x.is_cuda or self.weight.dtype is not torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        y = ops.linear(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -245,8 +256,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.attn_scale or self.head_dim**-0.5
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -298,8 +309,8 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = cfg.hidden_act
         self.all_reduce = None  # tensor parallelism: sums the row-parallel down_proj partials
 
@@ -352,7 +363,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, max_positions) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.make_rotary(max_positions or cfg.max_position_embeddings)
         # the fused C++ decode stack knows Llama layers only: any other feature takes the module path
         self._llama_layers = not (
@@ -414,7 +425,7 @@ class LlamaModel(nn.Module):
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """The final-normed rows' logits, float32."""
         head, cap = self.lm_head, self.cfg.final_softcap
-        if type(head) is nn.Linear and head.bias is None:
+        if isinstance(head, nn.Linear) and head.bias is None:
             logits = ops.linear(x, head.weight).float()
         else:
             logits = head(x).float()
@@ -424,7 +435,7 @@ class LlamaModel(nn.Module):
 
     def _head_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         head = self.lm_head
-        if type(head) is not nn.Linear or head.bias is not None or self.cfg.final_softcap is not None:
+        if not isinstance(head, nn.Linear) or head.bias is not None or self.cfg.final_softcap is not None:
             return None  # (soft-capped logits can tie where the raw ones do not: argmax of the capped ones)
         w = head.weight
         if x.dtype is not torch.float32 or w.dtype is not torch.float32 or w.is_cuda:
@@ -489,5 +500,9 @@ class LlamaModel(nn.Module):
                 tensor = 1.0 + tensor.float()
             with torch.no_grad():
                 p.copy_(tensor)
-        if self.cfg.tie_word_embeddings and type(self.lm_head) is nn.Linear and type(self.embed_tokens) is nn.Embedding:
+        if (
+            self.cfg.tie_word_embeddings
+            and isinstance(self.lm_head, nn.Linear)
+            and type(self.embed_tokens) is nn.Embedding
+        ):
             self.lm_head.weight = self.embed_tokens.weight

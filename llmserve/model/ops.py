@@ -34,6 +34,8 @@ def configure(kernels: KernelConfig) -> KernelConfig:
     take their row limits when built: configure before loading a model (the engine does)."""
     global _KERNELS
     previous, _KERNELS = _KERNELS, kernels
+    if _EXT is not None and kernels.gemm != previous.gemm:
+        _EXT.set_gemm_engine(gemm_engine() == "onednn")
     return previous
 
 
@@ -65,6 +67,7 @@ def cpu_kernels():
             extra_ldflags=["-fopenmp"],
         )
         _EXT.set_avx512(envs.LLMSERVE_AVX512)
+        _EXT.set_gemm_engine(gemm_engine() == "onednn")
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp (%s); using PyTorch ops", e)
         _EXT = None
@@ -80,20 +83,62 @@ def _fast(x: torch.Tensor):
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T; float32 with fewer rows than `gemm_rows(weight)` through the extension's GEMV (streams
     the weights at ~30 GB/s where at::linear's one-row GEMV gets ~12: the float32 LM head alone is 113 MB a
-    step), at::linear from there."""
+    step), the GEMM engine from there (`gemm_engine`)."""
     ext = _fast(x)
     if ext is not None and x.dim() == 2 and weight.dtype is torch.float32 and weight.device.type == "cpu":
         rows = gemm_rows(weight)
-        if x.shape[0] < rows:
-            return ext.f32_linear(x, weight, rows)
+        return ext.f32_linear(x, weight, rows) if x.shape[0] < rows else ext.gemm(x, weight)
     return F.linear(x, weight)
+
+
+_GEMM_MEASURED: str | None = None
+
+
+def gemm_engine() -> str:
+    """The float32 GEMM the many-rows paths use: "onednn" (torch's mkldnn::_linear_pointwise) or "aten"
+    (at::linear: MKL's sgemm in torch's CPU build). KernelConfig.gemm when set; else measured once per process on
+    a prefill-sized matmul (MKL keeps to its AVX2 code on AMD CPUs, oneDNN runs AVX-512: 2-2.4x here; on other
+    CPUs MKL may win). Greedy tokens do not depend on it beyond float32 rounding of the sums' order."""
+    global _GEMM_MEASURED
+    if _KERNELS.gemm is not None:
+        return _KERNELS.gemm
+    if _GEMM_MEASURED is None:
+        _GEMM_MEASURED = _measure_gemm()
+        log.info("float32 GEMM: %s (measured)", _GEMM_MEASURED)
+    return _GEMM_MEASURED
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _measure_gemm(repeats: int = 5) -> str:
+    """The faster of at::linear and oneDNN on 128 x 1024 @ 1024 x 2048 (best of `repeats`, interleaved)."""
+    import time
+
+    if not torch.backends.mkldnn.is_available():
+        return "aten"
+    x, w = torch.randn(128, 1024), torch.randn(2048, 1024)
+    best = {"aten": float("inf"), "onednn": float("inf")}
+    try:
+        with torch.inference_mode():
+            for rep in range(repeats + 1):
+                for name, fn in (("aten", F.linear), ("onednn", _onednn_linear)):
+                    t = time.perf_counter()
+                    fn(x, w)
+                    if rep:
+                        best[name] = min(best[name], time.perf_counter() - t)
+    except Exception as e:  # an odd build without the op: at::linear
+        log.info("float32 GEMM: oneDNN's matmul unavailable (%s)", e)
+        return "aten"
+    return "onednn" if best["onednn"] < best["aten"] * 0.9 else "aten"
 
 
 _CROSSOVERS: dict[tuple, int] = {}  # (N, K, threads) -> rows from which at::linear wins (measured)
 
 
 def gemm_rows(weight: torch.Tensor) -> int:
-    """The number of rows from which at::linear (MKL / oneDNN's GEMM) beats the extension's GEMV for this
+    """The number of rows from which the GEMM (`gemm_engine`: MKL's or oneDNN's) beats the extension's GEMV for this
     float32 weight: KernelConfig.gemv_rows + 1 when set, else measured once per shape and thread count
     (`calibrate_gemv`). The GEMV reads the weights once per 4 rows (8 with AVX-512), the GEMM once per call but with a
     start-up cost and packing: where they cross depends on the shape (N * K against the caches) and on
@@ -131,7 +176,7 @@ def calibrate_gemv(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3
                     if i == 0:
                         ext.f32_linear(x, w, m + 1)
                     else:
-                        F.linear(x, w)
+                        ext.gemm(x, w)
                     if rep:  # the first round warms up
                         best[i] = min(best[i], time.perf_counter() - t)
             if best[1] < best[0]:

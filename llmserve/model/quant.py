@@ -286,7 +286,7 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
     def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
             path = prefix + name
-            if type(child) is nn.Linear:
+            if isinstance(child, nn.Linear):
                 if name == "lm_head":
                     names = ["embed_tokens" if tied else "lm_head"]
                 else:
@@ -304,7 +304,7 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
                 convert(child, path + ".")
                 continue
             consumed.update("lm_head.weight" if n == "lm_head" else f"model.{n}.weight" for n in names)
-            if type(child) is nn.Linear and child.bias is not None:
+            if isinstance(child, nn.Linear) and child.bias is not None:
                 consumed.update(f"model.{n}.bias" for n in names)
 
     convert(model, "")

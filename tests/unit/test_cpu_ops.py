@@ -53,6 +53,33 @@ def test_f32_linear(ext, rows, k):
     assert close(ext.f32_linear(x.t().contiguous().t(), w, 5), x @ w.t(), 1e-5)  # strided x
 
 
+@pytest.mark.parametrize("engine", ["aten", "onednn"])
+def test_gemm_engines_compute_the_same_product(ext, engine):
+    """Both float32 GEMM engines (KernelConfig.gemm) give x @ w.T at any row count: oneDNN's rows are padded up to
+    a bucket (65 -> 80, 517 -> 576) and the padding never shows; the many-rows paths of the quantized kernels
+    and of f32_linear run through the same engine."""
+    from llmserve.config import KernelConfig
+
+    if engine == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    saved = ops.configure(KernelConfig(gemm=engine))
+    try:
+        assert ops.gemm_engine() == engine
+        torch.manual_seed(0)
+        w = torch.randn(300, 96)
+        for m in (1, 5, 64, 65, 130, 517):
+            x = torch.randn(m, 96)
+            y = ext.gemm(x, w)
+            assert y.shape == (m, 300) and y.is_contiguous()
+            assert close(y, x @ w.t(), 1e-5)
+            assert close(ext.f32_linear(x, w, 1), x @ w.t(), 1e-5)
+            q, scale = ops.quantize_int8_per_channel(w)
+            assert close(ext.q8_linear(x, q, scale[:, None], 1, 16), x @ (q.float() * scale[:, None]).t(), 1e-5)
+        assert ext.gemm(torch.empty(0, 96), w).shape == (0, 300)
+    finally:
+        ops.configure(saved)
+
+
 def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
     """KernelConfig.gemv_rows None: the rows from which at::linear takes over are measured once per weight
     shape (one of the calibration row counts, or past the largest); a number fixes it for every shape.
