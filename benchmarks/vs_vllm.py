@@ -317,7 +317,8 @@ def main() -> None:
     )
     print(body)
     if not a.no_write:
-        write_section("Against vLLM's CPU build and llama.cpp, one run (issue #21)", body)
+        names = ", ".join(os.path.basename(m.rstrip("/")) for m in a.models)
+        write_section(f"Against vLLM's CPU build and llama.cpp, one run (issue #21): {names}", body)
 
 
 if __name__ == "__main__":
