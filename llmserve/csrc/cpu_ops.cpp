@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -908,14 +909,98 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
 // few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
 // measured per weight shape, llmserve/model/ops.py). Returns (layer output, running residual sum);
 // `residual` undefined means x is the embeddings (the first layer).
-std::tuple<at::Tensor, at::Tensor> decode_layer(
+// ---------------------------------------------------------------------------------------------
+// LoRA adapters inside the fused decode stack (llmserve/model/lora.py). One adapter's weights, built once
+// per adapter load: per layer and projection (qkv, o, gate_up, down) At [K, P*r] (the P packed parts' A,
+// transposed, side by side; zeros for a part the adapter lacks) and Bt [r, N] (column n: B of the part
+// that column belongs to, scaling folded in), or empty tensors where the adapter has no update of it.
+struct LoRAWeights {
+  std::vector<at::Tensor> w;   // 2 per projection, 4 projections per layer
+  explicit LoRAWeights(std::vector<at::Tensor> w) : w(std::move(w)) {
+    TORCH_CHECK(this->w.size() % 8 == 0, "LoRAWeights: (At, Bt) for 4 projections per layer");
+    for (const auto& t : this->w)
+      TORCH_CHECK(!t.numel() || (t.dtype() == at::kFloat && t.device().is_cpu() && t.is_contiguous() && t.dim() == 2),
+                  "LoRAWeights: float32 contiguous CPU matrices");
+  }
+};
+
+// A step's adapter rows: adapter j's rows (grouped: one group per adapter, the punica / S-LoRA scheme).
+struct LoRAStep {
+  std::vector<std::shared_ptr<LoRAWeights>> adapters;
+  std::vector<std::vector<int64_t>> rows;
+};
+
+// out[rows of adapter j] += (x[rows] @ At_j) @ Bt_j for projection `proj` of `layer`, the packed parts'
+// columns each reading their own r-slice of x @ At. Each adapter's weights are read once for all its rows.
+void lora_add_(const LoRAStep& step, size_t layer, int proj, const at::Tensor& x_in, at::Tensor& out, int64_t H,
+               int64_t Hkv, int64_t D) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = x.size(1), N = out.size(1), n_ad = step.adapters.size();
+  std::vector<int64_t> bounds = {0, N};   // the parts' column ranges
+  if (proj == 0) bounds = {0, H * D, (H + Hkv) * D, N};
+  else if (proj == 2) bounds = {0, N / 2, N};
+  const int64_t P = bounds.size() - 1;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // x @ At per row of each adapter: u[j] holds its rows' [P*r] each
+  std::vector<std::vector<float>> u(n_ad);
+  at::parallel_for(0, n_ad, 1, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const at::Tensor& At = step.adapters[a]->w.at(layer * 8 + proj * 2);
+      const auto& rows = step.rows[a];
+      if (!At.numel() || rows.empty()) continue;
+      TORCH_CHECK(At.size(0) == K, "LoRA: At does not fit the projection's input");
+      const int64_t R = At.size(1);
+      const float* ap = At.data_ptr<float>();
+      std::vector<float>& ua = u[a];
+      ua.assign(rows.size() * R, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const float* ak = ap + k * R;
+        for (size_t t = 0; t < rows.size(); ++t) {
+          const float xv = xp[rows[t] * K + k];
+          float* ut = ua.data() + t * R;
+          for (int64_t j = 0; j < R; ++j) ut[j] += xv * ak[j];
+        }
+      }
+    }
+  });
+  // (x @ At) @ Bt, added to the rows: tasks of (adapter, column chunk); adapters own disjoint rows
+  constexpr int64_t chunk = 512;
+  const int64_t n_chunks = (N + chunk - 1) / chunk;
+  at::parallel_for(0, n_ad * n_chunks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t a = task / n_chunks, c0 = (task % n_chunks) * chunk, c1 = std::min(N, c0 + chunk);
+      if (u[a].empty()) continue;
+      const at::Tensor& Bt = step.adapters[a]->w.at(layer * 8 + proj * 2 + 1);
+      const auto& rows = step.rows[a];
+      const int64_t r = Bt.size(0), R = r * P;
+      TORCH_CHECK(Bt.size(1) == N && u[a].size() == rows.size() * R, "LoRA: Bt does not fit the projection");
+      const float* bp = Bt.data_ptr<float>();
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t n0 = std::max(c0, bounds[p]), n1 = std::min(c1, bounds[p + 1]);
+        if (n0 >= n1) continue;
+        for (size_t t = 0; t < rows.size(); ++t) {
+          const float* ut = u[a].data() + t * R + p * r;
+          float* o = op + rows[t] * N;
+          for (int64_t j = 0; j < r; ++j) {
+            const float uj = ut[j];
+            const float* b = bp + j * N;
+            for (int64_t n = n0; n < n1; ++n) o[n] += uj * b[n];
+          }
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
     const std::vector<int64_t>& act_bits, const std::vector<int64_t>& many_rows, double eps, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D, at::Tensor& kv_cache, const at::Tensor& slots,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, const LoRAStep* lora, size_t layer) {
   TORCH_CHECK(kinds.size() == 4 && act_bits.size() == 4 && many_rows.size() == 4, "decode_layer: four projections");
   size_t at_w = 2;
-  auto linear = [&](const at::Tensor& in, int i) {
+  auto base_linear = [&](const at::Tensor& in, int i) {
     const int64_t kind = kinds[i];
     if (kind == 4) {
       at_w += 3;
@@ -927,6 +1012,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     }
     at_w += 1;
     return f32_linear(in, w[at_w - 1], many_rows[i]);
+  };
+  auto linear = [&](const at::Tensor& in, int i) {   // the base projection, then the step's LoRA updates
+    at::Tensor out = base_linear(in, i);
+    if (lora != nullptr) lora_add_(*lora, layer, i, in, out, H, Hkv, D);
+    return out;
   };
   at::Tensor h, residual;
   if (!residual_in.has_value()) {
@@ -948,6 +1038,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   add_rms_norm_(h, residual, w[1], eps);
   h = linear(silu_and_mul(linear(h, 2)), 3);
   return {h, residual};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+    const std::vector<int64_t>& act_bits, const std::vector<int64_t>& many_rows, double eps, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D, at::Tensor& kv_cache, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  return decode_layer_lora(x, residual_in, w, kinds, act_bits, many_rows, eps, positions, cos, sin, H, Hkv, D, kv_cache,
+                           slots, block_tables, context_lens, scale, nullptr, 0);
 }
 
 // All decoder layers of a model for a step of decode rows, in one call: the weights are handed over
@@ -974,13 +1073,40 @@ struct DecodeStack {
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, const std::vector<at::Tensor>& kv_caches,
                                          const at::Tensor& positions, const at::Tensor& slots,
                                          const at::Tensor& block_tables, const at::Tensor& context_lens) {
+    return run_layers(x, kv_caches, positions, slots, block_tables, context_lens, nullptr);
+  }
+
+  // run, with LoRA adapters on some rows: `segments` (adapter j, first row, rows) triples, j indexing
+  // `adapters` (each adapter's LoRAWeights); rows in no segment are the base model's.
+  std::tuple<at::Tensor, at::Tensor> run_lora(at::Tensor x, const std::vector<at::Tensor>& kv_caches,
+                                              const at::Tensor& positions, const at::Tensor& slots,
+                                              const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                              const std::vector<int64_t>& segments,
+                                              const std::vector<std::shared_ptr<LoRAWeights>>& adapters) {
+    TORCH_CHECK(segments.size() % 3 == 0, "DecodeStack.run_lora: (adapter, first row, rows) triples");
+    LoRAStep step{adapters, std::vector<std::vector<int64_t>>(adapters.size())};
+    for (const auto& a : adapters)
+      TORCH_CHECK(a && a->w.size() == layers.size() * 8, "DecodeStack.run_lora: adapter weights for every layer");
+    for (size_t s = 0; s < segments.size(); s += 3) {
+      const int64_t j = segments[s], first = segments[s + 1], n = segments[s + 2];
+      TORCH_CHECK(j >= 0 && j < (int64_t)adapters.size() && first >= 0 && n >= 0 && first + n <= x.size(0),
+                  "DecodeStack.run_lora: segment out of range");
+      for (int64_t r = first; r < first + n; ++r) step.rows[j].push_back(r);
+    }
+    return run_layers(x, kv_caches, positions, slots, block_tables, context_lens, &step);
+  }
+
+  std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor x, const std::vector<at::Tensor>& kv_caches,
+                                                const at::Tensor& positions, const at::Tensor& slots,
+                                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                                const LoRAStep* lora) {
     TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack: one KV cache per layer");
     std::optional<at::Tensor> residual;
     for (size_t i = 0; i < layers.size(); ++i) {
       at::Tensor kv = kv_caches[i];
       const Layer& l = layers[i];
-      auto [h, r] = decode_layer(x, residual, l.w, l.kinds, l.act_bits, l.many_rows, eps, positions, cos, sin, H, Hkv,
-                                 D, kv, slots, block_tables, context_lens, scale);
+      auto [h, r] = decode_layer_lora(x, residual, l.w, l.kinds, l.act_bits, l.many_rows, eps, positions, cos, sin, H,
+                                      Hkv, D, kv, slots, block_tables, context_lens, scale, lora, i);
       x = h;
       residual = r;
     }
@@ -1005,5 +1131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const DecodeStack::Args&, double, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
-      .def("run", &DecodeStack::run, "every layer's decode_layer in turn");
+      .def("run", &DecodeStack::run, "every layer's decode_layer in turn")
+      .def("run_lora", &DecodeStack::run_lora, "run, with LoRA adapters' updates on their rows");
+  pybind11::class_<LoRAWeights, std::shared_ptr<LoRAWeights>>(m, "LoRAWeights")
+      .def(pybind11::init<std::vector<at::Tensor>>());
 }

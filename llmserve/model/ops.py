@@ -329,6 +329,13 @@ def decode_stack(model):
     )
 
 
+def lora_weights(tensors: list[torch.Tensor]):
+    """The extension's LoRAWeights (one adapter's weights for DecodeStack.run_lora: per layer and projection
+    A^T, B^T, see llmserve.model.lora._fused_weights), or None without the extension."""
+    ext = cpu_kernels()
+    return None if ext is None else ext.LoRAWeights(tensors)
+
+
 def decode_stack_fits(x: torch.Tensor) -> bool:
     """Whether a decode step of rows `x` (decode rows only, one group) may run through a DecodeStack."""
     return _KERNELS.in_place_decode and x.shape[0] <= _KERNELS.fused_decode_rows and _fast(x) is not None
