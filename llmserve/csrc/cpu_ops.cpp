@@ -930,64 +930,102 @@ struct LoRAStep {
   std::vector<std::vector<int64_t>> rows;
 };
 
+// u[t, j0 .. j0 + 8 JV) = x_t @ At[:, those columns] for TB rows x_t: At's columns read once for all TB rows.
+template <int TB, int JV>
+inline void lora_shrink_block(const float* const* xr, int64_t K, const float* At, int64_t R, int64_t j0, float* u) {
+  __m256 acc[TB][JV];
+  for (int t = 0; t < TB; ++t)
+    for (int v = 0; v < JV; ++v) acc[t][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[JV];
+    for (int v = 0; v < JV; ++v) w[v] = _mm256_loadu_ps(At + k * R + j0 + 8 * v);
+    for (int t = 0; t < TB; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(xr[t] + k);
+      for (int v = 0; v < JV; ++v) acc[t][v] = _mm256_fmadd_ps(xb, w[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    for (int v = 0; v < JV; ++v) _mm256_storeu_ps(u + t * R + j0 + 8 * v, acc[t][v]);
+}
+
+// out_t[n0 .. n0 + 8 NV) += u_t[0 .. r) @ Bt[:, those columns] for TB rows: Bt's columns read once for all rows.
+template <int TB, int NV>
+inline void lora_expand_block(const float* const* ur, int64_t r, const float* Bt, int64_t N, int64_t n0, float* const* o) {
+  __m256 acc[TB][NV];
+  for (int t = 0; t < TB; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_loadu_ps(o[t] + n0 + 8 * v);
+  for (int64_t j = 0; j < r; ++j) {
+    __m256 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_ps(Bt + j * N + n0 + 8 * v);
+    for (int t = 0; t < TB; ++t) {
+      const __m256 ub = _mm256_broadcast_ss(ur[t] + j);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_fmadd_ps(ub, w[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o[t] + n0 + 8 * v, acc[t][v]);
+}
+
+template <int TB>
+void lora_rows_block(const float* const* xr, float* const* o, float* u, int64_t K, const float* At, const float* Bt,
+                     int64_t R, int64_t r, int64_t N, const int64_t* bounds, int64_t P, int64_t c0, int64_t c1) {
+  int64_t j = 0;
+  for (; j + 16 <= R; j += 16) lora_shrink_block<TB, 2>(xr, K, At, R, j, u);
+  for (; j < R; j += 8) lora_shrink_block<TB, 1>(xr, K, At, R, j, u);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n0 = std::max(c0, bounds[p]), n1 = std::min(c1, bounds[p + 1]);
+    const float* ur[TB];
+    for (int t = 0; t < TB; ++t) ur[t] = u + t * R + p * r;
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) lora_expand_block<TB, 2>(ur, r, Bt, N, n, o);
+    for (; n + 8 <= n1; n += 8) lora_expand_block<TB, 1>(ur, r, Bt, N, n, o);
+    for (; n < n1; ++n)
+      for (int t = 0; t < TB; ++t)
+        for (int64_t i = 0; i < r; ++i) o[t][n] += ur[t][i] * Bt[i * N + n];
+  }
+}
+
 // out[rows of adapter j] += (x[rows] @ At_j) @ Bt_j for projection `proj` of `layer`, the packed parts'
-// columns each reading their own r-slice of x @ At. Each adapter's weights are read once for all its rows.
+// columns each reading their own r-slice of x @ At (r a multiple of 8). Each adapter's weights are read once
+// per 4 of its rows. One parallel region per projection (under a loaded CPU every region costs a thread
+// wake-up): tasks of (adapter, column chunk), adapters' rows disjoint; a task computes its own x @ At.
 void lora_add_(const LoRAStep& step, size_t layer, int proj, const at::Tensor& x_in, at::Tensor& out, int64_t H,
                int64_t Hkv, int64_t D) {
   const at::Tensor x = x_in.contiguous();
   const int64_t K = x.size(1), N = out.size(1), n_ad = step.adapters.size();
-  std::vector<int64_t> bounds = {0, N};   // the parts' column ranges
-  if (proj == 0) bounds = {0, H * D, (H + Hkv) * D, N};
-  else if (proj == 2) bounds = {0, N / 2, N};
-  const int64_t P = bounds.size() - 1;
+  int64_t bounds[4] = {0, N, N, N};   // the parts' column ranges
+  int64_t P = 1;
+  if (proj == 0) P = 3, bounds[1] = H * D, bounds[2] = (H + Hkv) * D;
+  else if (proj == 2) P = 2, bounds[1] = N / 2;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // x @ At per row of each adapter: u[j] holds its rows' [P*r] each
-  std::vector<std::vector<float>> u(n_ad);
-  at::parallel_for(0, n_ad, 1, [&](int64_t a0, int64_t a1) {
-    for (int64_t a = a0; a < a1; ++a) {
-      const at::Tensor& At = step.adapters[a]->w.at(layer * 8 + proj * 2);
-      const auto& rows = step.rows[a];
-      if (!At.numel() || rows.empty()) continue;
-      TORCH_CHECK(At.size(0) == K, "LoRA: At does not fit the projection's input");
-      const int64_t R = At.size(1);
-      const float* ap = At.data_ptr<float>();
-      std::vector<float>& ua = u[a];
-      ua.assign(rows.size() * R, 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        const float* ak = ap + k * R;
-        for (size_t t = 0; t < rows.size(); ++t) {
-          const float xv = xp[rows[t] * K + k];
-          float* ut = ua.data() + t * R;
-          for (int64_t j = 0; j < R; ++j) ut[j] += xv * ak[j];
-        }
-      }
-    }
-  });
-  // (x @ At) @ Bt, added to the rows: tasks of (adapter, column chunk); adapters own disjoint rows
-  constexpr int64_t chunk = 512;
-  const int64_t n_chunks = (N + chunk - 1) / chunk;
+  const int64_t threads = at::get_num_threads();
+  const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(N / 256, (threads + n_ad - 1) / n_ad));
+  const int64_t chunk = ((N + n_chunks - 1) / n_chunks + 7) / 8 * 8;
   at::parallel_for(0, n_ad * n_chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> u;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t a = task / n_chunks, c0 = (task % n_chunks) * chunk, c1 = std::min(N, c0 + chunk);
-      if (u[a].empty()) continue;
+      const at::Tensor& At = step.adapters[a]->w.at(layer * 8 + proj * 2);
       const at::Tensor& Bt = step.adapters[a]->w.at(layer * 8 + proj * 2 + 1);
-      const auto& rows = step.rows[a];
-      const int64_t r = Bt.size(0), R = r * P;
-      TORCH_CHECK(Bt.size(1) == N && u[a].size() == rows.size() * R, "LoRA: Bt does not fit the projection");
-      const float* bp = Bt.data_ptr<float>();
-      for (int64_t p = 0; p < P; ++p) {
-        const int64_t n0 = std::max(c0, bounds[p]), n1 = std::min(c1, bounds[p + 1]);
-        if (n0 >= n1) continue;
-        for (size_t t = 0; t < rows.size(); ++t) {
-          const float* ut = u[a].data() + t * R + p * r;
-          float* o = op + rows[t] * N;
-          for (int64_t j = 0; j < r; ++j) {
-            const float uj = ut[j];
-            const float* b = bp + j * N;
-            for (int64_t n = n0; n < n1; ++n) o[n] += uj * b[n];
-          }
-        }
+      const std::vector<int64_t>& rows = step.rows[a];
+      const int64_t T = rows.size();
+      if (!At.numel() || !T || c0 >= c1) continue;
+      const int64_t R = At.size(1), r = Bt.size(0);
+      TORCH_CHECK(At.size(0) == K && Bt.size(1) == N && R == r * P && r % 8 == 0,
+                  "LoRA: weights do not fit the projection");
+      u.resize(4 * R);
+      for (int64_t t = 0; t < T; t += 4) {
+        const float* xr[4];
+        float* o[4];
+        const int64_t tb = std::min<int64_t>(4, T - t);
+        for (int64_t i = 0; i < tb; ++i) xr[i] = xp + rows[t + i] * K, o[i] = op + rows[t + i] * N;
+        const float* A = At.data_ptr<float>();
+        const float* B = Bt.data_ptr<float>();
+        if (tb == 4) lora_rows_block<4>(xr, o, u.data(), K, A, B, R, r, N, bounds, P, c0, c1);
+        else if (tb == 3) lora_rows_block<3>(xr, o, u.data(), K, A, B, R, r, N, bounds, P, c0, c1);
+        else if (tb == 2) lora_rows_block<2>(xr, o, u.data(), K, A, B, R, r, N, bounds, P, c0, c1);
+        else lora_rows_block<1>(xr, o, u.data(), K, A, B, R, r, N, bounds, P, c0, c1);
       }
     }
   });

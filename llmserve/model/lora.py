@@ -208,13 +208,13 @@ def load_peft_adapter(
         at = torch.cat([a.float() for _, a, _, _ in items]).t()
         adapter.weights[(layer, packed)] = (at.contiguous().to(device, dtype), bt.to(device, dtype))
     if device.type == "cpu" and dtype == torch.float32:
-        adapter.fused = _fused_weights(model, parts, adapter.rank)
+        adapter.fused = _fused_weights(model, parts, -(-adapter.rank // 8) * 8)
     return adapter
 
 
 def _fused_weights(model: nn.Module, parts: dict, rank: int) -> list[torch.Tensor]:
     """Per layer and FUSED_ORDER projection: A^T [in, P * rank] (part p's A^T in columns p * rank.., zero
-    padded: P = the packed parts, 1 for others) and B^T [rank, out] (each part's B^T, scaled, in its own
+    padded: P = the packed parts, 1 for others; `rank` a multiple of 8, the kernel's vector width) and B^T [rank, out] (each part's B^T, scaled, in its own
     output columns; rows past a part's rank zero): the packed layers' update without the block-diagonal
     zeros, what the fused decode stack's LoRA kernel reads. Empty tensors where the adapter has no update."""
     out: list[torch.Tensor] = []
