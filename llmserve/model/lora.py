@@ -11,6 +11,10 @@ The model's packed layers (qkv_proj, gate_up_proj: llama.PACKED_PROJECTIONS) hol
 pair each: the parts' A stacked ([sum of ranks, in]) and their B block-diagonal ([out, sum of ranks],
 zero where a part has no update), with the scaling folded into B: two matmuls per layer and adapter.
 
+Decode steps with adapter rows run inside the fused C++ decode stack instead (DecodeStack.run_lora, see
+`LoRALayers.fused_args`), over a compact copy of each adapter (`_fused_weights`: the packed parts side by
+side, not block-diagonal) that the extension wraps once per adapter (`LoRAAdapter.fused_weights`).
+
     adapter = load_peft_adapter(path, model, max_rank)   # LoRAError (a ValueError) on a bad adapter
     lora = LoRALayers(model)                              # forward hooks on the projections
     lora.set_step([(adapter, first_row, num_rows), ...])  # before each forward (the runner)
