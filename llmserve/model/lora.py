@@ -217,10 +217,11 @@ def load_peft_adapter(
 
 
 def _fused_weights(model: nn.Module, parts: dict, rank: int) -> list[torch.Tensor]:
-    """Per layer and FUSED_ORDER projection: A^T [in, P * rank] (part p's A^T in columns p * rank.., zero
-    padded: P = the packed parts, 1 for others; `rank` a multiple of 8, the kernel's vector width) and B^T [rank, out] (each part's B^T, scaled, in its own
-    output columns; rows past a part's rank zero): the packed layers' update without the block-diagonal
-    zeros, what the fused decode stack's LoRA kernel reads. Empty tensors where the adapter has no update."""
+    """Per layer and FUSED_ORDER projection: A^T [in, P * rank] (part p's A^T in columns p * rank..,
+    zero padded: P = the packed parts, 1 for others; `rank` a multiple of 8, the kernel's vector width) and
+    B^T [rank, out] (each part's B^T, scaled, in its own output columns; rows past a part's rank zero): the
+    packed layers' update without the block-diagonal zeros, what the fused decode stack's LoRA kernel reads.
+    Empty tensors where the adapter has no update."""
     out: list[torch.Tensor] = []
     empty = torch.empty(0, 0)
     for layer in range(model.cfg.num_layers):
