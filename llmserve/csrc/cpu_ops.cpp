@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -991,6 +992,8 @@ void lora_rows_block(const float* const* xr, float* const* o, float* u, int64_t 
 // wake-up): tasks of (adapter, column chunk), adapters' rows disjoint; a task computes its own x @ At.
 void lora_add_(const LoRAStep& step, size_t layer, int proj, const at::Tensor& x_in, at::Tensor& out, int64_t H,
                int64_t Hkv, int64_t D) {
+  TORCH_CHECK(out.is_contiguous() && out.dtype() == at::kFloat && x_in.dtype() == at::kFloat && x_in.dim() == 2 &&
+                  out.size(0) == x_in.size(0), "LoRA: float32 rows in and out");
   const at::Tensor x = x_in.contiguous();
   const int64_t K = x.size(1), N = out.size(1), n_ad = step.adapters.size();
   int64_t bounds[4] = {0, N, N, N};   // the parts' column ranges
@@ -999,23 +1002,31 @@ void lora_add_(const LoRAStep& step, size_t layer, int proj, const at::Tensor& x
   else if (proj == 2) P = 2, bounds[1] = N / 2;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(N / 256, (threads + n_ad - 1) / n_ad));
+  // row tasks: (adapter, first and end index into its rows), 64 rows at most (prefill steps spread)
+  std::vector<std::array<int64_t, 3>> row_tasks;
+  for (int64_t a = 0; a < n_ad; ++a) {
+    if (!step.adapters[a]->w.at(layer * 8 + proj * 2).numel()) continue;
+    const int64_t T = step.rows[a].size();
+    for (int64_t t = 0; t < T; t += 64) row_tasks.push_back({a, t, std::min(T, t + 64)});
+  }
+  const int64_t threads = at::get_num_threads(), n_rt = row_tasks.size();
+  if (!n_rt) return;
+  const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(N / 256, (threads + n_rt - 1) / n_rt));
   const int64_t chunk = ((N + n_chunks - 1) / n_chunks + 7) / 8 * 8;
-  at::parallel_for(0, n_ad * n_chunks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, n_rt * n_chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> u;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t a = task / n_chunks, c0 = (task % n_chunks) * chunk, c1 = std::min(N, c0 + chunk);
+      const auto [a, first, end] = row_tasks[task / n_chunks];
+      const int64_t c0 = (task % n_chunks) * chunk, c1 = std::min(N, c0 + chunk);
       const at::Tensor& At = step.adapters[a]->w.at(layer * 8 + proj * 2);
       const at::Tensor& Bt = step.adapters[a]->w.at(layer * 8 + proj * 2 + 1);
       const std::vector<int64_t>& rows = step.rows[a];
-      const int64_t T = rows.size();
-      if (!At.numel() || !T || c0 >= c1) continue;
-      const int64_t R = At.size(1), r = Bt.size(0);
+      if (c0 >= c1) continue;
+      const int64_t R = At.size(1), r = Bt.size(0), T = end;
       TORCH_CHECK(At.size(0) == K && Bt.size(1) == N && R == r * P && r % 8 == 0,
                   "LoRA: weights do not fit the projection");
       u.resize(4 * R);
-      for (int64_t t = 0; t < T; t += 4) {
+      for (int64_t t = first; t < T; t += 4) {
         const float* xr[4];
         float* o[4];
         const int64_t tb = std::min<int64_t>(4, T - t);
@@ -1029,6 +1040,30 @@ void lora_add_(const LoRAStep& step, size_t layer, int proj, const at::Tensor& x
       }
     }
   });
+}
+
+// The step's rows per adapter from (adapter index, first row, rows) triples.
+LoRAStep lora_step(const std::vector<int64_t>& segments, const std::vector<std::shared_ptr<LoRAWeights>>& adapters,
+                   size_t num_layers, int64_t num_rows) {
+  TORCH_CHECK(segments.size() % 3 == 0, "LoRA: (adapter, first row, rows) triples");
+  LoRAStep step{adapters, std::vector<std::vector<int64_t>>(adapters.size())};
+  for (const auto& a : adapters) TORCH_CHECK(a && a->w.size() == num_layers * 8, "LoRA: adapter weights for every layer");
+  for (size_t s = 0; s < segments.size(); s += 3) {
+    const int64_t j = segments[s], first = segments[s + 1], n = segments[s + 2];
+    TORCH_CHECK(j >= 0 && j < (int64_t)adapters.size() && first >= 0 && n >= 0 && first + n <= num_rows,
+                "LoRA: segment out of range");
+    for (int64_t r = first; r < first + n; ++r) step.rows[j].push_back(r);
+  }
+  return step;
+}
+
+// The module path's (a forward hook's) call: one projection of one layer, any number of rows.
+void lora_linear_add_(const at::Tensor& x, at::Tensor& out, const std::vector<int64_t>& segments,
+                      const std::vector<std::shared_ptr<LoRAWeights>>& adapters, int64_t num_layers, int64_t layer,
+                      int64_t proj, int64_t H, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(layer >= 0 && layer < num_layers && proj >= 0 && proj < 4, "lora_linear_add_: layer or projection");
+  const LoRAStep step = lora_step(segments, adapters, num_layers, x.size(0));
+  lora_add_(step, layer, (int)proj, x, out, H, Hkv, D);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
@@ -1121,16 +1156,7 @@ struct DecodeStack {
                                               const at::Tensor& block_tables, const at::Tensor& context_lens,
                                               const std::vector<int64_t>& segments,
                                               const std::vector<std::shared_ptr<LoRAWeights>>& adapters) {
-    TORCH_CHECK(segments.size() % 3 == 0, "DecodeStack.run_lora: (adapter, first row, rows) triples");
-    LoRAStep step{adapters, std::vector<std::vector<int64_t>>(adapters.size())};
-    for (const auto& a : adapters)
-      TORCH_CHECK(a && a->w.size() == layers.size() * 8, "DecodeStack.run_lora: adapter weights for every layer");
-    for (size_t s = 0; s < segments.size(); s += 3) {
-      const int64_t j = segments[s], first = segments[s + 1], n = segments[s + 2];
-      TORCH_CHECK(j >= 0 && j < (int64_t)adapters.size() && first >= 0 && n >= 0 && first + n <= x.size(0),
-                  "DecodeStack.run_lora: segment out of range");
-      for (int64_t r = first; r < first + n; ++r) step.rows[j].push_back(r);
-    }
+    const LoRAStep step = lora_step(segments, adapters, layers.size(), x.size(0));
     return run_layers(x, kv_caches, positions, slots, block_tables, context_lens, &step);
   }
 
@@ -1167,6 +1193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
+  m.def("lora_linear_add_", &lora_linear_add_, "out[adapter rows] += x[rows] @ A^T @ B^T (one projection)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const DecodeStack::Args&, double, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
       .def("run", &DecodeStack::run, "every layer's decode_layer in turn")

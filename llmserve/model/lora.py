@@ -48,8 +48,9 @@ TARGET_MODULES = tuple(_LAYER_OF)
 FUSED_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # steps with up to this many adapter rows of several adapters run them as one batched matmul pair per layer
 BATCHED_ROWS = 64
-# decode steps with adapter rows run in the fused C++ decode stack (DecodeStack.run_lora) where it takes the
-# step; False: such steps take the module path and its hooks (benchmarks and tests compare the two)
+# adapter rows run through the extension's LoRA kernel: decode steps in the fused C++ decode stack
+# (DecodeStack.run_lora) where it takes the step, other steps' hooks one kernel call per projection; False:
+# the hooks' torch ops (grouped matmuls) on every step (benchmarks and tests compare the two)
 FUSED = True
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -269,6 +270,8 @@ class LoRALayers:
         self._stacks: dict = {}
         self._segments: list[tuple[LoRAAdapter, int, int]] = []
         self._fused: tuple | None = ()
+        attn = model.layers[0].self_attn
+        self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)  # the qkv_proj parts' widths
         self.handles = []
         for i, layer in enumerate(model.layers):
             for block, name in (
@@ -308,9 +311,10 @@ class LoRALayers:
             self._plan_batched(spans, order, device)
 
     def fused_args(self) -> tuple[list[int], list] | None:
-        """This step's adapters for the fused decode stack (DecodeStack.run_lora): ([adapter index, first
-        row, rows] flattened per request, [each adapter's LoRAWeights]), or None where the stack cannot
-        take them (FUSED off, no extension, an adapter not float32 on the CPU): the module path's hooks run."""
+        """This step's adapters for the extension's LoRA kernel (DecodeStack.run_lora on decode steps, the
+        hooks' ops.lora_linear_add_ on others): ([adapter index, first row, rows] flattened per request,
+        [each adapter's LoRAWeights]), or None where it cannot take them (FUSED off, no extension, an
+        adapter not float32 on the CPU): the hooks' torch ops run."""
         if self._fused == ():
             self._fused = None
             weights = [a.fused_weights() for a, _, _ in self.spans] if FUSED else [None]
@@ -360,10 +364,17 @@ class LoRALayers:
         return self._stacks[key]
 
     def _hook(self, key: tuple[int, str]):
+        proj = FUSED_ORDER.index(key[1])
+
         def hook(module, inputs, out):
             if not self.spans:
                 return None
             x, rows = inputs[0], self.rows
+            fused = self.fused_args()
+            if fused is not None and x.dim() == 2 and out.dtype is torch.float32 and out.is_contiguous():
+                # the fused stack's kernel, one call for all rows and adapters (prefill steps)
+                ops.lora_linear_add_(x, out, *fused, self.model.cfg.num_layers, key[0], proj, self._heads)
+                return out
             if self.batched is not None:
                 stacked = self._stacked(key)
                 if stacked is None:
