@@ -408,7 +408,9 @@ class LlamaModel(nn.Module):
         stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
         if stack is not None:  # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
-            x, residual = stack.run(x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+            args = (x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+            lora = self.lora_step.fused_args() if self.lora_step is not None else None
+            x, residual = stack.run_lora(*args, *lora) if lora is not None else stack.run(*args)
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else self.rotary
@@ -446,17 +448,19 @@ class LlamaModel(nn.Module):
         return ops.head_argmax(x, w.detach(), self._screen[2])
 
     _decode_stack = None  # ops.decode_stack(self) once built, False where the model does not fit it
-    lora_rows = False  # this step has LoRA adapter rows (llmserve.model.lora): the module path runs
+    # this step's LoRA adapter rows (llmserve.model.lora.LoRALayers, None: none): `fused_args()` gives
+    # DecodeStack.run_lora's (segments, adapters), or None where the step must take the module path
+    lora_step = None
 
     def _fused_decode(self, x: torch.Tensor, meta: AttentionMetadata):
         """The model's DecodeStack (every layer in one C++ call, see ops.decode_stack) when this step can use
         it: decode rows only, in one group, few rows, float32 on CPU with the kernels, no tensor
-        parallelism, no biases, no LoRA rows, Llama layers only; else None."""
+        parallelism, no biases, LoRA adapters only where the stack can apply them, Llama layers only; else None."""
         if (
             meta.prefills
             or len(meta.decode_groups) != 1
             or not self._llama_layers
-            or self.lora_rows
+            or (self.lora_step is not None and self.lora_step.fused_args() is None)
             or not ops.decode_stack_fits(x)
         ):
             return None

@@ -11,6 +11,10 @@ The model's packed layers (qkv_proj, gate_up_proj: llama.PACKED_PROJECTIONS) hol
 pair each: the parts' A stacked ([sum of ranks, in]) and their B block-diagonal ([out, sum of ranks],
 zero where a part has no update), with the scaling folded into B: two matmuls per layer and adapter.
 
+Decode steps with adapter rows run inside the fused C++ decode stack instead (DecodeStack.run_lora, see
+`LoRALayers.fused_args`), over a compact copy of each adapter (`_fused_weights`: the packed parts side by
+side, not block-diagonal) that the extension wraps once per adapter (`LoRAAdapter.fused_weights`).
+
     adapter = load_peft_adapter(path, model, max_rank)   # LoRAError (a ValueError) on a bad adapter
     lora = LoRALayers(model)                              # forward hooks on the projections
     lora.set_step([(adapter, first_row, num_rows), ...])  # before each forward (the runner)
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from llmserve.model import ops
 from llmserve.model.llama import PACKED_PROJECTIONS
 
 # this model's layers that adapters may target, and where each checkpoint module sits in them
@@ -39,8 +44,14 @@ _LAYER_OF = {
     "down_proj": ("mlp", "down_proj"),
 }
 TARGET_MODULES = tuple(_LAYER_OF)
+# the fused decode stack's projections of a layer, in its order (llmserve/csrc/cpu_ops.cpp, decode_layer)
+FUSED_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # steps with up to this many adapter rows of several adapters run them as one batched matmul pair per layer
 BATCHED_ROWS = 64
+# adapter rows run through the extension's LoRA kernel: decode steps in the fused C++ decode stack
+# (DecodeStack.run_lora) where it takes the step, other steps' hooks one kernel call per projection; False:
+# the hooks' torch ops (grouped matmuls) on every step (benchmarks and tests compare the two)
+FUSED = True
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -56,10 +67,21 @@ class LoRAAdapter:
     adapter_id: int  # unique per load: the prefix cache's key (a reloaded name is a new adapter)
     # (layer index, "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj") -> (A^T [in, R], B^T [R, out] scaled)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the fused decode stack's copy (float32 CPU adapters only): per layer and FUSED_ORDER projection, A^T
+    # [in, parts * rank] and B^T [rank, out] with no block-diagonal zeros (`_fused_weights`); empty where absent
+    fused: list[torch.Tensor] | None = None
+    _fused_ext: object = None  # the extension's LoRAWeights over `fused`, built on first use
 
     @property
     def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        tensors = [t for pair in self.weights.values() for t in pair] + list(self.fused or ())
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+    def fused_weights(self):
+        """The extension's LoRAWeights for DecodeStack.run_lora (made once per adapter), or None."""
+        if self._fused_ext is None and self.fused is not None:
+            self._fused_ext = ops.lora_weights(self.fused) or False
+        return self._fused_ext or None
 
 
 def _read_config(path: str) -> dict:
@@ -190,7 +212,36 @@ def load_peft_adapter(
             r0 += a.shape[0]
         at = torch.cat([a.float() for _, a, _, _ in items]).t()
         adapter.weights[(layer, packed)] = (at.contiguous().to(device, dtype), bt.to(device, dtype))
+    if device.type == "cpu" and dtype == torch.float32:
+        adapter.fused = _fused_weights(model, parts, -(-adapter.rank // 8) * 8)
     return adapter
+
+
+def _fused_weights(model: nn.Module, parts: dict, rank: int) -> list[torch.Tensor]:
+    """Per layer and FUSED_ORDER projection: A^T [in, P * rank] (part p's A^T in columns p * rank..,
+    zero padded: P = the packed parts, 1 for others; `rank` a multiple of 8, the kernel's vector width) and
+    B^T [rank, out] (each part's B^T, scaled, in its own output columns; rows past a part's rank zero): the
+    packed layers' update without the block-diagonal zeros, what the fused decode stack's LoRA kernel reads.
+    Empty tensors where the adapter has no update."""
+    out: list[torch.Tensor] = []
+    empty = torch.empty(0, 0)
+    for layer in range(model.cfg.num_layers):
+        for packed in FUSED_ORDER:
+            items = parts.get((layer, packed))
+            if not items:
+                out += [empty, empty]
+                continue
+            names = PACKED_PROJECTIONS.get(packed, (packed,))
+            slices = _part_slices(model, packed) if packed in PACKED_PROJECTIONS else None
+            at = torch.zeros(items[0][1].shape[1], len(names) * rank)
+            bt = torch.zeros(rank, sum(c1 - c0 for c0, c1 in slices.values()) if slices else items[0][2].shape[0])
+            for module, a, b, scaling in items:
+                p = names.index(module) if slices else 0
+                c0, c1 = slices[module] if slices else (0, bt.shape[1])
+                at[:, p * rank : p * rank + a.shape[0]] = a.float().t()
+                bt[: a.shape[0], c0:c1] = b.float().t() * scaling
+            out += [at, bt]
+    return out
 
 
 def _part_slices(model: nn.Module, packed: str) -> dict[str, tuple[int, int]]:
@@ -206,7 +257,8 @@ def _part_slices(model: nn.Module, packed: str) -> dict[str, tuple[int, int]]:
 class LoRALayers:
     """Forward hooks on every projection of a LlamaModel that add the step's adapters' updates to
     their rows. `set_step` names the rows of each adapter before a forward; a step without adapter
-    rows costs one check per layer and keeps the fused decode path (LlamaModel.lora_rows)."""
+    rows costs one check per layer; a decode step with adapter rows runs them in the fused decode stack where
+    it can (`fused_args`, read by LlamaModel.lora_step), and through these hooks otherwise."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -216,6 +268,10 @@ class LoRALayers:
         self.batched = None  # few rows of several adapters: (gather index, group size, padding mask)
         self._stack_ids: tuple = ()  # the adapters whose stacked weights _stacks holds (cached across steps)
         self._stacks: dict = {}
+        self._segments: list[tuple[LoRAAdapter, int, int]] = []
+        self._fused: tuple | None = ()
+        attn = model.layers[0].self_attn
+        self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)  # the qkv_proj parts' widths
         self.handles = []
         for i, layer in enumerate(model.layers):
             for block, name in (
@@ -247,10 +303,26 @@ class LoRALayers:
         else:
             self.rows = torch.tensor(order, dtype=torch.long, device=device) if order else None
         self.num_rows = len(order)
-        self.model.lora_rows = bool(spans)
+        self._segments = segments
+        self._fused = ()  # fused_args() not asked yet this step
+        self.model.lora_step = self if spans else None
         self.batched = None
         if len(spans) > 1 and len(order) <= BATCHED_ROWS:
             self._plan_batched(spans, order, device)
+
+    def fused_args(self) -> tuple[list[int], list] | None:
+        """This step's adapters for the extension's LoRA kernel (DecodeStack.run_lora on decode steps, the
+        hooks' ops.lora_linear_add_ on others): ([adapter index, first row, rows] flattened per request,
+        [each adapter's LoRAWeights]), or None where it cannot take them (FUSED off, no extension, an
+        adapter not float32 on the CPU): the hooks' torch ops run."""
+        if self._fused == ():
+            self._fused = None
+            weights = [a.fused_weights() for a, _, _ in self.spans] if FUSED else [None]
+            if all(w is not None for w in weights):
+                slot = {id(a): j for j, (a, _, _) in enumerate(self.spans)}
+                segments = [v for a, first, n in self._segments for v in (slot[id(a)], first, n)]
+                self._fused = (segments, weights)
+        return self._fused
 
     def _plan_batched(self, spans, order: list[int], device) -> None:
         """Few rows of several adapters (decode steps): each adapter's group padded to the largest and all
@@ -292,10 +364,17 @@ class LoRALayers:
         return self._stacks[key]
 
     def _hook(self, key: tuple[int, str]):
+        proj = FUSED_ORDER.index(key[1])
+
         def hook(module, inputs, out):
             if not self.spans:
                 return None
             x, rows = inputs[0], self.rows
+            fused = self.fused_args()
+            if fused is not None and x.dim() == 2 and out.dtype is torch.float32 and out.is_contiguous():
+                # the fused stack's kernel, one call for all rows and adapters (prefill steps)
+                ops.lora_linear_add_(x, out, *fused, self.model.cfg.num_layers, key[0], proj, self._heads)
+                return out
             if self.batched is not None:
                 stacked = self._stacked(key)
                 if stacked is None:

@@ -374,6 +374,20 @@ def decode_stack(model):
     )
 
 
+def lora_weights(tensors: list[torch.Tensor]):
+    """The extension's LoRAWeights (one adapter's weights for DecodeStack.run_lora: per layer and projection
+    A^T, B^T, see llmserve.model.lora._fused_weights), or None without the extension."""
+    ext = cpu_kernels()
+    return None if ext is None else ext.LoRAWeights(tensors)
+
+
+def lora_linear_add_(x, out, segments, adapters, num_layers: int, layer: int, proj: int, heads: tuple) -> None:
+    """out[each adapter's rows] += x[rows] @ A^T @ B^T for projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down)
+    of `layer`, in place: the fused stack's LoRA kernel for a module-path step (DecodeStack.run_lora's
+    `segments` and `adapters`; `heads`: (heads, KV heads, head size), the qkv parts' widths)."""
+    _EXT.lora_linear_add_(x, out, segments, adapters, num_layers, layer, proj, *heads)
+
+
 def decode_stack_fits(x: torch.Tensor) -> bool:
     """Whether a decode step of rows `x` (decode rows only, one group) may run through a DecodeStack."""
     return _KERNELS.in_place_decode and x.shape[0] <= _KERNELS.fused_decode_rows and _fast(x) is not None

@@ -32,8 +32,8 @@ def lora_setup(tmp_path_factory, bundled_gguf):
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 64: decode steps run in the fused C++ decode stack
+        num_key_value_heads=1,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         rope_theta=10000.0,
@@ -258,3 +258,42 @@ def test_bad_adapters_fail_clearly_and_unload_frees(lora_setup, lora_llm, tmp_pa
     assert ref() is None, "an unloaded adapter's weights are freed"
     assert reg.get("third") is None and sorted(reg.names()) == ["all7", "qv_down"]
     assert lora_llm.engine.kv.num_free_blocks == lora_llm.engine.num_blocks  # blocks all came back
+
+
+def test_lora_decode_steps_run_in_the_fused_stack(lora_setup, lora_llm, monkeypatch):
+    """Decode steps with adapter rows (mixed with base rows and both adapters) run through the fused C++
+    decode stack (DecodeStack.run_lora) and give the same tokens as the module path's hooks, with the fused
+    stack off (KernelConfig.fused_decode_rows = 0) and with LoRA kept out of it (lora.FUSED = False)."""
+    from llmserve.model import lora as lora_mod
+    from llmserve.model import ops
+
+    model = lora_llm.engine.model
+    prompts = lora_setup["prompts"]
+    batch = prompts * 3
+    loras = [None] * 3 + ["all7"] * 3 + ["qv_down"] * 3
+    _gen(lora_llm, prompts[:1], ["all7"])  # builds the stack
+    stack = model._decode_stack
+    assert stack, "the test model must fit the fused decode stack (head_dim 64)"
+    calls = []
+
+    class Counting:  # the pybind object's methods cannot be patched: wrap it
+        def run(self, *a):
+            calls.append("run")
+            return stack.run(*a)
+
+        def run_lora(self, *a):
+            calls.append("run_lora")
+            return stack.run_lora(*a)
+
+    monkeypatch.setattr(model, "_decode_stack", Counting())
+    fused = _gen(lora_llm, batch, loras)
+    assert calls.count("run_lora") >= MAX_TOKENS - 1, calls
+    assert fused == [lora_setup["refs"][n][i % 3] for i, n in enumerate(loras)]
+    calls.clear()
+    monkeypatch.setattr(lora_mod, "FUSED", False)
+    assert _gen(lora_llm, batch, loras) == fused
+    assert "run_lora" not in calls
+    monkeypatch.setattr(lora_mod, "FUSED", True)
+    monkeypatch.setattr(ops.kernel_config(), "fused_decode_rows", 0)
+    assert _gen(lora_llm, batch, loras) == fused
+    assert not calls
