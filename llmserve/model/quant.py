@@ -289,8 +289,8 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
             if type(child) is nn.Linear:
                 if name == "lm_head":
                     names = ["embed_tokens" if tied else "lm_head"]
-                else:
-                    names = list(checkpoint_parts(path))
+                else:  # (a file that packs the projection itself: Phi-3's attn_qkv, ffn_up)
+                    names = [path] if path in tensors else list(checkpoint_parts(path))
                 if not all(n in tensors for n in names):
                     continue
                 bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
@@ -375,7 +375,7 @@ def quantize_model(
                 if name == "lm_head":
                     names = ["embed_tokens" if tied else "lm_head"]
                 else:
-                    names = list(checkpoint_parts(path))
+                    names = [path] if path in blocks else list(checkpoint_parts(path))
                 q = None if only_blocks and child.bias is not None else _from_blocks(blocks, names, child.bias, mode)
                 if q is None and only_blocks:
                     continue
