@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmserve.model.gguf_kernels import random_blocks
@@ -24,6 +26,7 @@ MIXED = {
 Q8 = {name: "Q8_0" for name in MIXED}
 
 
+@functools.cache
 def _bundled_tokenizer_fields():
     from gguf import GGUFReader
 
@@ -31,6 +34,23 @@ def _bundled_tokenizer_fields():
 
     reader = GGUFReader(bundled_model_path())
     return {k: (f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def small_tokenizer_fields(vocab: int) -> dict:
+    """The bundled tokenizer cut to its first `vocab` tokens (the bytes, the special tokens and the first merges;
+    merges whose parts or result fall outside are dropped): a valid BPE tokenizer whose file reads in a
+    fraction of a second (the whole 49k one takes seconds to parse, per file opened)."""
+    fields = dict(_bundled_tokenizer_fields())
+    tokens = fields["tokenizer.ggml.tokens"][0][:vocab]
+    kept = set(tokens)
+    merges = [m for m in fields["tokenizer.ggml.merges"][0] if m.replace(" ", "") in kept and set(m.split(" ")) <= kept]
+    fields["tokenizer.ggml.tokens"] = (tokens, fields["tokenizer.ggml.tokens"][1])
+    fields["tokenizer.ggml.token_type"] = (
+        fields["tokenizer.ggml.token_type"][0][:vocab],
+        fields["tokenizer.ggml.token_type"][1],
+    )
+    fields["tokenizer.ggml.merges"] = (merges, fields["tokenizer.ggml.merges"][1])
+    return fields
 
 
 def _weight(name: str, qtype: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -176,17 +196,17 @@ def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> s
     llama.cpp's converter writes one, independently of llmserve's own mapping: names through gguf's
     TensorNameMap, llama Q / K rows interleaved, Gemma's norms stored as 1 + w, per-expert tensors merged into
     [n_expert, rows, cols] ffn_*_exps; weight matrices in `qtype` (F32 or a type gguf quantizes: Q8_0, ...),
-    norms and routers float32; the bundled model's tokenizer."""
+    norms and routers float32; the bundled model's tokenizer cut to the checkpoint's vocabulary."""
     import json
     import os
 
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, MODEL_ARCH, get_tensor_name_map, quants
+    from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFValueType, GGUFWriter, get_tensor_name_map, quants
     from safetensors.numpy import load_file
 
     cfg = json.load(open(os.path.join(folder, "config.json")))
     w = GGUFWriter(path, arch)
     _metadata(w, arch, cfg)
-    for key, (value, vtypes) in _bundled_tokenizer_fields().items():
+    for key, (value, vtypes) in small_tokenizer_fields(cfg["vocab_size"]).items():
         w.add_key_value(key, value, vtypes[0], sub_type=vtypes[1] if vtypes[0] == GGUFValueType.ARRAY else None)
     names = get_tensor_name_map(MODEL_ARCH[_MODEL_ARCH[arch]], cfg["num_hidden_layers"])
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]

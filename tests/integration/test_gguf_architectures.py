@@ -14,9 +14,10 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.quant import GGUFLinear
 from tests.gguf_files import round_trip_model, write_checkpoint_gguf
-from tests.integration.test_architectures import SMALL, _prompts
+from tests.integration.test_architectures import SMALL
 
-MAX_TOKENS = 12
+MAX_TOKENS, VOCAB = 12, 1024
+TINY = {**SMALL, "vocab_size": VOCAB}  # the bundled tokenizer's first 1024 tokens: files parse in milliseconds
 ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -52,7 +53,7 @@ def checkpoint(request, tmp_path_factory):
 
     cls, extra, arch, hf_reads_gguf = _cases()[request.param]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**{**SMALL, **extra}))
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**TINY, **extra}))
     with torch.no_grad():  # norms away from their initial values, so that a norm read wrongly shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -60,6 +61,17 @@ def checkpoint(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(d)
     return request.param, d, arch, hf_reads_gguf
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()
+    return [  # one longer than the token budget and than the sliding windows, two sharing a prefix
+        torch.randint(3, VOCAB, (5,), generator=g).tolist(),
+        shared + torch.randint(3, VOCAB, (9,), generator=g).tolist(),
+        shared + torch.randint(3, VOCAB, (3,), generator=g).tolist(),
+        torch.randint(3, VOCAB, (21,), generator=g).tolist(),
+    ]
 
 
 def _reference(d, qtype: str, path: str, hf_reads_gguf: bool) -> list[list[int]]:
@@ -138,7 +150,7 @@ def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
     from llmserve.model.loader import gguf_hf_config, open_gguf
 
     cfg = transformers.Gemma3TextConfig(
-        **{**SMALL, **GEMMA, "num_hidden_layers": 7},
+        **{**TINY, **GEMMA, "num_hidden_layers": 7},
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
@@ -161,7 +173,7 @@ def test_phi3_longrope_gguf_refused(tmp_path):
     import transformers
     from gguf import GGUFReader, GGUFWriter
 
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**SMALL))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**TINY))
     model.save_pretrained(tmp_path)
     src = write_checkpoint_gguf(tmp_path, str(tmp_path / "phi3.gguf"), "phi3")
     path = str(tmp_path / "phi3-longrope.gguf")
