@@ -191,3 +191,32 @@ def test_phi3_longrope_gguf_refused(tmp_path):
     with pytest.raises(ValueError, match="longrope") as e:
         LLM(model=path, kv_cache_memory=0.05)
     assert path in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
+    """--quantization on a Q8_0 file: Phi-3's packed attn_qkv / ffn_up and each expert's rows of the merged
+    tensors go into llmserve's int8 layers with the file's values (never rounded again); the router stays
+    float; tokens come back."""
+    from llmserve.model.quant import QuantLinear
+
+    name, d, arch, _ = checkpoint
+    if name not in ("phi3", "qwen3moe"):
+        pytest.skip("one packed and one experts architecture")
+    path = write_checkpoint_gguf(d, str(d / "Q8_0-flag.gguf"), arch, "Q8_0")
+    exact = LLM(model=path, kv_cache_memory=0.05).engine.model  # widened: the file's values as float32
+    llm = LLM(model=path, kv_cache_memory=0.05, quantization=mode, max_num_batched_tokens=32)
+    q = llm.engine.model
+    layers = ["self_attn.qkv_proj", "self_attn.o_proj"]
+    layers += (
+        [f"mlp.experts.{e}.{p}" for e in (0, 3) for p in ("gate_up_proj", "down_proj")] if arch == "qwen3moe" else []
+    )
+    layers += ["mlp.gate_up_proj", "mlp.down_proj"] if arch == "phi3" else []
+    for layer in layers:
+        a, b = q.layers[1].get_submodule(layer), exact.layers[1].get_submodule(layer)
+        assert isinstance(a, QuantLinear) and a.kind == "int8", layer
+        assert torch.equal(a.dequantize(), b.weight), layer
+    if arch == "qwen3moe":
+        assert torch.equal(q.layers[1].mlp.gate.weight, exact.layers[1].mlp.gate.weight)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
