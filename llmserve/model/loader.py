@@ -241,7 +241,7 @@ def _arch_config(reader, arch: str, spec: GGUFArch, kwargs: dict, theta: float, 
         local = {"rope_type": "default", "rope_theta": g("rope.freq_base_swa", 10000.0)}
         extra["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     elif arch == "phi3":
-        extra["sliding_window"] = g("attention.sliding_window")
+        extra["sliding_window"] = g("attention.sliding_window") or None  # (llama.cpp writes 0 for none)
         rot = g("rope.dimension_count", kwargs["head_dim"])
         if rot != kwargs["head_dim"]:
             extra["partial_rotary_factor"] = rot / kwargs["head_dim"]
