@@ -223,11 +223,11 @@ def _arch_config(reader, arch: str, spec: GGUFArch, kwargs: dict, theta: float, 
         # llama.cpp scales queries by head_dim ** -0.5, but for the 27B models by (hidden / heads) ** -0.5
         big = layers == (46 if arch == "gemma2" else 62)
         extra["query_pre_attn_scalar"] = kwargs["hidden_size"] // heads if big else kwargs["head_dim"]
-        extra["final_logit_softcapping"] = g("final_logit_softcapping")
+        extra["final_logit_softcapping"] = g("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
         extra["hidden_activation"] = "gelu_pytorch_tanh"
     if arch == "gemma2":
         extra["sliding_window"] = g("attention.sliding_window", 4096)
-        extra["attn_logit_softcapping"] = g("attn_logit_softcapping")
+        extra["attn_logit_softcapping"] = g("attn_logit_softcapping", 50.0)  # (llama.cpp's defaults)
         extra["layer_types"] = _swa_layers(reader, arch, layers, 2)
     elif arch == "gemma3":
         window = g("attention.sliding_window")

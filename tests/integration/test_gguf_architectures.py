@@ -220,3 +220,27 @@ def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
         assert torch.equal(q.layers[1].mlp.gate.weight, exact.layers[1].mlp.gate.weight)
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+
+
+def test_gguf_tensor_names():
+    """llama.cpp's names per architecture, including the ones no test file above holds: older Mixtral files'
+    one tensor per expert, and tensors llmserve does not read (longrope factors, refused apart)."""
+    from llmserve.model.loader import GGUF_ARCHS, MIXTRAL, gguf_hf_names
+
+    assert gguf_hf_names("blk.3.ffn_gate.7.weight", MIXTRAL) == [
+        ("model.layers.3.mlp.experts.7.gate_proj.weight", None)
+    ]
+    assert gguf_hf_names("blk.0.ffn_down_exps.weight", GGUF_ARCHS["qwen3moe"], 2) == [
+        ("model.layers.0.mlp.experts.0.down_proj.weight", 0),
+        ("model.layers.0.mlp.experts.1.down_proj.weight", 1),
+    ]
+    assert gguf_hf_names("blk.1.ffn_gate_inp.weight", MIXTRAL) == [("model.layers.1.mlp.gate.weight", None)]
+    gemma = GGUF_ARCHS["gemma2"]
+    assert gguf_hf_names("blk.0.ffn_norm.weight", gemma) == [("model.layers.0.pre_feedforward_layernorm.weight", None)]
+    assert gguf_hf_names("blk.0.post_attention_norm.weight", gemma)[0][0].endswith(".post_attention_layernorm.weight")
+    assert gguf_hf_names("blk.0.post_ffw_norm.weight", gemma)[0][0].endswith(".post_feedforward_layernorm.weight")
+    phi3 = GGUF_ARCHS["phi3"]
+    assert gguf_hf_names("blk.2.attn_qkv.weight", phi3) == [("model.layers.2.self_attn.qkv_proj.weight", None)]
+    assert gguf_hf_names("blk.2.ffn_up.weight", phi3) == [("model.layers.2.mlp.gate_up_proj.weight", None)]
+    assert gguf_hf_names("rope_factors_long.weight", phi3) == []
+    assert gguf_hf_names("blk.0.ffn_gate_exps.weight", GGUF_ARCHS["llama"], 4) == []  # (experts: MIXTRAL's row)
