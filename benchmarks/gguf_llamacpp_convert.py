@@ -21,19 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-TINY = dict(
-    vocab_size=49152,  # the bundled tokenizer's, which the converter reads from the folder
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    initializer_range=0.15,
-)
+from tests.integration.test_architectures import SMALL as TINY  # noqa: E402  (the bundled 49,152-token vocabulary)
+
 # llama.cpp's converter, run as it is but for one thing: Gemma 2's and Phi-3's converters read a SentencePiece
 # tokenizer.model, which these checkpoints (the bundled BPE tokenizer) lack: they take the BPE path the others
 # take (the tokenizer is not what is checked)
@@ -81,12 +70,13 @@ def main() -> int:
     args = ap.parse_args()
     import transformers
 
-    from llmserve import LLM, SamplingParams
+    from llmserve import LLM
     from llmserve.model import loader
     from llmserve.model.loader import bundled_model_path
     from llmserve.model.quant import GGUFLinear
     from llmserve.tokenizer import Tokenizer
     from tests.gguf_files import round_trip_model
+    from tests.integration.test_architectures import greedy_batched_and_alone
 
     root = args.keep or tempfile.mkdtemp(prefix="gguf-llamacpp-")
     tok = Tokenizer(bundled_model_path(), gguf=True).hf
@@ -126,9 +116,7 @@ def main() -> int:
             # q8_0: the file's blocks kept (GGUFLinear, experts over their rows), as a big model gets them
             loader.WIDEN_GGUF_BYTES = 0 if outtype == "q8_0" else widen
             llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32)
-            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-            batched = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
-            alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts()]
+            batched, alone = greedy_batched_and_alone(llm, prompts(), 12)
             ok = batched == want and alone == want
             failed += not ok
             arch = llm.engine.model_config.architecture

@@ -14,7 +14,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.quant import GGUFLinear
 from tests.gguf_files import round_trip_model, write_checkpoint_gguf
-from tests.integration.test_architectures import SMALL
+from tests.integration.test_architectures import SMALL, greedy_batched_and_alone
 
 MAX_TOKENS, VOCAB = 12, 1024
 TINY = {**SMALL, "vocab_size": VOCAB}  # the bundled tokenizer's first 1024 tokens: files parse in milliseconds
@@ -112,11 +112,8 @@ def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
         assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
         expert = mlp.experts[1] if hasattr(mlp, "experts") else mlp
         assert isinstance(expert.gate_up_proj, GGUFLinear) and isinstance(expert.down_proj, GGUFLinear)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = _prompts()
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
     assert batched == want, name
-    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert alone == want, name
     assert llm.engine.kv.usage == 0
 
