@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmserve.model.gguf_kernels import random_blocks
@@ -24,6 +26,7 @@ MIXED = {
 Q8 = {name: "Q8_0" for name in MIXED}
 
 
+@functools.cache
 def _bundled_tokenizer_fields():
     from gguf import GGUFReader
 
@@ -31,6 +34,23 @@ def _bundled_tokenizer_fields():
 
     reader = GGUFReader(bundled_model_path())
     return {k: (f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def small_tokenizer_fields(vocab: int) -> dict:
+    """The bundled tokenizer cut to its first `vocab` tokens (the bytes, the special tokens and the first merges;
+    merges whose parts or result fall outside are dropped): a valid BPE tokenizer whose file reads in a
+    fraction of a second (the whole 49k one takes seconds to parse, per file opened)."""
+    fields = dict(_bundled_tokenizer_fields())
+    tokens = fields["tokenizer.ggml.tokens"][0][:vocab]
+    kept = set(tokens)
+    merges = [m for m in fields["tokenizer.ggml.merges"][0] if m.replace(" ", "") in kept and set(m.split(" ")) <= kept]
+    fields["tokenizer.ggml.tokens"] = (tokens, fields["tokenizer.ggml.tokens"][1])
+    fields["tokenizer.ggml.token_type"] = (
+        fields["tokenizer.ggml.token_type"][0][:vocab],
+        fields["tokenizer.ggml.token_type"][1],
+    )
+    fields["tokenizer.ggml.merges"] = (merges, fields["tokenizer.ggml.merges"][1])
+    return fields
 
 
 def _weight(name: str, qtype: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -95,6 +115,124 @@ def write_tiny_gguf(
             ("ffn_down", HIDDEN, FFN),
         ):
             add(f"blk.{i}.{n}.weight", n, rows, cols)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# -- a Hugging Face checkpoint written as llama.cpp's converter writes it ---------------------------------
+# gguf's MODEL_ARCH per GGUF architecture (Mixtral is `llama` with experts)
+_MODEL_ARCH = {"llama": "LLAMA", "phi3": "PHI3", "gemma2": "GEMMA2", "gemma3": "GEMMA3", "qwen3moe": "QWEN3MOE"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's interleaving of the rotary halves of Q / K rows (llama files)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _metadata(w, arch: str, cfg: dict) -> None:
+    """The hyperparameters llama.cpp's converter writes for `arch` (a subset: what llama.cpp reads)."""
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    full = rope.get("full_attention", rope)
+    w.add_rope_freq_base(full.get("rope_theta", 10000.0))
+    if full.get("rope_type", "default") == "linear":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if arch in ("gemma2", "gemma3", "qwen3moe"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch in ("gemma2", "gemma3", "phi3") and cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma3" and cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+
+
+def round_trip_model(model, qtype: str) -> None:
+    """A transformers model's weights replaced in place by the values write_checkpoint_gguf's `qtype` file holds
+    (gguf's own quantize / dequantize; norms and routers stay as they are): the reference for a file
+    transformers cannot load itself."""
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    q = GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if qtype != "F32" and _quantizable(name.replace(".gate.weight", ".ffn_gate_inp"), p.numpy()):
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), q), q)))
+
+
+def _quantizable(gguf_name: str, w: np.ndarray) -> bool:
+    # norms and the MoE router stay float32, as llama-quantize keeps them
+    return w.ndim >= 2 and w.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name
+
+
+def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> str:
+    """The Hugging Face checkpoint in `folder` (config.json, model.safetensors) as a GGUF file of `arch` the way
+    llama.cpp's converter writes one, independently of llmserve's own mapping: names through gguf's
+    TensorNameMap, llama Q / K rows interleaved, Gemma's norms stored as 1 + w, per-expert tensors merged into
+    [n_expert, rows, cols] ffn_*_exps; weight matrices in `qtype` (F32 or a type gguf quantizes: Q8_0, ...),
+    norms and routers float32; the bundled model's tokenizer cut to the checkpoint's vocabulary."""
+    import json
+    import os
+
+    from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFValueType, GGUFWriter, get_tensor_name_map, quants
+    from safetensors.numpy import load_file
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    w = GGUFWriter(path, arch)
+    _metadata(w, arch, cfg)
+    for key, (value, vtypes) in small_tokenizer_fields(cfg["vocab_size"]).items():
+        w.add_key_value(key, value, vtypes[0], sub_type=vtypes[1] if vtypes[0] == GGUFValueType.ARRAY else None)
+    names = get_tensor_name_map(MODEL_ARCH[_MODEL_ARCH[arch]], cfg["num_hidden_layers"])
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+        t = t.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = _permute(t, heads if "q_proj" in name else kv)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + 1
+        parts = name.split(".")
+        if ".experts." in name:  # model.layers.N.(mlp|block_sparse_moe).experts.E.<proj>.weight
+            e = parts.index("experts")
+            merged = names.get_name(".".join(parts[:e] + ["experts", parts[e + 2]]))
+            experts.setdefault(merged + ".weight", {})[int(parts[e + 1])] = t
+            continue
+        tensors[names.get_name(name.removesuffix(".weight")) + ".weight"] = t
+    for merged, per_expert in experts.items():
+        tensors[merged] = np.stack([per_expert[i] for i in range(len(per_expert))])
+    for name, t in tensors.items():
+        if qtype != "F32" and _quantizable(name, t):
+            q = GGMLQuantizationType[qtype]
+            w.add_tensor(name, quants.quantize(t, q), raw_dtype=q)
+        else:
+            w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -91,9 +91,10 @@ class GGUFArch:
     hf_architecture: str  # the transformers architecture (llama.SUPPORTED_ARCHITECTURES)
     config_class: str  # its transformers config class
     permute_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K rows
-    layer_names: dict  # blk.N.<key>.weight -> model.layers.N.<value>.weight
+    layer_names: dict  # blk.N.<key>.weight -> model.layers.N.<value>.weight ("{e}": one per expert)
     names: dict  # whole-model tensors -> Hugging Face names
     head_dim_key: str | None = None  # metadata key (after "<arch>.") holding the head size, if any
+    norm_offset: bool = False  # the converter stored the (1 + w) norms as 1 + w: read back as w (Gemma)
 
 
 _LLAMA_NAMES = {
@@ -112,6 +113,22 @@ _LLAMA_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# routed experts: the router, and each merged [n_expert, rows, cols] tensor split into one per expert
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, post_attention_norm the one after
+# attention (Hugging Face's post_attention_layernorm), post_ffw_norm the one after the MLP
+_GEMMA_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 GGUF_ARCHS = {
     "llama": GGUFArch(
         "LlamaForCausalLM", "LlamaConfig", True, _LLAMA_LAYER_NAMES, _LLAMA_NAMES, "rope.dimension_count"
@@ -121,11 +138,48 @@ GGUF_ARCHS = {
         "Qwen3ForCausalLM",
         "Qwen3Config",
         False,
-        {**_LLAMA_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+        {**_LLAMA_LAYER_NAMES, **_QK_NORMS},
         _LLAMA_NAMES,
         "attention.key_length",
     ),
+    "qwen3moe": GGUFArch(
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        False,
+        {**_LLAMA_LAYER_NAMES, **_QK_NORMS, **_MOE_LAYER_NAMES},
+        _LLAMA_NAMES,
+        "attention.key_length",
+    ),
+    # Phi-3: one attn_qkv (q, k, v rows) and one ffn_up holding gate and up, as Hugging Face's own packed layers
+    "phi3": GGUFArch(
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        False,
+        {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        _LLAMA_NAMES,
+    ),
+    "gemma2": GGUFArch(
+        "Gemma2ForCausalLM", "Gemma2Config", False, _GEMMA_LAYER_NAMES, _LLAMA_NAMES, "attention.key_length", True
+    ),
+    "gemma3": GGUFArch(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        False,
+        {**_GEMMA_LAYER_NAMES, **_QK_NORMS},
+        _LLAMA_NAMES,
+        "attention.key_length",
+        True,
+    ),
 }
+# llama.cpp writes Mixtral as a `llama` model with `llama.expert_count` set
+MIXTRAL = GGUFArch(
+    "MixtralForCausalLM",
+    "MixtralConfig",
+    True,
+    {**_LLAMA_LAYER_NAMES, **_MOE_LAYER_NAMES},
+    _LLAMA_NAMES,
+    "rope.dimension_count",
+)
 
 
 def _field(reader, key: str, default=None):
@@ -137,13 +191,82 @@ def _field(reader, key: str, default=None):
 
 
 def gguf_arch(reader, path: str = "") -> tuple[str, GGUFArch]:
+    """(the metadata prefix, the file's GGUFArch row)."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(
             f"model: {path or 'the GGUF file'} is a {arch!r} model, an architecture llmserve does not "
-            f"run from GGUF (it runs {', '.join(GGUF_ARCHS)}); give another --model"
+            f"run from GGUF (it runs {', '.join(GGUF_ARCHS)}, and Mixtral as llama with experts); give another --model"
         )
+    if arch == "llama" and (_field(reader, "llama.expert_count") or 0) > 0:
+        return arch, MIXTRAL
     return arch, GGUF_ARCHS[arch]
+
+
+def _swa_layers(reader, arch: str, layers: int, every: int) -> list[str]:
+    """Hugging Face's layer_types from `<arch>.attention.sliding_window_pattern` (a bool per layer, or n: every
+    n-th layer is global) or llama.cpp's default n for the architecture."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [pattern > 0 and (i + 1) % pattern != 0 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _arch_config(reader, arch: str, spec: GGUFArch, kwargs: dict, theta: float, path: str) -> dict:
+    """The config fields beyond the common ones, per architecture, as llama.cpp reads them."""
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    layers, heads = kwargs["num_hidden_layers"], kwargs["num_attention_heads"]
+    extra: dict = {}
+    if spec.hf_architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        # llama.cpp scales queries by head_dim ** -0.5, but for the 27B models by (hidden / heads) ** -0.5
+        big = layers == (46 if arch == "gemma2" else 62)
+        extra["query_pre_attn_scalar"] = kwargs["hidden_size"] // heads if big else kwargs["head_dim"]
+        extra["final_logit_softcapping"] = g("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+        extra["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch == "gemma2":
+        extra["sliding_window"] = g("attention.sliding_window", 4096)
+        extra["attn_logit_softcapping"] = g("attn_logit_softcapping", 50.0)  # (llama.cpp's defaults)
+        extra["layer_types"] = _swa_layers(reader, arch, layers, 2)
+    elif arch == "gemma3":
+        window = g("attention.sliding_window")
+        extra["sliding_window"] = window
+        types = _swa_layers(reader, arch, layers, 6) if window else ["full_attention"] * layers
+        extra["layer_types"] = types
+        full = {"rope_type": "default", "rope_theta": theta}
+        scaling_type = g("rope.scaling.type")
+        if scaling_type and scaling_type != "none":
+            full = {"rope_type": scaling_type, "factor": g("rope.scaling.factor", 1.0), "rope_theta": theta}
+        local = {"rope_type": "default", "rope_theta": g("rope.freq_base_swa", 10000.0)}
+        extra["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    elif arch == "phi3":
+        extra["sliding_window"] = g("attention.sliding_window") or None  # (llama.cpp writes 0 for none)
+        rot = g("rope.dimension_count", kwargs["head_dim"])
+        if rot != kwargs["head_dim"]:
+            extra["partial_rotary_factor"] = rot / kwargs["head_dim"]
+        if any(t.name.startswith("rope_factors") for t in reader.tensors):
+            raise ValueError(
+                f"model: {path or 'the GGUF file'} is a Phi-3 with long-context rope factors (longrope), which "
+                f"llmserve does not run; give a short-context Phi-3 (e.g. a -4k- file) or another --model"
+            )
+    elif spec.hf_architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        experts = g("expert_count")
+        extra["num_experts_per_tok"] = g("expert_used_count")
+        ffn = g("expert_feed_forward_length", kwargs["intermediate_size"])
+        if spec is MIXTRAL:
+            extra.update(num_local_experts=experts, intermediate_size=ffn)
+        else:
+            routed = {f"blk.{i}.ffn_gate_inp.weight" for i in range(layers)} & {t.name for t in reader.tensors}
+            extra.update(
+                num_experts=experts,
+                moe_intermediate_size=ffn,
+                decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in routed],
+                # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise
+                norm_topk_prob=bool(g("expert_weights_norm", True)),
+            )
+    return extra
 
 
 def gguf_hf_config(reader, path: str = ""):
@@ -173,7 +296,10 @@ def gguf_hf_config(reader, path: str = ""):
         architectures=[spec.hf_architecture],
     )
     theta = g("rope.freq_base", 10000.0)
+    kwargs.update(_arch_config(reader, arch, spec, kwargs, theta, path))
     cfg = getattr(transformers, spec.config_class)(**kwargs)
+    if "rope_parameters" in kwargs:  # (Gemma 3: a set per layer type, complete)
+        return cfg
     if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict):
         cfg.rope_parameters["rope_theta"] = theta
     cfg.rope_theta = theta
@@ -193,13 +319,25 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_hf_name(name: str, spec: GGUFArch = GGUF_ARCHS["llama"]) -> str | None:
+def gguf_hf_names(name: str, spec: GGUFArch = GGUF_ARCHS["llama"], experts: int = 0) -> list[tuple[str, int | None]]:
+    """The Hugging Face names a GGUF tensor stands for, each with its expert (the index along a merged
+    tensor's outermost dimension) or None: one name, one per expert (`experts` of them) for a merged
+    experts tensor, or none (a tensor llmserve does not read)."""
     if name in spec.names:
-        return spec.names[name]
+        return [(spec.names[name], None)]
     parts = name.split(".")  # blk.N.attn_q.weight
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in spec.layer_names:
-        return f"model.layers.{parts[1]}.{spec.layer_names[parts[2]]}.{parts[3]}"
-    return None
+    if parts[0] != "blk":
+        return []
+    if len(parts) == 5 and parts[3].isdigit() and f"{parts[2]}_exps" in spec.layer_names:
+        # older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
+        leaf = spec.layer_names[f"{parts[2]}_exps"].format(e=parts[3])
+        return [(f"model.layers.{parts[1]}.{leaf}.{parts[4]}", None)]
+    if len(parts) != 4 or parts[2] not in spec.layer_names:
+        return []
+    leaf = spec.layer_names[parts[2]]
+    if "{e}" in leaf:
+        return [(f"model.layers.{parts[1]}.{leaf.format(e=e)}.{parts[3]}", e) for e in range(experts)]
+    return [(f"model.layers.{parts[1]}.{leaf}.{parts[3]}", None)]
 
 
 def open_gguf(path: str):
@@ -237,24 +375,33 @@ class GGUFTensors(Mapping):
     """A GGUF file's tensors under Hugging Face names, read one at a time from the file's memory map:
     `self[name]` is float32 (dequantized; the pages it came from are handed back), `blocks(name)` the
     tensor's own blocks, uint8 [rows, row_bytes], read in place. Q and K rows of llama-type files come
-    back in Hugging Face's order. `read` lists the names read as float32 (tests)."""
+    back in Hugging Face's order; a merged experts tensor [n_expert, rows, cols] is one entry per expert
+    (its rows of the same blocks); Gemma's norms come back as Hugging Face stores them (w, not the file's
+    1 + w). `read` lists the names read as float32 (tests)."""
 
     def __init__(self, path: str, reader, cfg: ModelConfig) -> None:
         self.path = path
         self.spec = gguf_arch(reader, path)[1]
         self.cfg = cfg
         self._map = reader.data
-        self._tensors = {n: t for t in reader.tensors if (n := gguf_hf_name(t.name, self.spec)) is not None}
+        self._tensors: dict = {}  # Hugging Face name -> (the file's tensor, its expert or None)
+        for t in reader.tensors:
+            experts = int(t.shape[2]) if len(t.shape) == 3 else 0  # GGUF lists the dimensions innermost first
+            for n, e in gguf_hf_names(t.name, self.spec, experts):
+                self._tensors[n] = (t, e)
         self.read: list[str] = []
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from llmserve.model import gguf_kernels
 
-        t = self._tensors[name]
-        raw, num, K = gguf_kernels.from_reader(t)
-        w = gguf_kernels.dequantize(raw, num, K).reshape(tuple(int(x) for x in reversed(t.shape.tolist())))
+        t, e = self._tensors[name]
+        raw, num, K = self._raw(name)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w = gguf_kernels.dequantize(raw, num, K).reshape(shape if e is None else shape[1:])
         if (heads := self._permuted_heads(name)) is not None:
             w = torch.from_numpy(np.ascontiguousarray(_unpermute(w.numpy(), heads)))
+        if self.spec.norm_offset and name.endswith("norm.weight"):
+            w = w - 1.0  # (the model adds the 1 back, as it does to a Hugging Face checkpoint's)
         self.release(name)
         self.read.append(name)
         return w
@@ -265,14 +412,29 @@ class GGUFTensors(Mapping):
     def __len__(self) -> int:
         return len(self._tensors)
 
+    def _raw(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """gguf_kernels.from_reader's (raw, qtype, K) of `name`: an expert's rows only."""
+        from llmserve.model import gguf_kernels
+
+        t, e = self._tensors[name]
+        raw, num, K = gguf_kernels.from_reader(t)
+        if e is not None:
+            raw = raw.view(int(t.shape[2]), -1, raw.shape[1])[e]
+        return raw, num, K
+
+    def _share(self, name: str) -> int:
+        """How many Hugging Face tensors share `name`'s file tensor (the experts of a merged one)."""
+        t, e = self._tensors[name]
+        return 1 if e is None else int(t.shape[2])
+
     def qtype(self, name: str) -> int:
-        return int(self._tensors[name].tensor_type)
+        return int(self._tensors[name][0].tensor_type)
 
     def nbytes(self, name: str) -> int:
-        return int(self._tensors[name].n_bytes)
+        return int(self._tensors[name][0].n_bytes) // self._share(name)
 
     def numel(self, name: str) -> int:
-        return int(np.prod(self._tensors[name].shape))
+        return int(np.prod(self._tensors[name][0].shape)) // self._share(name)
 
     def _permuted_heads(self, name: str) -> int | None:
         if self.spec.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -282,9 +444,7 @@ class GGUFTensors(Mapping):
     def blocks(self, name: str) -> tuple[torch.Tensor, int]:
         """(raw uint8 [rows, row_bytes], GGMLQuantizationType number): in place, or a copy whose pages are
         handed back where the rows had to be reordered."""
-        from llmserve.model import gguf_kernels
-
-        raw, num, _ = gguf_kernels.from_reader(self._tensors[name])
+        raw, num, _ = self._raw(name)
         if (heads := self._permuted_heads(name)) is not None:
             perm = _unpermute(np.arange(raw.shape[0]), heads)
             raw = raw[torch.from_numpy(perm)]
@@ -299,10 +459,11 @@ class GGUFTensors(Mapping):
         mm = getattr(self._map, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        t = self._tensors[name]
-        lo = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        t, e = self._tensors[name]
+        start = int(t.data_offset) + (e or 0) * self.nbytes(name)
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            mm.madvise(mmap.MADV_DONTNEED, lo, int(t.data_offset) + int(t.n_bytes) - lo)
+            mm.madvise(mmap.MADV_DONTNEED, lo, start + self.nbytes(name) - lo)
         except (OSError, ValueError):
             pass
 

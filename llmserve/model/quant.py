@@ -274,6 +274,15 @@ class GGUFEmbedding(nn.Module):
         return ops.gguf_dequantize(rows, self.qtype, self.dim).view(*ids.shape, self.dim)
 
 
+def _linear_sources(name: str, path: str, tied: bool, available) -> list[str]:
+    """The checkpoint tensors (names without "model." and ".weight") the Linear at `path` is made of: a tied
+    LM head reads the embedding; a packed projection its parts, or itself where `available` holds it packed
+    (Phi-3's GGUF attn_qkv, ffn_up)."""
+    if name == "lm_head":
+        return ["embed_tokens" if tied else "lm_head"]
+    return [path] if path in available else list(checkpoint_parts(path))
+
+
 def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], exact: bool, floats=None) -> set[str]:
     """Replace in place each Linear / Embedding of `model` (which may still be on the meta device) whose
     checkpoint tensors are all in `tensors` ({Hugging Face name without "model." and ".weight": (raw
@@ -287,10 +296,7 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
         for name, child in list(module.named_children()):
             path = prefix + name
             if isinstance(child, nn.Linear):
-                if name == "lm_head":
-                    names = ["embed_tokens" if tied else "lm_head"]
-                else:
-                    names = list(checkpoint_parts(path))
+                names = _linear_sources(name, path, tied, tensors)
                 if not all(n in tensors for n in names):
                     continue
                 bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
@@ -372,10 +378,7 @@ def quantize_model(
         for name, child in list(module.named_children()):
             path = prefix + name
             if isinstance(child, nn.Linear):
-                if name == "lm_head":
-                    names = ["embed_tokens" if tied else "lm_head"]
-                else:
-                    names = list(checkpoint_parts(path))
+                names = _linear_sources(name, path, tied, blocks)
                 q = None if only_blocks and child.bias is not None else _from_blocks(blocks, names, child.bias, mode)
                 if q is None and only_blocks:
                     continue

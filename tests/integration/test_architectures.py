@@ -136,15 +136,20 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
     return request.param, d, want, logprob
 
 
+def greedy_batched_and_alone(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
+    """llmserve's greedy tokens (EOS ignored) for `prompts` all in one batch, and for each alone."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return batched, [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
 def test_greedy_equals_transformers_batched_and_alone(checkpoint):
     name, d, want, logprob = checkpoint
     llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
     assert llm.engine.config.enable_prefix_caching
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = _prompts()
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    batched, alone = greedy_batched_and_alone(llm, prompts, MAX_TOKENS)
     assert batched == want, name
-    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert alone == want, name
     # with logits (a logprobs row): the same tokens, and the first one's logprob is transformers'
     # (Gemma 2's final soft-capping shows only there: tanh keeps the argmax)

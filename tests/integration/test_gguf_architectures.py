@@ -1,0 +1,243 @@
+"""Gemma 2, Gemma 3 (text), Phi-3, Qwen3-MoE and Mixtral from GGUF files written as llama.cpp's converter
+writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own tensor names, Gemma's 1 + w norms, Phi-3's
+fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama` with experts), from a tiny random
+transformers checkpoint, in float32 and Q8_0. llmserve's greedy tokens, batched and alone, equal
+transformers' on the same file (`from_pretrained(..., gguf_file=...)`, which dequantizes) where transformers
+reads that architecture's files, else transformers' on the checkpoint holding the file's values (Qwen3-MoE:
+transformers' GGUF config lacks the experts' size; Mixtral: it reads no `llama` experts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model.quant import GGUFLinear
+from tests.gguf_files import round_trip_model, write_checkpoint_gguf
+from tests.integration.test_architectures import SMALL, greedy_batched_and_alone
+
+MAX_TOKENS, VOCAB = 12, 1024
+TINY = {**SMALL, "vocab_size": VOCAB}  # the bundled tokenizer's first 1024 tokens: files parse in milliseconds
+ARCHITECTURES = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+# query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
+GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
+
+
+def _cases():
+    import transformers as T
+
+    return {  # name: (config class, fields, GGUF architecture, transformers reads the GGUF)
+        "gemma2": (T.Gemma2Config, dict(GEMMA), "gemma2", True),
+        # six layers: llama.cpp's Gemma 3 pattern (five sliding, one global) shows
+        "gemma3": (T.Gemma3TextConfig, dict(GEMMA, num_hidden_layers=6), "gemma3", True),
+        "phi3": (T.Phi3Config, dict(), "phi3", True),
+        "qwen3moe": (
+            T.Qwen3MoeConfig,
+            dict(num_experts=4, moe_intermediate_size=64, head_dim=16, norm_topk_prob=True, num_experts_per_tok=2),
+            "qwen3moe",
+            False,
+        ),
+        "mixtral": (T.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), "llama", False),
+    }
+
+
+@pytest.fixture(scope="module", params=list(_cases()))
+def checkpoint(request, tmp_path_factory):
+    import transformers
+
+    cls, extra, arch, hf_reads_gguf = _cases()[request.param]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**TINY, **extra}))
+    with torch.no_grad():  # norms away from their initial values, so that a norm read wrongly shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
+    d = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(d)
+    return request.param, d, arch, hf_reads_gguf
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()
+    return [  # one longer than the token budget and than the sliding windows, two sharing a prefix
+        torch.randint(3, VOCAB, (5,), generator=g).tolist(),
+        shared + torch.randint(3, VOCAB, (9,), generator=g).tolist(),
+        shared + torch.randint(3, VOCAB, (3,), generator=g).tolist(),
+        torch.randint(3, VOCAB, (21,), generator=g).tolist(),
+    ]
+
+
+def _reference(d, qtype: str, path: str, hf_reads_gguf: bool) -> list[list[int]]:
+    import transformers
+
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    if hf_reads_gguf:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.rsplit("/", 1)[1], **kw)
+    else:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(d, **kw)
+        round_trip_model(ref, qtype)
+    with torch.inference_mode():
+        return [
+            ref.generate(
+                torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in _prompts()
+        ]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
+    """F32: widened into float32 layers (a model this small, loader.WIDEN_GGUF_BYTES); Q8_0: every weight
+    matrix kept as the file's blocks (GGUFLinear, float32-exact), experts one layer each over their rows of
+    the merged tensor."""
+    from llmserve.model import loader
+
+    name, d, arch, hf_reads_gguf = checkpoint
+    path = write_checkpoint_gguf(d, str(d / f"{qtype}.gguf"), arch, qtype)
+    want = _reference(d, qtype, path, hf_reads_gguf)
+    if qtype != "F32":
+        monkeypatch.setattr(loader, "WIDEN_GGUF_BYTES", 0)
+    llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    model = llm.engine.model
+    assert model.cfg.architecture == ARCHITECTURES[name]
+    mlp = model.layers[0].mlp
+    if qtype != "F32":
+        assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
+        expert = mlp.experts[1] if hasattr(mlp, "experts") else mlp
+        assert isinstance(expert.gate_up_proj, GGUFLinear) and isinstance(expert.down_proj, GGUFLinear)
+    batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
+    assert batched == want, name
+    assert alone == want, name
+    assert llm.engine.kv.usage == 0
+
+
+def test_config_from_gguf_metadata_is_the_checkpoints(checkpoint):
+    """Every feature llmserve runs (sliding layers, soft-capping, sandwich norms, query scale, experts,
+    rope tables) read from the file's metadata equals the one read from the checkpoint's config.json."""
+    import transformers
+
+    from llmserve.model.llama import ModelConfig, Rotary
+    from llmserve.model.loader import gguf_hf_config, open_gguf
+
+    name, d, arch, _ = checkpoint
+    path = write_checkpoint_gguf(d, str(d / "config-check.gguf"), arch)
+    a = ModelConfig.from_hf(gguf_hf_config(open_gguf(path), path))
+    b = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(d))
+    for field in a.__dataclass_fields__:
+        if field not in ("hf_config", "rms_norm_eps", "eos_token_ids", "bos_token_id"):
+            assert getattr(a, field) == getattr(b, field), (name, field)
+    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps)  # (stored as float32)
+    for layer_type in (None, "sliding_attention") if name == "gemma3" else (None,):
+        assert torch.equal(Rotary(a, 64, layer_type).cos, Rotary(b, 64, layer_type).cos), (name, layer_type)
+
+
+def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
+    """Gemma 3's global layers' linear rope scaling and their own theta (rope.freq_base), the sliding layers'
+    10000, and the five-sliding-one-global pattern come from the file as llama.cpp reads them."""
+    import transformers
+
+    from llmserve.model.llama import LlamaModel, ModelConfig
+    from llmserve.model.loader import gguf_hf_config, open_gguf
+
+    cfg = transformers.Gemma3TextConfig(
+        **{**TINY, **GEMMA, "num_hidden_layers": 7},
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path)
+    path = write_checkpoint_gguf(tmp_path, str(tmp_path / "g3.gguf"), "gemma3")
+    a = ModelConfig.from_hf(gguf_hf_config(open_gguf(path), path))
+    b = ModelConfig.from_hf(cfg)
+    assert a.sliding_layers == b.sliding_layers == (True,) * 5 + (False, True)
+    ma, mb = LlamaModel(a, 64), LlamaModel(b, 64)
+    for rot in ("rotary", "rotary_local"):
+        assert torch.equal(getattr(ma, rot).cos, getattr(mb, rot).cos), rot
+
+
+def test_phi3_longrope_gguf_refused(tmp_path):
+    """A Phi-3 file carrying longrope factors (rope_factors_long / _short) is refused, naming the file."""
+    import numpy as np
+    import transformers
+    from gguf import GGUFReader, GGUFWriter
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**TINY))
+    model.save_pretrained(tmp_path)
+    src = write_checkpoint_gguf(tmp_path, str(tmp_path / "phi3.gguf"), "phi3")
+    path = str(tmp_path / "phi3-longrope.gguf")
+    reader, w = GGUFReader(src), GGUFWriter(path, "phi3")
+    for key, f in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="longrope") as e:
+        LLM(model=path, kv_cache_memory=0.05)
+    assert path in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
+    """--quantization on a Q8_0 file: Phi-3's packed attn_qkv / ffn_up and each expert's rows of the merged
+    tensors go into llmserve's int8 layers with the file's values (never rounded again); the router stays
+    float; tokens come back."""
+    from llmserve.model.quant import QuantLinear
+
+    name, d, arch, _ = checkpoint
+    if name not in ("phi3", "qwen3moe"):
+        pytest.skip("one packed and one experts architecture")
+    path = write_checkpoint_gguf(d, str(d / "Q8_0-flag.gguf"), arch, "Q8_0")
+    exact = LLM(model=path, kv_cache_memory=0.05).engine.model  # widened: the file's values as float32
+    llm = LLM(model=path, kv_cache_memory=0.05, quantization=mode, max_num_batched_tokens=32)
+    q = llm.engine.model
+    layers = ["self_attn.qkv_proj", "self_attn.o_proj"]
+    layers += (
+        [f"mlp.experts.{e}.{p}" for e in (0, 3) for p in ("gate_up_proj", "down_proj")] if arch == "qwen3moe" else []
+    )
+    layers += ["mlp.gate_up_proj", "mlp.down_proj"] if arch == "phi3" else []
+    for layer in layers:
+        a, b = q.layers[1].get_submodule(layer), exact.layers[1].get_submodule(layer)
+        assert isinstance(a, QuantLinear) and a.kind == "int8", layer
+        assert torch.equal(a.dequantize(), b.weight), layer
+    if arch == "qwen3moe":
+        assert torch.equal(q.layers[1].mlp.gate.weight, exact.layers[1].mlp.gate.weight)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+
+
+def test_gguf_tensor_names():
+    """llama.cpp's names per architecture, including the ones no test file above holds: older Mixtral files'
+    one tensor per expert, and tensors llmserve does not read (longrope factors, refused apart)."""
+    from llmserve.model.loader import GGUF_ARCHS, MIXTRAL, gguf_hf_names
+
+    assert gguf_hf_names("blk.3.ffn_gate.7.weight", MIXTRAL) == [
+        ("model.layers.3.mlp.experts.7.gate_proj.weight", None)
+    ]
+    assert gguf_hf_names("blk.0.ffn_down_exps.weight", GGUF_ARCHS["qwen3moe"], 2) == [
+        ("model.layers.0.mlp.experts.0.down_proj.weight", 0),
+        ("model.layers.0.mlp.experts.1.down_proj.weight", 1),
+    ]
+    assert gguf_hf_names("blk.1.ffn_gate_inp.weight", MIXTRAL) == [("model.layers.1.mlp.gate.weight", None)]
+    gemma = GGUF_ARCHS["gemma2"]
+    assert gguf_hf_names("blk.0.ffn_norm.weight", gemma) == [("model.layers.0.pre_feedforward_layernorm.weight", None)]
+    assert gguf_hf_names("blk.0.post_attention_norm.weight", gemma)[0][0].endswith(".post_attention_layernorm.weight")
+    assert gguf_hf_names("blk.0.post_ffw_norm.weight", gemma)[0][0].endswith(".post_feedforward_layernorm.weight")
+    phi3 = GGUF_ARCHS["phi3"]
+    assert gguf_hf_names("blk.2.attn_qkv.weight", phi3) == [("model.layers.2.self_attn.qkv_proj.weight", None)]
+    assert gguf_hf_names("blk.2.ffn_up.weight", phi3) == [("model.layers.2.mlp.gate_up_proj.weight", None)]
+    assert gguf_hf_names("rope_factors_long.weight", phi3) == []
+    assert gguf_hf_names("blk.0.ffn_gate_exps.weight", GGUF_ARCHS["llama"], 4) == []  # (experts: MIXTRAL's row)
