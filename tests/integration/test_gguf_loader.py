@@ -59,7 +59,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(files, kind, keep_blocks, 
         assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
         assert all("norm" in n for n, _ in model.named_parameters())  # no float weights but the norms
     else:
-        assert type(model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
+        assert isinstance(model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
     prompts = _prompts(model.cfg.vocab_size)
     refs = []
     with torch.inference_mode():
