@@ -281,6 +281,16 @@ def rotary_write_kv(
     return True
 
 
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """One token per row of `logits` [rows, vocab], drawn from softmax(logits / temps) by inverting its
+    cumulative sum at u (float64, one per row); -inf entries are never drawn. None without the extension
+    (the caller does the same with torch ops)."""
+    ext = _fast(logits)
+    if ext is None or logits.dim() != 2:
+        return None
+    return ext.sample_rows(logits.contiguous(), temps.float().contiguous(), u.double().contiguous())
+
+
 def paged_decode_attention(
     out: torch.Tensor,
     q: torch.Tensor,

@@ -146,3 +146,30 @@ def test_the_sampler_does_not_import_the_engine():
         for a in n.names
     ]
     assert not [m for m in imported if m and m.startswith("llmserve.engine")], imported
+
+
+def test_fused_draw_matches_the_torch_draw():
+    """ops.sample_rows (the CPU kernel) picks the token the torch ops pick for the same uniforms, over a
+    large vocabulary with a ragged tail, filtered (-inf) entries and mixed temperatures; -inf is never drawn."""
+    from llmserve.model import ops, sampler
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 49157, generator=gen) * 3
+    logits[:, ::7] = float("-inf")
+    temps = torch.rand(64, generator=gen) * 1.5 + 0.2
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2**-40
+    fused = ops.sample_rows(logits, temps, u)
+    if fused is None:
+        return  # no extension on this machine: the torch path is the only one
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=49156)
+    assert (fused == expected).float().mean() > 0.95, (fused != expected).nonzero()
+    # where they differ, rounding: the target lies at the edge of the fused pick's interval of the CDF
+    hi = cdf.gather(1, fused.unsqueeze(1)).squeeze(1)
+    lo = hi - probs.double().gather(1, fused.unsqueeze(1)).squeeze(1)
+    target = u * cdf[:, -1]
+    assert bool(((target >= lo - 1e-5) & (target <= hi + 1e-5)).all())
+    assert bool(torch.isfinite(logits.gather(1, fused.unsqueeze(1))).all())
+    assert (sampler._draw(logits[:4], temps[:4], u[:4]) == fused[:4]).all()
