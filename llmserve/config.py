@@ -61,6 +61,10 @@ class KernelConfig:
     # BENCHMARKS.md "Weight kernels")
     int4_dot_rows: int = 48
     int8_dot_rows: int = 16
+    # int8 layers with one scale per output channel, beyond int8_dot_rows: an integer GEMM (torch's _int_mm,
+    # oneDNN's int8 matmul, VNNI here), each row of activations rounded per token to two int8 levels (~15
+    # bits); no float16 copies kept. False: fbgemm's float16 GEMM on float16 copies (the older path)
+    int8_gemm: bool = True
 
 
 @dataclass

@@ -36,6 +36,8 @@ def configure(kernels: KernelConfig) -> KernelConfig:
     previous, _KERNELS = _KERNELS, kernels
     if _EXT is not None and kernels.gemm != previous.gemm:
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
+    if _EXT is not None:
+        _EXT.set_q8_int_gemm(kernels.int8_gemm)
     return previous
 
 
@@ -68,6 +70,7 @@ def cpu_kernels():
         )
         _EXT.set_avx512(envs.LLMSERVE_AVX512)
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
+        _EXT.set_q8_int_gemm(_KERNELS.int8_gemm)
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp (%s); using PyTorch ops", e)
         _EXT = None

@@ -13,12 +13,14 @@ layer is built):
     llama.cpp's Q4_1 x Q8_1 dot; int8: to int16, relative error ~1e-5), dot products summed in int32.
     Reading 1 or 0.6 byte per weight instead of 4 is what makes single-stream decode fast: it is
     bound by memory traffic;
-  * many rows (prefill, large batches): fbgemm's packed float16 GEMM
-    (`quantized::linear_dynamic_fp16`, float32 accumulation), the fastest accurate GEMM torch offers
-    here; it holds the rounded weights as float16 (exact for int4 and for int8 times its scale).
-    torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` were measured 2-35x slower than
-    float32 on this AVX2 CPU, and fbgemm's int8 GEMM rounds activations per tensor to 7 bits, which
-    costs this model 3.7x in perplexity.
+  * many rows (prefill, large batches), int8 with a scale per output channel: an integer GEMM (torch's
+    `_int_mm`, oneDNN's int8 matmul, VNNI on this CPU: 3-5x the float32 GEMM), activations rounded per
+    token in two int8 levels (the second rounds what the first left: ~15 bits, relative error ~4e-5;
+    `act_bits` 8: one level, ~9e-3); KernelConfig.int8_gemm. Otherwise (int4, grouped int8, or
+    int8_gemm off): fbgemm's packed float16 GEMM (`quantized::linear_dynamic_fp16`, float32 accumulation)
+    on the rounded weights held as float16 (exact for int4 and for int8 times its scale), or float32 tiles
+    of the packed weights through the float32 GEMM. fbgemm's own int8 GEMM rounds activations per tensor
+    to 7 bits, which costs this model 3.7x in perplexity.
 Elsewhere (CUDA): int8 values and a per-channel scale, widened per call, the scale applied to the output.
 
 The interface the model, the loader and the kernels' seam (ops.py) use; nothing else of this module is
@@ -360,9 +362,10 @@ def quantize_model(
         raise ValueError(f"quantization: must be none, int8 or int4, got {mode!r}")
     blocks = blocks or {}
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
-    # int8 (the throughput mode) also keeps float16 copies for fbgemm's GEMM on big batches; int4 (the
-    # memory mode) holds only its packed weights: 0.6 byte a weight.
-    fp16_gemm = mode == "int8"
+    # int8 (the throughput mode) runs big batches through the integer GEMM (KernelConfig.int8_gemm) or, without
+    # it, keeps float16 copies for fbgemm's GEMM; int4 (the memory mode) holds only its packed weights: 0.6
+    # byte a weight.
+    fp16_gemm = mode == "int8" and not (ops.kernel_config().int8_gemm and ops.weight_kernel("int8") is not None)
     consumed: set[str] = set()
 
     def read(t: torch.Tensor | None, names: list[str], kind: str, path: str = "") -> torch.Tensor | None:

@@ -140,6 +140,29 @@ def test_q8_linear(ext, rows, group, k):
     assert close(ext.q8_linear(x, q, s, 10**9, 8), x @ ref.t(), 2e-2)  # x rounded to int8
 
 
+@pytest.mark.parametrize("rows", [17, 40, 129, 300])
+def test_int8_gemm_rounds_activations_per_token(ext, rows):
+    """Many rows on per-channel int8 weights: the integer GEMM (x rounded per row, two int8 levels for
+    act_bits 16, one for 8) against the float32 tiles of the same weights; each row alone gives the same
+    result as in the batch (per-token scales); off (set_q8_int_gemm(False)) the tiles run."""
+    torch.manual_seed(rows)
+    q = torch.randint(-127, 128, (96, 192), dtype=torch.int8)
+    s = torch.rand(96, 1) + 0.1
+    x = torch.randn(rows, 192) * torch.rand(rows, 1) * 10
+    ref = x.double() @ (q.double() * s.double()).t()
+    try:
+        assert ext.set_q8_int_gemm(False) is False
+        tiles = ext.q8_linear(x, q, s, 1, 16)
+        assert close(tiles, ref.float(), 1e-5)
+        ext.set_q8_int_gemm(True)
+        two, one = ext.q8_linear(x, q, s, 1, 16), ext.q8_linear(x, q, s, 1, 8)
+    finally:
+        ext.set_q8_int_gemm(True)
+    assert close(two, ref.float(), 1e-4) and not torch.equal(two, tiles)
+    assert close(one, ref.float(), 2e-2)
+    assert torch.equal(ext.q8_linear(x[5:22].contiguous(), q, s, 1, 16), two[5:22])
+
+
 def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
     """Where the CPU has AVX-512 the int8 x int16 dots of several rows run a kernel compiled for it (8 rows a
     pass); LLMSERVE_AVX512=0 keeps the AVX2 one. Same integer dots, float sums in another order."""
