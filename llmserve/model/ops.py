@@ -348,7 +348,7 @@ def decode_layer_args(model) -> list | None:
                 kinds.append(args[0])
                 bits.append(args[1])
                 w += args[2]
-                many.append(_ALL_ROWS)  # integer dots at every row count the stack takes
+                many.append(getattr(lin, "stack_many_rows", None) or _ALL_ROWS)  # int8's integer GEMM from there
             elif (
                 isinstance(lin, torch.nn.Linear)
                 and lin.bias is None

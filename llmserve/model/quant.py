@@ -130,6 +130,17 @@ class QuantLinear(nn.Module):
         else:  # all rows here: the kernel tiles float32 beyond its limit
             limit, self._few_rows = k.int4_dot_rows if self.kind == "int4" else k.int8_dot_rows, None
         many = limit + 1
+        # int8 with a scale per channel: the integer GEMM (KernelConfig.int8_gemm) from int8_gemm_rows, in the
+        # fused decode stack too (`stack_many_rows`; elsewhere the stack keeps the dots at every row count)
+        self.stack_many_rows = None
+        if (
+            self.kind == "int8"
+            and self.scale.shape[1] == 1
+            and self._packed is None
+            and k.int8_gemm
+            and self.act_bits > 8
+        ):
+            many = self.stack_many_rows = k.int8_gemm_rows
         self._kernel = ops.weight_kernel(self.kind)
         if self.kind == "int4":
             self._kargs = (self.qweight, self.scale, self.minv, many)
