@@ -1042,9 +1042,10 @@ struct PrefillAvx2 {
   }
 };
 
-// exp(x) for 16 floats: exp8's series, 2^n applied with vscalefps.
+// exp(x) for 16 floats x <= 0 (scores minus their max): exp8's series, 2^n applied with vscalefps (x
+// clamped below only, at -87 as exp8).
 LLMSERVE_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
