@@ -328,12 +328,14 @@ def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext):
         prefills=[PrefillChunk(1, 9, 49, tables[0]), PrefillChunk(10, 21, 21, tables[1])],
     )
     k[0], v[0] = prefix[0][39], prefix[1][39]  # the decode row rewrites the prefix's last slot unchanged
-    fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125)
     saved = ops.configure(KernelConfig(in_place_prefill=False))
-    try:
-        slow = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True)
+    try:  # as the engine runs it (the gather's scratch buffers are inference tensors)
+        with torch.inference_mode():
+            slow = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125)
     finally:
         ops.configure(saved)
+    with torch.inference_mode():
+        fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True)
     assert close(fast, slow, 1e-5)
     out = torch.empty(5, H, 96)
     assert not ops.paged_prefill_attention(out, torch.randn(5, H, 96), kv[0], kv[1], tables[1], 5, 0.1)
