@@ -1551,8 +1551,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv_", &rotary_write_kv_, "neox rotary of the q and k heads of qkv rows in place; K, V into the cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
-  m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
   m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache");
+  m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
   m.def("lora_linear_add_", &lora_linear_add_, "out[adapter rows] += x[rows] @ A^T @ B^T (one projection)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const DecodeStack::Args&, double, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
