@@ -35,6 +35,9 @@ class KernelConfig:
     # decode attention read in place from the paged cache by the C++ kernel (False: gather blocks + SDPA;
     # benchmarks/long_context.py compares)
     in_place_decode: bool = True
+    # prefill chunks' attention read in place from the paged cache by the C++ flash-style kernel (False: SDPA,
+    # on the chunk itself or on the gathered prefix; benchmarks/prefill_attention.py compares)
+    in_place_prefill: bool = True
     # float32 x with up to this many rows: the extension's GEMV, at::linear (MKL / oneDNN GEMM) beyond.
     # None: the crossover is measured per weight shape on first use (ops.gemm_rows: GEMV vs GEMM timed at
     # `calibration_rows`), since it moves with the shape and the CPU: SmolLM2's projections keep the GEMV

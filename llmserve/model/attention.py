@@ -5,7 +5,10 @@ for values. A request's keys live in the blocks its block table names; a token a
 slot `block_table[p // block_size] * block_size + p % block_size`.
 
 One flat batch holds decode tokens first (one query each, batched together) and then prefill chunks
-(several queries each, attended one chunk at a time, against the cached prefix plus themselves).
+(several queries each, attended one chunk at a time, against the cached prefix plus themselves). On CPU
+both read the blocks in place through the C++ kernels (ops.paged_decode_attention,
+ops.paged_prefill_attention); elsewhere, and for sliding-window or soft-capped layers, blocks are gathered
+for SDPA.
 """
 
 from __future__ import annotations
@@ -124,6 +127,10 @@ def paged_attention(
         out[g.start : g.end] = _attend(qd, kd, vd, mask, scale, softcap).squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
+        if plain and ops.paged_prefill_attention(
+            out[s : s + n], q[s : s + n], k_cache, v_cache, chunk.block_table, ctx, scale
+        ):
+            continue  # read in place from the blocks, prefix and chunk alike (the flash-style CPU kernel)
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if ctx == n:  # no cached prefix: the chunk attends to itself, causally
             kp = k[s : s + n].transpose(0, 1).unsqueeze(0)

@@ -2,9 +2,9 @@
 
 `llmserve/csrc/cpu_ops.cpp` (AVX2 + FMA) is compiled on first use with torch's C++ extension
 builder (about a minute, cached under ~/.cache/torch_extensions) and used for float32 tensors on
-CPU: RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode
-attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights. Elsewhere (CUDA,
-bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
+CPU: RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode and
+prefill attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights.
+Elsewhere (CUDA, bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
 
 The rest of llmserve calls the functions here and never the extension itself. Where each kernel stops
 and the general path takes over is `KernelConfig` (llmserve/config.py): `configure` applies an engine's
@@ -309,6 +309,36 @@ def paged_decode_attention(
     if ext is None or not _KERNELS.in_place_decode or q.shape[-1] not in (64, 128) or k_cache.dtype not in KV_DTYPES:
         return False
     ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    return True
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> bool:
+    """One prefill chunk's causal attention (queries `q` [n, H, D] at positions context_len - n ..
+    context_len - 1, their K and V already in the cache) read in place from the blocks of `block_table` into
+    `out`; False when the caller must use SDPA instead."""
+    ext = _fast(q)
+    if (
+        ext is None
+        or not _KERNELS.in_place_prefill
+        or q.shape[-1] not in (64, 128)
+        or k_cache.dtype not in KV_DTYPES
+        or block_table.dtype is not torch.int64
+        or not block_table.is_contiguous()
+        or q.stride(-1) != 1
+        or q.stride(-2) != q.shape[-1]
+        or out.stride(-1) != 1
+        or out.stride(-2) != out.shape[-1]
+    ):
+        return False
+    ext.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, context_len, scale)
     return True
 
 
