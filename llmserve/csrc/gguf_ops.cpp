@@ -467,8 +467,8 @@ LLMSERVE_AVX512 void kquant_dot_avx512(const Acts& a, int64_t m0, const Layout& 
   }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.p + n * w.ld;
-    __m512 acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    __m512 acc[MR], macc[MR];   // (two chains: the scales' and the mins' products)
+    for (int m = 0; m < MR; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
       const uint8_t* b = row + s * T::kBytes;
       const ScalesK h = T::header(b);
@@ -481,20 +481,23 @@ LLMSERVE_AVX512 void kquant_dot_avx512(const Acts& a, int64_t m0, const Layout& 
       const __m256i zsc16 = _mm256_mullo_epi16(sc16, _mm256_set1_epi16(T::kZero));
       for (int m = 0; m < MR; ++m) {
         const int8_t* xm = a.q.data() + (m0 + m) * a.K + 256 * s;
-        __m512i dot = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c)
-          dot = _mm512_dpwssd_epi32(dot, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512(xm + 64 * c)), sc[c]);
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();   // two chains
+        for (int c = 0; c < 4; c += 2) {
+          d0 = _mm512_dpwssd_epi32(d0, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512(xm + 64 * c)), sc[c]);
+          d1 = _mm512_dpwssd_epi32(d1, _mm512_maddubs_epi16(q[c + 1], _mm512_loadu_si512(xm + 64 * c + 64)), sc[c + 1]);
+        }
+        __m512i dot = _mm512_add_epi32(d0, d1);
         const int64_t blk = (m0 + m) * S + s;
         const __m256i sums = load32(a.sum16.data() + 16 * blk);
         if constexpr (T::kZero != 0) dot = _mm512_sub_epi32(dot, _mm512_zextsi256_si512(_mm256_madd_epi16(zsc16, sums)));
         const float dx = a.dx[blk];
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(h.d * dx), acc[m]);
         if constexpr (T::kMin)
-          acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_madd_epi16(mn16, sums))),
-                                    _mm512_set1_ps(h.dmin * dx), acc[m]);
+          macc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_madd_epi16(mn16, sums))),
+                                     _mm512_set1_ps(h.dmin * dx), macc[m]);
       }
     }
-    for (int m = 0; m < MR; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]);
+    for (int m = 0; m < MR; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], macc[m]));
   }
 }
 
