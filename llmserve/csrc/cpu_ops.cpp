@@ -1248,13 +1248,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_write_kv_", &rotary_write_kv_, "neox rotary of the q and k heads of qkv rows in place; K, V into the cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
-  m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
   m.def("gguf_dequantize", &llmserve_gguf::dequantize, "GGUF blocks uint8 [N, row_bytes] -> float32 [N, K]");
   m.def("gguf_linear", &llmserve_gguf::linear, "x [M, K] @ dequantize(raw).T, read from the GGUF blocks");
   m.def("gguf_linear_f32", &llmserve_gguf::linear_f32, "x [M, K] @ dequantize(raw).T in float32 (weights widened)");
   m.def("gguf_linear_parts", &llmserve_gguf::linear_parts, "x @ [parts' weights].T side by side, integer dots");
   m.def("gguf_uses_avx512", &llmserve_gguf::uses_avx512, "whether the AVX-512 VNNI K-quant dots run");
+  m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
+  m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");
   m.def("lora_linear_add_", &lora_linear_add_, "out[adapter rows] += x[rows] @ A^T @ B^T (one projection)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const DecodeStack::Args&, double, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
