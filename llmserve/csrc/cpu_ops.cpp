@@ -15,6 +15,10 @@
 //    paged cache (no gather copy), the heads sharing a KV head processed together.
 //  * paged_prefill_attention_: a prefill chunk's causal attention over its cached prefix and itself, read
 //    in place from the blocks, flash-style (key tiles, online softmax), AVX-512 or AVX2.
+//  * gguf_*: GGUF blocks read in place (gguf_ops.cpp, compiled into this module), also a kind of projection
+//    the fused decode stack reads.
+#include "gguf_ops.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -409,6 +413,7 @@ bool use_avx512() { return avx512_allowed && cpu_has_avx512(); }
 
 bool set_avx512(bool allowed) {
   avx512_allowed = allowed;
+  llmserve_gguf::set_avx512(allowed);   // (its K-quant dots also need VNNI)
   return use_avx512();
 }
 
@@ -1496,6 +1501,8 @@ void lora_linear_add_(const at::Tensor& x, at::Tensor& out, const std::vector<in
   lora_add_(step, layer, (int)proj, x, out, H, Hkv, D);
 }
 
+constexpr int64_t kGGUF = 16;   // a projection kind: GGUF blocks (quant.GGUFLinear.kernel_args)
+
 std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
     const std::vector<int64_t>& act_bits, const std::vector<int64_t>& many_rows, double eps, const at::Tensor& positions, const at::Tensor& cos,
@@ -1505,6 +1512,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
   size_t at_w = 2;
   auto base_linear = [&](const at::Tensor& in, int i) {
     const int64_t kind = kinds[i];
+    if (kind == kGGUF) {   // act_bits: the parts' count, then a byte per part's GGMLQuantizationType
+      const int64_t parts = act_bits[i] & 0xFF;
+      std::vector<int64_t> qtypes;
+      for (int64_t p = 0; p < parts; ++p) qtypes.push_back(act_bits[i] >> (8 * (p + 1)) & 0xFF);
+      at_w += parts;
+      return llmserve_gguf::linear_parts(in, std::vector<at::Tensor>(w.begin() + at_w - parts, w.begin() + at_w), qtypes);
+    }
     if (kind == 4) {
       at_w += 3;
       return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], many_rows[i]);
@@ -1690,6 +1704,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_write_kv_", &rotary_write_kv_, "neox rotary of the q and k heads of qkv rows in place; K, V into the cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("gguf_dequantize", &llmserve_gguf::dequantize, "GGUF blocks uint8 [N, row_bytes] -> float32 [N, K]");
+  m.def("gguf_linear", &llmserve_gguf::linear, "x [M, K] @ dequantize(raw).T, read from the GGUF blocks");
+  m.def("gguf_linear_f32", &llmserve_gguf::linear_f32, "x [M, K] @ dequantize(raw).T in float32 (weights widened)");
+  m.def("gguf_linear_parts", &llmserve_gguf::linear_parts, "x @ [parts' weights].T side by side, integer dots");
+  m.def("gguf_uses_avx512", &llmserve_gguf::uses_avx512, "whether the AVX-512 VNNI K-quant dots run");
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++");
   m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache");
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache");

@@ -1,6 +1,8 @@
-// GGUF's quantized blocks read in place (AVX2 + FMA + F16C, float32 activations), built on first use by
-// llmserve/model/gguf_kernels.py. The weights stay as the file holds them, byte for byte: raw is a uint8
-// tensor [N, row_bytes], each row K values in the type's blocks.
+// GGUF's quantized blocks read in place (AVX2 + FMA + F16C, float32 activations; AVX-512 VNNI K-quant dots
+// where the CPU has them), compiled into cpu_ops.cpp's extension module by llmserve/model/ops.py (the
+// functions of gguf_ops.h: cpu_ops.cpp binds them, and its fused decode stack calls linear_parts). The
+// weights stay as the file holds them, byte for byte: raw is a uint8 tensor [N, row_bytes], each row K
+// values in the type's blocks.
 //
 //  * dequantize(raw, qtype, K) -> float32 [N, K], bit-exact with the gguf package's NumPy code: the same
 //    float operations in the same order (a product is never fused with the add after it).
@@ -14,12 +16,15 @@
 // quants(block, i) the i-th 32 quants as bytes, in value order; header(block) the scales. A value is
 //   d_g * (q - kZero) + min_g     (g: its group of 16 values for the K-quants, the block otherwise)
 // Half floats ("f16") and all multi-byte fields are little endian.
-#include <torch/extension.h>
+#include "gguf_ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -406,6 +411,96 @@ void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t 
   }
 }
 
+// The AVX-512 VNNI variant of kquant_dot for Q4_K and Q6_K (use_avx512(): chosen at run time; compiled for
+// AVX-512 only inside these functions, the rest of the file stays AVX2). 64 values a vector: vpmaddubsw
+// gives the int16 sums of value pairs, vpdpwssd multiplies them by their 16-value group's scale and adds
+// them into int32 lanes (AVX2: maddubs, hadd, madd and an add per 64 values). The same integer sums as
+// kquant_dot; the float sums of the super-blocks run over 16 lanes instead of 8 (results agree to float
+// rounding), and a row's result never depends on the rows around it.
+#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+bool cpu_has_avx512_vnni() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+bool avx512_allowed = true;
+
+bool use_avx512() { return avx512_allowed && cpu_has_avx512_vnni(); }
+
+// values 64c .. 64c + 63 of a Q4_K super-block: qs[32c ..] low nibbles (sub-block 2c), then high (2c + 1)
+LLMSERVE_AVX512 inline __m512i q4k_quants64(const uint8_t* b, int c) {
+  const __m256i v = load32(b + 16 + 32 * c);
+  return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+                          _mm512_set1_epi8(0x0F));
+}
+
+// values 64c .. 64c + 63 of a Q6_K super-block (TQ6_K's layout: half h = c / 2, its quarters 0, 1 for even
+// c, 2, 3 for odd): the low nibbles or high ones of L[0 .. 63], bits 4 and 5 from H (first 32 values) and
+// H >> 2 (next 32), shifted by 4 (even c) or not (odd c); 16-bit shifts, the masks keep each byte's own bits
+LLMSERVE_AVX512 inline __m512i q6k_quants64(const uint8_t* b, int c) {
+  const int h = c / 2;
+  const __m512i L = _mm512_loadu_si512(b + 64 * h);
+  const __m256i H = load32(b + 128 + 32 * h);
+  const __m512i H2 = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+  if (c % 2 == 0)
+    return _mm512_or_si512(_mm512_and_si512(L, low4), _mm512_and_si512(_mm512_slli_epi16(H2, 4), two));
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), _mm512_and_si512(H2, two));
+}
+
+template <typename T, int MR>
+LLMSERVE_AVX512 void kquant_dot_avx512(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out,
+                                       int64_t ldo) {
+  const int64_t S = a.K / 256;
+  // int16 lane j of chunk c's products covers values 64c + 2j, + 1: group 4c + j / 8
+  __m512i gidx[4];
+  for (int c = 0; c < 4; ++c) {
+    alignas(64) int16_t idx[32];
+    for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(4 * c + j / 8);
+    gidx[c] = _mm512_load_si512(idx);
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.p + n * w.ld;
+    __m512 acc[MR], macc[MR];   // (two chains: the scales' and the mins' products)
+    for (int m = 0; m < MR; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      const uint8_t* b = row + s * T::kBytes;
+      const ScalesK h = T::header(b);
+      const __m256i sc16 = _mm256_cvtepi8_epi16(h.sc), mn16 = _mm256_cvtepi8_epi16(h.mn);
+      __m512i q[4], sc[4];
+      for (int c = 0; c < 4; ++c) {
+        q[c] = std::is_same_v<T, TQ4_K> ? q4k_quants64(b, c) : q6k_quants64(b, c);
+        sc[c] = _mm512_permutexvar_epi16(gidx[c], _mm512_castsi256_si512(sc16));
+      }
+      const __m256i zsc16 = _mm256_mullo_epi16(sc16, _mm256_set1_epi16(T::kZero));
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xm = a.q.data() + (m0 + m) * a.K + 256 * s;
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();   // two chains
+        for (int c = 0; c < 4; c += 2) {
+          d0 = _mm512_dpwssd_epi32(d0, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512(xm + 64 * c)), sc[c]);
+          d1 = _mm512_dpwssd_epi32(d1, _mm512_maddubs_epi16(q[c + 1], _mm512_loadu_si512(xm + 64 * c + 64)), sc[c + 1]);
+        }
+        __m512i dot = _mm512_add_epi32(d0, d1);
+        const int64_t blk = (m0 + m) * S + s;
+        const __m256i sums = load32(a.sum16.data() + 16 * blk);
+        if constexpr (T::kZero != 0) dot = _mm512_sub_epi32(dot, _mm512_zextsi256_si512(_mm256_madd_epi16(zsc16, sums)));
+        const float dx = a.dx[blk];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(h.d * dx), acc[m]);
+        if constexpr (T::kMin)
+          macc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_madd_epi16(mn16, sums))),
+                                     _mm512_set1_ps(h.dmin * dx), macc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], macc[m]));
+  }
+}
+
 // 32-value types. Per block and row: sum q * x in int32 (Q8_0's signed q: |q| times x with q's sign),
 // less kZero * sum x; times d * dx; plus m * dx * sum x.
 template <typename T, int MR>
@@ -440,28 +535,62 @@ void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t
 
 constexpr int64_t kTileBytes = 256 << 10;   // weight rows revisited for every 4 rows of x, while in L2
 
+// The dots of T's rows [n0, n1) of w for every row of x: tiles of rows, each read once per 4 rows of x.
 template <typename T>
-void dot_rows(const at::Tensor& x, const Layout& w, at::Tensor& out) {
-  const int64_t M = x.size(0), N = w.N;
-  const Acts a(x, T::kValues == 256 ? 256 : 32);
-  float* op = out.data_ptr<float>();
+void dot_range(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* op, int64_t ldo) {
+  constexpr bool kWide = std::is_same_v<T, TQ4_K> || std::is_same_v<T, TQ6_K>;   // with an AVX-512 variant
+  const bool wide = kWide && use_avx512();
   const int64_t tile = std::max<int64_t>(1, kTileBytes / w.row_bytes);
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    for (int64_t n0 = b; n0 < e; n0 += tile) {
-      const int64_t n1 = std::min(e, n0 + tile);
-      for (int64_t m = 0; m < M; m += 4) {
-        float* o = op + m * N;
-        auto run = [&](auto mr) {
-          if constexpr (T::kValues == 256) kquant_dot<T, decltype(mr)::value>(a, m, w, n0, n1, o, N);
-          else block32_dot<T, decltype(mr)::value>(a, m, w, n0, n1, o, N);
-        };
-        switch (std::min<int64_t>(4, M - m)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, 4>{}); break;
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m = 0; m < M; m += 4) {
+      float* o = op + m * ldo;
+      auto run = [&](auto mr) {
+        constexpr int MR = decltype(mr)::value;
+        if constexpr (T::kValues == 256) {
+          if constexpr (kWide) {
+            if (wide) return kquant_dot_avx512<T, MR>(a, m, w, t0, t1, o, ldo);
+          }
+          kquant_dot<T, MR>(a, m, w, t0, t1, o, ldo);
+        } else {
+          block32_dot<T, MR>(a, m, w, t0, t1, o, ldo);
         }
+      };
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        default: run(std::integral_constant<int, 4>{}); break;
       }
+    }
+  }
+}
+
+// One GGUF tensor of a projection: its N rows are the output's columns [col, col + N).
+struct Part {
+  Layout w;
+  int64_t qtype, col;
+};
+
+// out [M, ldo]: every part's columns = x @ dequantize(part).T through the integer dots (quantized types
+// only). x is rounded once per block size; one parallel region over all the parts' rows.
+void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo, float* op) {
+  const int64_t M = x.size(0);
+  std::optional<Acts> a256, a32;
+  for (const Part& p : parts) {
+    with_quant_type(p.qtype, [&](auto t) {
+      if (decltype(t)::kValues == 256 && !a256) a256.emplace(x, 256);
+      if (decltype(t)::kValues == 32 && !a32) a32.emplace(x, 32);
+    });
+  }
+  at::parallel_for(0, ldo, 16, [&](int64_t b, int64_t e) {
+    for (const Part& p : parts) {
+      const int64_t n0 = std::max(b, p.col) - p.col, n1 = std::min(e, p.col + p.w.N) - p.col;
+      if (n0 >= n1) continue;
+      with_quant_type(p.qtype, [&](auto t) {
+        using T = decltype(t);
+        dot_range<T>(T::kValues == 256 ? *a256 : *a32, M, p.w, n0, n1, op + p.col, ldo);
+      });
     }
   });
 }
@@ -536,16 +665,56 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, 
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), w.N}, x.options());
   if (x.size(0) == 0 || w.N == 0) return out;
-  if (x.size(0) < many_rows && with_quant_type(qtype, [&](auto t) { dot_rows<decltype(t)>(x, w, out); }))
+  if (x.size(0) < many_rows && with_quant_type(qtype, [](auto) {})) {
+    dot_parts(x, {{w, qtype, 0}}, w.N, out.data_ptr<float>());
     return out;
+  }
   tiled_matmul(x, w, qtype, out);
+  return out;
+}
+
+// x [M, K] @ the parts' weights side by side, through the integer dots (see gguf_ops.h).
+at::Tensor linear_parts(const at::Tensor& x_in, const std::vector<at::Tensor>& raws, const std::vector<int64_t>& qtypes) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "linear_parts: x must be a float32 CPU tensor [M, K]");
+  TORCH_CHECK(!raws.empty() && raws.size() == qtypes.size(), "linear_parts: one qtype per part");
+  const int64_t K = x_in.size(1);
+  std::vector<Part> parts;
+  int64_t N = 0;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    TORCH_CHECK(with_quant_type(qtypes[i], [](auto) {}), "linear_parts: ", qtypes[i], " is not a quantized type");
+    parts.push_back({check_layout(raws[i], qtypes[i], K, "linear_parts"), qtypes[i], N});
+    N += parts.back().w.N;
+  }
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) > 0 && N > 0) dot_parts(x, parts, N, out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dequantize", &dequantize, "GGUF blocks uint8 [N, row_bytes] -> float32 [N, K]");
-  m.def("linear", &linear, "x [M, K] @ dequantize(raw).T, read from the GGUF blocks");
-  m.def("linear_f32", &linear_f32, "x [M, K] @ dequantize(raw).T in float32 (weights widened per row or tile)");
+namespace llmserve_gguf {
+
+at::Tensor dequantize(const at::Tensor& raw, int64_t qtype, int64_t K) { return ::dequantize(raw, qtype, K); }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t many_rows) {
+  return ::linear(x, raw, qtype, K, many_rows);
 }
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t few_rows) {
+  return ::linear_f32(x, raw, qtype, K, few_rows);
+}
+
+at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& raws, const std::vector<int64_t>& qtypes) {
+  return ::linear_parts(x, raws, qtypes);
+}
+
+bool set_avx512(bool allowed) {
+  avx512_allowed = allowed;
+  return use_avx512();
+}
+
+bool uses_avx512() { return use_avx512(); }
+
+}  // namespace llmserve_gguf

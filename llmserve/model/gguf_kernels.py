@@ -1,9 +1,11 @@
 """GGUF's quantized tensors used as the file holds them: dequantization and matmuls on the raw blocks.
 
-`llmserve/csrc/gguf_ops.cpp` (AVX2 + FMA + F16C) is compiled on first use, as ops.cpu_kernels() compiles
-cpu_ops.cpp (its own extension module for now; `LLMSERVE_CPU_KERNELS=0`, a CPU without AVX2 or no
-compiler: the NumPy / PyTorch fallbacks below do the same work, slower). A weight is the tensor's bytes,
-a uint8 tensor [N, row_bytes] (N output rows, each row K values in the type's blocks):
+`llmserve/csrc/gguf_ops.cpp` (AVX2 + FMA + F16C; the Q4_K / Q6_K dots also in AVX-512 VNNI, chosen at run
+time as the other kernels' AVX-512 variants, `LLMSERVE_AVX512=0` keeps AVX2) is compiled into cpu_ops.cpp's
+extension module by ops.cpu_kernels(), so that the fused decode stack reads GGUF projections too
+(`LLMSERVE_CPU_KERNELS=0`, a CPU without AVX2 or no compiler: the NumPy / PyTorch fallbacks below do the same
+work, slower). A weight is the tensor's bytes, a uint8 tensor [N, row_bytes] (N output rows, each row K values
+in the type's blocks):
 
 * `dequantize(raw, qtype, K)` -> float32 [N, K], bit-exact with `gguf.quants.dequantize`;
 * `linear(x, raw, qtype, K, many_rows)` -> x [M, K] @ dequantize(raw).T: below many_rows rows integer dot
@@ -20,12 +22,9 @@ its number or its name).
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
-
-from llmserve import envs
 
 log = logging.getLogger("llmserve.gguf_kernels")
 
@@ -66,31 +65,27 @@ _EXT = None
 _TRIED = False
 
 
+class _Kernels:
+    """The extension's GGUF functions under this module's names: dequantize, linear, linear_f32, linear_parts."""
+
+    def __init__(self, ext) -> None:
+        self.dequantize, self.linear, self.linear_f32 = ext.gguf_dequantize, ext.gguf_linear, ext.gguf_linear_f32
+        self.linear_parts, self.uses_avx512 = ext.gguf_linear_parts, ext.gguf_uses_avx512
+
+
 def gguf_kernels():
-    """The compiled extension module, or None where it cannot be used (built once per process)."""
+    """The compiled GGUF kernels (ops.cpu_kernels()' module, its gguf_* functions), or None where they cannot
+    be used."""
     global _EXT, _TRIED
     if _TRIED:
         return _EXT
     _TRIED = True
-    if not envs.LLMSERVE_CPU_KERNELS:
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("gguf kernels: this CPU lacks AVX2; using NumPy / PyTorch")
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+    from llmserve.model import ops
 
-        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "gguf_ops.cpp")
-        _EXT = load(
-            name="llmserve_gguf_ops",
-            sources=[src],
-            verbose=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as e:  # no compiler, no ninja
-        log.warning("gguf kernels: could not build llmserve/csrc/gguf_ops.cpp (%s); using NumPy / PyTorch", e)
-        _EXT = None
+    ext = ops.cpu_kernels()
+    if ext is None:
+        log.info("gguf kernels: no compiled kernels (see llmserve.model.ops); using NumPy / PyTorch")
+    _EXT = None if ext is None else _Kernels(ext)
     return _EXT
 
 

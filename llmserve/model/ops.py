@@ -60,10 +60,10 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "cpu_ops.cpp")
+        csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
         _EXT = load(
             name="llmserve_cpu_ops",
-            sources=[src],
+            sources=[os.path.join(csrc, "cpu_ops.cpp"), os.path.join(csrc, "gguf_ops.cpp")],  # (one module)
             verbose=False,
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -72,7 +72,7 @@ def cpu_kernels():
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm)
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
-        log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp (%s); using PyTorch ops", e)
+        log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp + gguf_ops.cpp (%s); using PyTorch ops", e)
         _EXT = None
     return _EXT
 

@@ -258,8 +258,26 @@ class GGUFLinear(nn.Module):
         y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> None:
-        return None  # not a layer the fused decode stack reads
+    def kernel_args(self) -> tuple[int, int, list[torch.Tensor]] | None:
+        """(16, the parts' count | each part's GGMLQuantizationType in the next bytes, [raw blocks per part]): this
+        layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs gguf_linear_parts, the
+        same integer dots as forward's); None where it does not: `exact` (float32 throughout), a bias, float
+        parts (F32 / F16 / BF16), no compiled kernels, off the CPU."""
+        from llmserve.model.gguf_kernels import BLOCKS, gguf_kernels
+
+        parts = self.parts()
+        if (
+            self.exact
+            or self.bias is not None
+            or not 0 < len(parts) < 8
+            or any(BLOCKS[q][0] == 1 or raw.device.type != "cpu" for raw, q in parts)
+            or gguf_kernels() is None
+        ):
+            return None
+        code = len(parts)
+        for i, (_, q) in enumerate(parts):
+            code |= q << (8 * (i + 1))
+        return 16, code, [raw for raw, _ in parts]
 
     def extra_repr(self) -> str:
         from llmserve.model.gguf_kernels import NAMES

@@ -98,6 +98,40 @@ def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
     assert len(out.outputs[0].token_ids) >= 1
 
 
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_k_quant_layers_decode_through_the_fused_stack(files, avx512):
+    """--quantization int4 on the Q4_K_M-like mix: the K-quant projections (q, k, v of different types in one)
+    and the Q8_0 ones decode through the fused stack (all layers in one C++ call), with the module path's
+    logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2)."""
+    from llmserve import envs
+    from llmserve.model import ops
+    from llmserve.model.evaluate import sequence_logits
+
+    cpu = ops.cpu_kernels()
+    if cpu is None:
+        pytest.skip("no compiled kernels: no fused stack")
+    llm = LLM(model=files["mixed"], quantization="int4", kv_cache_memory=0.05)
+    model = llm.engine.model
+    assert all(kinds == [16, 8, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF, int8 (Q8_0)
+    prompts = _prompts(model.cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    ids = list(range(100, 140))
+    cpu.set_avx512(avx512)
+    try:
+        fused = sequence_logits(model, ids, decode=True)
+        assert model._decode_stack, "the fused path must run here"
+        fused_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        model._decode_stack = False
+        modules = sequence_logits(model, ids, decode=True)
+        module_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        model._decode_stack = None
+        cpu.set_avx512(envs.LLMSERVE_AVX512)
+    assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (fused - modules).abs().max()
+    assert fused_tokens == module_tokens
+    assert llm.engine.kv.usage == 0
+
+
 # -- refusals: one error naming the file, what is wrong and what to change, before allocating -----------
 def _refused(path, match, **kwargs):
     with pytest.raises(ValueError, match=match) as e:

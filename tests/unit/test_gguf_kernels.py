@@ -32,6 +32,22 @@ def ext():
     return e
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def variant(ext, request):
+    """Both variants of the K-quant dots: AVX-512 VNNI (Q4_K, Q6_K; where the CPU has it) and AVX2."""
+    from llmserve import envs
+    from llmserve.model import ops
+
+    cpu = ops.cpu_kernels()
+    cpu.set_avx512(request.param == "avx512")
+    if request.param == "avx512" and not ext.uses_avx512():
+        cpu.set_avx512(envs.LLMSERVE_AVX512)
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 kernels are the ones tested")
+    assert ext.uses_avx512() == (request.param == "avx512")
+    yield request.param
+    cpu.set_avx512(envs.LLMSERVE_AVX512)
+
+
 def reference(raw: torch.Tensor, qtype) -> torch.Tensor:
     if qtype == Q.BF16:  # (older gguf packages lack BF16's dequantization)
         return (raw.numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -59,7 +75,7 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
-def test_linear(ext, qtype, rows):
+def test_linear(ext, variant, qtype, rows):
     n, k = 37, 768
     raw = gk.random_blocks(qtype, n, k, seed=rows)
     w = gk.dequantize(raw, qtype, k).double()
@@ -80,7 +96,7 @@ def test_linear(ext, qtype, rows):
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 @pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
-def test_linear_extreme_blocks(ext, qtype, fill):
+def test_linear_extreme_blocks(ext, variant, qtype, fill):
     """Every byte the same (largest quants, scales and mins; Q6_K's scale -128) and x at +-127 after
     rounding: the int16 / int32 sums must not overflow."""
     k = 512
@@ -95,6 +111,45 @@ def test_linear_extreme_blocks(ext, qtype, fill):
     x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
     got = gk.linear(x, raw, qtype, k).double()
     assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_avx512_and_avx2_dots_agree(ext, qtype):
+    """The AVX-512 VNNI dots sum the same integers as the AVX2 ones; only the float sums' order differs."""
+    from llmserve.model import ops
+
+    if not ext.uses_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI (or LLMSERVE_AVX512=0)")
+    k = 1024
+    raw = gk.random_blocks(qtype, 50, k, seed=7)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(7))
+    wide = gk.linear(x, raw, qtype, k)
+    try:
+        ops.cpu_kernels().set_avx512(False)
+        narrow = gk.linear(x, raw, qtype, k)
+    finally:
+        ops.cpu_kernels().set_avx512(True)
+    scale = x.abs() @ gk.dequantize(raw, qtype, k).abs().t()
+    assert ((wide - narrow).abs() <= 1e-5 * scale).all()
+    # each row of x alone gives the same bits as within the batch
+    assert all(torch.equal(gk.linear(x[i : i + 1], raw, qtype, k)[0], wide[i]) for i in range(6))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_linear_parts_side_by_side(ext, variant, rows):
+    """A packed projection's parts of different types (Q4_K_M's q, k, v; a Q8_0 and a Q5_0 part) in one call:
+    the same bits as each part's linear, side by side."""
+    k = 512
+    parts = [
+        (gk.random_blocks(q, n, k, seed=n), gk.qtype_number(q))
+        for q, n in (("Q4_K", 40), ("Q4_K", 9), ("Q6_K", 9), ("Q8_0", 17), ("Q5_0", 3))
+    ]
+    x = torch.randn(rows, k)
+    got = ext.linear_parts(x, [r for r, _ in parts], [q for _, q in parts])
+    want = torch.cat([gk.linear(x, r, q, k) for r, q in parts], dim=1)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="not a quantized type"):
+        ext.linear_parts(x, [gk.random_blocks("F16", 3, k)], [1])
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
