@@ -211,8 +211,10 @@ def test_server_with_a_killed_worker_stops_being_ready_and_exits_nonzero():
             code, lines = fut.result(timeout=30)
         assert srv.proc.wait(timeout=30) != 0
         assert time.time() - t0 < 30
-        # never ready again: 503 while it shuts down (often too brief to see), then gone
-        assert statuses[-1:] != [200] or len(statuses) == 1, statuses
+        # never ready again: 200 only until the server notices the dead worker (a poll or a few: racy under
+        # load), then 503 while it shuts down (often too brief to see), then gone
+        if 503 in statuses:
+            assert 200 not in statuses[statuses.index(503) :], statuses
         with pytest.raises(httpx.HTTPError):
             httpx.get(srv.url + "/ready", timeout=2)
         assert code is None or any("error" in x for x in lines), lines[-3:]  # the stream failed, no hang
