@@ -48,6 +48,14 @@ class KernelConfig:
     # torch's CPU build), None: measured at start-up (ops.gemm_engine; on this AMD machine oneDNN 2-2.4x MKL,
     # which keeps to AVX2 there)
     gemm: str | None = None
+    # float32 projections (not the head) in oneDNN's blocked layout for its matmul (ops.pack_weight), where the
+    # GEMM engine is oneDNN. None: weights of at least `packed_min_elements` packed in place of the plain weight
+    # (oneDNN at every row count: a 1B model's projections at 16 rows 1.4-1.5x the plain-weight matmul, at one row
+    # even with the GEMV); smaller ones get a packed copy beside the plain weight, the GEMV keeping the few rows
+    # (SmolLM2: one row 19 vs 22 ms a token, 16 rows 39 vs 58 ms a step with the copy). True: every float32
+    # projection packed in place; False: none.
+    packed_weights: bool | None = None
+    packed_min_elements: int = 1 << 22
     # decode steps of up to this many rows (requests, or a request's speculative verify rows) run all layers
     # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
     # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,

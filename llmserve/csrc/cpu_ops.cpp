@@ -292,6 +292,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // x [M, K] @ w [N, K].T, float32
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w) {
+  if (w.is_mkldnn())   // packed by ops.pack_weight (oneDNN's blocked layout)
+    return x.size(0) > 0 ? onednn_linear(x.contiguous(), w) : at::empty({0, w.size(0)}, x.options());
   if (gemm_onednn && x.dim() == 2 && x.size(0) > 0) return onednn_linear(x.contiguous(), w.contiguous());
   return at::linear(x, w);
 }
@@ -579,7 +581,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t many_
   check_cpu_f32(w, "f32_linear");
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "f32_linear: shape mismatch");
   const int64_t M = x_in.size(0), N = w.size(0), K = w.size(1);
-  if (M >= many_rows || K % 8 != 0 || !w.is_contiguous()) return gemm(x_in, w);
+  if (w.is_mkldnn() || M >= many_rows || K % 8 != 0 || !w.is_contiguous()) return gemm(x_in, w);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
@@ -1340,7 +1342,8 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
 // One decoder layer for a batch of decode rows (each row one request's next token), in one call:
 // the Python around ~12 kernel calls per layer costs as much as the kernels on a single stream.
 // weights: [input_norm, post_norm, then per projection (qkv, o, gate_up, down) its tensors];
-// kinds[i] for each projection: 0 float32 (weight), 4 int4 (q, scale, min), 8 int8 (q, scale).
+// kinds[i] for each projection: 0 float32 (weight: plain, or packed in oneDNN's layout), 1 float32 with a
+// packed copy (plain weight, packed weight), 4 int4 (q, scale, min), 8 int8 (q, scale).
 // act_bits[i]: int8's activation width. many_rows[i]: the rows from which projection i leaves its
 // few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
 // measured per weight shape, llmserve/model/ops.py). Returns (layer output, running residual sum);
@@ -1526,6 +1529,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     if (kind == 8) {
       at_w += 2;
       return q8_linear(in, w[at_w - 2], w[at_w - 1], many_rows[i], act_bits[i]);
+    }
+    if (kind == 1) {   // the GEMV on the plain weight below many_rows, oneDNN on the packed copy from there
+      at_w += 2;
+      return in.size(0) >= many_rows[i] ? gemm(in, w[at_w - 1]) : f32_linear(in, w[at_w - 2], many_rows[i]);
     }
     at_w += 1;
     return f32_linear(in, w[at_w - 1], many_rows[i]);

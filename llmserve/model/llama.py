@@ -176,10 +176,12 @@ class Linear(nn.Linear):
     """nn.Linear whose float32 CPU matmul runs through ops.linear (the GEMV, or the GEMM engine measured fastest
     on this CPU: oneDNN's or MKL's, see ops.gemm_engine)."""
 
+    packed = None  # the weight in oneDNN's layout beside the plain one (LlamaModel.pack_weights), or None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not torch.float32 or x.is_cuda or self.weight.dtype is not torch.float32:
             return F.linear(x, self.weight, self.bias)
-        y = ops.linear(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        y = ops.linear(x.reshape(-1, x.shape[-1]), self.weight, self.packed).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
@@ -477,6 +479,24 @@ class LlamaModel(nn.Module):
         self._decode_stack = None
 
     # -- weights -------------------------------------------------------------------------------
+    def pack_weights(self) -> int:
+        """Put the layers' float32 projections in oneDNN's layout where ops.pack_weight says so, in place of the
+        plain weight or beside it (after loading; the head stays plain: it may be the embedding, and greedy steps
+        screen it). Returns how many."""
+        packed = 0
+        with torch.no_grad():
+            for layer in self.layers:
+                for lin in layer.modules():
+                    if type(lin) is Linear:
+                        w, replaces = ops.pack_weight(lin.weight)
+                        if w is not None and replaces:
+                            lin.weight = nn.Parameter(w, requires_grad=False)
+                        elif w is not None:
+                            lin.packed = w
+                        packed += w is not None
+        self._decode_stack = None
+        return packed
+
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), packing as we go
         (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's

@@ -878,5 +878,9 @@ def load_model(
     Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
     that will not fit with it before allocating."""
     if reader is not None:
-        return load_gguf_model(source.path, reader, cfg, device, dtype, max_positions, quantization, kv_bytes)
-    return load_hf_model(source.path, cfg, device, dtype, max_positions, quantization, kv_bytes)
+        model = load_gguf_model(source.path, reader, cfg, device, dtype, max_positions, quantization, kv_bytes)
+    else:
+        model = load_hf_model(source.path, cfg, device, dtype, max_positions, quantization, kv_bytes)
+    if model.pack_weights():  # float32 projections in oneDNN's layout (ops.pack_weight)
+        _release_freed_memory()
+    return model

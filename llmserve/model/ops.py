@@ -83,15 +83,45 @@ def _fast(x: torch.Tensor):
     return _EXT if _TRIED else cpu_kernels()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T; float32 with fewer rows than `gemm_rows(weight)` through the extension's GEMV (streams
     the weights at ~30 GB/s where at::linear's one-row GEMV gets ~12: the float32 LM head alone is 113 MB a
-    step), the GEMM engine from there (`gemm_engine`)."""
+    step), the GEMM engine from there (`gemm_engine`), on `packed` (the weight in oneDNN's layout,
+    `pack_weight`) where given. A packed `weight` itself: oneDNN's matmul at every row count."""
+    if weight.is_mkldnn:
+        ext = cpu_kernels()
+        return ext.gemm(x.float(), weight) if ext is not None else F.linear(x, weight.to_dense())
     ext = _fast(x)
     if ext is not None and x.dim() == 2 and weight.dtype is torch.float32 and weight.device.type == "cpu":
-        rows = gemm_rows(weight)
-        return ext.f32_linear(x, weight, rows) if x.shape[0] < rows else ext.gemm(x, weight)
+        rows = gemm_rows(weight, packed)
+        if x.shape[0] < rows:
+            return ext.f32_linear(x, weight, rows)
+        return ext.gemm(x, weight if packed is None else packed)
     return F.linear(x, weight)
+
+
+def pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """(`weight` — float32 [N, K], CPU — in oneDNN's blocked layout for its matmul, whether it replaces the plain
+    weight), or (None, False) where packing does not apply: KernelConfig.packed_weights False, no extension, a GEMM
+    engine other than oneDNN. oneDNN re-lays out a plain weight on every call; packed once, its matmul is 1.3-1.5x
+    at 16-64 rows (a 1B model's MLP, SmolLM2's layers) and 2-4x the GEMV (BENCHMARKS.md "Packed float32 weights").
+    vLLM's CPU backend runs every unquantized linear so. Replaced (True, or auto from `packed_min_elements`): oneDNN
+    at every row count, even with the GEMV at one row on a 1B model's shapes. A copy beside the plain weight (auto,
+    smaller weights): the GEMV keeps the few rows, whose lead there is oneDNN's call overhead (SmolLM2 one row 19
+    vs 22 ms a token), at the copy's bytes (cheap at that size)."""
+    on = _KERNELS.packed_weights
+    if (
+        on is False
+        or weight.dtype is not torch.float32
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+        or weight.is_mkldnn
+        or cpu_kernels() is None
+        or gemm_engine() != "onednn"
+    ):
+        return None, False
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
+    return packed, on is True or weight.numel() >= _KERNELS.packed_min_elements
 
 
 _GEMM_MEASURED: str | None = None
@@ -140,7 +170,7 @@ def _measure_gemm(repeats: int = 5) -> str:
 _CROSSOVERS: dict[tuple, int] = {}  # (N, K, threads) -> rows from which at::linear wins (measured)
 
 
-def gemm_rows(weight: torch.Tensor) -> int:
+def gemm_rows(weight: torch.Tensor, packed: torch.Tensor | None = None) -> int:
     """The number of rows from which the GEMM (`gemm_engine`: MKL's or oneDNN's) beats the extension's GEMV for this
     float32 weight: KernelConfig.gemv_rows + 1 when set, else measured once per shape and thread count
     (`calibrate_gemv`). The GEMV reads the weights once per 4 rows (8 with AVX-512), the GEMM once per call but with a
@@ -151,22 +181,26 @@ def gemm_rows(weight: torch.Tensor) -> int:
         return fixed + 1
     if weight.shape[1] % 8 or cpu_kernels() is None:
         return 0
-    key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
+    key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), packed is not None)
     rows = _CROSSOVERS.get(key)
     if rows is None:
-        rows = _CROSSOVERS[key] = calibrate_gemv(weight, _KERNELS.calibration_rows)
+        rows = _CROSSOVERS[key] = calibrate_gemv(weight, _KERNELS.calibration_rows, gemm_weight=packed)
         log.debug("float32 %s x %s: GEMV below %d rows, at::linear from there", key[0], key[1], rows)
     return rows
 
 
-def calibrate_gemv(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3) -> int:
-    """The first of `rows` from which at::linear is faster than the GEMV on `weight` at that row count and
-    the next (each the best of `repeats` interleaved runs: robust to a busy machine's stalls); past the
-    largest, at::linear. Costs a few GEMV passes per shape (~0.1-1 s for a 1B model's shapes)."""
+def calibrate_gemv(
+    weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3, gemm_weight: torch.Tensor | None = None
+) -> int:
+    """The first of `rows` from which the GEMM (on `gemm_weight`, the packed copy, where given) is faster than
+    the GEMV on `weight` at that row count and the next (each the best of `repeats` interleaved runs: robust to
+    a busy machine's stalls); past the largest, the GEMM. Costs a few GEMV passes per shape (~0.1-1 s for a 1B
+    model's shapes)."""
     import time
 
     ext = cpu_kernels()
     w = weight.detach()
+    gw = w if gemm_weight is None else gemm_weight
     wins = 0
     first = None
     with torch.inference_mode():
@@ -179,7 +213,7 @@ def calibrate_gemv(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3
                     if i == 0:
                         ext.f32_linear(x, w, m + 1)
                     else:
-                        ext.gemm(x, w)
+                        ext.gemm(x, gw)
                     if rep:  # the first round warms up
                         best[i] = min(best[i], time.perf_counter() - t)
             if best[1] < best[0]:
@@ -385,10 +419,14 @@ def decode_layer_args(model) -> list | None:
                 and lin.weight.dtype == torch.float32
                 and lin.weight.device.type == "cpu"
             ):
-                kinds.append(0)
+                # packed in place: oneDNN at every row count; else the GEMV up to the measured crossover, then
+                # oneDNN on the packed copy (kind 1) or the plain weight (shapes repeat: measured on the first
+                # layer only)
+                packed = getattr(lin, "packed", None)
+                kinds.append(0 if packed is None else 1)
                 bits.append(0)
-                w.append(lin.weight)
-                many.append(gemm_rows(lin.weight))  # shapes repeat: measured on the first layer only
+                w += [lin.weight] if packed is None else [lin.weight, packed]
+                many.append(0 if lin.weight.is_mkldnn else gemm_rows(lin.weight, packed))
             else:
                 return None
         if any(t.dtype == torch.float32 and t.device.type != "cpu" for t in w):

@@ -201,3 +201,32 @@ def test_greedy_matches_transformers_with_gemm_in_the_fused_decode(llm, prompt_i
         model._decode_stack = None
     for i, (g, r) in enumerate(zip(got, reference)):
         assert _strip_eos(g) == _strip_eos(r), f"prompt {i} (len {len(prompt_ids[i])})"
+
+
+def test_greedy_matches_transformers_with_packed_weights(prompt_ids, reference):
+    """Every float32 projection in oneDNN's blocked layout in place of the plain weight (KernelConfig.packed_weights
+    True; what the auto setting does to a 1B model's projections): oneDNN's matmul at every row count, in the
+    fused decode stack and on the prefill path. Greedy output, batched and alone, still equals transformers'."""
+    from llmserve import LLM
+    from llmserve.config import KernelConfig
+    from llmserve.model import ops
+
+    if not torch.backends.mkldnn.is_available() or ops.cpu_kernels() is None:
+        pytest.skip("needs the CPU kernels and oneDNN")
+    saved = ops.kernel_config()
+    try:
+        kernels = KernelConfig(packed_weights=True, gemm="onednn")
+        llm = LLM(max_num_batched_tokens=256, kv_cache_memory=0.5, kernels=kernels)
+        model = llm.engine.model
+        for layer in model.layers:
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                assert lin.weight.is_mkldnn
+        assert not model.lm_head.weight.is_mkldnn  # the head stays plain (the embedding; greedy steps screen it)
+        got = _greedy(llm, prompt_ids)
+        assert model._decode_stack, "the fused path must run here"
+        alone = [_greedy(llm, [ids])[0] for ids in prompt_ids[:3]]
+    finally:
+        ops.configure(saved)
+    for i, (g, r) in enumerate(zip(got, reference)):
+        assert _strip_eos(g) == _strip_eos(r), f"prompt {i} (len {len(prompt_ids[i])})"
+    assert alone == got[:3]

@@ -93,13 +93,48 @@ def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
         ops._CROSSOVERS.clear()
         rows = ops.gemm_rows(w)
         assert rows in (2, 4, 8, 9)
-        assert ops._CROSSOVERS == {(96, 64, torch.get_num_threads()): rows}
+        assert ops._CROSSOVERS == {(96, 64, torch.get_num_threads(), False): rows}
         assert ops.gemm_rows(torch.randn(96, 12)) == 0  # K not a multiple of 8: at::linear always
         for m in (1, 3, 9):
             x = torch.randn(m, 64)
             assert close(ops.linear(x, w), x @ w.t(), 1e-5)
         ops.configure(KernelConfig(gemv_rows=5))
         assert ops.gemm_rows(w) == 6
+    finally:
+        ops.configure(saved)
+        ops._CROSSOVERS.clear()
+
+
+def test_packed_weights_compute_the_same_product(ext):
+    """A float32 weight in oneDNN's blocked layout (ops.pack_weight): in place of the plain weight, oneDNN's
+    matmul at every row count; as a copy beside it, the GEMV below the measured crossover and oneDNN on the copy
+    from there (ops.linear, the fused decode stack's kinds 0 and 1). x @ w.T at any row count either way;
+    packed_weights False packs nothing, True replaces whatever the size, auto replaces from packed_min_elements."""
+    from llmserve.config import KernelConfig
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    saved = ops.configure(KernelConfig(gemm="onednn", calibration_rows=(2, 4)))
+    try:
+        torch.manual_seed(0)
+        w = torch.randn(300, 96)
+        packed, replaces = ops.pack_weight(w)
+        assert packed.is_mkldnn and packed.shape == w.shape and not replaces  # auto: a small weight keeps both
+        assert torch.equal(packed.to_dense(), w)
+        for m in (1, 3, 5, 64, 65, 517):
+            x = torch.randn(m, 96)
+            assert close(ops.linear(x, packed), x @ w.t(), 1e-5)
+            assert close(ops.linear(x, w, packed), x @ w.t(), 1e-5)
+            assert close(ext.f32_linear(x, packed, 1 << 30), x @ w.t(), 1e-5)  # packed: never the GEMV
+        assert ext.gemm(torch.empty(0, 96), packed).shape == (0, 300)
+        ops.configure(KernelConfig(gemm="onednn", packed_weights=False))
+        assert ops.pack_weight(w) == (None, False)
+        ops.configure(KernelConfig(gemm="onednn", packed_weights=True))
+        assert ops.pack_weight(w)[1]
+        ops.configure(KernelConfig(gemm="onednn", packed_min_elements=300 * 96))
+        assert ops.pack_weight(w)[1]
+        ops.configure(KernelConfig(gemm="aten"))
+        assert ops.pack_weight(w) == (None, False)  # oneDNN's layout is for oneDNN's matmul only
     finally:
         ops.configure(saved)
         ops._CROSSOVERS.clear()
