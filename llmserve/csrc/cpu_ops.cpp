@@ -699,13 +699,33 @@ bool set_q8_int_gemm(bool on) {
   return on;
 }
 
+// A packed weight (onednn::qlinear_prepack, [K, N] in oneDNN's blocked layout: `ops.pack_int8_weight`) goes through
+// onednn::qlinear_pointwise: activations as uint8 q + 128 with zero point 128 (the same integer products, exactly),
+// no per-call re-layout of the weight (16 rows of a 1B model's MLP ~2x _int_mm's time on the plain weight; even
+// with the dots at one row). Its float32 output holds the int32 sums (exact below 2^24).
+at::Tensor qlinear_u8(const at::Tensor& xq, const at::Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("onednn::qlinear_pointwise", "")
+                       .typed<at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
+                                         std::optional<at::Tensor>, double, int64_t, std::optional<at::ScalarType>,
+                                         std::string_view, c10::List<std::optional<at::Scalar>>, std::string_view)>();
+  const int64_t N = packed.size(1);
+  const at::Tensor ones = at::ones({N}, xq.options().dtype(at::kFloat)), zeros = at::zeros({N}, xq.options().dtype(at::kLong));
+  return op.call(xq, 1.0, 128, packed, ones, zeros, std::nullopt, 1.0, 0, at::kFloat, "none",
+                 c10::List<std::optional<at::Scalar>>(), "");
+}
+
 at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, int64_t act_bits) {
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), Mb = gemm_bucket(M);
+  const bool packed = qw.is_mkldnn();
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(packed ? 1 : 0), Mb = gemm_bucket(M);
   const int64_t L = act_bits > 8 ? 2 : 1;
-  at::Tensor xq = at::zeros({L * Mb, K}, x.options().dtype(at::kChar));
+  // int8 rows for _int_mm; for the packed weight the same values + 128 as uint8 (0 and 128: the padding rows')
+  at::Tensor xq = at::empty({L * Mb, K}, x.options().dtype(packed ? at::kByte : at::kChar));
+  const uint8_t zero = packed ? 128 : 0, shift = packed ? 128 : 0;
+  for (int64_t l = 0; l < L; ++l) xq.narrow(0, l * Mb + M, Mb - M).fill_(static_cast<int64_t>(zero));
   std::vector<float> sx(L * M);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
+  uint8_t* qp = static_cast<uint8_t*>(xq.data_ptr());
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f);
     for (int64_t m = b; m < e; ++m) {
@@ -717,29 +737,47 @@ at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tens
       sx[m] = s1;
       if (L == 2) sx[M + m] = s2;
       const __m256 i1 = _mm256_set1_ps(1.0f / s1), i2 = _mm256_set1_ps(1.0f / s2), v1 = _mm256_set1_ps(s1);
-      int8_t* q1 = qp + m * K;
-      int8_t* q2 = qp + (Mb + m) * K;
+      uint8_t* q1 = qp + m * K;
+      uint8_t* q2 = qp + (Mb + m) * K;
       for (int64_t k = 0; k < K; k += 8) {
         const __m256 v = _mm256_loadu_ps(r + k);
         const __m256 f1 = _mm256_round_ps(_mm256_mul_ps(v, i1), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         alignas(32) int32_t t[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(f1));
-        for (int i = 0; i < 8; ++i) q1[k + i] = static_cast<int8_t>(t[i]);
+        for (int i = 0; i < 8; ++i) q1[k + i] = static_cast<uint8_t>(t[i] + shift);
         if (L == 2) {
           __m256 f2 = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(f1, v1, v), i2),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           f2 = _mm256_min_ps(_mm256_max_ps(f2, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
           _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(f2));
-          for (int i = 0; i < 8; ++i) q2[k + i] = static_cast<int8_t>(t[i]);
+          for (int i = 0; i < 8; ++i) q2[k + i] = static_cast<uint8_t>(t[i] + shift);
         }
       }
     }
   });
-  const at::Tensor acc = at::_int_mm(xq, qw.t());   // [L * Mb, N] int32
   at::Tensor out = at::empty({M, N}, x.options());
-  const int32_t* ap = acc.data_ptr<int32_t>();
   const float* ws = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (packed) {   // the sums come as float32
+    const at::Tensor acc = qlinear_u8(xq, qw);   // [L * Mb, N]
+    const float* ap = acc.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) {
+        const float *a1 = ap + m * N, *a2 = ap + (Mb + m) * N;
+        const __m256 s1 = _mm256_set1_ps(sx[m]), s2 = _mm256_set1_ps(L == 2 ? sx[M + m] : 0.0f);
+        int64_t n = 0;
+        for (; n + 8 <= N; n += 8) {
+          __m256 y = _mm256_mul_ps(_mm256_loadu_ps(a1 + n), s1);
+          if (L == 2) y = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + n), s2, y);
+          _mm256_storeu_ps(op + m * N + n, _mm256_mul_ps(y, _mm256_loadu_ps(ws + n)));
+        }
+        for (; n < N; ++n) op[m * N + n] = (a1[n] * sx[m] + (L == 2 ? a2[n] * sx[M + m] : 0.0f)) * ws[n];
+      }
+    });
+    return out;
+  }
+  const at::Tensor acc = at::_int_mm(xq, qw.t());   // [L * Mb, N] int32
+  const int32_t* ap = acc.data_ptr<int32_t>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const int32_t* a1 = ap + m * N;
@@ -762,12 +800,17 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
                      int64_t act_bits) {
   check_cpu_f32(x_in, "q8_linear");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), N = qw.size(0), K = qw.size(1);
+  const bool packed = qw.is_mkldnn();   // onednn::qlinear_prepack's [K, N]: the integer GEMM at every row count
+  const int64_t M = x.size(0), N = qw.size(packed ? 1 : 0), K = qw.size(packed ? 0 : 1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 32 == 0 && K % scale.size(1) == 0 &&
               (K / scale.size(1)) % 32 == 0, "q8_linear: shape mismatch (groups of a multiple of 32)");
-  TORCH_CHECK(qw.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+  TORCH_CHECK((packed || qw.is_contiguous()) && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
               "q8_linear: contiguous weights, float32 scales");
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "q8_linear: act_bits is 8 or 16");
+  if (packed) {
+    TORCH_CHECK(scale.size(1) == 1, "q8_linear: a packed weight has one scale per channel");
+    return q8_int_gemm(x, qw, scale, act_bits);
+  }
   const int64_t group = K / scale.size(1);
   const int8_t* q = qw.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();

@@ -133,7 +133,9 @@ class QuantLinear(nn.Module):
         # int8 with a scale per channel: the integer GEMM (KernelConfig.int8_gemm) from int8_gemm_rows, in the
         # fused decode stack too (`stack_many_rows`; elsewhere the stack keeps the dots at every row count)
         self.stack_many_rows = None
-        if (
+        if self.qweight.is_mkldnn:  # packed (`pack_weight`): the integer GEMM at every row count
+            many = self.stack_many_rows = 0
+        elif (
             self.kind == "int8"
             and self.scale.shape[1] == 1
             and self._packed is None
@@ -147,6 +149,26 @@ class QuantLinear(nn.Module):
         else:
             self._kargs = (self.qweight, self.scale, many, self.act_bits)
         self._bias = self.bias
+
+    def pack_weight(self) -> bool:
+        """int8 with a scale per channel on the CPU kernels' integer GEMM: the weights in oneDNN's blocked layout
+        in place of the plain ones (ops.pack_int8_weight), the integer GEMM then at every row count. Whether
+        packed."""
+        if not (
+            self.kind == "int8"
+            and self._kernel is not None
+            and self._packed is None
+            and self.scale.shape[1] == 1
+            and self.act_bits > 8  # (int4 mode's head: Q8_0 x Q8_0 per block, not one level per token)
+            and not self.qweight.is_mkldnn
+        ):
+            return False
+        packed, _ = ops.pack_weight(self.qweight)
+        if packed is None:
+            return False
+        self.qweight = packed
+        self._bind()
+        return True
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -171,7 +193,8 @@ class QuantLinear(nn.Module):
             q = unpack_int4(self.qweight).float().reshape(n, k // 32, 32)
             return (q * self.scale.float()[..., None] + self.minv.float()[..., None]).reshape(n, k)
         g = self.scale.shape[1]
-        return (self.qweight.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
+        q = self.qweight.to_dense().t() if self.qweight.is_mkldnn else self.qweight  # packed: [K, N]
+        return (q.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)

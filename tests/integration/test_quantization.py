@@ -123,3 +123,42 @@ def test_fused_decode_layer_equals_the_module_path(llm_factory):
         modules = sequence_logits(model, ids, decode=True)
         model._decode_stack = None
         assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (mode, (fused - modules).abs().max())
+
+
+def test_packed_int8_weights_keep_the_int8_numbers(llm_factory, reference):
+    """int8 projections packed in oneDNN's layout (KernelConfig.packed_weights True; auto packs a 1B model's): the
+    integer GEMM (per-token activations, two levels) at every row count, on the module path and in the fused decode
+    stack. A prefill gives the plain int8 weights' logits (the same integer sums); decode steps, which the plain
+    weights run through the int16 dots, stay within int8's agreement and perplexity bounds."""
+    from llmserve import LLM
+    from llmserve.config import KernelConfig
+    from llmserve.model import ops
+    from llmserve.model.evaluate import sequence_logits
+
+    ref_model, seqs, text_ids = reference
+    plain = llm_factory(quantization="int8", kv_cache_memory=0.1).engine.model
+    saved = ops.kernel_config()
+    try:
+        packed_llm = LLM(quantization="int8", kv_cache_memory=0.25, kernels=KernelConfig(packed_weights=True))
+        model = packed_llm.engine.model
+        if not model.layers[0].mlp.down_proj.qweight.is_mkldnn:
+            pytest.skip("no oneDNN int8 matmul in this torch")
+        ids = list(range(100, 160))
+        got, want = sequence_logits(model, ids), sequence_logits(plain, ids)
+        assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+        fused = sequence_logits(model, ids, decode=True)
+        assert model._decode_stack, "the fused path must run here"
+        model._decode_stack = False
+        modules = sequence_logits(model, ids, decode=True)
+        model._decode_stack = None
+        assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (fused - modules).abs().max()
+        ppl_ref = perplexity(ref_model, text_ids)
+        for decode in (False, True):
+            ppl = perplexity(model, text_ids, decode=decode)
+            agreement = greedy_agreement(model, ref_model, seqs, decode=decode)
+            print(f"packed int8 ({'decode' if decode else 'prefill'}): {ppl / ppl_ref - 1:+.2%}, {agreement:.1%}")
+            assert abs(ppl / ppl_ref - 1) <= 0.03 and agreement >= 0.95
+        out = packed_llm.generate([ids], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+        assert packed_llm.engine.kv.usage == 0 and len(out.outputs[0].token_ids) == 8
+    finally:
+        ops.configure(saved)

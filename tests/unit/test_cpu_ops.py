@@ -140,6 +140,38 @@ def test_packed_weights_compute_the_same_product(ext):
         ops._CROSSOVERS.clear()
 
 
+def test_packed_int8_weights_give_the_integer_gemm_result(ext):
+    """int8 weights with a scale per channel packed in oneDNN's layout (ops.pack_weight -> pack_int8_weight, [K, N]):
+    q8_linear's integer GEMM at every row count through oneDNN's u8 x s8 matmul (activations shifted by 128, zero
+    point 128) sums the same integers as _int_mm on the plain weights: the same result, at one row and many, with
+    one activation level and two. On auto a weight under packed_min_elements stays plain."""
+    from llmserve.config import KernelConfig
+
+    saved = ops.configure(KernelConfig(packed_weights=True))
+    try:
+        torch.manual_seed(0)
+        w = torch.randn(300, 96)
+        q, scale = ops.quantize_int8_per_channel(w)
+        packed, replaces = ops.pack_weight(q)
+        if packed is None:
+            pytest.skip("no oneDNN int8 matmul in this torch")
+        assert replaces and packed.is_mkldnn and tuple(packed.shape) == (96, 300)
+        s = scale[:, None].contiguous()
+        for m in (1, 5, 64, 65, 130):
+            x = torch.randn(m, 96)
+            for bits in (8, 16):
+                want = ext.q8_linear(x, q, s, 1, bits)  # _int_mm on the plain weights
+                got = ext.q8_linear(x, packed, s, 1 << 30, bits)  # packed: the integer GEMM whatever many_rows says
+                assert close(got, want, 1e-6), (m, bits)
+                assert close(got, x @ (q.float() * s).t(), 2e-2 if bits == 8 else 1e-3)
+        ops.configure(KernelConfig(packed_weights=None, packed_min_elements=300 * 96 + 1))
+        assert ops.pack_weight(q) == (None, False)
+        ops.configure(KernelConfig(packed_weights=True, int8_gemm=False))
+        assert ops.pack_weight(q) == (None, False)
+    finally:
+        ops.configure(saved)
+
+
 @pytest.mark.parametrize("rows,n,k", [(1, 5000, 576), (3, 1000, 64), (16, 300, 96), (2, 9, 32), (40, 700, 64)])
 def test_head_argmax_is_the_argmax_of_the_float32_logits(ext, rows, n, k):
     torch.manual_seed(n + rows)
