@@ -328,15 +328,17 @@ void q8_dequant_row(const int8_t* q, const float* s, int64_t K, int64_t group, f
   }
 }
 
-constexpr int64_t kTileRows = 256;   // weight rows widened per gemm() call
+// weight rows widened per gemm() call: ~4 MiB of float32, 256 to 1024 rows (fewer, larger GEMMs where K is small:
+// SmolLM2's grouped int8 head at 64 rows 20.6 -> 16.4 ms with 1024 rows instead of 256)
+inline int64_t tile_rows(int64_t K) { return std::clamp<int64_t>((int64_t{1} << 20) / K / 64 * 64, 256, 1024); }
 
 template <typename Dequant>
 void tiled_matmul(const at::Tensor& x, int64_t N, Dequant dequant, at::Tensor& out) {
-  const int64_t K = x.size(1);
-  at::Tensor w = at::empty({std::min(kTileRows, N), K}, x.options());
+  const int64_t K = x.size(1), T = tile_rows(K);
+  at::Tensor w = at::empty({std::min(T, N), K}, x.options());
   float* wp = w.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
-    const int64_t nt = std::min(kTileRows, N - n0);
+  for (int64_t n0 = 0; n0 < N; n0 += T) {
+    const int64_t nt = std::min(T, N - n0);
     at::parallel_for(0, nt, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) dequant(n0 + r, wp + r * K);
     });
