@@ -723,11 +723,18 @@ at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   const int64_t L = act_bits > 8 ? 2 : 1;
   // int8 rows for _int_mm; for the packed weight the same values + 128 as uint8 (0 and 128: the padding rows')
   at::Tensor xq = at::empty({L * Mb, K}, x.options().dtype(packed ? at::kByte : at::kChar));
-  const uint8_t zero = packed ? 128 : 0, shift = packed ? 128 : 0;
+  const uint8_t zero = packed ? 128 : 0;
   for (int64_t l = 0; l < L; ++l) xq.narrow(0, l * Mb + M, Mb - M).fill_(static_cast<int64_t>(zero));
   std::vector<float> sx(L * M);
   const float* xp = x.data_ptr<float>();
   uint8_t* qp = static_cast<uint8_t*>(xq.data_ptr());
+  // 8 rounded values (int32 lanes, within +-127) -> 8 bytes at `dst`, flipped to q + 128 for the packed weight
+  const __m128i flip = _mm_set1_epi8(packed ? static_cast<char>(0x80) : 0);
+  const auto store8 = [&](const __m256 f, uint8_t* dst) {
+    const __m256i v = _mm256_cvtps_epi32(f);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_xor_si128(_mm_packs_epi16(w, w), flip));
+  };
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f);
     for (int64_t m = b; m < e; ++m) {
@@ -744,15 +751,11 @@ at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tens
       for (int64_t k = 0; k < K; k += 8) {
         const __m256 v = _mm256_loadu_ps(r + k);
         const __m256 f1 = _mm256_round_ps(_mm256_mul_ps(v, i1), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        alignas(32) int32_t t[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(f1));
-        for (int i = 0; i < 8; ++i) q1[k + i] = static_cast<uint8_t>(t[i] + shift);
+        store8(f1, q1 + k);
         if (L == 2) {
           __m256 f2 = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(f1, v1, v), i2),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          f2 = _mm256_min_ps(_mm256_max_ps(f2, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvtps_epi32(f2));
-          for (int i = 0; i < 8; ++i) q2[k + i] = static_cast<uint8_t>(t[i] + shift);
+          store8(_mm256_min_ps(_mm256_max_ps(f2, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim), q2 + k);
         }
       }
     }
