@@ -498,8 +498,8 @@ class LlamaModel(nn.Module):
                             lin.packed = w
                         packed += w is not None
             head = self.lm_head
-            if hasattr(head, "pack_weight"):  # a quantized head
-                packed += head.pack_weight()
+            if hasattr(head, "pack_weight"):  # a quantized head (a grouped one: a per-channel copy for many rows)
+                packed += head.pack_weight(grouped_copy=True)
             elif type(head) is Linear:  # float32: a packed copy for the sampled rows' logits, the plain weight kept
                 head.packed = ops.pack_weight(head.weight)[0]
                 packed += head.packed is not None
