@@ -62,7 +62,8 @@ def model_files(model: str) -> tuple[str | None, str, str | None]:
 
 
 class Served:
-    """One server on the machine at a time: `kind` is vllm, llama.cpp, llmserve or llmserve-int8/int4."""
+    """One server on the machine at a time: `kind` is vllm, llama.cpp, llmserve or llmserve-int8/int4, with
+    "-kv16" for a float16 KV cache (llmserve-int8-kv16)."""
 
     def __init__(self, kind: str, model: str, a) -> None:
         self.kind, self.model, self.a = kind, model, a
@@ -94,8 +95,8 @@ class Served:
             args = ["--served-model-name", NAME, "--num-threads", str(self.a.threads)]
             if flags:
                 args += ["--model", flags]
-            if "-" in self.kind:
-                args += ["--quantization", self.kind.split("-", 1)[1]]
+            for part in self.kind.split("-")[1:]:  # llmserve-int8, llmserve-int8-kv16, llmserve-kv16, ...
+                args += ["--kv-cache-dtype", "float16"] if part == "kv16" else ["--quantization", part]
             self.proc = ServerProcess(*args)
             self.proc.wait_ready(timeout=1200)
             self.url = self.proc.url
