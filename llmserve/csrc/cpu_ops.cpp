@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -717,19 +718,12 @@ at::Tensor qlinear_u8(const at::Tensor& xq, const at::Tensor& packed) {
                  c10::List<std::optional<at::Scalar>>(), "");
 }
 
-at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, int64_t act_bits) {
-  const bool packed = qw.is_mkldnn();
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(packed ? 1 : 0), Mb = gemm_bucket(M);
-  const int64_t L = act_bits > 8 ? 2 : 1;
-  // int8 rows for _int_mm; for the packed weight the same values + 128 as uint8 (0 and 128: the padding rows')
-  at::Tensor xq = at::empty({L * Mb, K}, x.options().dtype(packed ? at::kByte : at::kChar));
-  const uint8_t zero = packed ? 128 : 0;
-  for (int64_t l = 0; l < L; ++l) xq.narrow(0, l * Mb + M, Mb - M).fill_(static_cast<int64_t>(zero));
-  std::vector<float> sx(L * M);
-  const float* xp = x.data_ptr<float>();
-  uint8_t* qp = static_cast<uint8_t*>(xq.data_ptr());
-  // 8 rounded values (int32 lanes, within +-127) -> 8 bytes at `dst`, flipped to q + 128 for the packed weight
-  const __m128i flip = _mm_set1_epi8(packed ? static_cast<char>(0x80) : 0);
+// Each row m of x [M, K] rounded to int8 with its own scale sx[m] = amax / 127, and with L == 2 what that left
+// rounded again at sx[M + m] = sx[m] / 254: level l of row m at q + (l * Mb + m) * K. `u8`: stored as q + 128
+// (uint8, for u8 x s8 products), else as int8.
+void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bool u8, uint8_t* qp, float* sx) {
+  // 8 rounded values (int32 lanes, within +-127) -> 8 bytes at `dst`, flipped to q + 128 (u8)
+  const __m128i flip = _mm_set1_epi8(u8 ? static_cast<char>(0x80) : 0);
   const auto store8 = [&](const __m256 f, uint8_t* dst) {
     const __m256i v = _mm256_cvtps_epi32(f);
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -760,6 +754,18 @@ at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tens
       }
     }
   });
+}
+
+at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, int64_t act_bits) {
+  const bool packed = qw.is_mkldnn();
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(packed ? 1 : 0), Mb = gemm_bucket(M);
+  const int64_t L = act_bits > 8 ? 2 : 1;
+  // int8 rows for _int_mm; for the packed weight the same values + 128 as uint8 (0 and 128: the padding rows')
+  at::Tensor xq = at::empty({L * Mb, K}, x.options().dtype(packed ? at::kByte : at::kChar));
+  const uint8_t zero = packed ? 128 : 0;
+  for (int64_t l = 0; l < L; ++l) xq.narrow(0, l * Mb + M, Mb - M).fill_(static_cast<int64_t>(zero));
+  std::vector<float> sx(L * M);
+  round_rows(x.data_ptr<float>(), M, K, L, Mb, packed, static_cast<uint8_t*>(xq.data_ptr()), sx.data());
   at::Tensor out = at::empty({M, N}, x.options());
   const float* ws = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -796,6 +802,126 @@ at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tens
         _mm256_storeu_ps(op + m * N + n, _mm256_mul_ps(y, _mm256_loadu_ps(ws + n)));
       }
       for (; n < N; ++n) op[m * N + n] = (a1[n] * sx[m] + (L == 2 ? a2[n] * sx[M + m] : 0.0f)) * ws[n];
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Many rows on int8 weights with a scale per channel, on AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products a
+// instruction): llmserve's own integer GEMM for the sizes decoding batches have (9-128 rows), where oneDNN's
+// (through _int_mm, or qlinear_pointwise on a packed weight) spends much of its time on per-call set-up and
+// re-layout. The weights are a copy in the instruction's layout, [N / 16, K / 4, 16, 4] (a 64-byte vector per
+// 16 channels x 4 inputs: `q8_vnni_pack` in ops.py), beside a sum per channel of its int8 values (the
+// activations go in as q + 128: their products are the int8 ones + 128 x that sum, taken off exactly). The
+// activations are rounded as q8_int_gemm rounds them (round_rows: the same integers, the same float epilogue:
+// the same result, bit for bit). A task is a block of 64 channels (4 vectors) for every row: its weights
+// (64 x K bytes) stay in L1/L2 while 6 rows at a time are multiplied with them, 24 accumulators in registers.
+
+#define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+bool cpu_has_vnni() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+bool uses_vnni() { return use_avx512() && cpu_has_vnni(); }
+
+// acc += the 4-byte dot products of u8 `x` and s8 `w` per lane, accumulated in place (GCC's code for the
+// intrinsic copies each accumulator around the loop)
+LLMSERVE_VNNI inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+template <int R, int T>
+LLMSERVE_VNNI void vnni_block(const uint8_t* xq, int64_t K, const int8_t* wv, int64_t tile_bytes, int32_t* acc,
+                              int64_t ld) {
+  __m512i a[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) a[r][t] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4) {
+    __m512i w[T];
+    for (int t = 0; t < T; ++t) w[t] = _mm512_loadu_si512(wv + t * tile_bytes + k * 16);
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      std::memcpy(&x4, xq + r * K + k, 4);
+      const __m512i x = _mm512_set1_epi32(x4);
+      for (int t = 0; t < T; ++t) a[r][t] = dpbusd(a[r][t], x, w[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) _mm512_storeu_si512(acc + r * ld + 16 * t, a[r][t]);
+}
+
+template <int T>
+LLMSERVE_VNNI void vnni_rows(const uint8_t* xq, int64_t rows, int64_t K, const int8_t* wv, int64_t tile_bytes,
+                             int32_t* acc, int64_t ld) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) vnni_block<4, T>(xq + r * K, K, wv, tile_bytes, acc + r * ld, ld);
+  switch (rows - r) {
+    case 1: vnni_block<1, T>(xq + r * K, K, wv, tile_bytes, acc + r * ld, ld); break;
+    case 2: vnni_block<2, T>(xq + r * K, K, wv, tile_bytes, acc + r * ld, ld); break;
+    case 3: vnni_block<3, T>(xq + r * K, K, wv, tile_bytes, acc + r * ld, ld); break;
+    default: break;
+  }
+}
+
+// y[m, n] = ((a1 - 128 c[n]) s1[m] + (a2 - 128 c[n]) s2[m]) w[n] for 16 channels (q8_int_gemm's epilogue)
+LLMSERVE_VNNI void vnni_epilogue(const int32_t* acc, int64_t ld, int64_t M, int64_t L, const float* sx,
+                                 const int32_t* csum, const float* ws, int64_t channels, float* out, int64_t N) {
+  for (int64_t c = 0; c < channels; c += 16) {
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(csum + c), 7);
+    const __m512 w = _mm512_loadu_ps(ws + c);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + m * ld + c), off));
+      __m512 y = _mm512_mul_ps(a1, _mm512_set1_ps(sx[m]));
+      if (L == 2) {
+        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + (M + m) * ld + c), off));
+        y = _mm512_fmadd_ps(a2, _mm512_set1_ps(sx[M + m]), y);
+      }
+      _mm512_storeu_ps(out + m * N + c, _mm512_mul_ps(y, w));
+    }
+  }
+}
+
+at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::Tensor& csum, const at::Tensor& scale,
+                        int64_t act_bits) {
+  check_cpu_f32(x_in, "q8_vnni_gemm");
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(uses_vnni(), "q8_vnni_gemm: needs AVX-512 VNNI");
+  TORCH_CHECK(wv.dim() == 4 && wv.size(2) == 16 && wv.size(3) == 4 && wv.scalar_type() == at::kChar &&
+              wv.is_contiguous(), "q8_vnni_gemm: weights [N / 16, K / 4, 16, 4] int8");
+  const int64_t M = x.size(0), K = x.size(1), N = wv.size(0) * 16, L = act_bits > 8 ? 2 : 1;
+  TORCH_CHECK(x.dim() == 2 && wv.size(1) * 4 == K && K % 8 == 0, "q8_vnni_gemm: shape mismatch");
+  TORCH_CHECK(csum.numel() == N && csum.scalar_type() == at::kInt && scale.numel() == N &&
+              scale.scalar_type() == at::kFloat && scale.is_contiguous() && csum.is_contiguous(),
+              "q8_vnni_gemm: a sum (int32) and a scale (float32) per channel");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  std::vector<uint8_t> xq(L * M * K);
+  std::vector<float> sx(L * M);
+  round_rows(x.data_ptr<float>(), M, K, L, M, true, xq.data(), sx.data());
+  const int8_t* w = wv.data_ptr<int8_t>();
+  const int32_t* cs = csum.data_ptr<int32_t>();
+  const float* ws = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t tile_bytes = K * 16, blocks = (N + 63) / 64;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> acc(L * M * 64);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tiles = std::min<int64_t>(4, N / 16 - 4 * b);
+      const int8_t* wb = w + 4 * b * tile_bytes;
+      switch (tiles) {
+        case 4: vnni_rows<4>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        case 3: vnni_rows<3>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        case 2: vnni_rows<2>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        default: vnni_rows<1>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
+      }
+      vnni_epilogue(acc.data(), 64, M, L, sx.data(), cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
     }
   });
   return out;
@@ -1391,7 +1517,8 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
 // the Python around ~12 kernel calls per layer costs as much as the kernels on a single stream.
 // weights: [input_norm, post_norm, then per projection (qkv, o, gate_up, down) its tensors];
 // kinds[i] for each projection: 0 float32 (weight: plain, or packed in oneDNN's layout), 1 float32 with a
-// packed copy (plain weight, packed weight), 4 int4 (q, scale, min), 8 int8 (q, scale).
+// packed copy (plain weight, packed weight), 4 int4 (q, scale, min), 8 int8 (q, scale), 9 int8 in the VNNI layout
+// (q, channel sums, scale).
 // act_bits[i]: int8's activation width. many_rows[i]: the rows from which projection i leaves its
 // few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
 // measured per weight shape, llmserve/model/ops.py). Returns (layer output, running residual sum);
@@ -1578,6 +1705,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
       at_w += 2;
       return q8_linear(in, w[at_w - 2], w[at_w - 1], many_rows[i], act_bits[i]);
     }
+    if (kind == 9) {   // int8 in the VNNI layout: q8_vnni_gemm at every row count
+      at_w += 3;
+      return q8_vnni_gemm(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], act_bits[i]);
+    }
     if (kind == 1) {   // the GEMV on the plain weight below many_rows, oneDNN on the packed copy from there
       at_w += 2;
       return in.size(0) >= many_rows[i] ? gemm(in, w[at_w - 1]) : f32_linear(in, w[at_w - 2], many_rows[i]);
@@ -1748,6 +1879,8 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temps, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min)");
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)");
+  m.def("q8_vnni_gemm", &q8_vnni_gemm, "x @ W.T, W int8 per channel in the VNNI layout, activations as q8_int_gemm's");
+  m.def("uses_vnni", &uses_vnni, "whether q8_vnni_gemm runs here (AVX-512 VNNI, allowed)");
   m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
   m.def("set_avx512", &set_avx512, "allow the AVX-512 kernels or not; returns uses_avx512()");
   m.def("set_q8_int_gemm", &set_q8_int_gemm, "many rows on per-channel int8 weights: integer GEMM (true) or float32 tiles");

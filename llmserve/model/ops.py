@@ -126,6 +126,26 @@ def pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     return packed, on is True or weight.numel() >= _KERNELS.packed_min_elements
 
 
+def vnni_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 weights [N, K] in the AVX-512 VNNI layout [N / 16, K / 4, 16, 4], the int32 sum of each channel's
+    values) for q8_vnni_gemm, or None where it does not run: KernelConfig.int8_vnni or int8_gemm off, no extension,
+    no VNNI, N not a multiple of 16."""
+    ext = cpu_kernels()
+    n, k = qweight.shape
+    if (
+        not (_KERNELS.int8_vnni and _KERNELS.int8_gemm)
+        or ext is None
+        or not ext.uses_vnni()
+        or qweight.dtype is not torch.int8
+        or qweight.device.type != "cpu"
+        or n % 16
+        or k % 32
+    ):
+        return None
+    q = qweight.detach()
+    return q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(), q.sum(1, dtype=torch.int32)
+
+
 def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """(int8 weights [N, K] with a scale per channel in oneDNN's blocked layout for its int8 matmul, [K, N]: what
     q8_linear's integer GEMM then runs at every row count, True), or (None, False) where that does not apply:

@@ -108,10 +108,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", scale.to(sdt).reshape(self.out_features, -1).contiguous())
         self.register_buffer("minv", None if minv is None else minv.to(sdt).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.register_buffer("csum", None)  # the VNNI layout's int32 sum per channel (pack_weight)
         cpu = qweight.device.type == "cpu"
         self.kernels = cpu and ops.weight_kernel(kind) is not None and self.in_features % 32 == 0
         self._packed = None
-        self._many = None  # a grouped head's per-channel packed copy for many rows (pack_weight(grouped_copy=True))
+        self._many = None  # a copy of the weights for many rows (pack_weight)
         if cpu and (fp16_gemm or not self.kernels) and "fbgemm" in torch.backends.quantized.supported_engines:
             with warnings.catch_warnings():  # torch.ao is deprecated; its fbgemm kernels are not gone
                 warnings.simplefilter("ignore")
@@ -124,10 +125,16 @@ class QuantLinear(nn.Module):
         """(kernel, its weight arguments, the rows it takes) for the few-rows path, kept as plain
         attributes: the hot path avoids nn.Module's attribute lookup. Rebound whenever the buffers are
         replaced. The row limits are ops.kernel_config()'s at this moment."""
+        self._many_rows = None
         if not self.kernels:
             self._kernel = None
             return
         k = ops.kernel_config()
+        self._bias = self.bias
+        if self.qweight.dim() == 4:  # the VNNI layout (pack_weight): llmserve's integer GEMM at every row count
+            self._kernel, self._few_rows, self.stack_many_rows = ops.cpu_kernels().q8_vnni_gemm, None, 0
+            self._kargs = (self.qweight, self.csum, self.scale, self.act_bits)
+            return
         if self._packed is not None:  # beyond few_rows: fbgemm's float16 GEMM
             limit = self._few_rows = k.few_rows
         else:  # all rows here: the kernel tiles float32 beyond its limit
@@ -147,53 +154,60 @@ class QuantLinear(nn.Module):
         ):
             many = self.stack_many_rows = k.int8_gemm_rows
         self._kernel = ops.weight_kernel(self.kind)
-        self._many_rows = k.int8_gemm_rows if self._many is not None else None
         if self.kind == "int4":
             self._kargs = (self.qweight, self.scale, self.minv, many)
         else:
             self._kargs = (self.qweight, self.scale, many, self.act_bits)
-        self._bias = self.bias
+        if self._many is not None:  # a copy for many rows (pack_weight): (function, its weight arguments)
+            self._many_rows = k.int8_gemm_rows
+            if self._many[0] == "vnni":
+                self._many_fn, self._many_args = ops.cpu_kernels().q8_vnni_gemm, (*self._many[1:], self.act_bits)
+            else:
+                self._many_fn, self._many_args = self._kernel, (*self._many[1:], 0, self.act_bits)
+
+    def _copy_for_many_rows(self, q: torch.Tensor, scale: torch.Tensor) -> tuple | None:
+        """int8 [N, K] with a scale per channel, laid out for many rows' integer GEMM: llmserve's own VNNI one
+        (ops.vnni_pack) where it runs, else oneDNN's packed weight; None where neither applies."""
+        vnni = ops.vnni_pack(q)
+        if vnni is not None:
+            return ("vnni", *vnni, scale.reshape(-1).contiguous())
+        packed, _ = ops.pack_weight(q)
+        return None if packed is None else ("onednn", packed, scale.reshape(-1, 1).contiguous())
 
     def pack_weight(self, grouped_copy: bool = False) -> bool:
-        """int8 with a scale per channel on the CPU kernels' integer GEMM: the weights in oneDNN's blocked layout
-        in place of the plain ones (ops.pack_int8_weight), the integer GEMM then at every row count. Whether
-        packed.
+        """int8 with a scale per channel on the CPU kernels' integer GEMM, at every row count from then on: the
+        weights in the AVX-512 VNNI layout in place of the plain ones, for llmserve's own integer GEMM
+        (ops.vnni_pack, q8_vnni_gemm: the integer sums of oneDNN's, 1.2-4x faster from one row to 128, even at
+        a prefill's 1,024); without VNNI, weights of at least `packed_min_elements` in oneDNN's blocked layout
+        (ops.pack_int8_weight). The same bytes either way. Whether packed.
 
         `grouped_copy` (the LM head): int8 with a scale per 32 values (a Q8_0 file's tied table, which the
-        embedding shares) gets beside it a copy rounded again to one scale per channel and packed, for batches
-        from `int8_gemm_rows` rows (what the projections' integer GEMM starts at); fewer rows keep the file's
-        values on the dots. SmolLM2's head at 64 rows 13.7 -> 5.6 ms, 16 rows 4.0 -> 1.7 ms, for a quarter of
-        its float32 bytes (+28 MB); greedy agreement with float32 as one prefill 97.4% -> 96.3%
+        embedding shares) gets beside it a copy rounded again to one scale per channel, packed as above, for
+        batches from `int8_gemm_rows` rows (what the projections' integer GEMM starts at); fewer rows keep the
+        file's values on the dots. SmolLM2's head at 64 rows 13.7 -> 5.6 ms, 16 rows 4.0 -> 1.7 ms, for a
+        quarter of its float32 bytes (+28 MB); greedy agreement with float32 as one prefill 97.4% -> 96.3%
         (docs/engine.md)."""
-        if (
-            grouped_copy
-            and self.kind == "int8"
-            and self._kernel is not None
-            and self._packed is None
-            and self.scale.shape[1] > 1
-            and self.act_bits > 8
-            and self.bias is None
-        ):
-            q, scale = quantize_int8_per_channel(self.dequantize())
-            packed, _ = ops.pack_weight(q)
-            if packed is None:
-                return False
-            self._many = (packed, scale.reshape(-1, 1).contiguous())
-            self._bind()
-            return True
         if not (
             self.kind == "int8"
             and self._kernel is not None
             and self._packed is None
-            and self.scale.shape[1] == 1
             and self.act_bits > 8  # (int4 mode's head: Q8_0 x Q8_0 per block, not one level per token)
             and not self.qweight.is_mkldnn
+            and self.qweight.dim() == 2
+            and self._many is None
         ):
             return False
-        packed, _ = ops.pack_weight(self.qweight)
-        if packed is None:
-            return False
-        self.qweight = packed
+        if self.scale.shape[1] > 1:
+            if not grouped_copy or self.bias is not None:
+                return False
+            self._many = self._copy_for_many_rows(*quantize_int8_per_channel(self.dequantize()))
+        elif (vnni := ops.vnni_pack(self.qweight)) is not None:
+            self.qweight, self.csum = vnni
+        else:
+            packed, _ = ops.pack_weight(self.qweight)
+            if packed is None:
+                return False
+            self.qweight = packed
         self._bind()
         return True
 
@@ -220,7 +234,11 @@ class QuantLinear(nn.Module):
             q = unpack_int4(self.qweight).float().reshape(n, k // 32, 32)
             return (q * self.scale.float()[..., None] + self.minv.float()[..., None]).reshape(n, k)
         g = self.scale.shape[1]
-        q = self.qweight.to_dense().t() if self.qweight.is_mkldnn else self.qweight  # packed: [K, N]
+        q = self.qweight
+        if q.is_mkldnn:  # oneDNN's packed [K, N]
+            q = q.to_dense().t()
+        elif q.dim() == 4:  # the VNNI layout [N / 16, K / 4, 16, 4]
+            q = q.permute(0, 2, 1, 3).reshape(n, k)
         return (q.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +249,7 @@ class QuantLinear(nn.Module):
             and (self._few_rows is None or x2.shape[0] <= self._few_rows)
         ):
             if self._many_rows is not None and x2.shape[0] >= self._many_rows:
-                y = self._kernel(x2, self._many[0], self._many[1], 0, self.act_bits)  # a grouped head's copy
+                y = self._many_fn(x2, *self._many_args)  # the copy for many rows
             else:
                 y = self._kernel(x2, *self._kargs)  # the decode hot path
             if self._bias is not None:
@@ -249,6 +267,8 @@ class QuantLinear(nn.Module):
             return None
         if self.kind == "int4":
             return 4, self.act_bits, [self.qweight, self.scale, self.minv]
+        if self.qweight.dim() == 4:  # q8_vnni_gemm at every row count
+            return 9, self.act_bits, [self.qweight, self.csum, self.scale]
         return 8, self.act_bits, [self.qweight, self.scale]
 
     def extra_repr(self) -> str:

@@ -125,24 +125,30 @@ def test_fused_decode_layer_equals_the_module_path(llm_factory):
         assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (mode, (fused - modules).abs().max())
 
 
-def test_packed_int8_weights_keep_the_int8_numbers(llm_factory, reference):
-    """int8 projections packed in oneDNN's layout (KernelConfig.packed_weights True; auto packs a 1B model's): the
-    integer GEMM (per-token activations, two levels) at every row count, on the module path and in the fused decode
-    stack. A prefill gives the plain int8 weights' logits (the same integer sums); decode steps, which the plain
-    weights run through the int16 dots, stay within int8's agreement and perplexity bounds."""
+@pytest.mark.parametrize("layout", ["vnni", "onednn"])
+def test_packed_int8_weights_keep_the_int8_numbers(llm_factory, reference, layout):
+    """int8 projections packed in the VNNI layout for llmserve's own integer GEMM (default where the CPU has it), or
+    in oneDNN's (without: KernelConfig.int8_vnni False, packed_weights True; auto packs a 1B model's): the integer
+    GEMM (per-token activations, two levels) at every row count, on the module path and in the fused decode stack.
+    A prefill gives the plain int8 weights' logits (the same integer sums); decode steps, which the plain weights
+    run through the int16 dots, stay within int8's agreement and perplexity bounds."""
     from llmserve import LLM
     from llmserve.config import KernelConfig
     from llmserve.model import ops
     from llmserve.model.evaluate import sequence_logits
 
     ref_model, seqs, text_ids = reference
-    plain = llm_factory(quantization="int8", kv_cache_memory=0.1).engine.model
     saved = ops.kernel_config()
     try:
-        packed_llm = LLM(quantization="int8", kv_cache_memory=0.25, kernels=KernelConfig(packed_weights=True))
+        plain_kernels = KernelConfig(int8_vnni=False)  # SmolLM2: plain projections; its grouped head: a packed copy
+        plain = LLM(quantization="int8", kv_cache_memory=0.1, kernels=plain_kernels).engine.model
+        assert plain.layers[0].mlp.down_proj.qweight.dim() == 2
+        kernels = KernelConfig(packed_weights=True, int8_vnni=layout == "vnni")
+        packed_llm = LLM(quantization="int8", kv_cache_memory=0.25, kernels=kernels)
         model = packed_llm.engine.model
-        if not model.layers[0].mlp.down_proj.qweight.is_mkldnn:
-            pytest.skip("no oneDNN int8 matmul in this torch")
+        w = model.layers[0].mlp.down_proj.qweight
+        if not (w.dim() == 4 if layout == "vnni" else w.is_mkldnn):
+            pytest.skip("no AVX-512 VNNI here" if layout == "vnni" else "no oneDNN int8 matmul in this torch")
         ids = list(range(100, 160))
         got, want = sequence_logits(model, ids), sequence_logits(plain, ids)
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()

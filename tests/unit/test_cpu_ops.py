@@ -140,6 +140,35 @@ def test_packed_weights_compute_the_same_product(ext):
         ops._CROSSOVERS.clear()
 
 
+def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext):
+    """llmserve's own integer GEMM on int8 weights in the VNNI layout (ops.vnni_pack, q8_vnni_gemm) rounds the
+    activations as q8_int_gemm does and sums the same integers (u8 = q + 128, the 128 x channel sum taken off):
+    the result of _int_mm on the plain weights, bit for bit, at row counts around its 4-row blocks, channel
+    counts around its 64-channel blocks, one activation level and two. The layout reads back as the weights."""
+    from llmserve.config import KernelConfig
+
+    if not ext.uses_vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    torch.manual_seed(0)
+    for n, k in ((80, 64), (300 // 16 * 16, 96), (64, 1536)):
+        q, scale = ops.quantize_int8_per_channel(torch.randn(n, k))
+        wv, csum = ops.vnni_pack(q)
+        assert tuple(wv.shape) == (n // 16, k // 4, 16, 4) and torch.equal(csum, q.sum(1, dtype=torch.int32))
+        assert torch.equal(wv.permute(0, 2, 1, 3).reshape(n, k), q)
+        s = scale[:, None].contiguous()
+        for m in (1, 3, 4, 5, 9, 64, 130):
+            x = torch.randn(m, k) * torch.rand(m, 1) * 10
+            for bits in (8, 16):
+                want = ext.q8_linear(x, q, s, 1, bits)  # q8_int_gemm: _int_mm on the plain weights
+                assert torch.equal(ext.q8_vnni_gemm(x, wv, csum, s, bits), want), (n, k, m, bits)
+    assert ops.vnni_pack(torch.zeros(40, 64, dtype=torch.int8)) is None  # channels not a multiple of 16
+    saved = ops.configure(KernelConfig(int8_vnni=False))
+    try:
+        assert ops.vnni_pack(q) is None
+    finally:
+        ops.configure(saved)
+
+
 def test_packed_int8_weights_give_the_integer_gemm_result(ext):
     """int8 weights with a scale per channel packed in oneDNN's layout (ops.pack_weight -> pack_int8_weight, [K, N]):
     q8_linear's integer GEMM at every row count through oneDNN's u8 x s8 matmul (activations shifted by 128, zero
