@@ -1084,6 +1084,9 @@ at::Tensor silu_and_mul(const at::Tensor& gu_in) {
 // One task per (request, KV head): the positions' offsets into the cache are worked out once (block
 // by block), the group's query heads (G = H / Hkv) score each key while it is in L1, then for each head
 // the softmax and the weighted sum of values with the D/8 accumulators in registers.
+// The key and value rows 16 positions ahead are prefetched while 8 keys are scored: the blocks lie anywhere, so
+// the hardware's prefetchers lose the stream at every block; 30 layers x 64 rows x 320 positions of a float32
+// cache (SmolLM2's 3 KV heads) 64 -> 47 ms a step, float16 59 -> 35 ms (from DRAM: ~1 GB a step).
 
 template <int D, typename C>
 void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const int64_t* off, int64_t len,
@@ -1091,9 +1094,16 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
   constexpr int R = D / 8;
   const __m256 scv = _mm256_set1_ps(sc);
   int64_t j0 = 0;
+  constexpr int64_t kAhead = 16;   // positions: their key and value rows are fetched while these 8 are scored
+  constexpr int64_t kLine = 64 / sizeof(C);
   for (; j0 + 8 <= len; j0 += 8) {   // 8 keys at a time: their 8 dot products summed across lanes together
     const C* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = kp + off[j0 + i];
+    for (int64_t i = j0 + kAhead; i < std::min(len, j0 + kAhead + 8); ++i)
+      for (int64_t c = 0; c < D; c += kLine) {
+        _mm_prefetch(reinterpret_cast<const char*>(kp + off[i] + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vp + off[i] + c), _MM_HINT_T1);
+      }
     for (int64_t g = 0; g < G; ++g) {
       const float* qh = q0 + g * D;
       __m256 a[8];
