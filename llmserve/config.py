@@ -80,8 +80,8 @@ class KernelConfig:
     # 1B model's shapes (one thread: 8 rows 0.088 vs 0.144 ms on 576 x 1536, 64 rows 0.40 vs 0.90; 2048 x
     # 16384 at 64 rows 20.5 vs 75.7 ms); it applies inside the fused decode stack too
     int8_gemm_rows: int = 9
-    # ... and there, on a CPU with AVX-512 VNNI, llmserve's own integer GEMM (q8_vnni_gemm) on a copy of the int8
-    # weights in the instruction's layout, in place of oneDNN's (which sets itself up and re-lays out per call)
+    # on a CPU with AVX-512 VNNI: per-channel int8 weights laid out for llmserve's own integer GEMM (q8_vnni_gemm)
+    # in place of the plain ones, at every row count (oneDNN's sets itself up and re-lays out per call)
     int8_vnni: bool = True
 
 

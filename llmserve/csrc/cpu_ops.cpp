@@ -808,15 +808,15 @@ at::Tensor q8_int_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tens
 }
 
 // ---------------------------------------------------------------------------------------------
-// Many rows on int8 weights with a scale per channel, on AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products a
-// instruction): llmserve's own integer GEMM for the sizes decoding batches have (9-128 rows), where oneDNN's
-// (through _int_mm, or qlinear_pointwise on a packed weight) spends much of its time on per-call set-up and
-// re-layout. The weights are a copy in the instruction's layout, [N / 16, K / 4, 16, 4] (a 64-byte vector per
-// 16 channels x 4 inputs: `q8_vnni_pack` in ops.py), beside a sum per channel of its int8 values (the
-// activations go in as q + 128: their products are the int8 ones + 128 x that sum, taken off exactly). The
-// activations are rounded as q8_int_gemm rounds them (round_rows: the same integers, the same float epilogue:
-// the same result, bit for bit). A task is a block of 64 channels (4 vectors) for every row: its weights
-// (64 x K bytes) stay in L1/L2 while 6 rows at a time are multiplied with them, 24 accumulators in registers.
+// int8 weights with a scale per channel times any number of rows, on AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products
+// an instruction): llmserve's own integer GEMM, where oneDNN's (through _int_mm, or qlinear_pointwise on a packed
+// weight) spends much of a decoding batch's time on per-call set-up and re-layout. The weights are laid out once
+// for the instruction, [N / 16, K / 4, 16, 4] in place of the plain [N, K] (a 64-byte vector per 16 channels x 4
+// inputs: `ops.vnni_pack`), with the sum of each channel's int8 values (the activations go in as q + 128: their
+// products are the int8 ones + 128 x that sum, taken off exactly). The activations are rounded as q8_int_gemm
+// rounds them (round_rows: the same integers, the same float epilogue: the same result, bit for bit). A task is
+// a block of 64 channels (4 vectors) for every row: its weights (64 x K bytes) stay in L1/L2 while 4 rows at a
+// time are multiplied with them, 16 accumulators in registers.
 
 #define LLMSERVE_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 

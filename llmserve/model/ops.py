@@ -129,7 +129,7 @@ def pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
 def vnni_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 weights [N, K] in the AVX-512 VNNI layout [N / 16, K / 4, 16, 4], the int32 sum of each channel's
     values) for q8_vnni_gemm, or None where it does not run: KernelConfig.int8_vnni or int8_gemm off, no extension,
-    no VNNI, N not a multiple of 16."""
+    no VNNI, N not a multiple of 16 or K of 32."""
     ext = cpu_kernels()
     n, k = qweight.shape
     if (
