@@ -293,7 +293,8 @@ def test_dashboard_moves_under_load_and_screenshot(server, page):
         after = dash()
         changed = {k for k in before if before[k] != after.get(k)}
         assert "stat-tokens-per-s" in changed, (before, after)
-        assert {"stat-ttft-p50", "stat-itl-p50"} & changed, (before, after)
+        # (earlier tests on this server already set the percentiles: a p50 shown in whole ms may stay put)
+        assert {"stat-ttft-p50", "stat-itl-p50", "stat-ttft-p90", "stat-itl-p90"} & changed, (before, after)
         assert after["stat-kv"].endswith("%") and after["stat-cpu"].endswith("%")
         # a chat answer on screen too, then the picture
         page.get_by_text("Settings").click()
