@@ -4,7 +4,7 @@
   the fake OpenAI server (`cmd=ROUTE`, `LAUNCH`, `FAKE`), polled until `/ready` answers 200.
 - `ServerThread`: an ASGI app (the fake, a Router) served by uvicorn in a thread of the test
   process, so that the test can look inside it; `fake_backends` and `router_thread` build on it.
-- `free_port`, `wait_until`.
+- `free_port`, `free_ports`, `wait_until`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,31 @@ def free_port(*hosts: str) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no port free on all of {hosts}")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive TCP ports free on `host`, below the kernel's ephemeral range.
+
+    For a server that numbers its children from a base port (`llmserve launch`): a port taken
+    from the ephemeral range can be held, a moment later, by any client socket's source port."""
+    import random
+
+    low, high = 20000, 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]))
+    except (OSError, ValueError):
+        pass
+    for _ in range(200):
+        base = random.randrange(low, high - n)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind((host, p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive ports free on {host}")
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from tests.server_proc import LAUNCH, ServerProcess, free_port, wait_until
+from tests.server_proc import LAUNCH, ServerProcess, free_ports, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,9 +30,8 @@ def alive(pid: int) -> bool:
 
 
 def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
-    port, base = free_port(), free_port()
-    while base + 1 == port or base == port:
-        base = free_port()
+    port = free_ports(3)  # the router, then its two replicas, outside the ephemeral range
+    base = port + 1
     replica = f"{sys.executable} -m llmserve.testing.fake_openai --host {{host}} --port {{port}} --model m"
     launcher = ServerProcess(
         "--replicas",
@@ -53,7 +52,9 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
     try:
         launcher.wait_ready(60)
         urls = {f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"}
-        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30)
+        assert wait_until(
+            lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30
+        ), launcher.log()[-3000:]
         seen = {
             httpx.post(
                 launcher.url + "/v1/completions", json={"model": "m", "prompt": str(i), "max_tokens": 1}
@@ -75,7 +76,9 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
 
         assert wait_until(restarted, timeout=30)
         pids.append(httpx.get(first + "/_stats").json()["pid"])
-        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30)
+        assert wait_until(
+            lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30
+        ), launcher.log()[-3000:]
 
         # SIGTERM to the launcher stops the router and every replica
         launcher.proc.send_signal(signal.SIGTERM)
