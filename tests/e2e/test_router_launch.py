@@ -52,9 +52,9 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
     try:
         launcher.wait_ready(60)
         urls = {f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"}
-        assert wait_until(
-            lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30
-        ), launcher.log()[-3000:]
+        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30), (
+            launcher.log()[-3000:]
+        )
         seen = {
             httpx.post(
                 launcher.url + "/v1/completions", json={"model": "m", "prompt": str(i), "max_tokens": 1}
@@ -76,9 +76,9 @@ def test_launch_starts_routes_restarts_and_stops_the_fleet(tmp_path):
 
         assert wait_until(restarted, timeout=30)
         pids.append(httpx.get(first + "/_stats").json()["pid"])
-        assert wait_until(
-            lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30
-        ), launcher.log()[-3000:]
+        assert wait_until(lambda: httpx.get(launcher.url + "/ready").json()["healthy_backends"] == 2, timeout=30), (
+            launcher.log()[-3000:]
+        )
 
         # SIGTERM to the launcher stops the router and every replica
         launcher.proc.send_signal(signal.SIGTERM)
