@@ -34,6 +34,8 @@ def configure(kernels: KernelConfig) -> KernelConfig:
     take their row limits when built: configure before loading a model (the engine does)."""
     global _KERNELS
     previous, _KERNELS = _KERNELS, kernels
+    if kernels != previous:  # GEMV / GEMM crossovers measured under other settings (engine, rows) are stale
+        _CROSSOVERS.clear()
     if _EXT is not None and kernels.gemm != previous.gemm:
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
     if _EXT is not None:
