@@ -83,6 +83,10 @@ class KernelConfig:
     # on a CPU with AVX-512 VNNI: per-channel int8 weights laid out for llmserve's own integer GEMM (q8_vnni_gemm)
     # in place of the plain ones, at every row count (oneDNN's sets itself up and re-lays out per call)
     int8_vnni: bool = True
+    # int4 weights times many rows (from int4_dot_rows + 1, as the float32 tiles before) on AVX-512 VNNI: the
+    # activations rounded per 32 values to int8 as the dots round them (llama.cpp's Q4_1 x Q8_1), the integer
+    # sums by vpdpbusd; False: the weights widened to float32 tiles and multiplied in float32
+    int4_vnni: bool = True
 
 
 @dataclass

@@ -359,6 +359,14 @@ struct Rows {   // x rounded per 32-value block
   }
 };
 
+bool uses_vnni();
+at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv);
+bool q4_vnni_on = true;   // KernelConfig.int4_vnni (ops.configure)
+bool set_q4_vnni(bool on) {
+  q4_vnni_on = on;
+  return on;
+}
+
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale,
                      const at::Tensor& minv, int64_t many_rows) {
   check_cpu_f32(x_in, "q4_linear");
@@ -372,6 +380,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const at::Half *s = scale.data_ptr<at::Half>(), *mi = minv.data_ptr<at::Half>();
   at::Tensor out = at::empty({M, N}, x.options());
+  if (M >= many_rows && uses_vnni() && q4_vnni_on && N % 64 == 0) return q4_vnni_gemm(x, qw, scale, minv);
   if (M >= many_rows) {
     tiled_matmul(x, N, [&](int64_t n, float* w) { q4_dequant_row(q + n * (K / 2), s + n * G, mi + n * G, K, w); }, out);
     return out;
@@ -922,6 +931,109 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
         default: vnni_rows<1>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
       }
       vnni_epilogue(acc.data(), 64, M, L, sx.data(), cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
+    }
+  });
+  return out;
+}
+
+// int4 weights (Q4_1's blocks: 32 values 0..15 with a float16 scale d and min m each, the plain [N, K / 2] layout
+// q4_linear reads) times many rows on AVX-512 VNNI, the activations rounded per 32-value block to int8 as the
+// dots round them (quantize_rows: x ~ dx q, with the block's float sum): a block's dot is
+// d dx (sum of w q, integer) + m (sum of x), as llama.cpp's Q4_1 x Q8_1. The nibbles are unsigned, the rounded
+// activations signed: vpdpbusd takes them as they are. A task is 64 channels and up to 256 rows: it widens its
+// channels' nibbles once to bytes in the instruction's layout ([K / 4][64 channels][4], 64 x K bytes, in L2)
+// and its scales and mins to float32, then runs 4 rows x 32 channels at a time: 8 int32 sums per block, turned
+// into float32 sums after each block.
+template <int R>
+LLMSERVE_VNNI void q4v_rows(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* wu,
+                            const float* d, const float* mn, int64_t half, float* out, int64_t ldo) {
+  const int64_t G = K / 32;
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
+    for (int64_t s = 0; s < 8; ++s) {
+      const uint8_t* wk = wu + (8 * g + s) * 256 + half * 128;
+      const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + r * K + 32 * g + 4 * s, 4);
+        const __m512i x = _mm512_set1_epi32(x4);
+        a[r][0] = dpbusd(a[r][0], w0, x);
+        a[r][1] = dpbusd(a[r][1], w1, x);
+      }
+    }
+    const float* dg = d + g * 64 + half * 32;
+    const float* mg = mn + g * 64 + half * 32;
+    const __m512 d0 = _mm512_loadu_ps(dg), d1 = _mm512_loadu_ps(dg + 16);
+    const __m512 m0 = _mm512_loadu_ps(mg), m1 = _mm512_loadu_ps(mg + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(dx[r * G + g]), su = _mm512_set1_ps(xs[r * G + g]);
+      f[r][0] = _mm512_fmadd_ps(m0, su, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(d0, sx), f[r][0]));
+      f[r][1] = _mm512_fmadd_ps(m1, su, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(d1, sx), f[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ldo, f[r][0]);
+    _mm512_storeu_ps(out + r * ldo + 16, f[r][1]);
+  }
+}
+
+// 64 channels [n0, n0 + 64) of int4 weights -> wu [K / 4][64][4] bytes (value k of channel c at
+// (k / 4) * 256 + c * 4 + k % 4), d and mn [K / 32][64] float32
+void q4v_widen(const uint8_t* qw, const at::Half* sc, const at::Half* mi, int64_t K, int64_t n0, uint8_t* wu, float* d,
+               float* mn) {
+  const int64_t G = K / 32;
+  for (int64_t c = 0; c < 64; ++c) {
+    const uint8_t* q = qw + (n0 + c) * (K / 2);
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t v[32];   // the block's 32 values in order: low nibbles are values 0..15, high ones 16..31
+      for (int i = 0; i < 16; ++i) {
+        v[i] = q[16 * g + i] & 15;
+        v[i + 16] = q[16 * g + i] >> 4;
+      }
+      for (int s = 0; s < 8; ++s) std::memcpy(wu + (8 * g + s) * 256 + c * 4, v + 4 * s, 4);
+      d[g * 64 + c] = static_cast<float>(sc[(n0 + c) * G + g]);
+      mn[g * 64 + c] = static_cast<float>(mi[(n0 + c) * G + g]);
+    }
+  }
+}
+
+// y = x @ W.T for int4 W (q4_linear's arguments) on VNNI; N % 64 == 0, K % 32 == 0 (q4_linear checks)
+at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv) {
+  const int64_t M = x.size(0), N = qw.size(0), K = x.size(1), G = K / 32;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  Rows<int8_t> r(x);
+  const uint8_t* q = qw.data_ptr<uint8_t>();
+  const at::Half *s = scale.data_ptr<at::Half>(), *mi = minv.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kRows = 256;   // rows a task: its channels' widened weights serve them all
+  const int64_t blocks = N / 64, chunks = (M + kRows - 1) / kRows;
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> wu(64 * K);
+    std::vector<float> d(64 * G), mn(64 * G);
+    int64_t widened = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, m0 = t % chunks * kRows, m1 = std::min(M, m0 + kRows);
+      if (b != widened) q4v_widen(q, s, mi, K, 64 * b, wu.data(), d.data(), mn.data());
+      widened = b;
+      for (int64_t half = 0; half < 2; ++half) {
+        int64_t m = m0;
+        const auto run = [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          q4v_rows<R>(r.q.data() + m * K, r.dx.data() + m * G, r.sum.data() + m * G, K, wu.data(), d.data(),
+                      mn.data(), half, op + m * N + 64 * b + 32 * half, N);
+        };
+        for (; m + 4 <= m1; m += 4) run(std::integral_constant<int, 4>{});
+        switch (m1 - m) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: break;
+        }
+      }
     }
   });
   return out;
@@ -1894,6 +2006,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min)", kNoGIL);
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)", kNoGIL);
   m.def("q8_vnni_gemm", &q8_vnni_gemm, "x @ W.T, W int8 per channel in the VNNI layout, activations as q8_int_gemm's", kNoGIL);
+  m.def("set_q4_vnni", &set_q4_vnni, "whether q4_linear's many rows take the VNNI integer GEMM (else float32 tiles)");
   m.def("uses_vnni", &uses_vnni, "whether q8_vnni_gemm runs here (AVX-512 VNNI, allowed)");
   m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
   m.def("set_avx512", &set_avx512, "allow the AVX-512 kernels or not; returns uses_avx512()");

@@ -40,6 +40,7 @@ def configure(kernels: KernelConfig) -> KernelConfig:
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
     if _EXT is not None:
         _EXT.set_q8_int_gemm(kernels.int8_gemm)
+        _EXT.set_q4_vnni(kernels.int4_vnni)
     return previous
 
 
@@ -73,6 +74,7 @@ def cpu_kernels():
         _EXT.set_avx512(envs.LLMSERVE_AVX512)
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm)
+        _EXT.set_q4_vnni(_KERNELS.int4_vnni)
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp + gguf_ops.cpp (%s); using PyTorch ops", e)
         _EXT = None

@@ -169,6 +169,42 @@ def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext):
         ops.configure(saved)
 
 
+def test_int4_vnni_gemm_gives_the_dots_result(ext):
+    """int4 (Q4_1 blocks) times many rows on VNNI (q4_linear from `many_rows`, KernelConfig.int4_vnni): the
+    activations rounded per 32 values to int8 as the few-row dots round them, the same integer sums: the dots'
+    result up to the order of the float sums, at row counts around its 4-row blocks and 256-row tasks. Off (or a
+    channel count that is not a multiple of 64), many rows take the float32 tiles: the exact float32 product."""
+    from llmserve.config import KernelConfig
+    from llmserve.model.quant import pack_int4, quantize_int4, unpack_int4
+
+    if not ext.uses_vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    torch.manual_seed(0)
+    saved = ops.configure(KernelConfig(int4_vnni=True))
+    try:
+        for n, k in ((64, 64), (128, 96), (960, 576)):
+            q, scale, lo = quantize_int4(torch.randn(n, k))
+            qw, s, mn = pack_int4(q), scale.half().contiguous(), lo.half().contiguous()
+            w = (unpack_int4(qw).float().reshape(n, -1, 32) * s.float()[..., None] + mn.float()[..., None]).reshape(n, k)
+            for m in (1, 3, 4, 5, 49, 300):
+                x = torch.randn(m, k) * torch.rand(m, 1) * 10
+                got, dots = ext.q4_linear(x, qw, s, mn, 1), ext.q4_linear(x, qw, s, mn, 1 << 20)
+                assert torch.allclose(got, dots, rtol=0, atol=2e-6 * dots.abs().max().item()), (n, k, m)
+                exact = x @ w.T
+                assert not torch.allclose(got, exact, rtol=0, atol=1e-5 * exact.abs().max().item())  # int8 x
+                ops.configure(KernelConfig(int4_vnni=False))
+                tiles = ext.q4_linear(x, qw, s, mn, 1)
+                ops.configure(KernelConfig(int4_vnni=True))
+                assert torch.allclose(tiles, exact, rtol=0, atol=1e-5 * exact.abs().max().item()), (n, k, m)
+        q, scale, lo = quantize_int4(torch.randn(80, 64))  # 80 channels: the tiles
+        qw, s, mn = pack_int4(q), scale.half().contiguous(), lo.half().contiguous()
+        x = torch.randn(9, 64)
+        w = (unpack_int4(qw).float().reshape(80, -1, 32) * s.float()[..., None] + mn.float()[..., None]).reshape(80, 64)
+        assert torch.allclose(ext.q4_linear(x, qw, s, mn, 1), x @ w.T, rtol=0, atol=1e-4)
+    finally:
+        ops.configure(saved)
+
+
 def test_packed_int8_weights_give_the_integer_gemm_result(ext):
     """int8 weights with a scale per channel packed in oneDNN's layout (ops.pack_weight -> pack_int8_weight, [K, N]):
     q8_linear's integer GEMM at every row count through oneDNN's u8 x s8 matmul (activations shifted by 128, zero
