@@ -335,7 +335,9 @@ def test_quant_linear_bias_and_batch_shapes(ext, fp16_gemm):
             ref = F.linear(x, lin.dequantize(), b)
             k = ops.kernel_config()
             many = rows > (k.few_rows if fp16_gemm else k.int4_dot_rows if kind == "int4" else k.int8_dot_rows)
-            assert close(lin(x), ref, 1e-3 if many else tol), (kind, rows)
+            # (int4's many rows without the float16 copies: on VNNI the integer GEMM, rounding x as the dots do)
+            int4_vnni = kind == "int4" and not fp16_gemm and k.int4_vnni and ext.uses_vnni()
+            assert close(lin(x), ref, 1e-3 if many and not int4_vnni else tol), (kind, rows)
         x = torch.randn(2, 3, 64)
         assert lin(x).shape == (2, 3, 64)
 
