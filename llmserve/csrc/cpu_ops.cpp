@@ -981,23 +981,43 @@ LLMSERVE_VNNI void q4v_rows(const int8_t* xq, const float* dx, const float* xs, 
 }
 
 // 64 channels [n0, n0 + 64) of int4 weights -> wu [K / 4][64][4] bytes (value k of channel c at
-// (k / 4) * 256 + c * 4 + k % 4), d and mn [K / 32][64] float32
-void q4v_widen(const uint8_t* qw, const at::Half* sc, const at::Half* mi, int64_t K, int64_t n0, uint8_t* wu, float* d,
-               float* mn) {
-  const int64_t G = K / 32;
-  for (int64_t c = 0; c < 64; ++c) {
-    const uint8_t* q = qw + (n0 + c) * (K / 2);
+// (k / 4) * 256 + c * 4 + k % 4), d and mn [K / 32][64] float32. A block's values 0..15 are its bytes' low
+// nibbles, 16..31 the high ones: dword s of a channel's 16 bytes holds values 4s..4s+3 (low) and 16+4s..
+// (high). Per 16 channels and block, a 16 x 4 dword transpose (one vpermd per 4 channels, then 128-bit
+// lane shuffles) gives dword s of every channel in one vector; masked and shifted, the 8 vectors of the block.
+LLMSERVE_VNNI void q4v_widen(const uint8_t* qw, const at::Half* sc, const at::Half* mi, int64_t K, int64_t n0,
+                             uint8_t* wu, float* d, float* mn) {
+  const int64_t G = K / 32, row = K / 2;
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t cb = 0; cb < 4; ++cb) {
+    const uint8_t* q = qw + (n0 + 16 * cb) * row;
     for (int64_t g = 0; g < G; ++g) {
-      uint8_t v[32];   // the block's 32 values in order: low nibbles are values 0..15, high ones 16..31
-      for (int i = 0; i < 16; ++i) {
-        v[i] = q[16 * g + i] & 15;
-        v[i + 16] = q[16 * g + i] >> 4;
+      __m512i t[4];
+      for (int j = 0; j < 4; ++j) {   // channels 4j..4j+3, a 128-bit lane each, then dword s of each in lane s
+        const uint8_t* p = q + 4 * j * row + 16 * g;
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + row)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * row)), 2);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row)), 3);
+        t[j] = _mm512_permutexvar_epi32(idx, z);
       }
-      for (int s = 0; s < 8; ++s) std::memcpy(wu + (8 * g + s) * 256 + c * 4, v + 4 * s, 4);
+      const __m512i u0 = _mm512_shuffle_i32x4(t[0], t[1], 0x44), u1 = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
+      const __m512i u2 = _mm512_shuffle_i32x4(t[2], t[3], 0x44), u3 = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
+      const __m512i D[4] = {_mm512_shuffle_i32x4(u0, u2, 0x88), _mm512_shuffle_i32x4(u0, u2, 0xDD),
+                            _mm512_shuffle_i32x4(u1, u3, 0x88), _mm512_shuffle_i32x4(u1, u3, 0xDD)};
+      uint8_t* dst = wu + 8 * g * 256 + 64 * cb;
+      for (int s4 = 0; s4 < 4; ++s4) {
+        _mm512_storeu_si512(dst + s4 * 256, _mm512_and_si512(D[s4], low));
+        _mm512_storeu_si512(dst + (s4 + 4) * 256, _mm512_and_si512(_mm512_srli_epi16(D[s4], 4), low));
+      }
+    }
+  }
+  for (int64_t c = 0; c < 64; ++c)
+    for (int64_t g = 0; g < G; ++g) {
       d[g * 64 + c] = static_cast<float>(sc[(n0 + c) * G + g]);
       mn[g * 64 + c] = static_cast<float>(mi[(n0 + c) * G + g]);
     }
-  }
 }
 
 // y = x @ W.T for int4 W (q4_linear's arguments) on VNNI; N % 64 == 0, K % 32 == 0 (q4_linear checks)

@@ -437,6 +437,13 @@ def weight_kernel(kind: str):
 _ALL_ROWS = 2**62
 
 
+def int4_vnni(out_features: int) -> bool:
+    """Whether int4 weights with `out_features` channels take the VNNI integer GEMM from
+    KernelConfig.int4_vnni_rows rows (q4_linear's many-rows path)."""
+    ext = cpu_kernels()
+    return ext is not None and _KERNELS.int4_vnni and out_features % 64 == 0 and ext.uses_vnni()
+
+
 def decode_layer_args(model) -> list | None:
     """Per layer ([tensors], [kind per projection], [activation bits], [rows from which each projection takes
     its many-rows path]) for the extension's

@@ -153,6 +153,8 @@ class QuantLinear(nn.Module):
             and self.act_bits > 8
         ):
             many = self.stack_many_rows = k.int8_gemm_rows
+        elif self.kind == "int4" and self._packed is None and ops.int4_vnni(self.out_features):
+            many = self.stack_many_rows = k.int4_vnni_rows  # the VNNI integer GEMM from there, in the stack too
         self._kernel = ops.weight_kernel(self.kind)
         if self.kind == "int4":
             self._kargs = (self.qweight, self.scale, self.minv, many)

@@ -185,7 +185,8 @@ def test_int4_vnni_gemm_gives_the_dots_result(ext):
         for n, k in ((64, 64), (128, 96), (960, 576)):
             q, scale, lo = quantize_int4(torch.randn(n, k))
             qw, s, mn = pack_int4(q), scale.half().contiguous(), lo.half().contiguous()
-            w = (unpack_int4(qw).float().reshape(n, -1, 32) * s.float()[..., None] + mn.float()[..., None]).reshape(n, k)
+            w = unpack_int4(qw).float().reshape(n, -1, 32) * s.float()[..., None] + mn.float()[..., None]
+            w = w.reshape(n, k)
             for m in (1, 3, 4, 5, 49, 300):
                 x = torch.randn(m, k) * torch.rand(m, 1) * 10
                 got, dots = ext.q4_linear(x, qw, s, mn, 1), ext.q4_linear(x, qw, s, mn, 1 << 20)
