@@ -88,8 +88,8 @@ class KernelConfig:
     # no VNNI): the dots up to int4_dot_rows, then the weights widened to float32 tiles, multiplied in float32
     int4_vnni: bool = True
     # ... from this many rows, in the fused decode stack too (fewer: the dots). With its weights widened per call
-    # 64 channels at a time (a vpermd transpose), it beats the dots from 3-4 rows: at 4 rows 1.1-1.8x, 16 rows
-    # 1.8-3.1x, 48 rows 1.9-4.3x on SmolLM2's and a 1B model's shapes (one row: 0.3-0.7x)
+    # 64 channels at a time (a vpermd transpose), it meets the dots at 4 rows (0.9-1.6x) and leads from there: 16
+    # rows 1.9-3.3x, 64 rows 2.4-5.0x on SmolLM2's and a 1B model's shapes (one row: 0.3-0.7x; int4_gemm.py)
     int4_vnni_rows: int = 4
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,8 +53,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> int:
 
     For a server that numbers its children from a base port (`llmserve launch`): a port taken
     from the ephemeral range can be held, a moment later, by any client socket's source port."""
-    import random
-
     low, high = 20000, 32768
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
