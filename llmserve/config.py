@@ -107,7 +107,11 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata=flag("weights and activations; auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES),
+        metadata=flag(
+            "weights and activations; auto = bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX (bfloat16 weights,"
+            " float32 activations; not with quantization, LoRA or tensor parallelism), float32 elsewhere",
+            choices=DTYPES,
+        ),
     )
     device: str = field(default="auto", metadata=flag("where the model runs", choices=("auto", "cpu", "cuda")))
     quantization: str | None = field(

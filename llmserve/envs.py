@@ -37,6 +37,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": the CPU kernels keep to AVX2 + FMA where the CPU also has AVX-512 (default: the AVX-512 variants of
     # the float32 GEMV and the int8 dots run where cpuid reports AVX-512 F/BW/DQ/VL)
     "LLMSERVE_AVX512": lambda: os.environ.get("LLMSERVE_AVX512", "1") != "0",
+    # "0": no native bfloat16 on CPU: `--dtype auto` stays float32 and `--dtype bfloat16` runs plain PyTorch ops
+    # in bfloat16 (default: where oneDNN reports AVX512-BF16 or AMX, bfloat16 weights run through its bf16 matmul
+    # with float32 activations, llmserve/model/bf16.py, and auto picks them). The test suite sets "0": greedy
+    # parity is checked in float32 on every machine kind.
+    "LLMSERVE_CPU_BF16": lambda: os.environ.get("LLMSERVE_CPU_BF16", "1") != "0",
     # where converted GGUF checkpoints and tokenizers are cached (default: $XDG_CACHE_HOME/llmserve, else
     # ~/.cache/llmserve)
     "LLMSERVE_CACHE_DIR": _cache_dir,

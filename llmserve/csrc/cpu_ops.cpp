@@ -1659,7 +1659,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
 // the Python around ~12 kernel calls per layer costs as much as the kernels on a single stream.
 // weights: [input_norm, post_norm, then per projection (qkv, o, gate_up, down) its tensors];
 // kinds[i] for each projection: 0 float32 (weight: plain, or packed in oneDNN's layout), 1 float32 with a
-// packed copy (plain weight, packed weight), 4 int4 (q, scale, min), 8 int8 (q, scale), 9 int8 in the VNNI layout
+// packed copy (plain weight, packed weight), 2 bfloat16 packed for oneDNN (llmserve/model/bf16.py), 4 int4 (q, scale, min), 8 int8 (q, scale), 9 int8 in the VNNI layout
 // (q, channel sums, scale).
 // act_bits[i]: int8's activation width. many_rows[i]: the rows from which projection i leaves its
 // few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
@@ -1850,6 +1850,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     if (kind == 9) {   // int8 in the VNNI layout: q8_vnni_gemm at every row count
       at_w += 3;
       return q8_vnni_gemm(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], act_bits[i]);
+    }
+    if (kind == 2) {   // bfloat16 weight packed for oneDNN: rows rounded to bfloat16, the output widened
+      at_w += 1;
+      return onednn_linear(in.to(at::kBFloat16).contiguous(), w[at_w - 1]).to(at::kFloat);
     }
     if (kind == 1) {   // the GEMV on the plain weight below many_rows, oneDNN on the packed copy from there
       at_w += 2;

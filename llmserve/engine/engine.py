@@ -28,6 +28,7 @@ from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import (
+    activation_dtype,
     load_model,
     load_model_config,
     resolve_dtype,
@@ -74,8 +75,10 @@ class LLMEngine:
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        plain = not config.quantization and not config.enable_lora and config.tensor_parallel_size == 1
+        self.dtype = resolve_dtype(config.dtype, self.device, plain)  # the weights'
+        self.act_dtype = activation_dtype(self.dtype, self.device)  # float32 around bfloat16 weights on CPU
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.act_dtype)
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, ...
         t0 = time.time()
 
@@ -145,7 +148,7 @@ class LLMEngine:
             config.max_queued_requests,
         )
         self.runner = ModelRunner(
-            self.model, self.model.cfg, num_blocks, block_size, self.device, self.dtype, self.kv_dtype
+            self.model, self.model.cfg, num_blocks, block_size, self.device, self.act_dtype, self.kv_dtype
         )
         if self.tp is not None:
             self.tp.attach(self.runner, num_blocks, block_size)
@@ -154,7 +157,7 @@ class LLMEngine:
             from llmserve.engine.lora import LoRARegistry, parse_lora_modules
 
             self.lora = LoRARegistry(
-                self.model, config.max_loras, config.max_lora_rank, self.dtype, reserved=(self.served_model_name,)
+                self.model, config.max_loras, config.max_lora_rank, self.act_dtype, reserved=(self.served_model_name,)
             )
             self.runner.lora = self.lora.layers
             for name, path in parse_lora_modules(config.lora_modules):

@@ -310,12 +310,12 @@ def _spawned_worker(config, rank: int, world: int, init_method: str, ppid: int) 
 def run_worker(config, rank: int, world: int, local_rank: int, init_method: str) -> int:
     """A worker rank: load its shard, then run every step rank 0 broadcasts until told to stop."""
     from llmserve.engine.runner import ModelRunner
-    from llmserve.model.loader import resolve_dtype, resolve_kv_dtype
+    from llmserve.model.loader import activation_dtype, resolve_dtype, resolve_kv_dtype
 
     torch.set_num_threads(config.resolved_num_threads())
     ops.configure(config.kernels)
     device = _device(config, local_rank)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, plain=False)
     ctrl = _init_groups(device, init_method, rank, world)
     source, mc, weights = _load_weights(config)
     shard = plan_heads(mc, world)[rank]
@@ -344,9 +344,9 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     if msg[0] == "stop":
         return 0
     _, num_blocks, block_size = msg
-    runner = ModelRunner(
-        model, model.cfg, num_blocks, block_size, device, dtype, resolve_kv_dtype(config.kv_cache_dtype, dtype)
-    )
+    act = activation_dtype(dtype, device)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, act)
+    runner = ModelRunner(model, model.cfg, num_blocks, block_size, device, act, kv_dtype)
     dist.all_reduce(torch.zeros(1), group=ctrl)  # "loaded" barrier
     with torch.inference_mode():
         while True:
