@@ -22,8 +22,9 @@ import torch.nn as nn
 
 from llmserve import envs
 from llmserve.config import DTYPE_ALIASES
+from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
-from llmserve.model.llama import LlamaModel, ModelConfig
+from llmserve.model.llama import LlamaModel
 from llmserve.model.quant import adopt_gguf, is_quantized, quantize_model
 
 log = logging.getLogger("llmserve.loader")

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmserve.model.llama import MLP, ModelConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.llama import MLP
 
 
 class Router(nn.Module):

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel, ModelConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel
 from llmserve.model.loader import build_model
 
 NOT_SHARDED = ("Phi3ForCausalLM",)  # its checkpoint packs q/k/v and gate/up, which the slicing below expects apart

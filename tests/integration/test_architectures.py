@@ -241,7 +241,8 @@ def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
 def test_longrope_is_refused_clearly():
     import transformers
 
-    from llmserve.model.llama import LlamaModel, ModelConfig
+    from llmserve.model.config import ModelConfig
+    from llmserve.model.llama import LlamaModel
 
     cfg = transformers.Phi3Config(
         **{**SMALL, "max_position_embeddings": 512},
@@ -255,7 +256,7 @@ def test_longrope_is_refused_clearly():
 def test_tensor_parallel_refuses_what_it_cannot_split():
     import dataclasses
 
-    from llmserve.model.llama import ModelConfig
+    from llmserve.model.config import ModelConfig
     from llmserve.model.parallel import plan_heads
 
     base = ModelConfig("LlamaForCausalLM", 100, 128, 256, 2, 4, 2, 32, 1e-5, 1e4, 128, False)

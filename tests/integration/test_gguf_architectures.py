@@ -123,7 +123,8 @@ def test_config_from_gguf_metadata_is_the_checkpoints(checkpoint):
     rope tables) read from the file's metadata equals the one read from the checkpoint's config.json."""
     import transformers
 
-    from llmserve.model.llama import ModelConfig, Rotary
+    from llmserve.model.config import ModelConfig
+    from llmserve.model.llama import Rotary
     from llmserve.model.loader import gguf_hf_config, open_gguf
 
     name, d, arch, _ = checkpoint
@@ -143,7 +144,8 @@ def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
     10000, and the five-sliding-one-global pattern come from the file as llama.cpp reads them."""
     import transformers
 
-    from llmserve.model.llama import LlamaModel, ModelConfig
+    from llmserve.model.config import ModelConfig
+    from llmserve.model.llama import LlamaModel
     from llmserve.model.loader import gguf_hf_config, open_gguf
 
     cfg = transformers.Gemma3TextConfig(
