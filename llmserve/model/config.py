@@ -1,23 +1,10 @@
 """The model's configuration: `ModelConfig`, what a decoder is built from (sizes and per-architecture
-features), read from a checkpoint's transformers config."""
+features). llmserve.model.registry reads it from a checkpoint's transformers config (`config_from_hf`),
+each family's features through its spec."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SUPPORTED_ARCHITECTURES = {  # architecture -> its config's model_type
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass
@@ -56,91 +43,4 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-
-    @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
-        archs = list(getattr(hf, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and getattr(hf, "model_type", None) in SUPPORTED_ARCHITECTURES.values():
-            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[hf.model_type]
-        if arch is None:
-            raise ValueError(
-                f"model: unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
-                f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        heads = hf.num_attention_heads
-        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see Rotary)
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        eos = hf.eos_token_id
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=arch,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            rope_scaling=scaling,
-            bos_token_id=hf.bos_token_id,
-            eos_token_ids=eos,
-            hf_config=hf,
-            **_features(hf, arch),
-        )
-
-
-def _features(hf, arch: str) -> dict:
-    """ModelConfig's per-architecture fields from a transformers config; refuses what llmserve lacks."""
-    layers = hf.num_hidden_layers
-    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"model: {arch} with activation {act!r} is not supported (llmserve runs {list(ACTIVATIONS)})")
-    if getattr(hf, "use_bidirectional_attention", False):
-        raise ValueError(f"model: {arch} with use_bidirectional_attention is not supported")
-    window = getattr(hf, "sliding_window", None)
-    types = getattr(hf, "layer_types", None)
-    sliding = tuple(t == "sliding_attention" for t in types) if types else (window is not None,) * layers
-    f = dict(
-        hidden_act=ACTIVATIONS[act],
-        sliding_window=window,
-        sliding_layers=sliding if window else (),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-    )
-    if arch in GEMMA:
-        f.update(
-            norm_offset=True,
-            embed_scale=hf.hidden_size**0.5,
-            sandwich_norms=True,
-            attn_scale=hf.query_pre_attn_scalar**-0.5,
-            attn_softcap=getattr(hf, "attn_logit_softcapping", None),
-            final_softcap=getattr(hf, "final_logit_softcapping", None),
-        )
-    if arch == "MixtralForCausalLM":
-        f.update(
-            num_experts=hf.num_local_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.intermediate_size,
-            moe_layers=(True,) * layers,
-        )
-    elif arch == "Qwen3MoeForCausalLM":
-        sparse = tuple(
-            i not in (hf.mlp_only_layers or []) and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
-            for i in range(layers)
-        )
-        f.update(
-            num_experts=hf.num_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.moe_intermediate_size,
-            moe_layers=sparse,
-            norm_topk_prob=bool(hf.norm_topk_prob),
-        )
-    return f
+    fused_decode: bool = True  # the family's layers are the fused C++ decode stack's (registry.ArchSpec.fused_decode)

@@ -225,15 +225,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.make_rotary(max_positions or cfg.max_position_embeddings)
-        # the fused C++ decode stack knows Llama layers only: any other feature takes the module path
-        self._llama_layers = not (
-            cfg.qk_norm
-            or cfg.sandwich_norms
-            or cfg.attn_softcap
-            or cfg.hidden_act != "silu"
-            or cfg.num_experts
-            or self.rotary_local is not None
-            or any(layer.self_attn.window for layer in self.layers)
+        # the fused C++ decode stack knows Llama layers only (the family's spec says whether its layers are, see
+        # llmserve.model.registry), with SiLU MLPs and no sliding window in effect: anything else takes the module path
+        self._llama_layers = (
+            cfg.fused_decode
+            and cfg.hidden_act == "silu"
+            and self.rotary_local is None
+            and not any(layer.self_attn.window for layer in self.layers)
         )
 
     def make_rotary(self, max_positions: int, device: torch.device | None = None) -> None:

@@ -24,8 +24,18 @@ from llmserve import envs
 from llmserve.config import DTYPE_ALIASES
 from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
-from llmserve.model.llama import LlamaModel
 from llmserve.model.quant import adopt_gguf, is_quantized, quantize_model
+from llmserve.model.registry import (
+    ARCHITECTURES,
+    ArchSpec,
+    GGUFMetadata,
+    GGUFSpec,
+    arch_spec,
+    config_from_hf,
+    gguf_architectures,
+    gguf_family,
+    make_model,
+)
 
 log = logging.getLogger("llmserve.loader")
 
@@ -85,104 +95,6 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GGUFArch:
-    """How one GGUF architecture maps onto llmserve's model: add a row to GGUF_ARCHS for a new one."""
-
-    hf_architecture: str  # the transformers architecture (llama.SUPPORTED_ARCHITECTURES)
-    config_class: str  # its transformers config class
-    permute_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K rows
-    layer_names: dict  # blk.N.<key>.weight -> model.layers.N.<value>.weight ("{e}": one per expert)
-    names: dict  # whole-model tensors -> Hugging Face names
-    head_dim_key: str | None = None  # metadata key (after "<arch>.") holding the head size, if any
-    norm_offset: bool = False  # the converter stored the (1 + w) norms as 1 + w: read back as w (Gemma)
-
-
-_LLAMA_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LLAMA_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# routed experts: the router, and each merged [n_expert, rows, cols] tensor split into one per expert
-_MOE_LAYER_NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{e}.up_proj",
-    "ffn_down_exps": "mlp.experts.{e}.down_proj",
-}
-# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, post_attention_norm the one after
-# attention (Hugging Face's post_attention_layernorm), post_ffw_norm the one after the MLP
-_GEMMA_LAYER_NAMES = {
-    **_LLAMA_LAYER_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-GGUF_ARCHS = {
-    "llama": GGUFArch(
-        "LlamaForCausalLM", "LlamaConfig", True, _LLAMA_LAYER_NAMES, _LLAMA_NAMES, "rope.dimension_count"
-    ),
-    "qwen2": GGUFArch("Qwen2ForCausalLM", "Qwen2Config", False, _LLAMA_LAYER_NAMES, _LLAMA_NAMES),
-    "qwen3": GGUFArch(
-        "Qwen3ForCausalLM",
-        "Qwen3Config",
-        False,
-        {**_LLAMA_LAYER_NAMES, **_QK_NORMS},
-        _LLAMA_NAMES,
-        "attention.key_length",
-    ),
-    "qwen3moe": GGUFArch(
-        "Qwen3MoeForCausalLM",
-        "Qwen3MoeConfig",
-        False,
-        {**_LLAMA_LAYER_NAMES, **_QK_NORMS, **_MOE_LAYER_NAMES},
-        _LLAMA_NAMES,
-        "attention.key_length",
-    ),
-    # Phi-3: one attn_qkv (q, k, v rows) and one ffn_up holding gate and up, as Hugging Face's own packed layers
-    "phi3": GGUFArch(
-        "Phi3ForCausalLM",
-        "Phi3Config",
-        False,
-        {**_LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-        _LLAMA_NAMES,
-    ),
-    "gemma2": GGUFArch(
-        "Gemma2ForCausalLM", "Gemma2Config", False, _GEMMA_LAYER_NAMES, _LLAMA_NAMES, "attention.key_length", True
-    ),
-    "gemma3": GGUFArch(
-        "Gemma3ForCausalLM",
-        "Gemma3TextConfig",
-        False,
-        {**_GEMMA_LAYER_NAMES, **_QK_NORMS},
-        _LLAMA_NAMES,
-        "attention.key_length",
-        True,
-    ),
-}
-# llama.cpp writes Mixtral as a `llama` model with `llama.expert_count` set
-MIXTRAL = GGUFArch(
-    "MixtralForCausalLM",
-    "MixtralConfig",
-    True,
-    {**_LLAMA_LAYER_NAMES, **_MOE_LAYER_NAMES},
-    _LLAMA_NAMES,
-    "rope.dimension_count",
-)
-
-
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -191,90 +103,24 @@ def _field(reader, key: str, default=None):
     return v
 
 
-def gguf_arch(reader, path: str = "") -> tuple[str, GGUFArch]:
-    """(the metadata prefix, the file's GGUFArch row)."""
+def gguf_arch(reader, path: str = "") -> tuple[str, ArchSpec]:
+    """(the metadata prefix, the family whose GGUF files the file is: registry.gguf_family)."""
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
+    family = gguf_family(arch, (_field(reader, f"{arch}.expert_count") or 0) > 0)
+    if family is None:
         raise ValueError(
             f"model: {path or 'the GGUF file'} is a {arch!r} model, an architecture llmserve does not "
-            f"run from GGUF (it runs {', '.join(GGUF_ARCHS)}, and Mixtral as llama with experts); give another --model"
+            f"run from GGUF (it runs {gguf_architectures()}); give another --model"
         )
-    if arch == "llama" and (_field(reader, "llama.expert_count") or 0) > 0:
-        return arch, MIXTRAL
-    return arch, GGUF_ARCHS[arch]
-
-
-def _swa_layers(reader, arch: str, layers: int, every: int) -> list[str]:
-    """Hugging Face's layer_types from `<arch>.attention.sliding_window_pattern` (a bool per layer, or n: every
-    n-th layer is global) or llama.cpp's default n for the architecture."""
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", every)
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [pattern > 0 and (i + 1) % pattern != 0 for i in range(layers)]
-    return ["sliding_attention" if s else "full_attention" for s in sliding]
-
-
-def _arch_config(reader, arch: str, spec: GGUFArch, kwargs: dict, theta: float, path: str) -> dict:
-    """The config fields beyond the common ones, per architecture, as llama.cpp reads them."""
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    layers, heads = kwargs["num_hidden_layers"], kwargs["num_attention_heads"]
-    extra: dict = {}
-    if spec.hf_architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        # llama.cpp scales queries by head_dim ** -0.5, but for the 27B models by (hidden / heads) ** -0.5
-        big = layers == (46 if arch == "gemma2" else 62)
-        extra["query_pre_attn_scalar"] = kwargs["hidden_size"] // heads if big else kwargs["head_dim"]
-        extra["final_logit_softcapping"] = g("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
-        extra["hidden_activation"] = "gelu_pytorch_tanh"
-    if arch == "gemma2":
-        extra["sliding_window"] = g("attention.sliding_window", 4096)
-        extra["attn_logit_softcapping"] = g("attn_logit_softcapping", 50.0)  # (llama.cpp's defaults)
-        extra["layer_types"] = _swa_layers(reader, arch, layers, 2)
-    elif arch == "gemma3":
-        window = g("attention.sliding_window")
-        extra["sliding_window"] = window
-        types = _swa_layers(reader, arch, layers, 6) if window else ["full_attention"] * layers
-        extra["layer_types"] = types
-        full = {"rope_type": "default", "rope_theta": theta}
-        scaling_type = g("rope.scaling.type")
-        if scaling_type and scaling_type != "none":
-            full = {"rope_type": scaling_type, "factor": g("rope.scaling.factor", 1.0), "rope_theta": theta}
-        local = {"rope_type": "default", "rope_theta": g("rope.freq_base_swa", 10000.0)}
-        extra["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
-    elif arch == "phi3":
-        extra["sliding_window"] = g("attention.sliding_window") or None  # (llama.cpp writes 0 for none)
-        rot = g("rope.dimension_count", kwargs["head_dim"])
-        if rot != kwargs["head_dim"]:
-            extra["partial_rotary_factor"] = rot / kwargs["head_dim"]
-        if any(t.name.startswith("rope_factors") for t in reader.tensors):
-            raise ValueError(
-                f"model: {path or 'the GGUF file'} is a Phi-3 with long-context rope factors (longrope), which "
-                f"llmserve does not run; give a short-context Phi-3 (e.g. a -4k- file) or another --model"
-            )
-    elif spec.hf_architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-        experts = g("expert_count")
-        extra["num_experts_per_tok"] = g("expert_used_count")
-        ffn = g("expert_feed_forward_length", kwargs["intermediate_size"])
-        if spec is MIXTRAL:
-            extra.update(num_local_experts=experts, intermediate_size=ffn)
-        else:
-            routed = {f"blk.{i}.ffn_gate_inp.weight" for i in range(layers)} & {t.name for t in reader.tensors}
-            extra.update(
-                num_experts=experts,
-                moe_intermediate_size=ffn,
-                decoder_sparse_step=1,
-                mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in routed],
-                # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise
-                norm_topk_prob=bool(g("expert_weights_norm", True)),
-            )
-    return extra
+    return arch, family
 
 
 def gguf_hf_config(reader, path: str = ""):
     """A transformers config built from GGUF metadata."""
     import transformers
 
-    arch, spec = gguf_arch(reader, path)
+    arch, family = gguf_arch(reader, path)
+    spec = family.gguf
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     kv_heads = g("attention.head_count_kv", heads)
@@ -294,10 +140,12 @@ def gguf_hf_config(reader, path: str = ""):
         tie_word_embeddings=not has_output,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        architectures=[spec.hf_architecture],
+        architectures=[family.hf_architectures[0]],
     )
     theta = g("rope.freq_base", 10000.0)
-    kwargs.update(_arch_config(reader, arch, spec, kwargs, theta, path))
+    if spec.config is not None:  # the family's own fields, as llama.cpp reads them
+        meta = GGUFMetadata(g, frozenset(t.name for t in reader.tensors), path)
+        kwargs.update(spec.config(meta, kwargs, theta))
     cfg = getattr(transformers, spec.config_class)(**kwargs)
     if "rope_parameters" in kwargs:  # (Gemma 3: a set per layer type, complete)
         return cfg
@@ -320,7 +168,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_hf_names(name: str, spec: GGUFArch = GGUF_ARCHS["llama"], experts: int = 0) -> list[tuple[str, int | None]]:
+def gguf_hf_names(
+    name: str, spec: GGUFSpec = ARCHITECTURES["llama"].gguf, experts: int = 0
+) -> list[tuple[str, int | None]]:
     """The Hugging Face names a GGUF tensor stands for, each with its expert (the index along a merged
     tensor's outermost dimension) or None: one name, one per expert (`experts` of them) for a merged
     experts tensor, or none (a tensor llmserve does not read)."""
@@ -382,7 +232,7 @@ class GGUFTensors(Mapping):
 
     def __init__(self, path: str, reader, cfg: ModelConfig) -> None:
         self.path = path
-        self.spec = gguf_arch(reader, path)[1]
+        self.spec = gguf_arch(reader, path)[1].gguf
         self.cfg = cfg
         self._map = reader.data
         self._tensors: dict = {}  # Hugging Face name -> (the file's tensor, its expert or None)
@@ -581,8 +431,8 @@ def load_gguf_model(
     max_positions: int,
     quantization: str | None = None,
     kv_bytes: int = 0,
-) -> LlamaModel:
-    """A LlamaModel straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
+) -> nn.Module:
+    """The model straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
 
     On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
     None float32-exact (quant.GGUFLinear widens tiles to float32: transformers' values), with int8 / int4
@@ -598,7 +448,7 @@ def load_gguf_model(
     widen = device.type != "cpu" or (not quantization and float_bytes <= WIDEN_GGUF_BYTES)
     check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
+        model = make_model(cfg, max_positions)
     if not widen:
         skip = set()
         if quantization:
@@ -662,7 +512,7 @@ def gguf_as_hf_folder(path: str) -> str:
     log.info("converting %s to a float32 checkpoint in %s (once)", path, folder)
     reader = open_gguf(path)
     hf = gguf_hf_config(reader, path)
-    weights = load_gguf_weights(reader, ModelConfig.from_hf(hf), path)
+    weights = load_gguf_weights(reader, config_from_hf(hf), path)
     tmp = f"{folder}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     hf.save_pretrained(tmp)
@@ -738,8 +588,8 @@ def load_hf_model(
     max_positions: int,
     quantization: str | None = None,
     kv_bytes: int = 0,
-) -> LlamaModel:
-    """A LlamaModel from a Hugging Face folder, tensor by tensor: each copied into its parameter (float) or
+) -> nn.Module:
+    """The model from a Hugging Face folder, tensor by tensor: each copied into its parameter (float) or
     rounded into its quantized layer (int8 / int4 on CPU) as it is read; no float32 copy of the checkpoint."""
     files = load_hf_weights(folder)
     check_fits(folder, files.served_bytes(quantization, dtype), kv_bytes)
@@ -747,7 +597,7 @@ def load_hf_model(
     model = None
     if quantization and device.type == "cpu":
         with torch.device("meta"):
-            model = LlamaModel(cfg, max_positions)
+            model = make_model(cfg, max_positions)
         skip = quantize_model(model, quantization, weights=weights)
         weights = _Lazy(weights, {n: None for n in weights if n not in skip})
     model = build_model(cfg, weights, device, dtype, max_positions, quantization, model)
@@ -757,21 +607,10 @@ def load_hf_model(
 
 
 # -- per-architecture weight names ----------------------------------------------------------------
-# checkpoint name fragments -> the model's (Hugging Face's Llama / Qwen3-MoE names), per architecture
-RENAMES = {
-    "MixtralForCausalLM": (
-        (".block_sparse_moe.", ".mlp."),
-        (".w1.", ".gate_proj."),
-        (".w3.", ".up_proj."),
-        (".w2.", ".down_proj."),
-    )
-}
-
-
 def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict), still
     read only when asked."""
-    renames = RENAMES.get(cfg.architecture)
+    renames = arch_spec(cfg.architecture).checkpoint_renames
     if not renames:
         return weights
     names = {}
@@ -800,14 +639,14 @@ def load_model_config(source: ModelSource):
     """(ModelConfig, gguf reader or None)."""
     if source.kind == "gguf":
         reader = open_gguf(source.path)
-        return ModelConfig.from_hf(gguf_hf_config(reader, source.path)), reader
+        return config_from_hf(gguf_hf_config(reader, source.path)), reader
     import transformers
 
     try:
         hf = transformers.AutoConfig.from_pretrained(source.path)
     except (ValueError, KeyError) as e:
         raise ValueError(f"model: cannot read {source.path}/config.json: {e}") from e
-    return ModelConfig.from_hf(hf), None
+    return config_from_hf(hf), None
 
 
 def build_model(
@@ -817,16 +656,16 @@ def build_model(
     dtype: torch.dtype,
     max_positions: int,
     quantization: str | None = None,
-    model: LlamaModel | None = None,
-) -> LlamaModel:
-    """A LlamaModel holding `weights` (Hugging Face names), on `device` in `dtype`, ready for inference;
-    with `quantization` (int8 | int4) its projections and embedding hold quantized weights. `weights` may
-    be a mapping that reads each tensor when asked. `model`: one already built on the meta device whose
-    quantized layers were made already (a GGUF file's blocks, or rounded as read): only its other tensors
-    are made and loaded from `weights`."""
+    model: nn.Module | None = None,
+) -> nn.Module:
+    """The model of `cfg` (its family's model class, registry.make_model) holding `weights` (Hugging Face
+    names), on `device` in `dtype`, ready for inference; with `quantization` (int8 | int4) its projections
+    and embedding hold quantized weights. `weights` may be a mapping that reads each tensor when asked.
+    `model`: one already built on the meta device whose quantized layers were made already (a GGUF file's
+    blocks, or rounded as read): only its other tensors are made and loaded from `weights`."""
     if model is None:
         with torch.device("meta"):
-            model = LlamaModel(cfg, max_positions)
+            model = make_model(cfg, max_positions)
     _materialize(model)
     # each tensor copied (and widened) into its float32 parameter
     model.load_hf_state_dict(checkpoint_names(cfg, weights))
@@ -874,7 +713,7 @@ def load_model(
     max_positions: int,
     quantization: str | None = None,
     kv_bytes: int = 0,
-) -> LlamaModel:
+) -> nn.Module:
     """The model of `source`: a GGUF file (`reader`, from load_model_config) through load_gguf_model, a
     Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
     that will not fit with it before allocating."""

@@ -7,7 +7,8 @@ decoder's own `MLP`: one matmul for gate/up, one for down), are scaled by their 
 scatter-added into the output, experts in ascending order as transformers sums them.
 
 Weights: the router `gate.weight` [experts, hidden] and each expert's `experts.N.gate_proj / up_proj /
-down_proj` (Qwen3-MoE's names; the loader renames Mixtral's w1 / w3 / w2, loader.RENAMES), packed into
+down_proj` (Qwen3-MoE's names; the loader renames Mixtral's w1 / w3 / w2: its spec's
+checkpoint_renames, llmserve.model.registry), packed into
 `experts.N.gate_up_proj` as any MLP's. The experts are ordinary Linear layers, so `--quantization`
 quantizes them too; the router is not one and stays float (routing is not perturbed).
 """

@@ -33,8 +33,7 @@ import torch
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel
 from llmserve.model.loader import build_model
-
-NOT_SHARDED = ("Phi3ForCausalLM",)  # its checkpoint packs q/k/v and gate/up, which the slicing below expects apart
+from llmserve.model.registry import arch_spec
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ def plan_heads(cfg: ModelConfig, world_size: int) -> list[RankShard]:
     n, h, hkv = world_size, cfg.num_heads, cfg.num_kv_heads
     if n < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {n}")
-    if n > 1 and (cfg.num_experts or cfg.architecture in NOT_SHARDED):
+    if n > 1 and not arch_spec(cfg.architecture).tensor_parallel:  # (the family's spec: ArchSpec.tensor_parallel)
         raise ValueError(
             f"tensor_parallel_size: {cfg.architecture} is not split yet (experts and packed "
             f"checkpoint projections); use --tensor-parallel-size 1"

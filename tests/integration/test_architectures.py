@@ -186,7 +186,7 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
     from safetensors.torch import load_file
 
-    from llmserve.model.loader import GGUF_ARCHS
+    from llmserve.model.registry import gguf_family
 
     cfg = json.loads((folder / "config.json").read_text())
     w = GGUFWriter(path, arch)
@@ -203,8 +203,9 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     for key, f in GGUFReader(bundled_gguf).fields.items():
         if key.startswith("tokenizer."):
             w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
-    names = {v: k for k, v in GGUF_ARCHS[arch].names.items()}
-    layer_names = {v: k for k, v in GGUF_ARCHS[arch].layer_names.items()}
+    spec = gguf_family(arch).gguf
+    names = {v: k for k, v in spec.names.items()}
+    layer_names = {v: k for k, v in spec.layer_names.items()}
     for name, t in load_file(folder / "model.safetensors").items():
         if name not in names:  # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
             parts = name.split(".")
@@ -241,8 +242,8 @@ def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
 def test_longrope_is_refused_clearly():
     import transformers
 
-    from llmserve.model.config import ModelConfig
     from llmserve.model.llama import LlamaModel
+    from llmserve.model.registry import config_from_hf
 
     cfg = transformers.Phi3Config(
         **{**SMALL, "max_position_embeddings": 512},
@@ -250,7 +251,7 @@ def test_longrope_is_refused_clearly():
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
     )
     with pytest.raises(ValueError, match="longrope"):
-        LlamaModel(ModelConfig.from_hf(cfg))
+        LlamaModel(config_from_hf(cfg))
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():
