@@ -1,182 +1,34 @@
 """One decoder for the Llama family and its relatives: Llama (3.x rope scaling), SmolLM2, Mistral, Qwen2,
-Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE (llmserve.model.moe).
+Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE, composed of
+llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its weight packing.
 
 Differences between them are configuration, read from the checkpoint's config into `ModelConfig`'s
-feature fields: attention bias (Qwen2), tied or untied embeddings, GQA, rope theta and scaling, RMSNorm
-over each q / k head (Qwen3, Gemma 3), Gemma's (1 + weight) norms, scaled embeddings, extra norms after
-attention and the MLP, attention and final logit soft-capping, query_pre_attn_scalar, GELU-tanh MLP,
-sliding-window layers, routed experts. The model sees flat token batches and an `AttentionMetadata`; it
-never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
+feature fields (each family's: llmserve.model.registry): attention bias (Qwen2), tied or untied
+embeddings, GQA, rope theta and scaling, RMSNorm over each q / k head (Qwen3, Gemma 3), Gemma's
+(1 + weight) norms, scaled embeddings, extra norms after attention and the MLP, attention and final logit
+soft-capping, query_pre_attn_scalar, GELU-tanh MLP, sliding-window layers, routed experts. The model sees
+flat token batches and an `AttentionMetadata`; it never sees a request. Q/K/V and gate/up projections
+are fused into one matmul each.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from llmserve.model import ops
-from llmserve.model.attention import AttentionMetadata, paged_attention
+from llmserve.model.attention import AttentionMetadata
 from llmserve.model.config import ModelConfig
-
-# llmserve's packed projections -> the checkpoint's (Hugging Face's) layers they are made of, in row order
-PACKED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def checkpoint_parts(name: str) -> tuple[str, ...]:
-    """The checkpoint layers behind one of this model's: `layers.0.mlp.gate_up_proj` ->
-    (`layers.0.mlp.gate_proj`, `layers.0.mlp.up_proj`); any other name stands for itself."""
-    prefix, dot, leaf = name.rpartition(".")
-    return tuple(prefix + dot + part for part in PACKED_PROJECTIONS.get(leaf, (leaf,)))
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose float32 CPU matmul runs through ops.linear (the GEMV, or the GEMM engine measured fastest
-    on this CPU: oneDNN's or MKL's, see ops.gemm_engine)."""
-
-    packed = None  # the weight in oneDNN's layout beside the plain one (LlamaModel.pack_weights), or None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is not torch.float32 or x.is_cuda or self.weight.dtype is not torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        y = ops.linear(x.reshape(-1, x.shape[-1]), self.weight, self.packed).view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in place where the fused kernel runs."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class Rotary(nn.Module):
-    """cos/sin table for every position up to max_positions, indexed by the batch's positions.
-    `layer_type`: Gemma 3's sliding layers have rope parameters of their own."""
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, layer_type: str | None = None) -> None:
-        super().__init__()
-        inv_freq, scale = self._inv_freq(cfg, layer_type)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
-
-    @staticmethod
-    def _inv_freq(cfg: ModelConfig, layer_type: str | None) -> tuple[torch.Tensor, float]:
-        params = local_rope_parameters(cfg, layer_type) or cfg.rope_scaling or {}
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type in ("longrope", "su"):  # Phi-3's long-context variants: factors that change with the length
-            raise ValueError(
-                f"model: rope scaling {rope_type!r} is not supported (llmserve runs default, linear, llama3 and yarn)"
-            )
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("model: partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-        if rope_type != "default" and cfg.hf_config is not None:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ValueError(f"model: unsupported rope scaling {rope_type!r}")
-            kw = {"layer_type": layer_type} if layer_type else {}
-            with torch.device("cpu"):  # (also when the model is being built on the meta device)
-                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu", **kw)
-            return inv_freq.float(), float(scale)
-        d, theta = cfg.head_dim, params.get("rope_theta", cfg.rope_theta)
-        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def local_rope_parameters(cfg: ModelConfig, layer_type: str | None) -> dict | None:
-    """The rope parameters of `layer_type`'s layers where the config has a set per layer type (Gemma 3)."""
-    params = getattr(cfg.hf_config, "rope_parameters", None)
-    return params.get(layer_type) if layer_type and isinstance(params, dict) else None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.attn_scale or self.head_dim**-0.5
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.window, self.softcap = window, cfg.attn_softcap
-        self.all_reduce = None  # tensor parallelism: sums the row-parallel o_proj partials
-
-    def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.q_norm is not None:  # each head normed on its own, before rotary
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
-            qkv = torch.cat([q, k, v], dim=-1)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        written = ops.rotary_write_kv(
-            qkv,
-            positions,
-            rotary.cos,
-            rotary.sin,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-        )
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if not written:
-            q, k = rotary(q, k, positions)
-        o = paged_attention(
-            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written, window=self.window, softcap=self.softcap
-        )
-        o = self.o_proj(o.reshape(T, self.q_size))
-        return o if self.all_reduce is None else self.all_reduce(o)
-
-
-def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up for a packed [..., gate | up] row."""
-    if act == "silu":
-        return ops.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = cfg.hidden_act
-        self.all_reduce = None  # tensor parallelism: sums the row-parallel down_proj partials
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        o = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
-        return o if self.all_reduce is None else self.all_reduce(o)
+from llmserve.model.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    Rotary,
+    SparseMoE,
+    checkpoint_parts,
+    local_rope_parameters,
+)
 
 
 class DecoderLayer(nn.Module):
@@ -192,12 +44,7 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.moe_layers and cfg.moe_layers[index]:
-            from llmserve.model.moe import SparseMoE
-
-            self.mlp = SparseMoE(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):

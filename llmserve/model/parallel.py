@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.model.config import ModelConfig
-from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel
+from llmserve.model.layers.linear import PACKED_PROJECTIONS
+from llmserve.model.llama import LlamaModel
 from llmserve.model.loader import build_model
 from llmserve.model.registry import arch_spec
 
@@ -115,7 +116,7 @@ def shard_hf_state_dict(
     weights: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard
 ) -> dict[str, torch.Tensor]:
     """Hugging Face-named weights -> this rank's slices, still Hugging Face-named (unpacked: the parts
-    of llama.PACKED_PROJECTIONS are column-parallel, o_proj and down_proj row-parallel)."""
+    of layers.PACKED_PROJECTIONS are column-parallel, o_proj and down_proj row-parallel)."""
     d = cfg.head_dim
     q_rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in shard.q_heads])
     kv_rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in shard.kv_heads])

@@ -123,7 +123,7 @@ def test_config_from_gguf_metadata_is_the_checkpoints(checkpoint):
     rope tables) read from the file's metadata equals the one read from the checkpoint's config.json."""
     import transformers
 
-    from llmserve.model.llama import Rotary
+    from llmserve.model.layers import Rotary
     from llmserve.model.loader import gguf_hf_config, open_gguf
     from llmserve.model.registry import config_from_hf
 
