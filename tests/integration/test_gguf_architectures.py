@@ -94,16 +94,16 @@ def _reference(d, qtype: str, path: str, hf_reads_gguf: bool) -> list[list[int]]
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
-    """F32: widened into float32 layers (a model this small, loader.WIDEN_GGUF_BYTES); Q8_0: every weight
+    """F32: widened into float32 layers (a model this small, loader.gguf_model.WIDEN_GGUF_BYTES); Q8_0: every weight
     matrix kept as the file's blocks (GGUFLinear, float32-exact), experts one layer each over their rows of
     the merged tensor."""
-    from llmserve.model import loader
+    from llmserve.model.loader import gguf_model
 
     name, d, arch, hf_reads_gguf = checkpoint
     path = write_checkpoint_gguf(d, str(d / f"{qtype}.gguf"), arch, qtype)
     want = _reference(d, qtype, path, hf_reads_gguf)
     if qtype != "F32":
-        monkeypatch.setattr(loader, "WIDEN_GGUF_BYTES", 0)
+        monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)
     llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
     model = llm.engine.model
     assert model.cfg.architecture == ARCHITECTURES[name]
