@@ -46,6 +46,7 @@ def _configs():
             ),
         ),
         "mistral-sliding": (T.MistralConfig, dict(sliding_window=24, head_dim=16)),
+        "qwen2": (T.Qwen2Config, dict(tie_word_embeddings=False)),  # (attention bias: the family's spec)
         "qwen3": (T.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
         "phi3": (T.Phi3Config, dict()),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
@@ -93,6 +94,13 @@ def _configs():
 
 
 ARCHS = list(_configs())
+
+
+def test_every_registered_family_has_a_row():
+    """A new architecture is one spec in llmserve.model.registry and one row above (docs/contributing-model.md)."""
+    from llmserve.model.registry import ARCHITECTURES
+
+    assert {cls.model_type for cls, _ in _configs().values()} == set(ARCHITECTURES)
 
 
 def _prompts() -> list[list[int]]:
