@@ -71,8 +71,7 @@ def main() -> int:
     import transformers
 
     from llmserve import LLM
-    from llmserve.model import loader
-    from llmserve.model.loader import bundled_model_path
+    from llmserve.model.loader import bundled_model_path, gguf_model
     from llmserve.model.quant import GGUFLinear
     from llmserve.tokenizer import Tokenizer
     from tests.gguf_files import round_trip_model
@@ -80,7 +79,7 @@ def main() -> int:
 
     root = args.keep or tempfile.mkdtemp(prefix="gguf-llamacpp-")
     tok = Tokenizer(bundled_model_path(), gguf=True).hf
-    failed, widen = 0, loader.WIDEN_GGUF_BYTES
+    failed, widen = 0, gguf_model.WIDEN_GGUF_BYTES
     for name, (cls, extra) in cases().items():
         folder = os.path.join(root, name)
         torch.manual_seed(0)
@@ -114,7 +113,7 @@ def main() -> int:
                     for p in prompts()
                 ]
             # q8_0: the file's blocks kept (GGUFLinear, experts over their rows), as a big model gets them
-            loader.WIDEN_GGUF_BYTES = 0 if outtype == "q8_0" else widen
+            gguf_model.WIDEN_GGUF_BYTES = 0 if outtype == "q8_0" else widen
             llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32)
             batched, alone = greedy_batched_and_alone(llm, prompts(), 12)
             ok = batched == want and alone == want

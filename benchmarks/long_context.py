@@ -27,12 +27,12 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float, int]:
     """(median decode step seconds, share of it in attention, rows) for `prompts` decoding together."""
-    import llmserve.model.llama as llama
+    import llmserve.model.layers.attention as attention
     from llmserve import SamplingParams
 
     eng = llm.engine
     spent = [0.0]
-    inner = llama.paged_attention
+    inner = attention.paged_attention
 
     def timed(*a, **k):
         t0 = time.perf_counter()
@@ -50,14 +50,14 @@ def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float, int]:
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
-    llama.paged_attention = timed
+    attention.paged_attention = timed
     try:
         t = time.perf_counter()
         for _ in range(4):
             eng.step()
         total = time.perf_counter() - t
     finally:
-        llama.paged_attention = inner
+        attention.paged_attention = inner
     while eng.has_unfinished_requests():
         eng.step()
     return statistics.median(times), spent[0] / total, rows

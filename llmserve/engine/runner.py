@@ -17,7 +17,8 @@ from llmserve.engine.request import Request
 from llmserve.engine.scheduler import SampledTokens, SchedulerOutput
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from llmserve.model.llama import LlamaModel, ModelConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.llama import LlamaModel
 from llmserve.model.sampler import SamplingRow, sample
 
 log = logging.getLogger("llmserve.runner")

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from llmserve import envs
 from llmserve.model import ops
-from llmserve.model.llama import ModelConfig
+from llmserve.model.config import ModelConfig
 from llmserve.model.parallel import load_sharded_model, local_config, plan_heads
 
 log = logging.getLogger("llmserve.tp")

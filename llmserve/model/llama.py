@@ -1,324 +1,34 @@
 """One decoder for the Llama family and its relatives: Llama (3.x rope scaling), SmolLM2, Mistral, Qwen2,
-Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE (llmserve.model.moe).
+Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE, composed of
+llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its weight packing.
 
 Differences between them are configuration, read from the checkpoint's config into `ModelConfig`'s
-feature fields: attention bias (Qwen2), tied or untied embeddings, GQA, rope theta and scaling, RMSNorm
-over each q / k head (Qwen3, Gemma 3), Gemma's (1 + weight) norms, scaled embeddings, extra norms after
-attention and the MLP, attention and final logit soft-capping, query_pre_attn_scalar, GELU-tanh MLP,
-sliding-window layers, routed experts. The model sees flat token batches and an `AttentionMetadata`; it
-never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
+feature fields (each family's: llmserve.model.registry): attention bias (Qwen2), tied or untied
+embeddings, GQA, rope theta and scaling, RMSNorm over each q / k head (Qwen3, Gemma 3), Gemma's
+(1 + weight) norms, scaled embeddings, extra norms after attention and the MLP, attention and final logit
+soft-capping, query_pre_attn_scalar, GELU-tanh MLP, sliding-window layers, routed experts. The model sees
+flat token batches and an `AttentionMetadata`; it never sees a request. Q/K/V and gate/up projections
+are fused into one matmul each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from llmserve.model import ops
-from llmserve.model.attention import AttentionMetadata, paged_attention
-
-# llmserve's packed projections -> the checkpoint's (Hugging Face's) layers they are made of, in row order
-PACKED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def checkpoint_parts(name: str) -> tuple[str, ...]:
-    """The checkpoint layers behind one of this model's: `layers.0.mlp.gate_up_proj` ->
-    (`layers.0.mlp.gate_proj`, `layers.0.mlp.up_proj`); any other name stands for itself."""
-    prefix, dot, leaf = name.rpartition(".")
-    return tuple(prefix + dot + part for part in PACKED_PROJECTIONS.get(leaf, (leaf,)))
-
-
-SUPPORTED_ARCHITECTURES = {  # architecture -> its config's model_type
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-
-
-@dataclass
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    rope_scaling: dict | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    hf_config: object = None  # the transformers config, for rope variants
-    # per-architecture features (defaults: Llama's)
-    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
-    norm_offset: bool = False  # norms scale by (1 + weight) (Gemma: folded into the weight at load)
-    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma)
-    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
-    attn_scale: float | None = None  # query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5
-    attn_softcap: float | None = None  # attention logits -> tanh(s / cap) * cap (Gemma 2)
-    final_softcap: float | None = None  # the same on the output logits (Gemma 2)
-    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
-    sliding_window: int | None = None  # the sliding layers attend to this many last positions
-    sliding_layers: tuple[bool, ...] = ()  # per layer (empty: none)
-    num_experts: int = 0  # > 0: routed experts (llmserve.model.moe) in the moe_layers
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    moe_layers: tuple[bool, ...] = ()
-    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-
-    @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
-        archs = list(getattr(hf, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and getattr(hf, "model_type", None) in SUPPORTED_ARCHITECTURES.values():
-            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[hf.model_type]
-        if arch is None:
-            raise ValueError(
-                f"model: unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
-                f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        heads = hf.num_attention_heads
-        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see Rotary)
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        eos = hf.eos_token_id
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=arch,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            rope_scaling=scaling,
-            bos_token_id=hf.bos_token_id,
-            eos_token_ids=eos,
-            hf_config=hf,
-            **_features(hf, arch),
-        )
-
-
-def _features(hf, arch: str) -> dict:
-    """ModelConfig's per-architecture fields from a transformers config; refuses what llmserve lacks."""
-    layers = hf.num_hidden_layers
-    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"model: {arch} with activation {act!r} is not supported (llmserve runs {list(ACTIVATIONS)})")
-    if getattr(hf, "use_bidirectional_attention", False):
-        raise ValueError(f"model: {arch} with use_bidirectional_attention is not supported")
-    window = getattr(hf, "sliding_window", None)
-    types = getattr(hf, "layer_types", None)
-    sliding = tuple(t == "sliding_attention" for t in types) if types else (window is not None,) * layers
-    f = dict(
-        hidden_act=ACTIVATIONS[act],
-        sliding_window=window,
-        sliding_layers=sliding if window else (),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-    )
-    if arch in GEMMA:
-        f.update(
-            norm_offset=True,
-            embed_scale=hf.hidden_size**0.5,
-            sandwich_norms=True,
-            attn_scale=hf.query_pre_attn_scalar**-0.5,
-            attn_softcap=getattr(hf, "attn_logit_softcapping", None),
-            final_softcap=getattr(hf, "final_logit_softcapping", None),
-        )
-    if arch == "MixtralForCausalLM":
-        f.update(
-            num_experts=hf.num_local_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.intermediate_size,
-            moe_layers=(True,) * layers,
-        )
-    elif arch == "Qwen3MoeForCausalLM":
-        sparse = tuple(
-            i not in (hf.mlp_only_layers or []) and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
-            for i in range(layers)
-        )
-        f.update(
-            num_experts=hf.num_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.moe_intermediate_size,
-            moe_layers=sparse,
-            norm_topk_prob=bool(hf.norm_topk_prob),
-        )
-    return f
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose float32 CPU matmul runs through ops.linear (the GEMV, or the GEMM engine measured fastest
-    on this CPU: oneDNN's or MKL's, see ops.gemm_engine)."""
-
-    packed = None  # the weight in oneDNN's layout beside the plain one (LlamaModel.pack_weights), or None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is not torch.float32 or x.is_cuda or self.weight.dtype is not torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        y = ops.linear(x.reshape(-1, x.shape[-1]), self.weight, self.packed).view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in place where the fused kernel runs."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class Rotary(nn.Module):
-    """cos/sin table for every position up to max_positions, indexed by the batch's positions.
-    `layer_type`: Gemma 3's sliding layers have rope parameters of their own."""
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, layer_type: str | None = None) -> None:
-        super().__init__()
-        inv_freq, scale = self._inv_freq(cfg, layer_type)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
-
-    @staticmethod
-    def _inv_freq(cfg: ModelConfig, layer_type: str | None) -> tuple[torch.Tensor, float]:
-        params = local_rope_parameters(cfg, layer_type) or cfg.rope_scaling or {}
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type in ("longrope", "su"):  # Phi-3's long-context variants: factors that change with the length
-            raise ValueError(
-                f"model: rope scaling {rope_type!r} is not supported (llmserve runs default, linear, llama3 and yarn)"
-            )
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("model: partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-        if rope_type != "default" and cfg.hf_config is not None:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ValueError(f"model: unsupported rope scaling {rope_type!r}")
-            kw = {"layer_type": layer_type} if layer_type else {}
-            with torch.device("cpu"):  # (also when the model is being built on the meta device)
-                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu", **kw)
-            return inv_freq.float(), float(scale)
-        d, theta = cfg.head_dim, params.get("rope_theta", cfg.rope_theta)
-        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def local_rope_parameters(cfg: ModelConfig, layer_type: str | None) -> dict | None:
-    """The rope parameters of `layer_type`'s layers where the config has a set per layer type (Gemma 3)."""
-    params = getattr(cfg.hf_config, "rope_parameters", None)
-    return params.get(layer_type) if layer_type and isinstance(params, dict) else None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.attn_scale or self.head_dim**-0.5
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.window, self.softcap = window, cfg.attn_softcap
-        self.all_reduce = None  # tensor parallelism: sums the row-parallel o_proj partials
-
-    def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.q_norm is not None:  # each head normed on its own, before rotary
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
-            qkv = torch.cat([q, k, v], dim=-1)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        written = ops.rotary_write_kv(
-            qkv,
-            positions,
-            rotary.cos,
-            rotary.sin,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-        )
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if not written:
-            q, k = rotary(q, k, positions)
-        o = paged_attention(
-            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written, window=self.window, softcap=self.softcap
-        )
-        o = self.o_proj(o.reshape(T, self.q_size))
-        return o if self.all_reduce is None else self.all_reduce(o)
-
-
-def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up for a packed [..., gate | up] row."""
-    if act == "silu":
-        return ops.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = cfg.hidden_act
-        self.all_reduce = None  # tensor parallelism: sums the row-parallel down_proj partials
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        o = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
-        return o if self.all_reduce is None else self.all_reduce(o)
+from llmserve.model.attention import AttentionMetadata
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    Rotary,
+    SparseMoE,
+    checkpoint_parts,
+    local_rope_parameters,
+)
 
 
 class DecoderLayer(nn.Module):
@@ -334,12 +44,7 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.moe_layers and cfg.moe_layers[index]:
-            from llmserve.model.moe import SparseMoE
-
-            self.mlp = SparseMoE(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):
@@ -367,15 +72,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.make_rotary(max_positions or cfg.max_position_embeddings)
-        # the fused C++ decode stack knows Llama layers only: any other feature takes the module path
-        self._llama_layers = not (
-            cfg.qk_norm
-            or cfg.sandwich_norms
-            or cfg.attn_softcap
-            or cfg.hidden_act != "silu"
-            or cfg.num_experts
-            or self.rotary_local is not None
-            or any(layer.self_attn.window for layer in self.layers)
+        # the fused C++ decode stack knows Llama layers only (the family's spec says whether its layers are, see
+        # llmserve.model.registry), with SiLU MLPs and no sliding window in effect: anything else takes the module path
+        self._llama_layers = (
+            cfg.fused_decode
+            and cfg.hidden_act == "silu"
+            and self.rotary_local is None
+            and not any(layer.self_attn.window for layer in self.layers)
         )
 
     def make_rotary(self, max_positions: int, device: torch.device | None = None) -> None:

@@ -7,7 +7,7 @@ low-rank update of that adapter's rows (`x[rows] @ A^T @ B^T`, added back into t
 scheme of punica / S-LoRA. Base rows pay nothing but the hook's check. It works the same over float and
 quantized (`--quantization`) base layers: the update reads the layer's input and adds to its output.
 
-The model's packed layers (qkv_proj, gate_up_proj: llama.PACKED_PROJECTIONS) hold one adapter matrix
+The model's packed layers (qkv_proj, gate_up_proj: layers.PACKED_PROJECTIONS) hold one adapter matrix
 pair each: the parts' A stacked ([sum of ranks, in]) and their B block-diagonal ([out, sum of ranks],
 zero where a part has no update), with the scaling folded into B: two matmuls per layer and adapter.
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model import ops
-from llmserve.model.llama import PACKED_PROJECTIONS
+from llmserve.model.layers.linear import PACKED_PROJECTIONS
 
 # this model's layers that adapters may target, and where each checkpoint module sits in them
 _LAYER_OF = {

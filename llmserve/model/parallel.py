@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.model.llama import PACKED_PROJECTIONS, LlamaModel, ModelConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers.linear import PACKED_PROJECTIONS
+from llmserve.model.llama import LlamaModel
 from llmserve.model.loader import build_model
-
-NOT_SHARDED = ("Phi3ForCausalLM",)  # its checkpoint packs q/k/v and gate/up, which the slicing below expects apart
+from llmserve.model.registry import arch_spec
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def plan_heads(cfg: ModelConfig, world_size: int) -> list[RankShard]:
     n, h, hkv = world_size, cfg.num_heads, cfg.num_kv_heads
     if n < 1:
         raise ValueError(f"tensor_parallel_size: must be >= 1, got {n}")
-    if n > 1 and (cfg.num_experts or cfg.architecture in NOT_SHARDED):
+    if n > 1 and not arch_spec(cfg.architecture).tensor_parallel:  # (the family's spec: ArchSpec.tensor_parallel)
         raise ValueError(
             f"tensor_parallel_size: {cfg.architecture} is not split yet (experts and packed "
             f"checkpoint projections); use --tensor-parallel-size 1"
@@ -115,7 +116,7 @@ def shard_hf_state_dict(
     weights: dict[str, torch.Tensor], cfg: ModelConfig, shard: RankShard
 ) -> dict[str, torch.Tensor]:
     """Hugging Face-named weights -> this rank's slices, still Hugging Face-named (unpacked: the parts
-    of llama.PACKED_PROJECTIONS are column-parallel, o_proj and down_proj row-parallel)."""
+    of layers.PACKED_PROJECTIONS are column-parallel, o_proj and down_proj row-parallel)."""
     d = cfg.head_dim
     q_rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in shard.q_heads])
     kv_rows = torch.cat([torch.arange(j * d, (j + 1) * d) for j in shard.kv_heads])

@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model import ops
-from llmserve.model.llama import checkpoint_parts
+from llmserve.model.layers.linear import checkpoint_parts
 from llmserve.model.ops import quantize_int8_per_channel
 
 GROUP_SIZE = 32

@@ -46,6 +46,7 @@ def _configs():
             ),
         ),
         "mistral-sliding": (T.MistralConfig, dict(sliding_window=24, head_dim=16)),
+        "qwen2": (T.Qwen2Config, dict(tie_word_embeddings=False)),  # (attention bias: the family's spec)
         "qwen3": (T.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
         "phi3": (T.Phi3Config, dict()),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
@@ -93,6 +94,13 @@ def _configs():
 
 
 ARCHS = list(_configs())
+
+
+def test_every_registered_family_has_a_row():
+    """A new architecture is one spec in llmserve.model.registry and one row above (docs/contributing-model.md)."""
+    from llmserve.model.registry import ARCHITECTURES
+
+    assert {cls.model_type for cls, _ in _configs().values()} == set(ARCHITECTURES)
 
 
 def _prompts() -> list[list[int]]:
@@ -186,7 +194,7 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
     from safetensors.torch import load_file
 
-    from llmserve.model.loader import GGUF_ARCHS
+    from llmserve.model.registry import gguf_family
 
     cfg = json.loads((folder / "config.json").read_text())
     w = GGUFWriter(path, arch)
@@ -203,8 +211,9 @@ def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
     for key, f in GGUFReader(bundled_gguf).fields.items():
         if key.startswith("tokenizer."):
             w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
-    names = {v: k for k, v in GGUF_ARCHS[arch].names.items()}
-    layer_names = {v: k for k, v in GGUF_ARCHS[arch].layer_names.items()}
+    spec = gguf_family(arch).gguf
+    names = {v: k for k, v in spec.names.items()}
+    layer_names = {v: k for k, v in spec.layer_names.items()}
     for name, t in load_file(folder / "model.safetensors").items():
         if name not in names:  # model.layers.N.<layer>.weight -> blk.N.<gguf layer>.weight
             parts = name.split(".")
@@ -241,7 +250,8 @@ def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
 def test_longrope_is_refused_clearly():
     import transformers
 
-    from llmserve.model.llama import LlamaModel, ModelConfig
+    from llmserve.model.llama import LlamaModel
+    from llmserve.model.registry import config_from_hf
 
     cfg = transformers.Phi3Config(
         **{**SMALL, "max_position_embeddings": 512},
@@ -249,13 +259,13 @@ def test_longrope_is_refused_clearly():
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
     )
     with pytest.raises(ValueError, match="longrope"):
-        LlamaModel(ModelConfig.from_hf(cfg))
+        LlamaModel(config_from_hf(cfg))
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():
     import dataclasses
 
-    from llmserve.model.llama import ModelConfig
+    from llmserve.model.config import ModelConfig
     from llmserve.model.parallel import plan_heads
 
     base = ModelConfig("LlamaForCausalLM", 100, 128, 256, 2, 4, 2, 32, 1e-5, 1e4, 128, False)

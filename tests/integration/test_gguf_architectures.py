@@ -94,16 +94,16 @@ def _reference(d, qtype: str, path: str, hf_reads_gguf: bool) -> list[list[int]]
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
-    """F32: widened into float32 layers (a model this small, loader.WIDEN_GGUF_BYTES); Q8_0: every weight
+    """F32: widened into float32 layers (a model this small, loader.gguf_model.WIDEN_GGUF_BYTES); Q8_0: every weight
     matrix kept as the file's blocks (GGUFLinear, float32-exact), experts one layer each over their rows of
     the merged tensor."""
-    from llmserve.model import loader
+    from llmserve.model.loader import gguf_model
 
     name, d, arch, hf_reads_gguf = checkpoint
     path = write_checkpoint_gguf(d, str(d / f"{qtype}.gguf"), arch, qtype)
     want = _reference(d, qtype, path, hf_reads_gguf)
     if qtype != "F32":
-        monkeypatch.setattr(loader, "WIDEN_GGUF_BYTES", 0)
+        monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)
     llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
     model = llm.engine.model
     assert model.cfg.architecture == ARCHITECTURES[name]
@@ -123,13 +123,14 @@ def test_config_from_gguf_metadata_is_the_checkpoints(checkpoint):
     rope tables) read from the file's metadata equals the one read from the checkpoint's config.json."""
     import transformers
 
-    from llmserve.model.llama import ModelConfig, Rotary
+    from llmserve.model.layers import Rotary
     from llmserve.model.loader import gguf_hf_config, open_gguf
+    from llmserve.model.registry import config_from_hf
 
     name, d, arch, _ = checkpoint
     path = write_checkpoint_gguf(d, str(d / "config-check.gguf"), arch)
-    a = ModelConfig.from_hf(gguf_hf_config(open_gguf(path), path))
-    b = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(d))
+    a = config_from_hf(gguf_hf_config(open_gguf(path), path))
+    b = config_from_hf(transformers.AutoConfig.from_pretrained(d))
     for field in a.__dataclass_fields__:
         if field not in ("hf_config", "rms_norm_eps", "eos_token_ids", "bos_token_id"):
             assert getattr(a, field) == getattr(b, field), (name, field)
@@ -143,8 +144,9 @@ def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
     10000, and the five-sliding-one-global pattern come from the file as llama.cpp reads them."""
     import transformers
 
-    from llmserve.model.llama import LlamaModel, ModelConfig
+    from llmserve.model.llama import LlamaModel
     from llmserve.model.loader import gguf_hf_config, open_gguf
+    from llmserve.model.registry import config_from_hf
 
     cfg = transformers.Gemma3TextConfig(
         **{**TINY, **GEMMA, "num_hidden_layers": 7},
@@ -156,8 +158,8 @@ def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path)
     path = write_checkpoint_gguf(tmp_path, str(tmp_path / "g3.gguf"), "gemma3")
-    a = ModelConfig.from_hf(gguf_hf_config(open_gguf(path), path))
-    b = ModelConfig.from_hf(cfg)
+    a = config_from_hf(gguf_hf_config(open_gguf(path), path))
+    b = config_from_hf(cfg)
     assert a.sliding_layers == b.sliding_layers == (True,) * 5 + (False, True)
     ma, mb = LlamaModel(a, 64), LlamaModel(b, 64)
     for rot in ("rotary", "rotary_local"):
@@ -222,22 +224,27 @@ def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
 def test_gguf_tensor_names():
     """llama.cpp's names per architecture, including the ones no test file above holds: older Mixtral files'
     one tensor per expert, and tensors llmserve does not read (longrope factors, refused apart)."""
-    from llmserve.model.loader import GGUF_ARCHS, MIXTRAL, gguf_hf_names
+    from llmserve.model.loader import gguf_hf_names
+    from llmserve.model.registry import ARCHITECTURES
+
+    MIXTRAL = ARCHITECTURES["mixtral"].gguf
 
     assert gguf_hf_names("blk.3.ffn_gate.7.weight", MIXTRAL) == [
         ("model.layers.3.mlp.experts.7.gate_proj.weight", None)
     ]
-    assert gguf_hf_names("blk.0.ffn_down_exps.weight", GGUF_ARCHS["qwen3moe"], 2) == [
+    assert gguf_hf_names("blk.0.ffn_down_exps.weight", ARCHITECTURES["qwen3_moe"].gguf, 2) == [
         ("model.layers.0.mlp.experts.0.down_proj.weight", 0),
         ("model.layers.0.mlp.experts.1.down_proj.weight", 1),
     ]
     assert gguf_hf_names("blk.1.ffn_gate_inp.weight", MIXTRAL) == [("model.layers.1.mlp.gate.weight", None)]
-    gemma = GGUF_ARCHS["gemma2"]
+    gemma = ARCHITECTURES["gemma2"].gguf
     assert gguf_hf_names("blk.0.ffn_norm.weight", gemma) == [("model.layers.0.pre_feedforward_layernorm.weight", None)]
     assert gguf_hf_names("blk.0.post_attention_norm.weight", gemma)[0][0].endswith(".post_attention_layernorm.weight")
     assert gguf_hf_names("blk.0.post_ffw_norm.weight", gemma)[0][0].endswith(".post_feedforward_layernorm.weight")
-    phi3 = GGUF_ARCHS["phi3"]
+    phi3 = ARCHITECTURES["phi3"].gguf
     assert gguf_hf_names("blk.2.attn_qkv.weight", phi3) == [("model.layers.2.self_attn.qkv_proj.weight", None)]
     assert gguf_hf_names("blk.2.ffn_up.weight", phi3) == [("model.layers.2.mlp.gate_up_proj.weight", None)]
     assert gguf_hf_names("rope_factors_long.weight", phi3) == []
-    assert gguf_hf_names("blk.0.ffn_gate_exps.weight", GGUF_ARCHS["llama"], 4) == []  # (experts: MIXTRAL's row)
+    assert (
+        gguf_hf_names("blk.0.ffn_gate_exps.weight", ARCHITECTURES["llama"].gguf, 4) == []
+    )  # (experts: MIXTRAL's spec)

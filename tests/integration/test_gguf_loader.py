@@ -39,18 +39,19 @@ def _strip_eos(ids):
 @pytest.mark.parametrize("kind,keep_blocks", [("mixed", True), ("q8_0", True), ("mixed", False)])
 def test_greedy_matches_transformers_on_the_same_gguf(files, kind, keep_blocks, monkeypatch):
     """Float32-exact from the file's blocks (GGUFLinear: what a big model gets), and widened tensor by tensor
-    into plain float32 layers (a model under loader.WIDEN_GGUF_BYTES, as these tiny ones are)."""
+    into plain float32 layers (a model under loader.gguf_model.WIDEN_GGUF_BYTES, as these tiny ones are)."""
     from transformers import AutoModelForCausalLM
 
-    from llmserve.model import loader
+    from llmserve.model.loader import gguf as gguf_loader
+    from llmserve.model.loader import gguf_model
 
-    monkeypatch.setattr(loader, "gguf_as_hf_folder", lambda *a: pytest.fail("a float32 folder was written"))
+    monkeypatch.setattr(gguf_loader, "gguf_as_hf_folder", lambda *a: pytest.fail("a float32 folder was written"))
     path = files[kind]
     hf = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32
     ).eval()
     if keep_blocks:
-        monkeypatch.setattr(loader, "WIDEN_GGUF_BYTES", 0)
+        monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)
     llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=64)
     model = llm.engine.model
     if keep_blocks:

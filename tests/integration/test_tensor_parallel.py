@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.llama import ModelConfig
+from llmserve.model.config import ModelConfig
 from llmserve.model.parallel import plan_heads
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "List three colours: red, " * 8]

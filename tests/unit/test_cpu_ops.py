@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from llmserve import envs
 from llmserve.model import ops
-from llmserve.model.llama import _rotate
+from llmserve.model.layers.rotary import _rotate
 from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
 
 

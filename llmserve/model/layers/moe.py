@@ -3,11 +3,12 @@
 Each token's router logits go through a softmax (float32); the top-k experts are kept, their weights
 renormalised to sum to 1 where the model does so (Mixtral always, Qwen3-MoE with `norm_topk_prob`).
 Experts run batched per expert: the rows routed to an expert are gathered, go through its gated MLP (the
-decoder's own `MLP`: one matmul for gate/up, one for down), are scaled by their routing weights and
+`MLP` layer: one matmul for gate/up, one for down), are scaled by their routing weights and
 scatter-added into the output, experts in ascending order as transformers sums them.
 
 Weights: the router `gate.weight` [experts, hidden] and each expert's `experts.N.gate_proj / up_proj /
-down_proj` (Qwen3-MoE's names; the loader renames Mixtral's w1 / w3 / w2, loader.RENAMES), packed into
+down_proj` (Qwen3-MoE's names; the loader renames Mixtral's w1 / w3 / w2: its spec's
+checkpoint_renames, llmserve.model.registry), packed into
 `experts.N.gate_up_proj` as any MLP's. The experts are ordinary Linear layers, so `--quantization`
 quantizes them too; the router is not one and stays float (routing is not perturbed).
 """
@@ -20,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmserve.model.llama import MLP, ModelConfig
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers.mlp import MLP
 
 
 class Router(nn.Module):

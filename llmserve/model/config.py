@@ -1,0 +1,46 @@
+"""The model's configuration: `ModelConfig`, what a decoder is built from (sizes and per-architecture
+features). llmserve.model.registry reads it from a checkpoint's transformers config (`config_from_hf`),
+each family's features through its spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: object = None  # the transformers config, for rope variants
+    # per-architecture features (defaults: Llama's)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_offset: bool = False  # norms scale by (1 + weight) (Gemma: folded into the weight at load)
+    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    attn_scale: float | None = None  # query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention logits -> tanh(s / cap) * cap (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
+    sliding_window: int | None = None  # the sliding layers attend to this many last positions
+    sliding_layers: tuple[bool, ...] = ()  # per layer (empty: none)
+    num_experts: int = 0  # > 0: routed experts (llmserve.model.layers.moe) in the moe_layers
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    fused_decode: bool = True  # the family's layers are the fused C++ decode stack's (registry.ArchSpec.fused_decode)

@@ -1,0 +1,22 @@
+"""The layers model files compose: projections, norms, rotary, attention, the gated MLP, routed experts."""
+
+from llmserve.model.layers.attention import Attention
+from llmserve.model.layers.linear import PACKED_PROJECTIONS, Linear, checkpoint_parts
+from llmserve.model.layers.mlp import MLP, act_and_mul
+from llmserve.model.layers.moe import Router, SparseMoE
+from llmserve.model.layers.norms import RMSNorm
+from llmserve.model.layers.rotary import Rotary, local_rope_parameters
+
+__all__ = [
+    "MLP",
+    "PACKED_PROJECTIONS",
+    "Attention",
+    "Linear",
+    "RMSNorm",
+    "Rotary",
+    "Router",
+    "SparseMoE",
+    "act_and_mul",
+    "checkpoint_parts",
+    "local_rope_parameters",
+]

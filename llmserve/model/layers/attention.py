@@ -1,0 +1,62 @@
+"""The attention layer a decoder composes: packed Q/K/V, optional per-head q/k norms, rotary and the KV write
+(fused where the kernel runs), paged attention over the cache (llmserve.model.attention), o_proj."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from llmserve.model import ops
+from llmserve.model.attention import AttentionMetadata, paged_attention
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers.linear import Linear
+from llmserve.model.layers.norms import RMSNorm
+from llmserve.model.layers.rotary import Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window, self.softcap = window, cfg.attn_softcap
+        self.all_reduce = None  # tensor parallelism: sums the row-parallel o_proj partials
+
+    def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:  # each head normed on its own, before rotary
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+            qkv = torch.cat([q, k, v], dim=-1)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        written = ops.rotary_write_kv(
+            qkv,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if not written:
+            q, k = rotary(q, k, positions)
+        o = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written, window=self.window, softcap=self.softcap
+        )
+        o = self.o_proj(o.reshape(T, self.q_size))
+        return o if self.all_reduce is None else self.all_reduce(o)

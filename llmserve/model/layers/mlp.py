@@ -1,0 +1,32 @@
+"""The gated MLP (one matmul for gate/up, one for down) and its activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmserve.model import ops
+from llmserve.model.config import ModelConfig
+from llmserve.model.layers.linear import Linear
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for a packed [..., gate | up] row."""
+    if act == "silu":
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
+        self.all_reduce = None  # tensor parallelism: sums the row-parallel down_proj partials
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+        return o if self.all_reduce is None else self.all_reduce(o)

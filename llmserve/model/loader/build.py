@@ -1,0 +1,133 @@
+"""Build the model: dtypes, the memory check, the model of a config's family on the meta device, its
+weights loaded from a mapping (under the names its checkpoints give them, renamed per family), quantized
+where asked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+from llmserve.config import DTYPE_ALIASES
+from llmserve.model.config import ModelConfig
+from llmserve.model.quant import is_quantized, quantize_model
+from llmserve.model.registry import arch_spec, make_model
+
+
+def check_fits(path: str, weights: int, kv_bytes: int) -> None:
+    """Refuse a model whose weights and asked KV cache exceed the memory available now, before allocating."""
+    import psutil
+
+    GiB = 1 << 30
+    available = psutil.virtual_memory().available
+    runtime = GiB // 2  # activations, the tokenizer, the process itself
+    if weights + kv_bytes + runtime > available:
+        raise ValueError(
+            f"model: {path} does not fit in memory: its weights take {weights / GiB:.1f} GiB as served, the KV cache "
+            f"{kv_bytes / GiB:.1f} GiB (--kv-cache-memory), the runtime ~{runtime / GiB:.1f} GiB, and "
+            f"{available / GiB:.1f} GiB are available; lower --kv-cache-memory, use a smaller quantization "
+            f"(a Q4_K_M file, --quantization int4 for float files), or free memory"
+        )
+
+
+class Lazy(Mapping):
+    """`source`'s entries named in `names` (a name -> its name in `source`, or None: the same), each read
+    when asked."""
+
+    def __init__(self, source: Mapping, names: dict) -> None:
+        self.source, self.names = source, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.source[self.names[name] or name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+# -- per-architecture weight names ----------------------------------------------------------------
+def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict), still
+    read only when asked."""
+    renames = arch_spec(cfg.architecture).checkpoint_renames
+    if not renames:
+        return weights
+    names = {}
+    for k in weights:
+        new = k
+        for old, repl in renames:
+            new = new.replace(old, repl)
+        names[new] = k
+    return Lazy(weights, names)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: `auto` stores keys and values in the model's dtype."""
+    return model_dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, torch.device("cpu"))
+
+
+def build_model(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    model: nn.Module | None = None,
+) -> nn.Module:
+    """The model of `cfg` (its family's model class, registry.make_model) holding `weights` (Hugging Face
+    names), on `device` in `dtype`, ready for inference; with `quantization` (int8 | int4) its projections
+    and embedding hold quantized weights. `weights` may be a mapping that reads each tensor when asked.
+    `model`: one already built on the meta device whose quantized layers were made already (a GGUF file's
+    blocks, or rounded as read): only its other tensors are made and loaded from `weights`."""
+    if model is None:
+        with torch.device("meta"):
+            model = make_model(cfg, max_positions)
+    _materialize(model)
+    # each tensor copied (and widened) into its float32 parameter
+    model.load_hf_state_dict(checkpoint_names(cfg, weights))
+    if any(is_quantized(m) for m in model.modules()):
+        for p in model.parameters():  # (CPU) the float layers only: the adopted ones keep their formats
+            p.data = p.data.to(dtype)
+    else:
+        model = model.to(device=device, dtype=dtype)
+    model.make_rotary(max_positions, device)  # float32 tables, whatever the dtype
+    model = model.eval().requires_grad_(False)
+    if quantization:
+        del weights
+        quantize_model(model, quantization)  # the layers no GGUF block covered: rounded from float32
+        release_freed_memory()  # the float32 copies: ~270 MiB of resident memory for SmolLM2
+    return model
+
+
+def _materialize(model: nn.Module) -> None:
+    """Real (uninitialised) float32 CPU tensors for the meta ones; tensors already real are kept
+    (Module.to_empty would replace those too)."""
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is not None and t.device.type == "meta":
+                    real = torch.empty_like(t, device="cpu", dtype=torch.float32 if t.is_floating_point() else t.dtype)
+                    table[k] = nn.Parameter(real, requires_grad=False) if table is m._parameters else real
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise); a no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

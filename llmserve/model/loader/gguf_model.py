@@ -1,0 +1,151 @@
+"""A model straight from a GGUF file, tensor by tensor: its quantized tensors kept as the file's blocks
+(GGUFLinear) or converted into llmserve's packed layers, its float ones widened or rounded, and what that
+takes in memory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
+from llmserve.model.loader.build import Lazy, build_model, check_fits
+from llmserve.model.loader.gguf import GGUFTensors
+from llmserve.model.quant import adopt_gguf, quantize_model
+from llmserve.model.registry import make_model
+
+log = logging.getLogger("llmserve.loader")
+
+
+_KEPT_KINDS = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0: llmserve's own packed formats
+
+
+class GGUFPackedBlocks(Mapping):
+    """The Q4_0 / Q4_1 / Q8_0 weight tensors in llmserve's packed formats (quant.QuantLinear), straight from
+    the file's blocks (no dequantizing, no re-rounding), each converted when asked (one layer's parts at a
+    time): {name without "model." and ".weight": (kind, q, scale, min)} with kind "int4" (q [N, K/2] uint8
+    nibbles, scale and min [N, K/32] float16; Q4_0's min is -8 d) or "int8" (q [N, K] int8, scale [N, K/32]
+    float32)."""
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self.tensors = tensors
+        self._names = {
+            n.removeprefix("model.").removesuffix(".weight"): n
+            for n in tensors
+            if n.endswith(".weight") and tensors.qtype(n) in _KEPT_KINDS
+        }
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, key: str) -> tuple:
+        if key == "embed_tokens":  # asked twice when the LM head is tied to it: converted once
+            if not hasattr(self, "_embed"):
+                self._embed = self._convert(key)
+            return self._embed
+        return self._convert(key)
+
+    def _convert(self, key: str) -> tuple:
+        name = self._names[key]
+        num = self.tensors.qtype(name)
+        raw = self.tensors.blocks(name)[0].numpy()
+        rows = raw.shape[0]
+        b = raw.reshape(rows, -1, {2: 18, 3: 20, 8: 34}[num])
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+        if num == 8:
+            q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
+            parts = ["int8", q, d.astype(np.float32), None]
+        else:
+            off = 4 if num == 3 else 2
+            m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else (d * np.float16(-8))
+            parts = ["int4", np.ascontiguousarray(b[..., off:]).reshape(rows, -1), d, m]
+        self.tensors.release(name)
+        return (parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
+
+
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as float weights; every other type is kept as blocks
+Q4_TYPES = (2, 3)  # Q4_0, Q4_1
+# a GGUF served without --quantization keeps its blocks (GGUFLinear, float32-exact) when its float32 weights
+# would take more than this; a smaller one is widened tensor by tensor to plain float32 layers (the same
+# values, the fused decode kernels: the bundled 135M model takes 0.5 GiB)
+WIDEN_GGUF_BYTES = 2 << 30
+
+
+def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
+    """The quantized weight tensors not in `skip`, as their own blocks for quant.adopt_gguf."""
+    return {
+        name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name)
+        for name in tensors
+        if name.endswith(".weight") and name not in skip and tensors.qtype(name) not in FLOAT_TYPES
+    }
+
+
+def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: torch.dtype) -> int:
+    """About what the served weights take in memory: quantized tensors their file size, float ones widened to
+    `dtype` (or rounded to int8 / int4)."""
+    total = 0
+    for name in tensors:
+        if tensors.qtype(name) not in FLOAT_TYPES:
+            total += tensors.nbytes(name) * (9 if tensors.qtype(name) == 8 and quantization else 8) // 8
+        elif quantization and name.endswith(".weight") and "norm" not in name:
+            total += tensors.numel(name) * (3 if quantization == "int8" else 1)  # int8: + fbgemm's float16
+        else:
+            total += tensors.numel(name) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def load_gguf_model(
+    path: str,
+    reader,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    kv_bytes: int = 0,
+) -> nn.Module:
+    """The model straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
+
+    On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
+    None float32-exact (quant.GGUFLinear widens tiles to float32: transformers' values), with int8 / int4
+    Q4_0 / Q4_1 / Q8_0 tensors go into llmserve's packed layers (its fused decode kernels) and the other types
+    run llama.cpp's integer dots on their own blocks; only float tensors (F32 / F16 / BF16) are rounded to
+    int8 / int4, and under int8 the Q4_0 / Q4_1 tensors (int8 is the accurate mode: int16 activations,
+    which the Q4 kernels lack), rounded to int8 per channel from the file's values.
+    Elsewhere (CUDA), and on CPU without `quantization` for a model whose float32 weights take at most
+    WIDEN_GGUF_BYTES, tensors are dequantized one at a time into the model's dtype: the same values as
+    GGUFLinear's, served by the fused float32 decode kernels (the bundled model: the fast default)."""
+    tensors = GGUFTensors(path, reader, cfg)
+    float_bytes = sum(tensors.numel(n) for n in tensors) * torch.finfo(dtype).bits // 8
+    widen = device.type != "cpu" or (not quantization and float_bytes <= WIDEN_GGUF_BYTES)
+    check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
+    with torch.device("meta"):
+        model = make_model(cfg, max_positions)
+    if not widen:
+        skip = set()
+        if quantization:
+            skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True)
+        kept = gguf_kept_blocks(tensors, skip)
+        if quantization == "int8":  # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
+            kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
+        if quantization and kept:
+            log.info(
+                "%s: %d tensors of %s served from their own blocks with llama.cpp's integer dots "
+                "(--quantization %s never rounds a quantized tensor again)",
+                path,
+                len(kept),
+                "/".join(sorted({GGUF_TYPE_NAMES[q] for _, q in kept.values()})),
+                quantization,
+            )
+        skip |= adopt_gguf(model, kept, exact=quantization is None, floats=tensors)
+    else:
+        skip = set()
+    rest = {n: None for n in tensors if n not in skip}
+    return build_model(cfg, Lazy(tensors, rest), device, dtype, max_positions, quantization, model)

@@ -1,0 +1,50 @@
+"""The entry point: a model's config and the model itself, from a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from llmserve.model.config import ModelConfig
+from llmserve.model.loader.build import release_freed_memory
+from llmserve.model.loader.gguf import gguf_hf_config, open_gguf
+from llmserve.model.loader.gguf_model import load_gguf_model
+from llmserve.model.loader.lookup import ModelSource
+from llmserve.model.loader.safetensors import load_hf_model
+from llmserve.model.registry import config_from_hf
+
+
+def load_model_config(source: ModelSource):
+    """(ModelConfig, gguf reader or None)."""
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        return config_from_hf(gguf_hf_config(reader, source.path)), reader
+    import transformers
+
+    try:
+        hf = transformers.AutoConfig.from_pretrained(source.path)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"model: cannot read {source.path}/config.json: {e}") from e
+    return config_from_hf(hf), None
+
+
+def load_model(
+    source: ModelSource,
+    cfg: ModelConfig,
+    reader,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    quantization: str | None = None,
+    kv_bytes: int = 0,
+) -> nn.Module:
+    """The model of `source`: a GGUF file (`reader`, from load_model_config) through load_gguf_model, a
+    Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
+    that will not fit with it before allocating."""
+    if reader is not None:
+        model = load_gguf_model(source.path, reader, cfg, device, dtype, max_positions, quantization, kv_bytes)
+    else:
+        model = load_hf_model(source.path, cfg, device, dtype, max_positions, quantization, kv_bytes)
+    if model.pack_weights():  # float32 projections in oneDNN's layout (ops.pack_weight)
+        release_freed_memory()
+    return model

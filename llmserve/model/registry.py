@@ -1,0 +1,420 @@
+"""The architectures llmserve runs: one `ArchSpec` per family, and everything else reads it.
+
+A spec says which Hugging Face architectures (class names) it covers, how their transformers config maps
+onto `ModelConfig` (the fields common to every family are read by `config_from_hf`; the family's own come
+from `features` and `config`), how its GGUF files are named (`GGUFSpec`: the metadata prefix, tensor
+names, the config fields llama.cpp writes), how its checkpoints' tensor names differ from the model's
+(`checkpoint_renames`), whether tensor parallelism shards it, whether the fused decode stack runs its
+layers, and which model class builds it. A new architecture is one more entry in ARCHITECTURES (see
+docs/contributing-model.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from llmserve.model.config import ModelConfig
+from llmserve.model.llama import LlamaModel
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """What a GGUFSpec's `config` reads from the file: `get(key, default)` is the `<arch>.<key>` metadata."""
+
+    get: Callable
+    tensor_names: frozenset
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class GGUFSpec:
+    """How a family's GGUF files map onto its transformers config and Hugging Face tensor names."""
+
+    arch: str  # general.architecture (and the metadata keys' prefix)
+    config_class: str  # the transformers config class the metadata becomes
+    layer_names: Mapping  # blk.N.<key>.weight -> model.layers.N.<value>.weight ("{e}": one per expert)
+    names: Mapping = field(default_factory=lambda: dict(GGUF_MODEL_NAMES))  # whole-model tensors -> HF names
+    permute_qk: bool = False  # llama.cpp's converter interleaved the rotary halves of Q and K rows
+    head_dim_key: str | None = None  # metadata key (after "<arch>.") holding the head size, if any
+    norm_offset: bool = False  # the converter stored the (1 + w) norms as 1 + w: read back as w (Gemma)
+    experts: bool = False  # this family's files are `arch` files with `<arch>.expert_count` > 0 (Mixtral: llama)
+    # (GGUFMetadata, the common config fields, rope theta) -> the config fields beyond the common ones
+    config: Callable | None = None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One family of architectures."""
+
+    model_type: str  # its transformers config's model_type
+    hf_architectures: tuple[str, ...]  # the Hugging Face class names it covers
+    features: Mapping = field(default_factory=dict)  # ModelConfig feature fields the family fixes
+    config: Callable | None = None  # transformers config -> ModelConfig fields read from it (beyond the common)
+    gguf: GGUFSpec | None = None  # None: not read from GGUF files
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragments -> the model's
+    tensor_parallel: bool = True  # llmserve.model.parallel shards its attention and MLP (False: refused)
+    fused_decode: bool = True  # its layers are plain Llama layers, which the fused C++ decode stack runs
+    model_class: type = LlamaModel  # builds it: model_class(cfg, max_positions)
+
+
+# -- GGUF tensor names (llama.cpp's) --------------------------------------------------------------
+GGUF_MODEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LLAMA_LAYERS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# routed experts: the router, and each merged [n_expert, rows, cols] tensor split into one per expert
+GGUF_MOE_LAYERS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, post_attention_norm the one after
+# attention (Hugging Face's post_attention_layernorm), post_ffw_norm the one after the MLP
+GGUF_GEMMA_LAYERS = {
+    **GGUF_LLAMA_LAYERS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+# -- per-family config fields: from a transformers config ----------------------------------------------
+def _gemma(hf) -> dict:
+    return dict(
+        norm_offset=True,
+        embed_scale=hf.hidden_size**0.5,
+        sandwich_norms=True,
+        attn_scale=hf.query_pre_attn_scalar**-0.5,
+        attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+        final_softcap=getattr(hf, "final_logit_softcapping", None),
+    )
+
+
+def _mixtral(hf) -> dict:
+    return dict(
+        num_experts=hf.num_local_experts,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        moe_layers=(True,) * hf.num_hidden_layers,
+    )
+
+
+def _qwen3_moe(hf) -> dict:
+    sparse = tuple(
+        i not in (hf.mlp_only_layers or []) and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
+        for i in range(hf.num_hidden_layers)
+    )
+    return dict(
+        num_experts=hf.num_experts,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        moe_layers=sparse,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+    )
+
+
+# -- per-family config fields: from GGUF metadata, as llama.cpp reads it --------------------------------
+def _swa_layers(meta: GGUFMetadata, layers: int, every: int) -> list[str]:
+    """Hugging Face's layer_types from `<arch>.attention.sliding_window_pattern` (a bool per layer, or n: every
+    n-th layer is global) or llama.cpp's default n for the architecture."""
+    pattern = meta.get("attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [pattern > 0 and (i + 1) % pattern != 0 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _gguf_gemma(meta: GGUFMetadata, kw: dict, big_layers: int, final_softcap: float | None) -> dict:
+    # llama.cpp scales queries by head_dim ** -0.5, but for the 27B models by (hidden / heads) ** -0.5
+    big = kw["num_hidden_layers"] == big_layers
+    return dict(
+        query_pre_attn_scalar=kw["hidden_size"] // kw["num_attention_heads"] if big else kw["head_dim"],
+        final_logit_softcapping=meta.get("final_logit_softcapping", final_softcap),
+        hidden_activation="gelu_pytorch_tanh",
+    )
+
+
+def _gguf_gemma2(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    return dict(
+        _gguf_gemma(meta, kw, 46, 30.0),
+        sliding_window=meta.get("attention.sliding_window", 4096),
+        attn_logit_softcapping=meta.get("attn_logit_softcapping", 50.0),  # (llama.cpp's defaults)
+        layer_types=_swa_layers(meta, kw["num_hidden_layers"], 2),
+    )
+
+
+def _gguf_gemma3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    layers, window = kw["num_hidden_layers"], meta.get("attention.sliding_window")
+    full = {"rope_type": "default", "rope_theta": theta}
+    scaling_type = meta.get("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        full = {"rope_type": scaling_type, "factor": meta.get("rope.scaling.factor", 1.0), "rope_theta": theta}
+    local = {"rope_type": "default", "rope_theta": meta.get("rope.freq_base_swa", 10000.0)}
+    return dict(
+        _gguf_gemma(meta, kw, 62, None),
+        sliding_window=window,
+        layer_types=_swa_layers(meta, layers, 6) if window else ["full_attention"] * layers,
+        rope_parameters={"full_attention": full, "sliding_attention": local},
+    )
+
+
+def _gguf_phi3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    extra = {"sliding_window": meta.get("attention.sliding_window") or None}  # (llama.cpp writes 0 for none)
+    rot = meta.get("rope.dimension_count", kw["head_dim"])
+    if rot != kw["head_dim"]:
+        extra["partial_rotary_factor"] = rot / kw["head_dim"]
+    if any(n.startswith("rope_factors") for n in meta.tensor_names):
+        raise ValueError(
+            f"model: {meta.path or 'the GGUF file'} is a Phi-3 with long-context rope factors (longrope), which "
+            f"llmserve does not run; give a short-context Phi-3 (e.g. a -4k- file) or another --model"
+        )
+    return extra
+
+
+def _gguf_mixtral(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    return dict(
+        num_experts_per_tok=meta.get("expert_used_count"),
+        num_local_experts=meta.get("expert_count"),
+        intermediate_size=meta.get("expert_feed_forward_length", kw["intermediate_size"]),
+    )
+
+
+def _gguf_qwen3_moe(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    layers = kw["num_hidden_layers"]
+    return dict(
+        num_experts_per_tok=meta.get("expert_used_count"),
+        num_experts=meta.get("expert_count"),
+        moe_intermediate_size=meta.get("expert_feed_forward_length", kw["intermediate_size"]),
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in meta.tensor_names],
+        # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise
+        norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+    )
+
+
+# -- the families -------------------------------------------------------------------------------
+_NO_STACK = dict(fused_decode=False)  # layers the fused decode stack lacks (q/k norms, sandwich norms, experts)
+ARCHITECTURES = {
+    s.model_type: s
+    for s in (
+        ArchSpec(
+            "llama",
+            ("LlamaForCausalLM",),
+            gguf=GGUFSpec(
+                "llama", "LlamaConfig", GGUF_LLAMA_LAYERS, permute_qk=True, head_dim_key="rope.dimension_count"
+            ),
+        ),
+        ArchSpec("mistral", ("MistralForCausalLM",)),  # (llama.cpp writes Mistral files as llama ones)
+        ArchSpec(
+            "qwen2",
+            ("Qwen2ForCausalLM",),
+            features=dict(attention_bias=True),
+            gguf=GGUFSpec("qwen2", "Qwen2Config", GGUF_LLAMA_LAYERS),
+        ),
+        ArchSpec(
+            "qwen3",
+            ("Qwen3ForCausalLM",),
+            features=dict(qk_norm=True),
+            gguf=GGUFSpec(
+                "qwen3", "Qwen3Config", {**GGUF_LLAMA_LAYERS, **GGUF_QK_NORMS}, head_dim_key="attention.key_length"
+            ),
+            **_NO_STACK,
+        ),
+        ArchSpec(
+            "phi3",
+            ("Phi3ForCausalLM",),
+            # one attn_qkv (q, k, v rows) and one ffn_up holding gate and up, as Hugging Face's own packed layers
+            gguf=GGUFSpec(
+                "phi3",
+                "Phi3Config",
+                {**GGUF_LLAMA_LAYERS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                config=_gguf_phi3,
+            ),
+            tensor_parallel=False,  # its checkpoint packs q/k/v and gate/up, which the slicing expects apart
+        ),
+        ArchSpec(
+            "gemma2",
+            ("Gemma2ForCausalLM",),
+            config=_gemma,
+            gguf=GGUFSpec(
+                "gemma2",
+                "Gemma2Config",
+                GGUF_GEMMA_LAYERS,
+                head_dim_key="attention.key_length",
+                norm_offset=True,
+                config=_gguf_gemma2,
+            ),
+            **_NO_STACK,
+        ),
+        ArchSpec(
+            "gemma3_text",
+            ("Gemma3ForCausalLM",),
+            features=dict(qk_norm=True),
+            config=_gemma,
+            gguf=GGUFSpec(
+                "gemma3",
+                "Gemma3TextConfig",
+                {**GGUF_GEMMA_LAYERS, **GGUF_QK_NORMS},
+                head_dim_key="attention.key_length",
+                norm_offset=True,
+                config=_gguf_gemma3,
+            ),
+            **_NO_STACK,
+        ),
+        ArchSpec(
+            "mixtral",
+            ("MixtralForCausalLM",),
+            config=_mixtral,
+            gguf=GGUFSpec(
+                "llama",
+                "MixtralConfig",
+                {**GGUF_LLAMA_LAYERS, **GGUF_MOE_LAYERS},
+                permute_qk=True,
+                head_dim_key="rope.dimension_count",
+                experts=True,
+                config=_gguf_mixtral,
+            ),
+            # the model's names are Hugging Face's Llama / Qwen3-MoE ones
+            checkpoint_renames=(
+                (".block_sparse_moe.", ".mlp."),
+                (".w1.", ".gate_proj."),
+                (".w3.", ".up_proj."),
+                (".w2.", ".down_proj."),
+            ),
+            tensor_parallel=False,  # (experts are not split yet)
+            **_NO_STACK,
+        ),
+        ArchSpec(
+            "qwen3_moe",
+            ("Qwen3MoeForCausalLM",),
+            features=dict(qk_norm=True),
+            config=_qwen3_moe,
+            gguf=GGUFSpec(
+                "qwen3moe",
+                "Qwen3MoeConfig",
+                {**GGUF_LLAMA_LAYERS, **GGUF_QK_NORMS, **GGUF_MOE_LAYERS},
+                head_dim_key="attention.key_length",
+                config=_gguf_qwen3_moe,
+            ),
+            tensor_parallel=False,
+            **_NO_STACK,
+        ),
+    )
+}
+_BY_CLASS = {a: s for s in ARCHITECTURES.values() for a in s.hf_architectures}
+SUPPORTED_ARCHITECTURES = tuple(_BY_CLASS)  # the Hugging Face class names llmserve runs
+
+
+# -- look-ups -----------------------------------------------------------------------------------
+def arch_spec(architecture: str) -> ArchSpec:
+    """The spec of a Hugging Face architecture (ModelConfig.architecture)."""
+    spec = _BY_CLASS.get(architecture)
+    if spec is None:
+        raise ValueError(
+            f"model: unsupported architecture {architecture!r}; llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return spec
+
+
+def gguf_family(arch: str, experts: bool = False) -> ArchSpec | None:
+    """The spec whose GGUF files are `arch` ones (general.architecture), with or without routed experts;
+    None for an architecture llmserve does not read from GGUF."""
+    rows = [s for s in ARCHITECTURES.values() if s.gguf is not None and s.gguf.arch == arch]
+    return next((s for s in rows if s.gguf.experts == experts), next((s for s in rows if not s.gguf.experts), None))
+
+
+def gguf_architectures() -> str:
+    """The GGUF architectures llmserve reads, in words (for errors)."""
+    plain = dict.fromkeys(s.gguf.arch for s in ARCHITECTURES.values() if s.gguf and not s.gguf.experts)
+    mixed = [
+        f"{s.hf_architectures[0]} as {s.gguf.arch} with experts"
+        for s in ARCHITECTURES.values()
+        if s.gguf and s.gguf.experts
+    ]
+    return ", ".join(plain) + "".join(f", and {m}" for m in mixed)
+
+
+def make_model(cfg: ModelConfig, max_positions: int | None = None):
+    """The model of `cfg`'s family (its spec's model_class), built on the current device."""
+    return arch_spec(cfg.architecture).model_class(cfg, max_positions)
+
+
+# -- transformers config -> ModelConfig ------------------------------------------------------------
+def config_from_hf(hf) -> ModelConfig:
+    """A ModelConfig from a transformers config: the fields every family has, then the family's own
+    (its spec's `features` and `config`); refuses what llmserve lacks."""
+    archs = list(getattr(hf, "architectures", None) or [])
+    arch = next((a for a in archs if a in _BY_CLASS), None)
+    if arch is None:
+        by_type = ARCHITECTURES.get(getattr(hf, "model_type", None))
+        arch = by_type.hf_architectures[0] if by_type is not None else None
+    if arch is None:
+        raise ValueError(
+            f"model: unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
+            f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    spec = _BY_CLASS[arch]
+    heads = hf.num_attention_heads
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see layers.Rotary)
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    eos = hf.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    fields = dict(
+        architecture=arch,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_theta=float(theta),
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        rope_scaling=scaling,
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=eos,
+        hf_config=hf,
+        fused_decode=spec.fused_decode,
+        **_common_features(hf, arch),
+    )
+    fields.update(spec.features)
+    if spec.config is not None:
+        fields.update(spec.config(hf))
+    return ModelConfig(**fields)
+
+
+def _common_features(hf, arch: str) -> dict:
+    """The feature fields any family's config may set: the MLP's activation, sliding-window layers."""
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"model: {arch} with activation {act!r} is not supported (llmserve runs {list(ACTIVATIONS)})")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(f"model: {arch} with use_bidirectional_attention is not supported")
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    sliding = tuple(t == "sliding_attention" for t in types) if types else (window is not None,) * hf.num_hidden_layers
+    return dict(hidden_act=ACTIVATIONS[act], sliding_window=window, sliding_layers=sliding if window else ())
