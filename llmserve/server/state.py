@@ -1,20 +1,19 @@
-"""The server's settings and its one piece of state: the engine (loaded in the background), the metrics,
-readiness, the reasoning parser, the checks every API's routes start with (the engine ready, the model
-served) and the record of each finished engine request (metrics and the request log line). Routes get
-the state as the `State` dependency."""
+"""The server's one piece of state: its settings (ServerSettings, llmserve/config.py), the engine (loaded
+in the background), the metrics, readiness, the reasoning parser, the checks every API's routes start
+with (the engine ready, the model served) and the record of each finished engine request (metrics and
+the request log line). Routes get the state as the `State` dependency."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from llmserve import envs
-from llmserve.config import EngineConfig
+from llmserve.config import ServerSettings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
 from llmserve.server.errors import APIError
@@ -24,25 +23,6 @@ from llmserve.server.reasoning import ReasoningParser
 
 log = logging.getLogger("llmserve.server")
 req_log = logging.getLogger("llmserve.requests")
-
-
-@dataclass
-class ServerSettings:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    api_key: str | None = None
-    protect_metrics: bool = False  # /metrics, /health, /ready and /version need the key too
-    allowed_origins: list[str] = field(default_factory=list)
-    request_timeout: float | None = None  # seconds; past it a request is aborted
-    max_request_body_bytes: int = 4 * 1024 * 1024
-    read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
-    sse_ping_interval: float = 0.0  # seconds between ': ping' comments while a stream waits; 0: none
-    ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
-    log_prompts: bool = False
-    retry_after_seconds: int = 1
-    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> (reasoning.py)
-    reasoning_start_marker: str | None = None
-    reasoning_end_marker: str | None = None
-    pooling: str = "last"  # /v1/embeddings: last | mean (embeddings.py)
 
 
 class ServerState:

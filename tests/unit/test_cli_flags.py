@@ -11,9 +11,11 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 
-SNAPSHOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "cli_flags.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SNAPSHOT = os.path.join(ROOT, "tests", "data", "cli_flags.json")
 ENGINE_GROUP = "model and engine"
 
 
@@ -52,6 +54,7 @@ def _settings_fields(obj, skip=("engine",)) -> dict:
 
 
 def current() -> dict:
+    from llmserve.config import serve_settings_from_args
     from llmserve.router import cli as route_cli
     from llmserve.router import launch
     from llmserve.router.app import RouterConfig
@@ -67,7 +70,7 @@ def current() -> dict:
         "route": parser_spec(route_cli.add_arguments),
         "launch": parser_spec(launch.add_arguments),
         # what no flags give
-        "serve_settings": _settings_fields(serve_cli.settings_from_args(parse(serve_cli.add_arguments, []))),
+        "serve_settings": _settings_fields(serve_settings_from_args(parse(serve_cli.add_arguments, []))),
         "router_config": _settings_fields(
             route_cli.build_router(parse(route_cli.add_arguments, ["--backend", "http://127.0.0.1:1"])).config,
             skip=(),
@@ -87,13 +90,28 @@ def test_flags_and_their_settings_match_the_snapshot(monkeypatch):
 
 
 def test_the_api_key_falls_back_to_its_variable(monkeypatch):
+    from llmserve.config import serve_settings_from_args
     from llmserve.server import cli as serve_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
     monkeypatch.setenv("LLMSERVE_API_KEY", "from-env")
-    assert serve_cli.settings_from_args(p.parse_args([])).api_key == "from-env"
-    assert serve_cli.settings_from_args(p.parse_args(["--api-key", "flag"])).api_key == "flag"
+    assert serve_settings_from_args(p.parse_args([])).api_key == "from-env"
+    assert serve_settings_from_args(p.parse_args(["--api-key", "flag"])).api_key == "flag"
+
+
+def test_the_router_and_the_launcher_build_their_flags_without_the_server():
+    """The router and the server are peers: `llmserve route` and `launch` (which offers every serve flag)
+    import nothing of llmserve.server."""
+    code = """
+import argparse, sys
+from llmserve.router import cli, launch
+for m in (cli, launch):
+    m.add_arguments(argparse.ArgumentParser())
+server = sorted(m for m in sys.modules if m.startswith("llmserve.server"))
+assert not server, server
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
