@@ -1,10 +1,13 @@
-"""Engine configuration: one dataclass, one source of truth for every flag the engine takes.
+"""Engine and server configuration: dataclasses, one source of truth for every flag they take.
 
 Flag names follow vLLM's (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, ...) so that users
 can carry their knowledge over. Each field's metadata (`flag(...)`: help, choices, aliases) makes its
-command-line flag: `add_engine_arguments` adds them all to a parser (`llmserve serve`, `generate`, `chat`,
-`launch`) and `engine_config_from_args` builds the config back from the parsed arguments. A field
-without metadata has no flag (set it from Python: `LLM(...)`, `EngineConfig(...)`).
+command-line flag: `add_arguments(parser, cls)` adds them all to a parser and `from_args(cls, args)`
+builds the dataclass back from the parsed arguments. A field without metadata has no flag (set it from
+Python: `LLM(...)`, `EngineConfig(...)`). `EngineConfig`'s flags (`add_engine_arguments`) are
+`llmserve serve`'s, `generate`'s, `chat`'s and `launch`'s; `ServerSettings`' (the HTTP server's) are
+`serve`'s and `launch`'s (`add_serve_arguments`); the router's `RouterConfig` (llmserve/router/state.py)
+declares its flags the same way.
 
 `KernelConfig` holds the model layer's kernel settings (row limits of the CPU kernels, the in-place
 decode attention); the engine applies them at start-up (`llmserve.model.ops.configure`).
@@ -17,14 +20,102 @@ import os
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
+from llmserve import envs
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def flag(help: str, *, choices: tuple | None = None, aliases: tuple[str, ...] = (), default=MISSING) -> dict:
-    """A field's command-line flag (`--field-name`, plus `aliases`); `default`: the flag's, where it
-    differs from the field's (the flag's spelling of the same setting)."""
-    return {"help": help, "choices": choices, "aliases": aliases, "default": default}
+def flag(
+    help: str | None,
+    *,
+    choices: tuple | None = None,
+    aliases: tuple[str, ...] = (),
+    default=MISSING,
+    group: str | None = None,
+    action: str | None = None,
+    type: typing.Any = None,
+    metavar: str | None = None,
+    name: str | None = None,
+    parse: typing.Callable | None = None,
+    env: str | None = None,
+) -> dict:
+    """A field's command-line flag (`--field-name`, or `name`, plus `aliases`), for `add_arguments`.
+
+    `default`: the flag's, where it differs from the field's (the flag's spelling of the same setting);
+    `group`: the --help group of this flag and the next ones (until one names another; before any does:
+    the one `add_arguments` is given); `action`, `type`, `metavar`:
+    argparse's, where the field's type does not say (a bool field is --x/--no-x, a list field takes
+    several values); `parse`: the flag's value -> the field's; `env`: the variable (llmserve/envs.py) an
+    empty value falls back to."""
+    return {
+        "help": help,
+        "choices": choices,
+        "aliases": aliases,
+        "default": default,
+        "group": group,
+        "action": action,
+        "type": type,
+        "metavar": metavar,
+        "name": name,
+        "parse": parse,
+        "env": env,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, group: str | None = None) -> None:
+    """The flags of dataclass `cls`'s fields that have `flag` metadata, in field order, in their --help
+    groups (`group`: the first one, unless the first field names one; None: the parser's own)."""
+    groups: dict[str | None, typing.Any] = {None: parser}
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        title = group = meta.get("group") or group
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        if meta["default"] is not MISSING:
+            default = meta["default"]
+        else:
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+        kwargs = {"default": default, "help": meta["help"]}
+        kind = meta.get("type") or next(
+            (t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name]
+        )
+        if meta.get("action"):
+            kwargs["action"] = meta["action"]
+        elif kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is list:  # --lora-modules a=x b=y
+            kwargs["nargs"] = "+"
+        elif kind is not str:
+            kwargs["type"] = kind
+        if meta["choices"]:
+            kwargs["choices"] = list(meta["choices"])
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        if meta.get("name"):
+            kwargs["dest"] = f.name
+        option = meta.get("name") or "--" + f.name.replace("_", "-")
+        groups[title].add_argument(option, *meta["aliases"], **kwargs)
+
+
+def from_args(cls, args: argparse.Namespace, **values):
+    """A `cls` from parsed arguments: each flagged field from its flag (through its `parse`; an empty value
+    falls back to its `env`); `values` and the fields the arguments lack keep what they are given or their
+    defaults."""
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta or f.name in values or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if meta.get("parse"):
+            value = meta["parse"](value)
+        if meta.get("env") and not value:
+            value = getattr(envs, meta["env"])
+        values[f.name] = value
+    return cls(**values)
 
 
 @dataclass
@@ -259,32 +350,108 @@ class EngineConfig:
         return self.num_threads or len(os.sched_getaffinity(0))
 
 
+def _comma_list(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+@dataclass
+class ServerSettings:
+    """`llmserve serve`'s HTTP server (llmserve/server/): each field's metadata makes its flag, in the group
+    "server"; `add_serve_arguments` adds them with the engine's, `llmserve launch` offers them for its
+    replicas. Here, below the server and the router, so that the launcher needs neither."""
+
+    host: str = field(default="127.0.0.1", metadata=flag("address to listen on"))
+    port: int = field(default=8000, metadata=flag("port to listen on"))
+    api_key: str | None = field(
+        default=None,
+        metadata=flag("require 'Authorization: Bearer KEY' on the API (also LLMSERVE_API_KEY)", env="LLMSERVE_API_KEY"),
+    )
+    protect_metrics: bool = field(  # /metrics, /health, /ready and /version need the key too
+        default=False,
+        metadata=flag(
+            "with --api-key, also require the key on /metrics, /health, /ready and /version", action="store_true"
+        ),
+    )
+    allowed_origins: list[str] = field(
+        default_factory=list,
+        metadata=flag(
+            "comma-separated CORS origins (default: none, CORS closed)", type=str, default="", parse=_comma_list
+        ),
+    )
+    request_timeout: float | None = field(  # seconds; past it a request is aborted
+        default=None,
+        metadata=flag("seconds after which a request is aborted and answered with a timeout error"),
+    )
+    max_request_body_bytes: int = field(default=4 * 1024 * 1024, metadata=flag("larger request bodies get 413"))
+    read_timeout: float = field(  # seconds for a request's headers, and again for its body
+        default=30.0,
+        metadata=flag(
+            "seconds a client has to send a request's headers, and again its body (slow clients "
+            "are cut off: slowloris); 0: no limit"
+        ),
+    )
+    sse_ping_interval: float = field(  # seconds between ': ping' comments while a stream waits; 0: none
+        default=0.0,
+        metadata=flag(
+            "seconds between SSE comment pings (': ping') while a stream waits for its next "
+            "token; 0 (default): none, as vLLM and OpenAI send none. Set it behind proxies that "
+            "cut idle streams; some clients (vllm bench serve) drop streams that carry comments"
+        ),
+    )
+    graceful_shutdown_timeout: float = field(
+        default=30.0, metadata=flag("on SIGTERM, seconds to let running requests finish")
+    )
+    reasoning_parser: str | None = field(  # split <think>...</think> (llmserve/server/reasoning.py)
+        default=None,
+        metadata=flag(
+            "split a thinking model's <think>...</think> from its answer: reasoning_content in chat, "
+            "a reasoning item in /v1/responses, a thinking block in /v1/messages. deepseek_r1: the "
+            "output starts inside the reasoning; qwen3: only an output that opens with the marker",
+            choices=("deepseek_r1", "qwen3"),
+        ),
+    )
+    reasoning_start_marker: str | None = field(
+        default=None, metadata=flag("with --reasoning-parser: the start marker", default="<think>")
+    )
+    reasoning_end_marker: str | None = field(
+        default=None, metadata=flag("with --reasoning-parser: the end marker", default="</think>")
+    )
+    pooling: str = field(  # /v1/embeddings (llmserve/server/api/embeddings.py)
+        default="last",
+        metadata=flag(
+            "/v1/embeddings: pool the prompt's final hidden states by its last token (as vLLM pools "
+            "decoder models) or their mean; the vector is normalized",
+            choices=("last", "mean"),
+        ),
+    )
+    log_level: str = field(default="info", metadata=flag(None, choices=("debug", "info", "warning", "error")))
+    log_prompts: bool = field(
+        default=False, metadata=flag("log prompts and completions (off by default)", action="store_true")
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
+    retry_after_seconds: int = 1
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """EngineConfig's flags, as the group "model and engine" of `parser`."""
-    g = parser.add_argument_group("model and engine")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in fields(EngineConfig):
-        meta = f.metadata
-        if "help" not in meta:
-            continue
-        kwargs = {"default": f.default if meta["default"] is MISSING else meta["default"], "help": meta["help"]}
-        kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is list:  # --lora-modules a=x b=y
-            kwargs["nargs"] = "+"
-            kwargs["type"] = typing.get_args(kind)[0]
-        else:
-            kwargs["type"] = kind
-        if meta["choices"]:
-            kwargs["choices"] = list(meta["choices"])
-        g.add_argument("--" + f.name.replace("_", "-"), *meta["aliases"], **kwargs)
+    add_arguments(parser, EngineConfig, "model and engine")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed arguments (those `add_engine_arguments` added; others are ignored)."""
-    names = EngineConfig.field_names()
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return from_args(EngineConfig, args)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`llmserve serve`'s flags: --config, the engine's and the HTTP server's."""
+    parser.add_argument("--config", default=None, help="YAML file of settings (keys as flag names); flags win")
+    add_engine_arguments(parser)
+    add_arguments(parser, ServerSettings, "server")
+
+
+def serve_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return from_args(ServerSettings, args, engine=engine_config_from_args(args))
 
 
 def flag_dests(argv: list[str]) -> set[str]:

@@ -5,7 +5,7 @@
                  disconnect -> abort); the request facts the policies route on
     routes.py    /health, /ready, /metrics, /router/backends, the web page, /v1/models
     errors.py    RouterError, in OpenAI's error shape (llmserve/errors.py)
-    policies.py, health.py, discovery.py, upstream.py, metrics.py: see docs/router.md
+    policies/ (one module per policy), health.py, discovery.py, upstream.py, metrics.py: see docs/router.md
 
 This module assembles the ASGI app: `build_app(router)`.
 """

@@ -23,28 +23,19 @@ import subprocess
 import sys
 import threading
 
+from llmserve.config import add_serve_arguments
+
 log = logging.getLogger("llmserve.launch")
 
-# serve flags the launcher sets itself, per replica
+# serve flags the launcher sets itself, per replica (--host and --port are the router's, --num-threads the
+# total, --api-key the router's and the replicas')
 _OWN = {"host", "port", "num_threads", "api_key", "help"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    serve_actions: list[argparse.Action] = []
-    try:
-        from llmserve.server.flags import add_serve_arguments
-    except ImportError:  # the server is not installed: launch still works with
-        add_serve_arguments = None  # --replica-command
-    if add_serve_arguments is not None:
-        n = len(p._actions)
-        add_serve_arguments(p)
-        serve_actions = p._actions[n:]
-    p.set_defaults(_serve_actions=serve_actions)
-
-    def add(*flags, **kw):
-        if not any(f in p._option_string_actions for f in flags):
-            p.add_argument(*flags, **kw)
-
+    n = len(p._actions)
+    add_serve_arguments(p)  # every `llmserve serve` flag, passed on to the replicas (serve_argv)
+    p.set_defaults(_serve_actions=p._actions[n:])
     g = p.add_argument_group("fleet")
     g.add_argument("--replicas", type=int, default=2, help="number of servers")
     g.add_argument("--base-port", type=int, default=None, help="first replica port (default: --port + 1)")
@@ -57,10 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router-policy", dest="router_policy", default="cache_aware", help="routing policy of the router")
     g.add_argument("--router-max-retries", dest="router_max_retries", type=int, default=2)
     g.add_argument("--router-health-interval", dest="router_health_interval", type=float, default=2.0)
-    add("--host", default="127.0.0.1", help="router address")
-    add("--port", type=int, default=8080, help="router port (the fleet's entry point)")
-    add("--num-threads", type=int, default=None, help="threads for all replicas together (default: all cores)")
-    add("--api-key", default=None, help="key for the router and the replicas")
 
 
 def serve_argv(args) -> list[str]:

@@ -3,12 +3,14 @@
 The server never sees a block or a tensor: it validates, renders chat templates, tokenizes, hands
 token ids and SamplingParams to the engine, and turns the engine's outputs into OpenAI's JSON and SSE.
 
+    api/           one module per API: its router, protocol models and rendering (api/__init__.py)
     state.py       ServerSettings, ServerState (the engine, loaded in the background; readiness; metrics)
     middleware.py  API key, body size and time limits (413 after draining, 408), CORS
-    routes.py      the routes, thin
+    protocol.py    the request pieces the APIs share (chat messages, sampling fields), the error shape
     prepare.py     request body -> engine runs: chat encoding, SamplingParams, admission
     serving.py     Generation: the one serving loop (engine stream, pings, timeout, abort, usage)
-    rendering.py   chat vs completion choices and deltas, logprobs
+    rendering.py   the Rendering interface, OpenAI's choices envelope, the reasoning / content split
+    tools.py, reasoning.py  tool calls (prompt, grammar, parse) and thinking models' reasoning, for all APIs
     errors.py      APIError (the shape is llmserve/errors.py's)
     faults.py      fault injection, a test facility
 
@@ -25,10 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve import __version__
+from llmserve.server.api import include_apis
 from llmserve.server.errors import APIError, from_validation_errors
 from llmserve.server.faults import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
 from llmserve.server.middleware import BodyRefused, install_middleware
-from llmserve.server.routes import add_routes
 from llmserve.server.state import ServerSettings, ServerState
 
 # what other modules and the tests import from here
@@ -82,5 +84,5 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
         log.exception("unhandled error")
         return APIError(500, f"internal error: {type(exc).__name__}").response(request.url.path)
 
-    add_routes(app, state)
+    include_apis(app, state)
     return app

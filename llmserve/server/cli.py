@@ -9,9 +9,8 @@ import sys
 
 import yaml
 
-from llmserve import envs
-from llmserve.config import engine_config_from_args, flag_dests
-from llmserve.server.flags import add_serve_arguments as add_arguments  # noqa: F401 (the subcommand's flags)
+from llmserve.config import add_serve_arguments as add_arguments  # noqa: F401 (the subcommand's flags)
+from llmserve.config import flag_dests, serve_settings_from_args
 
 
 def _apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
@@ -29,26 +28,6 @@ def _apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
             setattr(args, attr, value)
 
 
-def settings_from_args(args: argparse.Namespace):
-    from llmserve.server.app import ServerSettings
-
-    return ServerSettings(
-        engine=engine_config_from_args(args),
-        api_key=args.api_key or envs.LLMSERVE_API_KEY,
-        protect_metrics=args.protect_metrics,
-        allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
-        request_timeout=args.request_timeout,
-        max_request_body_bytes=args.max_request_body_bytes,
-        read_timeout=args.read_timeout,
-        sse_ping_interval=args.sse_ping_interval,
-        log_prompts=args.log_prompts,
-        reasoning_parser=args.reasoning_parser,
-        reasoning_start_marker=args.reasoning_start_marker,
-        reasoning_end_marker=args.reasoning_end_marker,
-        pooling=args.pooling,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -57,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     _apply_config_file(args, flag_dests(sys.argv[2:]))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = settings_from_args(args)
+    settings = serve_settings_from_args(args)
     if settings.engine.tensor_parallel_size > 1:
         from llmserve.engine import tp
 
@@ -67,13 +46,13 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(settings)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
         h11_max_incomplete_event_size=64 * 1024,
         timeout_keep_alive=5,
-        http=http_protocol(args.read_timeout, 64 * 1024),
+        http=http_protocol(settings.read_timeout, 64 * 1024),
     )
     server = uvicorn.Server(config)
     exit_code = {"code": 0}

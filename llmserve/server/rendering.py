@@ -7,14 +7,15 @@ rendering turns the outputs into the API's JSON body or its SSE events:
   stream's events (SSE text) before the first output, for each output, after the last one, and on failure.
 
 ChoicesRendering is OpenAI's chat / text completion envelope (`choices[]`, chunks, the usage chunk,
-`[DONE]`); ChatRendering and CompletionRendering say how one choice looks in it:
+`[DONE]`); api/chat.py's ChatRendering and api/completions.py's CompletionRendering say how one choice
+looks in it:
 - `choice(i, out)`: the finished choice of a JSON answer;
 - `opening(i)`: a choice's first chunks, sent with its first output (chat: the assistant role;
   completions with echo: the prompt);
 - `deltas(i, out)`: the stream's chunks for one output (none when it carries nothing to send).
-The Responses and Messages APIs have their own renderings (openai_responses.py, anthropic_messages.py).
-ChoiceText splits a choice's text into reasoning (--reasoning-parser), content and tool calls for all of
-them. Logprobs are formatted here too, in each API's shape.
+The Responses, Messages and embeddings APIs have their own renderings (api/responses.py, api/messages.py,
+api/embeddings.py). ChoiceText splits a choice's text into reasoning (--reasoning-parser), content and tool
+calls for all of them.
 """
 
 from __future__ import annotations
@@ -87,46 +88,9 @@ class Rendering:
         return ": ping\n\n"
 
 
-def _token_text(tok, token_id: int) -> str:
+def token_text(tok, token_id: int) -> str:
+    """One token's text, special tokens included (logprobs name their tokens so)."""
     return tok.decode([token_id], skip_special_tokens=False)
-
-
-def chat_logprobs(tok, lps) -> dict | None:
-    if lps is None:
-        return None
-    content = []
-    for lp in lps:
-        t = _token_text(tok, lp.token_id)
-        content.append(
-            {
-                "token": t,
-                "logprob": lp.logprob,
-                "bytes": list(t.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": (x := _token_text(tok, a.token_id)),
-                        "logprob": a.logprob,
-                        "bytes": list(x.encode("utf-8")),
-                    }
-                    for a in lp.top
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def completion_logprobs(tok, lps, offset: int = 0) -> dict | None:
-    if lps is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        t = _token_text(tok, lp.token_id)
-        offsets.append(offset)
-        offset += len(t)
-        tokens.append(t)
-        token_lps.append(lp.logprob)
-        tops.append({_token_text(tok, a.token_id): a.logprob for a in lp.top} if lp.top else None)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 class ChoicesRendering(Rendering):
@@ -181,123 +145,3 @@ class ChoicesRendering(Rendering):
 
     def stream_error(self, gen, e: APIError) -> list[str]:
         return [e.sse(), "data: [DONE]\n\n"]
-
-
-class ChatRendering(ChoicesRendering):
-    """/v1/chat/completions. With a reasoning parser, the reasoning goes in `reasoning_content`; with tools to
-    parse, a choice's content is held back while it streams and parsed into `tool_calls` when it finishes."""
-
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def __init__(
-        self, tokenizer, tool_plan: tools_mod.ToolPlan | None = None, reasoning: ReasoningParser | None = None
-    ) -> None:
-        super().__init__()
-        self.tok = tokenizer
-        self.tool_plan = tool_plan if tool_plan is not None and tool_plan.parse else None
-        self.reasoning = reasoning
-        self.texts: dict[int, ChoiceText] = {}
-
-    def choice(self, i: int, out: RequestOutput) -> dict:
-        c = out.outputs[0]
-        text = ChoiceText.whole(c.text, self.reasoning, self.tool_plan)
-        content, calls = text.calls()
-        message, finish = {"role": "assistant", "content": content}, c.finish_reason
-        if self.reasoning is not None:
-            message["reasoning_content"] = text.reasoning or None
-        if calls:
-            message["tool_calls"] = calls
-            finish = "tool_calls" if finish == "stop" else finish
-        return {
-            "index": i,
-            "message": message,
-            "logprobs": chat_logprobs(self.tok, c.logprobs),
-            "finish_reason": finish,
-            "stop_reason": c.stop_reason,
-        }
-
-    def opening(self, i: int) -> list[dict]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-
-    def deltas(self, i: int, out: RequestOutput) -> list[dict]:
-        c = out.outputs[0]
-        text = self.texts.setdefault(i, ChoiceText(self.reasoning, self.tool_plan))
-        reasoning, content = text.feed(c.delta_text, out.finished)
-        delta = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        if self.tool_plan is None:
-            if not delta and not out.finished:
-                return []
-            choice = {
-                "index": i,
-                "delta": delta,
-                "logprobs": chat_logprobs(self.tok, c.delta_logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            if out.finished:
-                choice["stop_reason"] = c.stop_reason
-            return [choice]
-        chunks = [_delta(i, delta)] if delta else []  # reasoning streams; the content waits for the parse
-        return chunks + (self._tool_deltas(i, c, text) if out.finished else [])
-
-    @staticmethod
-    def _tool_deltas(i: int, c, text: ChoiceText) -> list[dict]:
-        content, calls = text.calls()
-        out = [_delta(i, {"content": content})] if content else []
-        out += [_delta(i, {"tool_calls": [d]}) for d in tools_mod.stream_deltas(calls)]
-        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return out + [{**_delta(i, {}), "finish_reason": finish, "stop_reason": c.stop_reason}]
-
-
-def _delta(i: int, delta: dict) -> dict:
-    return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-
-
-class CompletionRendering(ChoicesRendering):
-    """/v1/completions; with `echo`, each choice's text starts with its prompt. `runs` are the
-    generation's (choice index, prompt index, prompt token ids, SamplingParams)."""
-
-    object = "text_completion"
-    chunk_object = "text_completion"
-
-    def __init__(self, tokenizer, runs, echo: bool = False) -> None:
-        super().__init__()
-        self.tok, self.runs, self.echo = tokenizer, runs, echo
-
-    def _prompt_text(self, index: int) -> str:
-        ids = next(r[2] for r in self.runs if r[0] == index)
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def choice(self, i: int, out: RequestOutput) -> dict:
-        c = out.outputs[0]
-        prefix = self._prompt_text(i) if self.echo else ""
-        return {
-            "index": i,
-            "text": prefix + c.text,
-            "logprobs": completion_logprobs(self.tok, c.logprobs, len(prefix)),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-
-    def opening(self, i: int) -> list[dict]:
-        if not self.echo:
-            return []
-        return [{"index": i, "text": self._prompt_text(i), "logprobs": None, "finish_reason": None}]
-
-    def deltas(self, i: int, out: RequestOutput) -> list[dict]:
-        c = out.outputs[0]
-        if not c.delta_text and not out.finished:
-            return []
-        choice = {
-            "index": i,
-            "text": c.delta_text,
-            "logprobs": completion_logprobs(self.tok, c.delta_logprobs),
-            "finish_reason": c.finish_reason,
-        }
-        if out.finished:
-            choice["stop_reason"] = c.stop_reason
-        return [choice]

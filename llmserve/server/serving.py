@@ -2,7 +2,7 @@
 HTTP request's engine requests (n choices, or several prompts) run on the engine and merged into one
 stream, with keep-alive pings, the request timeout, abort when the client goes away, usage counts,
 metrics and the request log line. The answer is a JSON body or SSE events; what they look like is the
-rendering's (rendering.py, openai_responses.py, anthropic_messages.py).
+rendering's (rendering.Rendering; each API's in its module under api/).
 """
 
 from __future__ import annotations

@@ -1,41 +1,28 @@
-"""The server's settings and its one piece of state: the engine (loaded in the background), the metrics,
-readiness, and the record of each finished engine request (metrics and the request log line)."""
+"""The server's one piece of state: its settings (ServerSettings, llmserve/config.py), the engine (loaded
+in the background), the metrics, readiness, the reasoning parser, the checks every API's routes start
+with (the engine ready, the model served) and the record of each finished engine request (metrics and
+the request log line). Routes get the state as the `State` dependency."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from llmserve import envs
-from llmserve.config import EngineConfig
+from llmserve.config import ServerSettings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
+from llmserve.server.errors import APIError
 from llmserve.server.faults import install_fault_injection
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.reasoning import ReasoningParser
 
 log = logging.getLogger("llmserve.server")
 req_log = logging.getLogger("llmserve.requests")
-
-
-@dataclass
-class ServerSettings:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    api_key: str | None = None
-    protect_metrics: bool = False  # /metrics, /health, /ready and /version need the key too
-    allowed_origins: list[str] = field(default_factory=list)
-    request_timeout: float | None = None  # seconds; past it a request is aborted
-    max_request_body_bytes: int = 4 * 1024 * 1024
-    read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
-    sse_ping_interval: float = 0.0  # seconds between ': ping' comments while a stream waits; 0: none
-    ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
-    log_prompts: bool = False
-    retry_after_seconds: int = 1
-    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> (reasoning.py)
-    reasoning_start_marker: str | None = None
-    reasoning_end_marker: str | None = None
-    pooling: str = "last"  # /v1/embeddings: last | mean (embeddings.py)
 
 
 class ServerState:
@@ -47,6 +34,9 @@ class ServerState:
         self.model_names: list[str] = []
         self.draining = False
         self.on_fatal = None  # set by the CLI: called when the process should exit non-zero
+        self.reasoning = ReasoningParser.from_name(
+            settings.reasoning_parser, settings.reasoning_start_marker, settings.reasoning_end_marker
+        )
 
     @property
     def ready(self) -> bool:
@@ -54,6 +44,30 @@ class ServerState:
         if e is None or e.dead is not None or self.draining:
             return False
         return time.time() - e.last_progress < self.settings.ready_stall_seconds
+
+    def engine_or_503(self) -> AsyncEngine:
+        """The engine, or a 503 (with Retry-After) while it loads, drains or has stalled."""
+        if not self.ready:
+            raise APIError(
+                503,
+                "the model is not ready yet" if self.engine is None else "the server is not ready",
+                code="not_ready",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine
+
+    def check_model(self, name: str | None) -> str:
+        """The model a request names: the base model (also when it names none) or a loaded LoRA adapter."""
+        if name and name not in self.model_names:
+            if self.lora_name(name):
+                return name
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {', '.join(self.served_names())}",
+                param="model",
+                code="model_not_found",
+            )
+        return self.model_names[0]
 
     def load(self) -> None:
         try:
@@ -122,3 +136,11 @@ class ServerState:
             fields["prompt"] = out.prompt
             fields["completion"] = comp.text
         req_log.info(json.dumps(fields))
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.llm
+
+
+# a route's parameter `state: State` is the app's ServerState
+State = Annotated[ServerState, Depends(server_state)]

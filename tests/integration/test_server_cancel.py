@@ -9,7 +9,7 @@ import time
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import SamplingParams
-from llmserve.server.rendering import CompletionRendering
+from llmserve.server.api.completions import CompletionRendering
 from llmserve.server.serving import Generation
 from llmserve.server.state import ServerSettings, ServerState
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve import errors
-from llmserve.server import anthropic_messages as A
-from llmserve.server import openai_responses as R
 from llmserve.server import tools
+from llmserve.server.api import messages as A
+from llmserve.server.api import responses as R
 from llmserve.server.errors import APIError, from_value_error
 from llmserve.server.reasoning import ReasoningParser
 

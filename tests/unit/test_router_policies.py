@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmserve.router.policies import (
+    POLICIES,
     Backend,
     CacheAware,
     HashRing,
@@ -29,6 +30,50 @@ def backends(n: int, **kw) -> list[Backend]:
 
 def req(text: str = "", **kw) -> RouteRequest:
     return RouteRequest(prompt_text=text, prompt_tokens=len(text) // 4, **kw)
+
+
+# -- every policy, one row each: a new policy adds its row ------------------------------------------
+# (name, make_policy options, each backend's state, the request, the backend it must choose, the reason)
+POLICY_ROWS = [
+    ("round_robin", {}, [{}, {}, {}], {}, 0, "round_robin"),
+    ("least_outstanding", {}, [{"outstanding": 3}, {"outstanding": 1}, {"outstanding": 2}], {}, 1, "least_outstanding"),
+    (
+        "cache_aware",
+        {},
+        [{"outstanding": 2}, {"outstanding": 1}, {"outstanding": 2}],
+        {"text": "x" * 40},
+        1,
+        "cache_miss",
+    ),
+    ("session", {}, [{}, {}, {}], {"session_key": "user-1"}, 0, "session"),
+    (
+        "length",
+        {},
+        [{"max_prompt_tokens": 512}, {"min_prompt_tokens": 513}, {"max_prompt_tokens": 100}],
+        {"text": "x" * 4000},
+        1,
+        "length",
+    ),
+]
+
+
+def test_every_registered_policy_has_its_row():
+    assert [row[0] for row in POLICY_ROWS] == list(POLICIES)
+
+
+@pytest.mark.parametrize("name, options, state, request_, want, reason", POLICY_ROWS, ids=[r[0] for r in POLICY_ROWS])
+def test_each_policy_chooses_a_candidate_and_says_why(name, options, state, request_, want, reason):
+    bs = [Backend(url=f"http://10.0.0.{i + 1}:8000", healthy=True, **s) for i, s in enumerate(state)]
+    loads = [b.outstanding for b in bs]
+    p = make_policy(name, **options)
+    assert p.name == name
+    r = req(**request_)
+    d = p.choose(r, bs)
+    assert (bs.index(d.backend), d.reason) == (want, reason)
+    assert [b.outstanding for b in bs] == loads  # pure: the router counts, the policy only chooses
+    p.on_routed(r, d.backend)
+    p.on_backend_removed(d.backend)  # discovery dropped it: the others still take requests
+    assert p.choose(r, [b for b in bs if b is not d.backend]).backend is not d.backend
 
 
 # -- round robin ---------------------------------------------------------------------------------

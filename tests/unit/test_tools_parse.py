@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve.server import tools
-from llmserve.server.rendering import ChatRendering
+from llmserve.server.api.chat import ChatRendering
 
 WEATHER = {
     "type": "function",

@@ -20,25 +20,33 @@ are in Anthropic's shape (llmserve/errors.py), the 401 of the key check included
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any, Literal, Union
 
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, field_validator
 
 from llmserve.errors import anthropic_error_body
 from llmserve.server import protocol as P
-from llmserve.server.errors import APIError
+from llmserve.server import tools as tools_mod
+from llmserve.server.errors import APIError, from_value_error
+from llmserve.server.prepare import chat_runs, encode_chat
 from llmserve.server.reasoning import ReasoningParser
 from llmserve.server.rendering import ChoiceText, Rendering, sse_event
+from llmserve.server.serving import Generation
+from llmserve.server.state import State
+
+router = APIRouter()
 
 
-class AnthropicMessage(P._Request):
+class AnthropicMessage(P.APIModel):
     role: Literal["user", "assistant"]
     content: Union[str, list[dict[str, Any]]]
 
 
-class _MessagesFields(P._Request):
+class _MessagesFields(P.APIModel):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[dict[str, Any]], None] = None
@@ -114,6 +122,9 @@ class AnthropicErrorInfo(BaseModel):
 class AnthropicErrorResponse(BaseModel):
     type: Literal["error"] = "error"
     error: AnthropicErrorInfo
+
+
+ANTHROPIC_ERROR_RESPONSES = {status: {"model": AnthropicErrorResponse} for status in P.ERROR_RESPONSES}
 
 
 # -- the request as a chat ---------------------------------------------------------------------------------
@@ -369,3 +380,43 @@ class MessagesRendering(Rendering):
     def _take(self) -> list[str]:
         events, self.events = self.events, []
         return events
+
+
+# -- the routes (errors in Anthropic's shape on these paths: llmserve/errors.py) ---------------------------------
+def _chat(body: _MessagesFields):
+    try:
+        return chat_messages(body), tools_mod.plan(*chat_tools(body.tools, body.tool_choice))
+    except ValueError as e:
+        raise from_value_error(e) from e
+
+
+@router.post(
+    "/v1/messages",
+    response_model=MessageObject,
+    responses=ANTHROPIC_ERROR_RESPONSES,
+    summary="Anthropic's Messages API",
+)
+async def messages(body: MessagesRequest, request: Request, state: State):
+    eng = state.engine_or_503()
+    model = state.check_model(body.model)
+    msgs, tool_plan = _chat(body)
+    runs = await chat_runs(
+        eng, state.settings, body, msgs, body.max_tokens, tool_plan, template_kwargs=body.template_kwargs()
+    )
+    rendering = MessagesRendering(body, tool_plan, state.reasoning)
+    gen = Generation(state, eng, rendering.mid, runs, body.priority, model, request, rendering)
+    return await gen.response(body.stream)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=CountTokensResponse,
+    responses=ANTHROPIC_ERROR_RESPONSES,
+    summary="Anthropic's token count of a Messages request",
+)
+async def count_tokens(body: CountTokensRequest, state: State):
+    eng = state.engine_or_503()
+    state.check_model(body.model)
+    msgs, tool_plan = _chat(body)
+    ids = await asyncio.to_thread(encode_chat, eng.tokenizer, msgs, True, body.template_kwargs(), tool_plan)
+    return CountTokensResponse(input_tokens=len(ids))

@@ -16,18 +16,24 @@ import base64
 from typing import Any, Literal, Union
 
 import numpy as np
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, field_validator
 
 from llmserve.engine.request import SamplingParams
 from llmserve.server import protocol as P
 from llmserve.server.errors import APIError
+from llmserve.server.prepare import admit
 from llmserve.server.rendering import Rendering
+from llmserve.server.serving import Generation
+from llmserve.server.state import State
+
+router = APIRouter()
 
 POOLING = ("last", "mean")
 MAX_INPUTS = 2048  # as OpenAI's API
 
 
-class EmbeddingRequest(P._Request):
+class EmbeddingRequest(P.APIModel):
     model: str | None = None
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -118,3 +124,27 @@ class EmbeddingRendering(Rendering):
             "model": gen.model,
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
         }
+
+
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingResponse,
+    responses=P.ERROR_RESPONSES,
+    summary="Embeddings: the served model's pooled hidden states (--pooling)",
+)
+async def embeddings(body: EmbeddingRequest, request: Request, state: State):
+    eng = state.engine_or_503()
+    model = state.check_model(body.model)
+    embedding_runs = await runs(eng, body, state.settings.pooling)
+    admit(eng, embedding_runs, state.settings)
+    gen = Generation(
+        state,
+        eng,
+        P.random_id("embd"),
+        embedding_runs,
+        body.priority,
+        model,
+        request,
+        EmbeddingRendering(body.encoding_format),
+    )
+    return await gen.response(False)

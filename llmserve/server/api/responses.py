@@ -22,12 +22,19 @@ import copy
 import uuid
 from typing import Any, Literal, Union
 
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from llmserve.server import protocol as P
-from llmserve.server.errors import APIError
+from llmserve.server import tools as tools_mod
+from llmserve.server.errors import APIError, from_value_error
+from llmserve.server.prepare import chat_runs
 from llmserve.server.reasoning import ReasoningParser
 from llmserve.server.rendering import ChoiceText, Rendering, sse_event
+from llmserve.server.serving import Generation
+from llmserve.server.state import State
+
+router = APIRouter()
 
 
 def _id(prefix: str) -> str:
@@ -393,3 +400,35 @@ class ResponseObject(BaseModel):
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, Any] | None = None
+
+
+# -- the route -------------------------------------------------------------------------------------------
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    responses=P.ERROR_RESPONSES,
+    summary="OpenAI's Responses API (stateless)",
+)
+async def responses(body: ResponsesRequest, request: Request, state: State):
+    eng = state.engine_or_503()
+    model = state.check_model(body.model)
+    check_stateless(body)
+    try:
+        messages = chat_messages(body)
+        tool_plan = tools_mod.plan(*chat_tools(body.tools, body.tool_choice))
+    except ValueError as e:
+        raise from_value_error(e) from e
+    runs = await chat_runs(
+        eng,
+        state.settings,
+        body,
+        messages,
+        body.max_output_tokens,
+        tool_plan,
+        template_kwargs=body.chat_template_kwargs,
+        prompt_param="input",
+        max_tokens_param="max_output_tokens",
+    )
+    rendering = ResponsesRendering(eng.tokenizer, body, tool_plan, state.reasoning)
+    gen = Generation(state, eng, rendering.rid, runs, body.priority, model, request, rendering)
+    return await gen.response(body.stream)

@@ -1,0 +1,50 @@
+"""The server's APIs, one module each: its FastAPI `router`, its protocol (pydantic) models and its
+rendering (how an engine output becomes the API's JSON body or SSE events, rendering.Rendering).
+
+    chat.py         POST /v1/chat/completions
+    completions.py  POST /v1/completions
+    responses.py    POST /v1/responses (OpenAI's Responses API, stateless)
+    messages.py     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
+    embeddings.py   POST /v1/embeddings
+    tokenize.py     POST /tokenize, /detokenize
+    models.py       GET /v1/models
+    lora.py         POST /v1/load_lora_adapter, /v1/unload_lora_adapter (runtime LoRA adapters)
+    health.py       GET /health, /ready, /version
+    metrics.py      GET /metrics, /stats
+    web.py          GET / (the web page) and /static/
+
+What they share is one level up, in llmserve/server/: protocol.py (the common request pieces, errors'
+shape), prepare.py (a body -> engine runs), serving.py (Generation: the one serving loop), rendering.py
+(the Rendering interface, OpenAI's choices envelope), state.py (ServerState: the `State` a route gets),
+errors.py. A module's optional `enabled(state)` says whether its routes are offered. A new API: one module
+here, one entry in APIS, one e2e test file (docs/contributing-server.md).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from llmserve.server.api import (
+    chat,
+    completions,
+    embeddings,
+    health,
+    lora,
+    messages,
+    metrics,
+    models,
+    responses,
+    tokenize,
+    web,
+)
+from llmserve.server.state import ServerState
+
+# in the order their routes are matched and listed in /openapi.json
+APIS = (health, metrics, models, lora, web, tokenize, chat, completions, responses, embeddings, messages)
+
+
+def include_apis(app: FastAPI, state: ServerState) -> None:
+    for api in APIS:
+        enabled = getattr(api, "enabled", None)
+        if enabled is None or enabled(state):
+            app.include_router(api.router)
