@@ -8,6 +8,7 @@ it (`Scheduler.stop_request`). The text a request streams always equals its fina
 
 from __future__ import annotations
 
+from llmserve.engine.outputs import AppendedTokens
 from llmserve.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from llmserve.engine.scheduler import Scheduler
 from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -25,7 +26,7 @@ class OutputProcessor:
             self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
         )
 
-    def process(self, appended: list[tuple[Request, int]]) -> list[RequestOutput]:
+    def process(self, appended: list[AppendedTokens]) -> list[RequestOutput]:
         """One output per (request, number of tokens appended this step)."""
         outputs = []
         for req, n in appended:

@@ -13,8 +13,8 @@ import logging
 import torch
 
 from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.request import Request
-from llmserve.engine.scheduler import SampledTokens, SchedulerOutput
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmserve.model.config import ModelConfig

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.outputs import AppendedTokens, SampledTokens, SchedulerOutput
 from llmserve.engine.request import Request, RequestStatus, TokenLogprobs
 
 log = logging.getLogger("llmserve.scheduler")
@@ -31,40 +31,6 @@ log = logging.getLogger("llmserve.scheduler")
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_queued_requests`; the server answers 429."""
-
-
-@dataclass
-class SchedulerOutput:
-    # request_id -> number of tokens to compute this step, in batch order
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    new_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # request_id -> number of speculative tokens (beyond the first) scheduled for verification
-    num_spec_tokens: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    def __bool__(self) -> bool:
-        return bool(self.num_scheduled_tokens)
-
-
-@dataclass
-class SampledTokens:
-    """What the runner sampled for one request that reached the end of its known tokens: one token
-    per logits row, i.e. its next token, or with k speculative proposals k + 1 tokens (the model's
-    pick after each verified position). If sampling failed at a row, the tokens before it and `error`."""
-
-    request: Request
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None  # one per token, when the request asks for them
-    error: BaseException | None = None
-    # a pooling request (embeddings) samples nothing: this step's final hidden states of its positions
-    # hidden_start.. instead
-    hidden: torch.Tensor | None = None
-    hidden_start: int = 0
 
 
 class Scheduler:
@@ -239,7 +205,7 @@ class Scheduler:
         return True
 
     # -- after the step -----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> list[tuple[Request, int]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> list[AppendedTokens]:
         """Apply a step's results: every request that ran has computed its scheduled tokens; each one
         that sampled gets its token appended, or with proposals the longest verified run of them and
         the model's token after it (positions past that run are rolled back and recomputed next step).
@@ -253,7 +219,7 @@ class Scheduler:
             r = s.request
             if s.hidden is not None:
                 if self._pool(r, s):
-                    appended.append((r, 0))
+                    appended.append(AppendedTokens(r, 0))
                 continue
             proposals = r.spec_token_ids[: out.num_spec_tokens.get(r.request_id, 0)]
             r.spec_token_ids = []
@@ -271,14 +237,14 @@ class Scheduler:
                         raise s.error
             except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
                 self.fail_request(r, e)
-                appended.append((r, n))
+                appended.append(AppendedTokens(r, n))
                 continue
             if proposals:
                 self.num_spec_proposed += len(proposals)
                 self.num_spec_accepted += n - 1
                 if not r.is_finished:  # KV is valid only up to the last verified proposal
                     r.num_computed_tokens -= len(proposals) + 1 - n
-            appended.append((r, n))
+            appended.append(AppendedTokens(r, n))
         return appended
 
     def _pool(self, r: Request, s: SampledTokens) -> bool:

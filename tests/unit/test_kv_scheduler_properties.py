@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.request import Request, RequestStatus, SamplingParams
-from llmserve.engine.scheduler import QueueFullError, SampledTokens, Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import QueueFullError, Scheduler
 
 
 class Sim:

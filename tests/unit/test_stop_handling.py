@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.outputs import SampledTokens
 from llmserve.engine.request import Request, SamplingParams, TokenLogprobs
-from llmserve.engine.scheduler import SampledTokens, Scheduler
+from llmserve.engine.scheduler import Scheduler
 
 EOS = 100
 PIECES = {1: "<s>", 2: "Say", 3: ":", 10: "Hel", 11: "lo", 12: " wo", 13: "rld", 14: "!", 15: " again", EOS: "</s>"}

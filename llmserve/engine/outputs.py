@@ -1,0 +1,57 @@
+"""What one engine step passes between its parts (no tensors, no model: the scheduler imports this).
+
+Scheduler.schedule()            -> SchedulerOutput   which requests run, how many tokens each
+ModelRunner.execute             -> SampledTokens     per request: its sampled tokens (or hidden states)
+Scheduler.update_from_output    -> AppendedTokens    per request that sampled: how many tokens it took
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from llmserve.engine.request import Request, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class SchedulerOutput:
+    # request_id -> number of tokens to compute this step, in batch order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    new_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # request_id -> number of speculative tokens (beyond the first) scheduled for verification
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.num_scheduled_tokens)
+
+
+@dataclass
+class SampledTokens:
+    """What the runner sampled for one request that reached the end of its known tokens: one token
+    per logits row, i.e. its next token, or with k speculative proposals k + 1 tokens (the model's
+    pick after each verified position). If sampling failed at a row, the tokens before it and `error`."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # one per token, when the request asks for them
+    error: BaseException | None = None
+    # a pooling request (embeddings) samples nothing: this step's final hidden states of its positions
+    # hidden_start.. instead
+    hidden: torch.Tensor | None = None
+    hidden_start: int = 0
+
+
+class AppendedTokens(NamedTuple):
+    """A request that sampled this step and how many tokens it appended (0: it failed or pooled)."""
+
+    request: Request
+    num_tokens: int
