@@ -242,7 +242,7 @@ def run_soak(
 
 def main() -> None:
     from benchmarks.common import write_section
-    from tests.server_proc import ServerProcess
+    from llmserve.testing.launcher import ServerProcess
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)

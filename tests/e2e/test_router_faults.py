@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from llmserve.bench.loadgen import iter_sse
-from tests.server_proc import FAKE, ROUTE, ServerProcess, free_port, wait_until
+from llmserve.testing.launcher import FAKE, ROUTE, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from llmserve.bench.loadgen import iter_sse
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 KEY = "test-key-123"
 Q = [{"role": "user", "content": "What is Docker? Answer in one sentence."}]

@@ -14,7 +14,7 @@ import pytest
 
 from llmserve.bench.loadgen import iter_sse
 from llmserve.bench.scrape import metric_sum
-from tests.server_proc import ServerThread, fake_backends, free_port, router_thread, wait_until
+from llmserve.testing.launcher import ServerThread, fake_backends, free_port, router_thread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
