@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from llmserve.bench.loadgen import aiter_sse  # noqa: E402
+from llmserve.bench.sse import aiter_sse  # noqa: E402
 
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 TOPICS = ["Docker", "TCP", "a hash table", "photosynthesis", "the Moon", "Python", "a compiler", "rain"]

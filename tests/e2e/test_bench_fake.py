@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from llmserve.bench.loadgen import BenchRequest, OpenAIClient, auto_timeout
+from llmserve.bench.client import BenchRequest, OpenAIClient, auto_timeout
 from llmserve.cli import main
 from llmserve.testing.fake_openai import control
 from llmserve.testing.launcher import FAKE, ServerProcess

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
-from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.sse import iter_sse
 from llmserve.server.app import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
 from llmserve.testing.launcher import ServerProcess
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.sse import iter_sse
 from llmserve.testing.launcher import FAKE, ROUTE, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)

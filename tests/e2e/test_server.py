@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.sse import iter_sse
 from llmserve.testing.launcher import ServerProcess
 
 KEY = "test-key-123"

@@ -14,7 +14,7 @@ import socket
 import httpx
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.sse import iter_sse
 from llmserve.router.discovery import DnsDiscovery, DnsSource, Registry, load_config, normalize_url
 from llmserve.router.policies import Backend
 from llmserve.testing.launcher import fake_backends, free_port, router_thread, wait_until
