@@ -170,7 +170,7 @@ class Server:
         if self.attach:  # a server already running on the port: use it, leave it running
             wait_ready(self.url, "/v1/models", 60)
         elif self.kind == "llmserve":
-            from tests.server_proc import ServerProcess
+            from llmserve.testing.launcher import ServerProcess
 
             self.proc = ServerProcess(port=self.port, log_path=self.log)
             self.proc.wait_ready(timeout=900)

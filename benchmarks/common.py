@@ -65,7 +65,7 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
     import httpx
 
     from llmserve.model.loader import bundled_model_path
-    from tests.server_proc import free_port
+    from llmserve.testing.launcher import free_port
 
     port = free_port()
     proc = subprocess.Popen(

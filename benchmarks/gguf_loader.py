@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from benchmarks.common import write_section  # noqa: E402
-from tests.server_proc import ServerProcess, free_port  # noqa: E402
+from llmserve.testing.launcher import ServerProcess, free_port  # noqa: E402
 
 FILES = {"1b": "/work/ckpt/llama-1b/model-Q8_0.gguf", "8b": "/work/ckpt/llama-8b/model-Q4_K_M.gguf"}
 LLAMA_SERVER = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp/build/bin/llama-server")

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llmserve.bench.loadgen import aiter_sse  # noqa: E402
 from llmserve.bench.scrape import parse_prometheus, parse_samples  # noqa: E402
-from tests.server_proc import FAKE, ROUTE, ServerProcess, free_port  # noqa: E402
+from llmserve.bench.sse import aiter_sse  # noqa: E402
+from llmserve.testing.launcher import FAKE, ROUTE, ServerProcess, free_port  # noqa: E402
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student "

@@ -23,7 +23,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import start_llama_server, write_section  # noqa: E402
-from tests.server_proc import ServerProcess  # noqa: E402
+from llmserve.testing.launcher import ServerProcess  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is Docker? Answer in one sentence."}]
 # SmolLM2-135M: ~106 M parameters outside the embedding/LM head, 28 M in the LM head.

@@ -28,7 +28,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import chat_prompts, start_llama_server, write_section  # noqa: E402
-from tests.server_proc import ServerProcess  # noqa: E402
+from llmserve.testing.launcher import ServerProcess  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "alice.txt")
 

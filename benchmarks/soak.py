@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from llmserve.bench.loadgen import aiter_sse  # noqa: E402
+from llmserve.bench.sse import aiter_sse  # noqa: E402
 
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 TOPICS = ["Docker", "TCP", "a hash table", "photosynthesis", "the Moon", "Python", "a compiler", "rain"]
@@ -242,7 +242,7 @@ def run_soak(
 
 def main() -> None:
     from benchmarks.common import write_section
-    from tests.server_proc import ServerProcess
+    from llmserve.testing.launcher import ServerProcess
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from llmserve.bench import report  # noqa: E402
 from llmserve.cli import main as llmserve_main  # noqa: E402
-from tests.server_proc import ServerProcess  # noqa: E402
+from llmserve.testing.launcher import ServerProcess  # noqa: E402
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import chat_prompts, start_llama_server, write_section  # noqa: E402
-from tests.server_proc import ServerProcess  # noqa: E402
+from llmserve.testing.launcher import ServerProcess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "tests", "data", "alice.txt")

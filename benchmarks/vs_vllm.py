@@ -90,7 +90,7 @@ class Served:
                 gguf,
             )
         else:
-            from tests.server_proc import ServerProcess
+            from llmserve.testing.launcher import ServerProcess
 
             args = ["--served-model-name", NAME, "--num-threads", str(self.a.threads)]
             if flags:

@@ -21,8 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import advice, report
+from .client import ENDPOINTS, OpenAIClient, RequestRecord
 from .datasets import DatasetConfig, build_requests, parse_range, pick_tokenizer
-from .loadgen import ENDPOINTS, LoadPhase, OpenAIClient, PhaseRun, RequestRecord, run_phase
+from .loadgen import LoadPhase, PhaseRun, run_phase
 from .metrics import best_under_slo, find_knee, parse_slo, summarize
 from .scrape import MetricsScraper
 

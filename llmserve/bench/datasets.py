@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from .loadgen import BenchRequest
+from .client import BenchRequest
 
 SAMPLE_SHAREGPT = "sharegpt_sample.json"
 

@@ -20,7 +20,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .loadgen import PhaseRun, RequestRecord
+from .client import RequestRecord
+from .loadgen import PhaseRun
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 

@@ -6,7 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from .loadgen import PhaseRun, RequestRecord
+from .client import RequestRecord
+from .loadgen import PhaseRun
 from .metrics import request_tpot
 
 METRICS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2el_ms"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 API_KEY = "sk-apis"
 

@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from llmserve.bench.loadgen import BenchRequest, OpenAIClient, auto_timeout
+from llmserve.bench.client import BenchRequest, OpenAIClient, auto_timeout
 from llmserve.cli import main
 from llmserve.testing.fake_openai import control
-from tests.server_proc import FAKE, ServerProcess
+from llmserve.testing.launcher import FAKE, ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ import pytest
 
 from llmserve.bench.scrape import parse_prometheus, pick
 from llmserve.cli import main
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 KEY = "embeddings-key"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -26,7 +26,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 KEY = "fuzz-key"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 KEY = "hostile-key"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
+from llmserve.testing.launcher import ROUTE, ServerProcess, wait_until
 from llmserve.testing.lora import write_random_adapter
-from tests.server_proc import ROUTE, ServerProcess, wait_until
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_proc import ROUTE, ServerProcess
+from llmserve.testing.launcher import ROUTE, ServerProcess
 
 KEY = "sk-apis"  # the reasoning_server fixture's key (tests/e2e/conftest.py)
 WEATHER = {

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
-from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.sse import iter_sse
 from llmserve.server.app import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 CHAT = "/v1/chat/completions"
 KV_GIB = 0.25

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
 from llmserve.bench.scrape import parse_prometheus
-from tests.server_proc import ROUTE, ServerProcess, free_port, wait_until
+from llmserve.bench.sse import iter_sse
+from llmserve.testing.launcher import ROUTE, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

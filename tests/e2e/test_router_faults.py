@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
-from tests.server_proc import FAKE, ROUTE, ServerProcess, free_port, wait_until
+from llmserve.bench.sse import iter_sse
+from llmserve.testing.launcher import FAKE, ROUTE, ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from tests.server_proc import LAUNCH, ServerProcess, free_ports, wait_until
+from llmserve.testing.launcher import LAUNCH, ServerProcess, free_ports, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

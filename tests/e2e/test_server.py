@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
-from tests.server_proc import ServerProcess
+from llmserve.bench.sse import iter_sse
+from llmserve.testing.launcher import ServerProcess
 
 KEY = "test-key-123"
 Q = [{"role": "user", "content": "What is Docker? Answer in one sentence."}]

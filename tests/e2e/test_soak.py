@@ -15,8 +15,8 @@ from __future__ import annotations
 import httpx
 
 from benchmarks.soak import run_soak
+from llmserve.testing.launcher import ServerProcess
 from tests.e2e.test_overload_faults import memory_bound
-from tests.server_proc import ServerProcess
 
 N = 200
 

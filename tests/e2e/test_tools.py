@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 WEATHER = {
     "type": "function",

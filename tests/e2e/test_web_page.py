@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_proc import ROOT, ServerProcess
+from llmserve.testing.launcher import ROOT, ServerProcess
 
 CHROMIUM = os.environ.get("LLMSERVE_CHROMIUM", "/usr/bin/chromium")
 ARGS = [
@@ -115,7 +115,7 @@ def test_stats_endpoint_is_open_like_metrics(server):
 
 def test_router_page_shows_backends_health_and_routing(browser):
     """`llmserve route`'s page, over two fake backends: health, load, where requests went and why."""
-    from tests.server_proc import fake_backends, router_thread
+    from llmserve.testing.launcher import fake_backends, router_thread
 
     with (
         fake_backends("fake", "fake", itl=0.005) as (a, b),

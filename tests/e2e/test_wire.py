@@ -19,7 +19,7 @@ import urllib.request
 import httpx
 import pytest
 
-from tests.server_proc import ServerProcess
+from llmserve.testing.launcher import ServerProcess
 
 LIMIT = 100_000
 PROMPT = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -153,7 +153,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_server_with_a_killed_worker_stops_being_ready_and_exits_nonzero():
-    from tests.server_proc import ServerProcess
+    from llmserve.testing.launcher import ServerProcess
 
     with ServerProcess(
         "-tp",

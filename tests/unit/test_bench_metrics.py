@@ -11,6 +11,7 @@ import random
 import pytest
 
 from llmserve.bench import advice, cli, report
+from llmserve.bench.client import RequestRecord
 from llmserve.bench.datasets import (
     DatasetConfig,
     WordTokenizer,
@@ -20,7 +21,7 @@ from llmserve.bench.datasets import (
     parse_range,
     sample_path,
 )
-from llmserve.bench.loadgen import LoadPhase, PhaseRun, RequestRecord, _arrival_gaps
+from llmserve.bench.loadgen import LoadPhase, PhaseRun, _arrival_gaps
 from llmserve.bench.metrics import (
     best_under_slo,
     distribution,

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.bench.loadgen import SSEParser
+from llmserve.bench.sse import SSEParser
 
 STREAM = (
     ": connected\n\n"

@@ -101,7 +101,12 @@ def test_envs_reads_at_each_access(monkeypatch, tmp_path):
 
 
 # modules that pass the environment on to child processes, and the bench client's OPENAI_API_KEY default
-PASS_ON = {"llmserve/bench/cli.py", "llmserve/bench/fakeserver.py", "llmserve/router/fake_backend.py"}
+PASS_ON = {
+    "llmserve/bench/cli.py",
+    "llmserve/bench/fakeserver.py",
+    "llmserve/router/fake_backend.py",
+    "llmserve/testing/launcher.py",
+}
 
 
 def test_only_envs_reads_the_environment():

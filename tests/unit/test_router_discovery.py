@@ -14,10 +14,10 @@ import socket
 import httpx
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
+from llmserve.bench.sse import iter_sse
 from llmserve.router.discovery import DnsDiscovery, DnsSource, Registry, load_config, normalize_url
 from llmserve.router.policies import Backend
-from tests.server_proc import fake_backends, free_port, router_thread, wait_until
+from llmserve.testing.launcher import fake_backends, free_port, router_thread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from llmserve.bench.loadgen import iter_sse
 from llmserve.bench.scrape import metric_sum
-from tests.server_proc import ServerThread, fake_backends, free_port, router_thread, wait_until
+from llmserve.bench.sse import iter_sse
+from llmserve.testing.launcher import ServerThread, fake_backends, free_port, router_thread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

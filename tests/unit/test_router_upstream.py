@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from llmserve.router.upstream import ConnectFailed, ConnectionLost, UpstreamPool
-from tests.server_proc import free_port
+from llmserve.testing.launcher import free_port
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -23,7 +23,9 @@ import httpx
 
 from llmserve.bench.scrape import parse_prometheus
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout's root (llmserve/testing/launcher.py -> ../../..): servers start there, logs go to
+# its test-artifacts/
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SERVE = ("-m", "llmserve.cli", "serve")
 ROUTE = ("-m", "llmserve.cli", "route")
