@@ -12,6 +12,7 @@ Settings read at load time (gguf_model.WIDEN_GGUF_BYTES) live in their module, n
 """
 
 from llmserve.model.loader.build import (
+    activation_dtype,
     build_model,
     check_fits,
     checkpoint_names,
@@ -56,6 +57,7 @@ __all__ = [
     "GGUFTensors",
     "ModelSource",
     "SafetensorsWeights",
+    "activation_dtype",
     "build_model",
     "bundled_model_path",
     "check_fits",

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.config import DTYPE_ALIASES
+from llmserve.model import bf16
 from llmserve.model.config import ModelConfig
 from llmserve.model.quant import is_quantized, quantize_model
 from llmserve.model.registry import arch_spec, make_model
@@ -66,16 +67,28 @@ def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> M
     return Lazy(weights, names)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, plain: bool = True) -> torch.dtype:
+    """The weights' type. `auto`: bfloat16 on CUDA, and on a CPU with native bfloat16 matmuls (AVX512-BF16
+    or AMX: llmserve.model.bf16, as vLLM's CPU build picks) when the model is `plain` (no quantization, LoRA
+    or tensor parallelism, whose kernels are float32's); float32 elsewhere."""
     dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        native = device.type == "cpu" and plain and bf16.supported()
+        return torch.bfloat16 if device.type == "cuda" or native else torch.float32
+    return TORCH_DTYPES[dtype]
+
+
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The activations' type for weights in `dtype`: float32 where bfloat16 weights run as llmserve.model.bf16's
+    layers (float32 norms, attention, KV cache and sampling around bfloat16 matmuls), else `dtype`."""
+    return torch.float32 if bf16.native(dtype, device) else dtype
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: `auto` stores keys and values in the model's dtype."""
-    return model_dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, torch.device("cpu"))
+    """The KV cache's element type: `auto` stores keys and values in the activations' dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return TORCH_DTYPES[DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)]
 
 
 def build_model(
@@ -109,7 +122,13 @@ def build_model(
         del weights
         quantize_model(model, quantization)  # the layers no GGUF block covered: rounded from float32
         release_freed_memory()  # the float32 copies: ~270 MiB of resident memory for SmolLM2
+    if bf16.native(dtype, device):  # bfloat16 weights in oneDNN's layout, float32 activations around them
+        bf16.to_bf16(model)
+        release_freed_memory()
     return model
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _materialize(model: nn.Module) -> None:
