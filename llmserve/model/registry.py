@@ -6,7 +6,7 @@ from `features` and `config`), how its GGUF files are named (`GGUFSpec`: the met
 names, the config fields llama.cpp writes), how its checkpoints' tensor names differ from the model's
 (`checkpoint_renames`), whether tensor parallelism shards it, whether the fused decode stack runs its
 layers, and which model class builds it. A new architecture is one more entry in ARCHITECTURES (see
-docs/contributing-model.md).
+docs/contributing.md).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ ARCHS = list(_configs())
 
 
 def test_every_registered_family_has_a_row():
-    """A new architecture is one spec in llmserve.model.registry and one row above (docs/contributing-model.md)."""
+    """A new architecture is one spec in llmserve.model.registry and one row above (docs/contributing.md)."""
     from llmserve.model.registry import ARCHITECTURES
 
     assert {cls.model_type for cls, _ in _configs().values()} == set(ARCHITECTURES)

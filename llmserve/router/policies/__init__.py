@@ -11,7 +11,7 @@ the reason it chose it (a metric label: `llmserve_router:routing_decisions_total
     length.py             prompt-length buckets, least outstanding inside the bucket
 
 A new policy: one module here, one entry in POLICIES, one row in tests/unit/test_router_policies.py
-(docs/contributing-server.md).
+(docs/contributing.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ What they share is one level up, in llmserve/server/: protocol.py (the common re
 shape), prepare.py (a body -> engine runs), serving.py (Generation: the one serving loop), rendering.py
 (the Rendering interface, OpenAI's choices envelope), state.py (ServerState: the `State` a route gets),
 errors.py. A module's optional `enabled(state)` says whether its routes are offered. A new API: one module
-here, one entry in APIS, one e2e test file (docs/contributing-server.md).
+here, one entry in APIS, one e2e test file (docs/contributing.md).
 """
 
 from __future__ import annotations
