@@ -244,8 +244,8 @@ class EngineConfig:
     swap_space: float = field(
         default=0.0,
         metadata=flag(
-            "GiB of host memory for preempted blocks; accepted for vLLM compatibility, llmserve "
-            "recomputes preempted requests instead (a no-op)"
+            "vLLM's host swap space for preempted blocks: llmserve recomputes preempted requests (as "
+            "vLLM V1 does) and has none, so only 0 is accepted"
         ),
     )
     scheduling_policy: str = field(
@@ -303,6 +303,11 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
+        if self.swap_space:
+            raise ValueError(
+                f"swap_space: {self.swap_space} GiB asked, but llmserve has no swap space: preempted requests "
+                "are recomputed (as vLLM V1 does); drop --swap-space"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -30,7 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
-    prompt_logprobs: int | None = None  # accepted for compatibility; not computed
+    prompt_logprobs: int | None = None  # vLLM's prompt log-probabilities: refused (not computed yet)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # guided decoding (structured output), at most one of these; see docs/structured-output.md
@@ -76,6 +76,8 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.prompt_logprobs is not None:
+            raise bad("prompt_logprobs", "prompt log-probabilities are not computed by this server yet")
         if not 0 < self.repetition_penalty <= 10:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -19,22 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine.executor import make_executor
 from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from llmserve.engine.runner import ModelRunner, kv_bytes_per_block
+from llmserve.engine.runner import ModelRunner, num_kv_blocks, profile_activations
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
-from llmserve.model.loader import (
-    activation_dtype,
-    load_model,
-    load_model_config,
-    resolve_dtype,
-    resolve_kv_dtype,
-    resolve_model,
-)
+from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
@@ -95,14 +89,10 @@ class LLMEngine:
 
         # KV pool size and max_model_len
         block_size = config.block_size
-        per_block = kv_bytes_per_block(mc, block_size, self.kv_dtype)
-        self.tp = None
-        if config.tensor_parallel_size > 1:  # plans the split (or refuses it), starts the workers
-            from llmserve.engine.tp import TensorParallel
-
-            self.tp = TensorParallel(config, mc)
-            per_block = self.tp.kv_bytes_per_block(block_size, self.kv_dtype)
-            self.device = self.tp.device
+        # one process, or tensor parallelism (plans the split or refuses it, starts the workers)
+        self.executor = make_executor(config, mc, self.device)
+        per_block = self.executor.kv_bytes_per_block(block_size, self.kv_dtype)
+        self.device = self.executor.device
         try:
             self._init_rest(config, source, mc, reader, block_size, per_block, t0)
         except BaseException:
@@ -119,15 +109,12 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         max_positions = config.max_model_len or model_max
         rotary_positions = max_positions + config.speculative_ngram + 1  # room for verified proposals
-        if self.tp is None:
-            kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
-            self.model = load_model(
-                source, mc, reader, self.device, self.dtype, rotary_positions, config.quantization, kv_bytes=kv_bytes
-            )
-        else:
-            self.model = self.tp.load_model(source.path, self.dtype, rotary_positions)
+        kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
+        self.model = self.executor.load_model(source, reader, self.dtype, rotary_positions, kv_bytes)
         del reader
-        num_blocks, budget = self._num_kv_blocks(per_block)
+        num_blocks, budget = num_kv_blocks(
+            config, per_block, self.device, lambda: self._profile_activations(block_size)
+        )
         capacity = num_blocks * block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(
@@ -150,8 +137,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.model.cfg, num_blocks, block_size, self.device, self.act_dtype, self.kv_dtype
         )
-        if self.tp is not None:
-            self.tp.attach(self.runner, num_blocks, block_size)
+        self.executor.attach(self.runner, num_blocks, block_size)
         self.lora = None  # LoRARegistry with --enable-lora: the adapters loaded, by name
         if config.enable_lora:
             from llmserve.engine.lora import LoRARegistry, parse_lora_modules
@@ -162,7 +148,7 @@ class LLMEngine:
             self.runner.lora = self.lora.layers
             for name, path in parse_lora_modules(config.lora_modules):
                 self.lora.load(name, path)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # --seed: the seeds of requests that bring none
@@ -192,60 +178,18 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""
-        if getattr(self, "tp", None) is not None:
-            self.tp.shutdown()
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
-    def _num_kv_blocks(self, per_block: int) -> tuple[int, int]:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks, cfg.num_kv_blocks * per_block
-        if cfg.kv_cache_memory is not None:
-            budget = int(cfg.kv_cache_memory * GiB)
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            activations = self._profile_activations()
-            budget = int(total * cfg.gpu_memory_utilization) - used_by_others - activations
-        else:
-            import psutil
-
-            budget = min(int(psutil.virtual_memory().available * 0.25), 8 * GiB)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: the KV budget ({budget / GiB:.3f} GiB) holds no block of "
-                f"{per_block / (1 << 20):.2f} MiB; raise --kv-cache-memory or "
-                f"--gpu-memory-utilization"
-            )
-        return int(num_blocks), int(budget)
-
-    @torch.inference_mode()
-    def _profile_activations(self) -> int:
-        """CUDA: peak memory of one forward at max_num_batched_tokens (without KV)."""
-        from llmserve.model.attention import AttentionMetadata, PrefillChunk
-
+    def _profile_activations(self, block_size: int) -> int:
         n = min(self.max_num_batched_tokens, self.config.max_model_len or self.model_config.max_position_embeddings)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        mc = self.model.cfg  # this rank's head counts under tensor parallelism
-        dummy_cache = [
-            torch.zeros(2, (n + 15) // 16, 16, mc.num_kv_heads, mc.head_dim, dtype=self.kv_dtype, device=self.device)
-            for _ in range(1)
-        ] * mc.num_layers
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        blocks = torch.arange((n + 15) // 16, device=self.device)
-        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, blocks)])
-        import contextlib
+        with self.executor.local_only():  # rank 0's shard alone: no all-reduce
+            return profile_activations(self.model, n, block_size, self.kv_dtype, self.device)
 
-        with self.tp.local_only() if self.tp is not None else contextlib.nullcontext():
-            self.model(ids, pos, dummy_cache, meta, torch.tensor([n - 1], device=self.device))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del dummy_cache
-        torch.cuda.empty_cache()
-        return int(peak * 1.2)
+    @property
+    def tp(self):
+        """The TensorParallel executor, or None in one process."""
+        return self.executor if self.executor.world_size > 1 else None
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -341,7 +285,9 @@ class LLMEngine:
         argmax = all(r.next_token_is_argmax and r.params.logprobs is None for r in sched.requests)
         sampled = self.runner.execute(sched, self.kv, argmax=argmax)
         appended = self.scheduler.update_from_output(sched, sampled)
-        return self.output_processor.process(appended)
+        text = self.output_processor.process(appended)  # stop strings found: decisions for the scheduler
+        self.scheduler.apply_text(text)
+        return self.output_processor.outputs(text)
 
     def _propose(self) -> None:
         """n-gram proposals for decoding requests whose next token is the logits' argmax (sampled,

@@ -3,21 +3,20 @@
 `Scheduler.update_from_output` has appended a step's tokens and finished the requests that stop on a
 token (EOS, stop token ids, max_tokens, max_model_len, a complete grammar). A stop string can only be
 seen in text, so it is found here, token by token: the request then stops at the token that completed
-it (`Scheduler.stop_request`). The text a request streams always equals its final text.
+it: `process` returns that decision (`TextStep.stop`) and the engine hands it to `Scheduler.apply_text`,
+before `outputs` makes the RequestOutputs. The text a request streams always equals its final text.
 """
 
 from __future__ import annotations
 
-from llmserve.engine.outputs import AppendedTokens
+from llmserve.engine.outputs import AppendedTokens, TextStep
 from llmserve.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
-from llmserve.engine.scheduler import Scheduler
 from llmserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # request id -> its detokenizer
 
     def add_request(self, req: Request) -> None:
@@ -26,20 +25,20 @@ class OutputProcessor:
             self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
         )
 
-    def process(self, appended: list[AppendedTokens]) -> list[RequestOutput]:
-        """One output per (request, number of tokens appended this step)."""
-        outputs = []
+    def process(self, appended: list[AppendedTokens]) -> list[TextStep]:
+        """Detokenize what each request appended this step; a stop string found (or a failure) comes back
+        as the step's decision, for the scheduler to apply before `outputs`."""
+        steps = []
         for req, n in appended:
             try:
-                outputs.append(self._process(req, n))
+                steps.append(self._process(req, n))
             except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
-                self.scheduler.fail_request(req, e)
-                outputs.append(self.output(req))
-        return outputs
+                steps.append(TextStep(req, error=e))
+        return steps
 
-    def _process(self, req: Request, n: int) -> RequestOutput:
+    def _process(self, req: Request, n: int) -> TextStep:
         if req.status == RequestStatus.FINISHED_ERROR:
-            return self.output(req)
+            return TextStep(req)
         detok = self.detokenizers[req.request_id]
         before = req.num_output_tokens - n
         new_ids = req.output_token_ids[before:]
@@ -50,11 +49,17 @@ class OutputProcessor:
             eos = finished and req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
             delta += detok.add([] if eos else [token], finished=finished)  # EOS has no text
             if detok.stopped is not None and before + j + 1 >= req.params.min_tokens:
-                self.scheduler.stop_request(req, detok.stopped, before + j + 1)
-                new_ids = new_ids[: j + 1]
-                break
-        new_lps = req.logprobs[len(req.logprobs) - len(new_ids) :] if req.params.logprobs is not None else None
-        return self.output(req, new_ids, delta, new_lps)
+                return TextStep(req, new_ids[: j + 1], delta, stop=(detok.stopped, before + j + 1))
+        return TextStep(req, new_ids, delta)
+
+    def outputs(self, steps: list[TextStep]) -> list[RequestOutput]:
+        """One output per request of the step, once the scheduler has applied the steps' decisions."""
+        outputs = []
+        for t in steps:
+            req = t.request
+            new_lps = req.logprobs[len(req.logprobs) - len(t.new_ids) :] if req.params.logprobs is not None else None
+            outputs.append(self.output(req, t.new_ids, t.delta, new_lps))
+        return outputs
 
     def output(self, req: Request, new_ids=(), delta: str = "", new_lps=None) -> RequestOutput:
         """The request's output so far, with what this step added; a finished request is forgotten."""

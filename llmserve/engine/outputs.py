@@ -3,17 +3,16 @@
 Scheduler.schedule()            -> SchedulerOutput   which requests run, how many tokens each
 ModelRunner.execute             -> SampledTokens     per request: its sampled tokens (or hidden states)
 Scheduler.update_from_output    -> AppendedTokens    per request that sampled: how many tokens it took
+OutputProcessor.process         -> TextStep          per such request: its new text, a stop string found
+Scheduler.apply_text            <- TextStep          stops (or fails) the requests whose text decided so
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from llmserve.engine.request import Request, TokenLogprobs
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass
@@ -44,10 +43,10 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # one per token, when the request asks for them
     error: BaseException | None = None
-    # a pooling request (embeddings) samples nothing: this step's final hidden states of its positions
-    # hidden_start.. instead
-    hidden: torch.Tensor | None = None
-    hidden_start: int = 0
+    # a pooling request (embeddings) samples nothing: its hidden states joined its sum (engine/pooling.py);
+    # once its whole prompt is computed, its normalized vector
+    pooling: bool = False
+    embedding: list[float] | None = None
 
 
 class AppendedTokens(NamedTuple):
@@ -55,3 +54,15 @@ class AppendedTokens(NamedTuple):
 
     request: Request
     num_tokens: int
+
+
+@dataclass
+class TextStep:
+    """One request's text this step: its new token ids and text; `stop`: a stop string found, ending its
+    output at that many tokens (the tokens after it dropped); `error`: detokenizing failed."""
+
+    request: Request
+    new_ids: list[int] = field(default_factory=list)
+    delta: str = ""
+    stop: tuple[str, int] | None = None
+    error: BaseException | None = None

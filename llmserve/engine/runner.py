@@ -14,6 +14,7 @@ import torch
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import SampledTokens, SchedulerOutput
+from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
 from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -27,6 +28,54 @@ log = logging.getLogger("llmserve.runner")
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+GiB = 1 << 30
+
+
+def num_kv_blocks(config, per_block: int, device: torch.device, profile) -> tuple[int, int]:
+    """How many KV blocks of `per_block` bytes the pool holds, and its budget in bytes: --num-kv-blocks,
+    --kv-cache-memory, on CUDA --gpu-memory-utilization less other processes' memory and the activations'
+    peak (`profile()`), on CPU a quarter of the available memory up to 8 GiB."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, config.num_kv_blocks * per_block
+    if config.kv_cache_memory is not None:
+        budget = int(config.kv_cache_memory * GiB)
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        budget = int(total * config.gpu_memory_utilization) - used_by_others - profile()
+    else:
+        import psutil
+
+        budget = min(int(psutil.virtual_memory().available * 0.25), 8 * GiB)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: the KV budget ({budget / GiB:.3f} GiB) holds no block of "
+            f"{per_block / (1 << 20):.2f} MiB; raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    return int(num_blocks), int(budget)
+
+
+@torch.inference_mode()
+def profile_activations(model, n: int, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> int:
+    """CUDA: peak memory of one forward of `n` prompt tokens (without KV), with a margin."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    mc = model.cfg  # this rank's head counts under tensor parallelism
+    nb = (n + block_size - 1) // block_size
+    cache = torch.zeros(2, nb, block_size, mc.num_kv_heads, mc.head_dim, dtype=kv_dtype, device=device)
+    ids = torch.zeros(n, dtype=torch.long, device=device)
+    pos = torch.arange(n, device=device)
+    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb, device=device))])
+    model(ids, pos, [cache] * mc.num_layers, meta, torch.tensor([n - 1], device=device))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del cache
+    torch.cuda.empty_cache()
+    return int(peak * 1.2)
 
 
 def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]:
@@ -95,7 +144,7 @@ class ModelRunner:
         With `argmax` (the caller has checked that every row is plain greedy), the model answers its
         greedy tokens instead of logits and they are taken as they are."""
         sampling, logits, rows_per_req = self._forward(sched, kv, argmax)
-        pooled = [SampledTokens(r, [], hidden=h, hidden_start=c) for r, c, h in self.pooled]
+        pooled = [SampledTokens(r, [], pooling=True, embedding=pool(r, h, c)) for r, c, h in self.pooled]
         if not sampling:
             return pooled
         if argmax:

@@ -9,7 +9,7 @@ and it is recomputed later) instead of failing with out-of-memory.
 After the step, `update_from_output` is where its results change the requests: `num_computed_tokens`
 advances, sampled tokens are appended, stop conditions that need no text finish requests (EOS, stop
 token ids, max_tokens, max_model_len, a complete grammar) and rejected speculative tokens are rolled
-back. Stop strings need text; the output processor finds them and calls `stop_request`.
+back. Stop strings need text: the output processor finds them and `apply_text` stops the requests.
 
 Pure policy and bookkeeping: no tensors, no model, no tokenizer.
 """
@@ -20,10 +20,8 @@ import logging
 import time
 from collections import deque
 
-import torch
-
 from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.outputs import AppendedTokens, SampledTokens, SchedulerOutput
+from llmserve.engine.outputs import AppendedTokens, SampledTokens, SchedulerOutput, TextStep
 from llmserve.engine.request import Request, RequestStatus, TokenLogprobs
 
 log = logging.getLogger("llmserve.scheduler")
@@ -217,8 +215,10 @@ class Scheduler:
         appended = []
         for s in sampled:
             r = s.request
-            if s.hidden is not None:
-                if self._pool(r, s):
+            if s.pooling:  # an embedding: it finishes once its whole prompt is computed, its blocks freed at once
+                if s.embedding is not None:
+                    r.embedding = s.embedding
+                    self.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
                     appended.append(AppendedTokens(r, 0))
                 continue
             proposals = r.spec_token_ids[: out.num_spec_tokens.get(r.request_id, 0)]
@@ -247,20 +247,6 @@ class Scheduler:
             appended.append(AppendedTokens(r, n))
         return appended
 
-    def _pool(self, r: Request, s: SampledTokens) -> bool:
-        """A pooling request's hidden states join its sum; when its whole prompt is computed it finishes
-        with the normalized vector (mean or last position), its blocks freed at once. A request recomputed
-        after preemption starts again at position 0, and so does its sum."""
-        total = s.hidden.float().sum(0)
-        r.pooled_sum = total if s.hidden_start == 0 else r.pooled_sum + total
-        if r.num_computed_tokens < r.num_tokens:
-            return False
-        vec = r.pooled_sum / r.num_tokens if r.params.pooling == "mean" else s.hidden[-1].float()
-        r.pooled_sum = None
-        r.embedding = torch.nn.functional.normalize(vec, dim=0).tolist()
-        self.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-        return True
-
     def _append(self, request: Request, token: int, lp: TokenLogprobs | None, now: float) -> None:
         """Append one token; finish the request if it stops there (all but stop strings)."""
         guided = request.guided
@@ -287,6 +273,15 @@ class Scheduler:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None  # the grammar is complete
         if status is not None:
             self.finish_request(request.request_id, status)
+
+    def apply_text(self, steps: list[TextStep]) -> None:
+        """The output processor's decisions: a request whose text met a stop string stops there; one
+        whose detokenizing failed fails."""
+        for t in steps:
+            if t.error is not None:
+                self.fail_request(t.request, t.error)
+            elif t.stop is not None:
+                self.stop_request(t.request, *t.stop)
 
     def stop_request(self, request: Request, stop: str, num_output_tokens: int) -> None:
         """A stop string ends the request's text at output token `num_output_tokens` (the output processor

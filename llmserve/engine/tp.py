@@ -206,8 +206,9 @@ class TensorParallel:
         elem = torch.empty((), dtype=dtype).element_size()
         return self.mc.num_layers * 2 * block_size * max(s.num_kv_heads for s in self.shards) * self.mc.head_dim * elem
 
-    def load_model(self, source_path: str, dtype: torch.dtype, max_positions: int):
-        weights = _load_weights(None, source_path)[2]
+    def load_model(self, source, reader, dtype: torch.dtype, max_positions: int, kv_bytes: int = 0):
+        """Rank 0's shard (its weights read from `source`'s files; each worker reads its own)."""
+        weights = _load_weights(None, source.path)[2]
         model = load_sharded_model(weights, self.mc, self.shards[0], self.device, dtype, max_positions, self.all_reduce)
         return model
 

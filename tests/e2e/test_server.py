@@ -99,6 +99,9 @@ def test_completions_stream_and_echo(client):
         model="smol", prompt="The capital of France is", max_tokens=12, temperature=0, echo=True
     )
     assert echo.choices[0].text == "The capital of France is" + text
+    # the prompt's log-probabilities (lm-eval's loglikelihood) are not computed: a 400, never zeros
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="smol", prompt="Hi", max_tokens=1, echo=True, logprobs=1)
     multi = client.completions.create(model="smol", prompt=["One, two,", "A, B,"], max_tokens=4, temperature=0)
     assert sorted(c.index for c in multi.choices) == [0, 1]
 

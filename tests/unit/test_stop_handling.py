@@ -29,7 +29,7 @@ class Harness:
         self.sched = Scheduler(
             KVCacheManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=max_model_len
         )
-        self.proc = OutputProcessor(PieceTokenizer(), self.sched)
+        self.proc = OutputProcessor(PieceTokenizer())
         self.outputs: dict[str, list] = {}
 
     def add(self, params, rid="r", prompt=(1, 2, 3)):
@@ -44,7 +44,9 @@ class Harness:
             self.sched.requests[rid].spec_token_ids = list(spec)
         out = self.sched.schedule()
         sampled = [SampledTokens(r, tokens[r.request_id], **kw) for r in out.requests if r.request_id in tokens]
-        for o in self.proc.process(self.sched.update_from_output(out, sampled)):
+        text = self.proc.process(self.sched.update_from_output(out, sampled))
+        self.sched.apply_text(text)  # as LLMEngine.step: the stop decisions, then the outputs
+        for o in self.proc.outputs(text):
             self.outputs[o.request_id].append(o)
 
     def run(self, params, tokens, **add):

@@ -11,7 +11,7 @@ import asyncio
 from typing import Any, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from llmserve.engine.request import RequestOutput
 from llmserve.server import protocol as P
@@ -40,6 +40,12 @@ class CompletionRequest(P.SamplingFields):
             if len(v) > 64 and not isinstance(v[0], int):
                 raise ValueError("at most 64 prompts in one request")
         return v
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self):
+        if self.echo and self.logprobs is not None:  # lm-eval's loglikelihood: must not read zeros
+            raise ValueError("echo: with logprobs asks for the prompt's log-probabilities (not computed yet)")
+        return self
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
