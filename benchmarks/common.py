@@ -103,7 +103,7 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
 
 
 def write_section(title: str, body: str, path: str | None = None) -> None:
-    """Replace (or append) the `## title` section of BENCHMARKS.md."""
+    """Replace (or append) the `## title` section of BENCHMARKS.md: up to the next `## ` section or `# ` topic."""
     path = path or os.path.join(ROOT, "BENCHMARKS.md")
     text = (
         open(path).read()
@@ -112,7 +112,7 @@ def write_section(title: str, body: str, path: str | None = None) -> None:
     )
     stamp = datetime.date.today().isoformat()
     section = f"## {title}\n\n_{stamp}, {machine()}_\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^#{{1,2}} |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text)
     else:

@@ -132,7 +132,7 @@ class KernelConfig:
     # float32 x with up to this many rows: the extension's GEMV, at::linear (MKL / oneDNN GEMM) beyond.
     # None: the crossover is measured per weight shape on first use (ops.gemm_rows: GEMV vs GEMM timed at
     # `calibration_rows`), since it moves with the shape and the CPU: SmolLM2's projections keep the GEMV
-    # to ~64 rows, a 1B model's MLP leaves it at 8-16 (BENCHMARKS.md "Path choice per shape").
+    # to ~64 rows, a 1B model's MLP leaves it at 8-16 (benchmarks/HISTORY.md "Many users on one machine").
     gemv_rows: int | None = None
     calibration_rows: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)
     # the float32 GEMM of the many-rows paths: "onednn" (oneDNN's matmul), "aten" (at::linear: MKL's sgemm in

@@ -59,3 +59,16 @@ def test_help_parses(name, argv, monkeypatch, capsys):
         mod.main()
     assert exit_.value.code in (0, None)
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_write_section_keeps_the_next_topic(tmp_path):
+    """A script's section is replaced up to the next section or topic heading, never into the next topic."""
+    from benchmarks.common import write_section
+
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\n# Kernels\n\n## A\n\nold a\n\n# Engine\n\n## B\n\nold b\n")
+    write_section("A", "new a", str(path))
+    write_section("C", "new c", str(path))
+    text = path.read_text()
+    assert "old a" not in text and "new a" in text and "old b" in text
+    assert text.index("## A") < text.index("# Engine") < text.index("## B") < text.index("## C")
