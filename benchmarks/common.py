@@ -1,4 +1,6 @@
-"""Shared helpers for the benchmark scripts: prompts, machine description, BENCHMARKS.md sections."""
+"""Shared helpers for the benchmark scripts: the checkout's paths, prompts, machine description, llama.cpp's
+server, BENCHMARKS.md sections. The scripts run as modules from the checkout's root
+(`python -m benchmarks.kernels.gemv_paths`), so `llmserve`, `benchmarks` and `tests` import from the checkout."""
 
 from __future__ import annotations
 
@@ -6,6 +8,9 @@ import datetime
 import os
 import platform
 import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
+ALICE = os.path.join(ROOT, "tests", "data", "alice.txt")  # long prompts for TTFT runs
 
 TOPICS = [
     "Docker",
@@ -98,8 +103,8 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
 
 
 def write_section(title: str, body: str, path: str | None = None) -> None:
-    """Replace (or append) the `## title` section of BENCHMARKS.md."""
-    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+    """Replace (or append) the `## title` section of BENCHMARKS.md: up to the next `## ` section or `# ` topic."""
+    path = path or os.path.join(ROOT, "BENCHMARKS.md")
     text = (
         open(path).read()
         if os.path.exists(path)
@@ -107,7 +112,7 @@ def write_section(title: str, body: str, path: str | None = None) -> None:
     )
     stamp = datetime.date.today().isoformat()
     section = f"## {title}\n\n_{stamp}, {machine()}_\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^#{{1,2}} |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text)
     else:

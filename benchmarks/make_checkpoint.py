@@ -5,8 +5,8 @@ cache. Weights are written tensor by tensor (a safetensors header first, then ea
 written and dropped), so an 8B checkpoint never sits in memory whole. The tokenizer is the bundled
 model's (49,152 tokens); benchmarks ignore EOS.
 
-    python benchmarks/make_checkpoint.py --shape 1b --out ~/ckpt/llama-1b            # bfloat16 safetensors
-    python benchmarks/make_checkpoint.py --shape 8b --out ~/ckpt/llama-8b --gguf Q4_K_M
+    python -m benchmarks.make_checkpoint --shape 1b --out ~/ckpt/llama-1b            # bfloat16 safetensors
+    python -m benchmarks.make_checkpoint --shape 8b --out ~/ckpt/llama-8b --gguf Q4_K_M
         # + llama.cpp's convert_hf_to_gguf.py (f16) and llama-quantize: ~/ckpt/llama-8b/model-Q4_K_M.gguf
 
 `--gguf` needs llama.cpp built (`../shared/peers/llama-cpp.sh build`) and `sentencepiece` importable.

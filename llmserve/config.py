@@ -124,15 +124,15 @@ class KernelConfig:
     development machine: BENCHMARKS.md). Not flags: benchmarks and tests change them."""
 
     # decode attention read in place from the paged cache by the C++ kernel (False: gather blocks + SDPA;
-    # benchmarks/long_context.py compares)
+    # benchmarks/engine/long_context.py compares)
     in_place_decode: bool = True
     # prefill chunks' attention read in place from the paged cache by the C++ flash-style kernel (False: SDPA,
-    # on the chunk itself or on the gathered prefix; benchmarks/prefill_attention.py compares)
+    # on the chunk itself or on the gathered prefix; benchmarks/kernels/prefill_attention.py compares)
     in_place_prefill: bool = True
     # float32 x with up to this many rows: the extension's GEMV, at::linear (MKL / oneDNN GEMM) beyond.
     # None: the crossover is measured per weight shape on first use (ops.gemm_rows: GEMV vs GEMM timed at
     # `calibration_rows`), since it moves with the shape and the CPU: SmolLM2's projections keep the GEMV
-    # to ~64 rows, a 1B model's MLP leaves it at 8-16 (BENCHMARKS.md "Path choice per shape").
+    # to ~64 rows, a 1B model's MLP leaves it at 8-16 (benchmarks/HISTORY.md "Many users on one machine").
     gemv_rows: int | None = None
     calibration_rows: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)
     # the float32 GEMM of the many-rows paths: "onednn" (oneDNN's matmul), "aten" (at::linear: MKL's sgemm in
@@ -151,7 +151,7 @@ class KernelConfig:
     # in one C++ call; the few-row kernels read the weights once per 4 rows. Measured, 16 requests x 64
     # tokens offline, up to 8 vs up to 16 rows: float32 137-145 vs 183-198 tok/s, int4 189-234 vs 257-274,
     # int8 286-333 vs 290-332 (the module path's Python per layer costs more than the extra weight passes).
-    # benchmarks/decode_rows.py (BENCHMARKS.md), limit 16 / 32 / 64, decode tok/s at 64 requests: float32
+    # benchmarks/engine/decode_rows.py (BENCHMARKS.md), limit 16 / 32 / 64, decode tok/s at 64 requests: float32
     # 236 / 248 / 268, int4 194 / 192 / 228 (the module path widens int4 to float32 tiles past 48 rows),
     # int8 320 / 316 / 312 (even); at 32 requests float32 193 / 281 / 281.
     fused_decode_rows: int = 64

@@ -1,9 +1,8 @@
 """Scoring a model on a fixed text: teacher-forced logits, perplexity and greedy agreement.
 
-Used to check quantized weights against float32 (tests/integration/test_quantization.py,
-benchmarks/quantization.py). Runs the model on one sequence over a private KV cache: as a single prefill
-(many rows per matmul), or one token per step as decoding does (`decode=True`: the few-rows kernels and the
-decode attention path).
+Used to check quantized weights against float32 (tests/integration/test_quantization.py). Runs the model on one
+sequence over a private KV cache: as a single prefill (many rows per matmul), or one token per step as decoding
+does (`decode=True`: the few-rows kernels and the decode attention path).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ NAMES = {
 }
 # x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
 # float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
-# 1.4x at 256 to 1024 rows, benchmarks/gguf_kernels.py), so by default never (as llama.cpp, whose
+# 1.4x at 256 to 1024 rows, benchmarks/kernels/gguf_kernels.py), so by default never (as llama.cpp, whose
 # prefill also rounds activations to int8); a caller wanting float32-exact prefill passes many_rows.
 MANY_ROWS = 1 << 62
 

@@ -108,7 +108,7 @@ def pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """(`weight` — float32 [N, K], CPU — in oneDNN's blocked layout for its matmul, whether it replaces the plain
     weight), or (None, False) where packing does not apply: KernelConfig.packed_weights False, no extension, a GEMM
     engine other than oneDNN. oneDNN re-lays out a plain weight on every call; packed once, its matmul is 1.3-1.5x
-    at 16-64 rows (a 1B model's MLP, SmolLM2's layers) and 2-4x the GEMV (BENCHMARKS.md "Packed float32 weights").
+    at 16-64 rows (a 1B model's MLP, SmolLM2's layers) and 2-4x the GEMV (benchmarks/HISTORY.md, stop 28).
     vLLM's CPU backend runs every unquantized linear so. Replaced (True, or auto from `packed_min_elements`): oneDNN
     at every row count, even with the GEMV at one row on a 1B model's shapes. A copy beside the plain weight (auto,
     smaller weights): the GEMV keeps the few rows, whose lead there is oneDNN's call overhead (SmolLM2 one row 19

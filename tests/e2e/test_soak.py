@@ -1,8 +1,8 @@
-"""Short soak in CI (issue #8): benchmarks/soak.py's mix (10% malformed requests, 20% of clients
+"""Short soak in CI (issue #8): benchmarks/serving/soak.py's mix (10% malformed requests, 20% of clients
 disconnecting at random moments, random priorities), 2 x 200 requests of 4-48 output tokens: long enough that a
 good share of the disconnecting clients leave mid-request whatever the machine's speed (with 4-16 tokens, once
 16-row decode steps got faster, only 8 of ~60 left before their answer was done). The full run
-(2,000) is `python benchmarks/soak.py`; its figures are in BENCHMARKS.md and docs/reliability.md.
+(2,000) is `python -m benchmarks.serving.soak`; its figures are in BENCHMARKS.md and docs/reliability.md.
 
 RSS climbs for the first few hundred requests on CPU (the allocator meeting new batch shapes; 904 ->
 1,218 MiB in the first 400 of the full run, then +3 MiB over the next 1,600): too early for a flatness
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import httpx
 
-from benchmarks.soak import run_soak
+from benchmarks.serving.soak import run_soak
 from llmserve.testing.launcher import ServerProcess
 from tests.e2e.test_overload_faults import memory_bound
 

@@ -1,0 +1,2 @@
+"""Serving benchmarks: `llmserve serve` and `llmserve route` over HTTP (the articles' procedure, the soak,
+the router)."""
