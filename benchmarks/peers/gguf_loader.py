@@ -8,7 +8,7 @@ tok/s over /v1/completions (short prompts, EOS ignored, greedy); and what llmser
 
     python -m benchmarks.peers.gguf_loader --runs 1b-int8 1b 1b-llama 8b-int4 8b-llama [--tokens 64] [--no-write]
 
-Runs: `1b*` use /work/ckpt/llama-1b/model-Q8_0.gguf, `8b*` /work/ckpt/llama-8b/model-Q4_K_M.gguf (random weights,
+Runs: `1b*` use ~/ckpt/llama-1b/model-Q8_0.gguf, `8b*` ~/ckpt/llama-8b/model-Q4_K_M.gguf (random weights,
 made by benchmarks/make_checkpoint.py); the suffix is llmserve's --quantization (none: the float32-exact
 default) or `llama` for llama-server. Check `free -g` before an 8B run.
 """
@@ -26,10 +26,10 @@ import time
 import httpx
 import psutil
 
-from benchmarks.common import write_section
+from benchmarks.common import CKPT, write_section
 from llmserve.testing.launcher import ServerProcess, free_port
 
-FILES = {"1b": "/work/ckpt/llama-1b/model-Q8_0.gguf", "8b": "/work/ckpt/llama-8b/model-Q4_K_M.gguf"}
+FILES = {"1b": f"{CKPT}/llama-1b/model-Q8_0.gguf", "8b": f"{CKPT}/llama-8b/model-Q4_K_M.gguf"}
 LLAMA_SERVER = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp/build/bin/llama-server")
 CACHE = os.path.expanduser(os.environ.get("LLMSERVE_CACHE_DIR", "~/.cache/llmserve"))
 PROMPT = "The history of the city begins with"
