@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args):
-    from llmserve import SamplingParams
+    from llmserve.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
