@@ -304,6 +304,11 @@ def main() -> None:
     p = sub.add_parser("vllm", help="`vllm bench serve` against vLLM's CPU build, llama.cpp and llmserve in turn")
     p.add_argument("--models", nargs="+", default=["bundled", f"{CKPT}/llama-1b"])
     p.add_argument("--servers", default="vllm,llama.cpp,llmserve,llmserve-int8,llmserve-int4")
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        help="vLLM's --dtype; auto: bfloat16 where the CPU has native bf16 (its best mode there), else float32",
+    )
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)

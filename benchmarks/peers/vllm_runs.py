@@ -39,6 +39,17 @@ def model_files(model: str) -> tuple[str | None, str, str | None]:
     return model, model, gguf
 
 
+def vllm_dtype(a) -> str:
+    """vLLM's dtype for the run: --vllm-dtype, auto: bfloat16 where oneDNN has native bf16 (vLLM's CPU default
+    there), float32 elsewhere."""
+    dtype = getattr(a, "vllm_dtype", "auto")
+    if dtype == "auto":
+        from llmserve.model import bf16
+
+        dtype = "bfloat16" if bf16.supported() else "float32"
+    return dtype
+
+
 class Served:
     """One server on the machine at a time: `kind` is vllm, llama.cpp, llmserve or llmserve-int8/int4, with
     "-kv16" for a float16 KV cache (llmserve-int8-kv16)."""
@@ -52,7 +63,8 @@ class Served:
         if self.kind == "vllm":
             port = 18000 + os.getpid() % 1000
             subprocess.run(
-                ["bash", vllm_sh(), "serve", folder, str(port), "--served-model-name", NAME],
+                ["bash", vllm_sh(), "serve", folder, str(port), "--served-model-name", NAME]
+                + ["--dtype", vllm_dtype(self.a)],
                 env={**os.environ, **OFFLINE},
                 check=False,
             )
@@ -257,9 +269,8 @@ def table(results: list[dict], a) -> str:
                 else "-"
             )
             loads = ", ".join(str((r["runs"].get(c) or {}).get("load", "")) for c in a.concurrency)
+            label = f"vllm --dtype {vllm_dtype(a)}" if r["server"] == "vllm" else r["server"]
             rows.append(
-                f"| {os.path.basename(model.rstrip('/'))} | {r['server']} | "
-                + " | ".join(cells)
-                + f" | {ttft} | {loads} |"
+                f"| {os.path.basename(model.rstrip('/'))} | {label} | " + " | ".join(cells) + f" | {ttft} | {loads} |"
             )
     return "\n".join(rows)
