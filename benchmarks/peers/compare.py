@@ -278,7 +278,9 @@ def run_vllm(a) -> None:
     body = (
         f"`python -m benchmarks.peers.compare {' '.join(sys.argv[1:])}`: `vllm bench serve` (completions, random "
         f"{a.input_len} / {a.output_len} tokens, EOS ignored) against each server in turn, output tok/s and the "
-        "ratio to vLLM's float32; the load average (1 min) after each run.\n\n" + table(results, a) + "\n"
+        "ratio to vLLM (in its --dtype, named in the table); the load average (1 min) after each run.\n\n"
+        + table(results, a)
+        + "\n"
     )
     print(body)
     if not a.no_write:
