@@ -3,7 +3,7 @@ a greedy step, as the engine runs it (the model answers the token: a float32 hea
 copy, see ops.head_argmax).
 
 The model forward is called directly (no engine), 200 times after a warm-up; then again with a timer
-around each call into llmserve's CPU kernels (llmserve/csrc/cpu_ops.cpp), named by kernel (the LM head
+around each call into llmserve's CPU kernels (llmserve/csrc/), named by kernel (the LM head
 is the `lm_head` row; `decode layers` is all decoder layers, one C++ call). "rest" is the forward minus the timed
 calls: embedding, final norm, Python. Bytes per token are the weights the step reads.
 

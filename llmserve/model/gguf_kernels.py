@@ -1,8 +1,8 @@
 """GGUF's quantized tensors used as the file holds them: dequantization and matmuls on the raw blocks.
 
-`llmserve/csrc/gguf_ops.cpp` (AVX2 + FMA + F16C; the Q4_K / Q6_K dots also in AVX-512 VNNI, chosen at run
-time as the other kernels' AVX-512 variants, `LLMSERVE_AVX512=0` keeps AVX2) is compiled into cpu_ops.cpp's
-extension module by ops.cpu_kernels(), so that the fused decode stack reads GGUF projections too
+`llmserve/csrc/gguf_*.cpp` (AVX2 + FMA + F16C; the Q4_K / Q6_K dots also in AVX-512 VNNI, chosen at run
+time as the other kernels' AVX-512 variants, `LLMSERVE_AVX512=0` keeps AVX2) is compiled into the kernels'
+one extension module by ops.cpu_kernels(), so that the fused decode stack reads GGUF projections too
 (`LLMSERVE_CPU_KERNELS=0`, a CPU without AVX2 or no compiler: the NumPy / PyTorch fallbacks below do the same
 work, slower). A weight is the tensor's bytes, a uint8 tensor [N, row_bytes] (N output rows, each row K values
 in the type's blocks):

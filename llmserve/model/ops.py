@@ -1,7 +1,7 @@
 """The model's fused CPU operations, with plain PyTorch equivalents: the model layer's one seam to its kernels.
 
-`llmserve/csrc/cpu_ops.cpp` (AVX2 + FMA) is compiled on first use with torch's C++ extension
-builder (about a minute, cached under ~/.cache/torch_extensions) and used for float32 tensors on
+`llmserve/csrc/` (AVX2 + FMA, one file per concern) is compiled on first use with torch's C++ extension
+builder (a minute or two, cached under ~/.cache/torch_extensions) and used for float32 tensors on
 CPU: RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode and
 prefill attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights.
 Elsewhere (CUDA, bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
@@ -13,6 +13,7 @@ and the general path takes over is `KernelConfig` (llmserve/config.py): `configu
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 
@@ -66,7 +67,7 @@ def cpu_kernels():
         csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
         _EXT = load(
             name="llmserve_cpu_ops",
-            sources=[os.path.join(csrc, "cpu_ops.cpp"), os.path.join(csrc, "gguf_ops.cpp")],  # (one module)
+            sources=sorted(glob.glob(os.path.join(csrc, "*.cpp"))),  # one module; headers tracked by ninja
             verbose=False,
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -76,7 +77,7 @@ def cpu_kernels():
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm)
         _EXT.set_q4_vnni(_KERNELS.int4_vnni)
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
-        log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp + gguf_ops.cpp (%s); using PyTorch ops", e)
+        log.warning("cpu kernels: could not build llmserve/csrc/*.cpp (%s); using PyTorch ops", e)
         _EXT = None
     return _EXT
 
@@ -292,7 +293,7 @@ def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def head_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> torch.Tensor | None:
     """argmax(linear(x, weight), -1) for float32 x, exactly, reading mostly the int8 screen (see
-    head_argmax in cpu_ops.cpp: the few vocabulary rows that can win are computed in float32 as the GEMV of
+    head_argmax in csrc/linear.cpp: the few vocabulary rows that can win are computed in float32 as the GEMV of
     `linear` computes them, whatever the batch); None where the extension cannot (the
     caller computes the logits). Cheaper at any batch: 64 rows of SmolLM2's head 22 ms vs at::linear's 44."""
     ext = _fast(x)

@@ -8,7 +8,7 @@ is int8 rows with a scale per row (shared with the LM head when the two are tied
 Kernels (CPU, float32 activations), chosen per call by the number of rows (BENCHMARKS.md, "Weight
 kernels"; the row limits are KernelConfig's `few_rows`, `int4_dot_rows`, `int8_dot_rows`, read when a
 layer is built):
-  * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/cpu_ops.cpp) read the
+  * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/linear.cpp) read the
     packed int8 / int4 weights directly, activations rounded per 32 values (int4: to int8, as
     llama.cpp's Q4_1 x Q8_1 dot; int8: to int16, relative error ~1e-5), dot products summed in int32.
     Reading 1 or 0.6 byte per weight instead of 4 is what makes single-stream decode fast: it is

@@ -1,4 +1,4 @@
-"""llmserve/csrc/cpu_ops.cpp against plain PyTorch: every fused kernel, odd sizes included."""
+"""llmserve/csrc/'s kernels against plain PyTorch: every fused kernel, odd sizes included."""
 
 from __future__ import annotations
 
