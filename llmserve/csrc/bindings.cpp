@@ -7,6 +7,7 @@
 #include "isa.h"
 #include "kernels.h"
 #include "lora.h"
+#include "projection_kinds.h"
 
 using namespace llmserve;
 
@@ -49,6 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache", kNoGIL);
   m.def("sample_rows", &sample_rows, "one token per row of logits, drawn by inverting its CDF at u");
   // decode_stack.cpp, lora.cpp
+  m.def("projection_kinds", [] {
+    py::dict kinds;
+    for (const auto& k : kProjectionKinds) kinds[k.name] = static_cast<int64_t>(k.kind);
+    return kinds;
+  }, "decode_layer's projection kinds, {name: value} (llmserve/model/kinds.py's ProjectionKind holds the same)");
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++", kNoGIL);
   m.def("lora_linear_add_", &lora_linear_add_, "out[adapter rows] += x[rows] @ A^T @ B^T (one projection)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")

@@ -5,10 +5,9 @@
 
 #include "gemm.h"
 #include "kernels.h"
+#include "projection_kinds.h"
 
 namespace llmserve {
-
-constexpr int64_t kGGUF = 16;   // a projection kind: GGUF blocks (quant.GGUFLinear.kernel_args)
 
 std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
@@ -18,7 +17,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
   TORCH_CHECK(kinds.size() == 4 && act_bits.size() == 4 && many_rows.size() == 4, "decode_layer: four projections");
   size_t at_w = 2;
   auto base_linear = [&](const at::Tensor& in, int i) {
-    const int64_t kind = kinds[i];
+    const auto kind = static_cast<ProjectionKind>(kinds[i]);
     if (kind == kGGUF) {   // act_bits: the parts' count, then a byte per part's GGMLQuantizationType
       const int64_t parts = act_bits[i] & 0xFF;
       std::vector<int64_t> qtypes;
@@ -26,26 +25,27 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
       at_w += parts;
       return gguf::linear_parts(in, std::vector<at::Tensor>(w.begin() + at_w - parts, w.begin() + at_w), qtypes);
     }
-    if (kind == 4) {
+    if (kind == kInt4) {
       at_w += 3;
       return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], many_rows[i]);
     }
-    if (kind == 8) {
+    if (kind == kInt8) {
       at_w += 2;
       return q8_linear(in, w[at_w - 2], w[at_w - 1], many_rows[i], act_bits[i]);
     }
-    if (kind == 9) {   // int8 in the VNNI layout: q8_vnni_gemm at every row count
+    if (kind == kInt8VNNI) {   // int8 in the VNNI layout: q8_vnni_gemm at every row count
       at_w += 3;
       return q8_vnni_gemm(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], act_bits[i]);
     }
-    if (kind == 2) {   // bfloat16 weight packed for oneDNN: rows rounded to bfloat16, the output widened
+    if (kind == kBF16) {   // bfloat16 weight packed for oneDNN: rows rounded to bfloat16, the output widened
       at_w += 1;
       return onednn_linear(in.to(at::kBFloat16).contiguous(), w[at_w - 1]).to(at::kFloat);
     }
-    if (kind == 1) {   // the GEMV on the plain weight below many_rows, oneDNN on the packed copy from there
+    if (kind == kF32Packed) {   // the GEMV on the plain weight below many_rows, oneDNN on the packed copy from there
       at_w += 2;
       return in.size(0) >= many_rows[i] ? gemm(in, w[at_w - 1]) : f32_linear(in, w[at_w - 2], many_rows[i]);
     }
+    TORCH_CHECK(kind == kF32, "decode_layer: unknown projection kind ", kinds[i]);
     at_w += 1;
     return f32_linear(in, w[at_w - 1], many_rows[i]);
   };

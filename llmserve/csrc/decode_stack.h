@@ -17,9 +17,7 @@ namespace llmserve {
 // One decoder layer for a batch of decode rows (each row one request's next token), in one call:
 // the Python around ~12 kernel calls per layer costs as much as the kernels on a single stream.
 // weights: [input_norm, post_norm, then per projection (qkv, o, gate_up, down) its tensors];
-// kinds[i] for each projection: 0 float32 (weight: plain, or packed in oneDNN's layout), 1 float32 with a
-// packed copy (plain weight, packed weight), 2 bfloat16 packed for oneDNN (llmserve/model/bf16.py), 4 int4 (q, scale, min), 8 int8 (q, scale), 9 int8 in the VNNI layout
-// (q, channel sums, scale).
+// kinds[i] for each projection: a ProjectionKind (projection_kinds.h), which says the tensors it takes.
 // act_bits[i]: int8's activation width. many_rows[i]: the rows from which projection i leaves its
 // few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
 // measured per weight shape, llmserve/model/ops.py). Returns (layer output, running residual sum);
