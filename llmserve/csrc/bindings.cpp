@@ -1,5 +1,5 @@
-// Every Python binding of the extension module (llmserve/model/ops.py builds it from csrc/*.cpp and is the one
-// seam that calls it). The only file that includes pybind11, with torch's casters for tensors (torch/extension.h,
+// Every Python binding of the extension module (llmserve/model/cpu_ext.py builds it from csrc/*.cpp; ops.py and
+// gguf_kernels.py are the seams that call it). The only file that includes pybind11, with torch's casters for tensors (torch/extension.h,
 // the whole torch C++ API, takes three times as long to compile: not needed).
 #include <torch/csrc/utils/pybind.h>
 

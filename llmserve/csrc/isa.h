@@ -1,6 +1,6 @@
 // The instruction sets llmserve's kernels are built for, what this CPU has, and the process-wide switches.
 //
-// Every file is compiled for AVX2 + FMA + F16C (llmserve/model/ops.py's flags): that is the floor, and a CPU
+// Every file is compiled for AVX2 + FMA + F16C (llmserve/model/cpu_ext.py's flags): that is the floor, and a CPU
 // without AVX2 never loads the module. Wider variants are compiled per function with one of the target
 // macros below (the rest of a file stays AVX2) and chosen at run time: a kernel calls use_avx512() or
 // use_vnni() and keeps an AVX2 path beside the wide one. One meaning for each macro:
@@ -18,8 +18,8 @@
 
 namespace llmserve {
 
-// The four process-wide switches, one instance for the module: set from Python (llmserve/model/ops.py, through
-// bindings.cpp's set_* functions) when the module loads and whenever ops.configure changes them.
+// The four process-wide switches, one instance for the module: set from Python (llmserve/model/cpu_ext.py, through
+// bindings.cpp's set_* functions) when the module loads and whenever configure (cpu_ext.py) changes them.
 struct Toggles {
   bool avx512 = true;         // envs.LLMSERVE_AVX512: the AVX-512 variants may run (where the CPU has them)
   bool gemm_onednn = false;   // gemm() runs oneDNN's matmul, else at::linear (ops.gemm_engine)
