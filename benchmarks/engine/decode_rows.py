@@ -43,7 +43,7 @@ def measure(
     import random
 
     from llmserve import LLM, SamplingParams
-    from llmserve.model import ops
+    from llmserve.model import cpu_ext, ops
 
     llm = LLM(model=model, num_threads=threads, quantization=None if mode == "none" else mode)
     eng = llm.engine
@@ -81,7 +81,7 @@ def measure(
         n,
         {k: [round(v, 1) for v in vs] for k, vs in res.items()},
         "crossovers",
-        ops._CROSSOVERS,
+        cpu_ext._CROSSOVERS,
         "load",
         os.getloadavg()[0],
         flush=True,

@@ -4,7 +4,7 @@
 off so every prompt is its own); the decode-only steps are timed from the engine's step loop, and the
 time spent inside attention (`paged_attention`: the KV write, and either the in-place decode kernel or
 the block gathers + SDPA) with a timer around it. Both attention paths run in the same process, one
-after the other: llmserve's in-place kernel (llmserve/csrc/cpu_ops.cpp) and gather + SDPA (the PyTorch
+after the other: llmserve's in-place kernel (llmserve/csrc/attention_decode.cpp) and gather + SDPA (the PyTorch
 path, used where the kernels are not).
 
     python -m benchmarks.engine.long_context [--threads 2] [--no-write]

@@ -1,6 +1,6 @@
 """Does torch.compile (inductor, CPU) pay for the decode step here? The model's forward for a step of
 decode rows (context 200), three ways, each in its own process:
-  * fused: llmserve's path (all layers in one call into llmserve/csrc/cpu_ops.cpp);
+  * fused: llmserve's path (all layers in one call into llmserve/csrc/decode_stack.cpp);
   * eager: the module path with PyTorch ops only (LLMSERVE_CPU_KERNELS=0: what torch.compile can see);
   * compiled: that forward under `torch.compile(dynamic=False)` (inductor's C++/OpenMP code on CPU).
 Reports the step time (50 steps after a warm-up) and the warm-up (compilation) time.

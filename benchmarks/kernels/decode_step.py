@@ -3,7 +3,7 @@ a greedy step, as the engine runs it (the model answers the token: a float32 hea
 copy, see ops.head_argmax).
 
 The model forward is called directly (no engine), 200 times after a warm-up; then again with a timer
-around each call into llmserve's CPU kernels (llmserve/csrc/cpu_ops.cpp), named by kernel (the LM head
+around each call into llmserve's CPU kernels (llmserve/csrc/), named by kernel (the LM head
 is the `lm_head` row; `decode layers` is all decoder layers, one C++ call). "rest" is the forward minus the timed
 calls: embedding, final norm, Python. Bytes per token are the weights the step reads.
 
@@ -39,7 +39,7 @@ def weight_bytes(model) -> int:
 
 def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
     from llmserve import LLM
-    from llmserve.model import ops
+    from llmserve.model import cpu_ext, ops
     from llmserve.model.attention import AttentionMetadata, DecodeGroup
 
     llm = LLM(num_threads=threads, quantization=None if mode == "none" else mode, kv_cache_memory=0.25)
@@ -92,14 +92,14 @@ def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
             spent["decode layers"] += time.perf_counter() - t0
             return r
 
-    ops._EXT, head.forward = Timed(), timed_head
+    cpu_ext._EXT, head.forward = Timed(), timed_head
     if stack:
         m._decode_stack = TimedStack()
     try:
         for _ in range(n):
             step()
     finally:
-        ops._EXT, head.forward, m._decode_stack = ext, head_fwd, stack
+        cpu_ext._EXT, head.forward, m._decode_stack = ext, head_fwd, stack
     nbytes = weight_bytes(m)
     out = dict(step_ms=total * 1e3, parts={k: v / n * 1e3 for k, v in spent.most_common()}, mb=nbytes / 1e6)
     print(mode, out, flush=True)

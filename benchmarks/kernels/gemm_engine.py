@@ -36,7 +36,7 @@ def best_of(repeats: int, fn, *args) -> float:
 
 
 def shapes_table(model, rows: list[int], repeats: int) -> list[str]:
-    from llmserve.model import ops
+    from llmserve.model import cpu_ext, ops
 
     ext = ops.cpu_kernels()
     layer = model.layers[0]
@@ -55,7 +55,7 @@ def shapes_table(model, rows: list[int], repeats: int) -> list[str]:
         for m in rows:
             x = torch.randn(m, w.shape[1])
             a = best_of(repeats, F.linear, x, w)
-            o = best_of(repeats, ops._onednn_linear, x, w)
+            o = best_of(repeats, cpu_ext._onednn_linear, x, w)
             g = best_of(repeats, ext.f32_linear, x, w, m + 1) if m <= 64 else None
             gs = f"{g * 1e3:.3f}" if g is not None else "-"
             lines.append(
@@ -79,7 +79,7 @@ def main() -> None:
 
     from llmserve import LLM, SamplingParams
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model import cpu_ext, ops
 
     llm = LLM(model=a.model, num_threads=a.threads, enable_prefix_caching=False)
     model = llm.engine.runner.model
@@ -97,7 +97,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for engine in ENGINES:
             ops.configure(KernelConfig(gemm=engine))
-            ops._CROSSOVERS.clear()  # the GEMV/GEMM crossovers were measured against the other engine
+            cpu_ext._CROSSOVERS.clear()  # the GEMV/GEMM crossovers were measured against the other engine
             model._decode_stack = None
             llm.generate([long_prompt[:64]], one, use_tqdm=False)  # re-measures the crossovers
             t = time.perf_counter()

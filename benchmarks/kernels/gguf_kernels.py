@@ -1,4 +1,4 @@
-"""GGUF block kernels (llmserve/csrc/gguf_ops.cpp) next to llmserve's int4 and float32 kernels, on an
+"""GGUF block kernels (llmserve/csrc/gguf_*.cpp) next to llmserve's int4 and float32 kernels, on an
 8B model's MLP shapes (gate/up 4096 -> 14336, down 14336 -> 4096).
 
 1. Single-row `linear` (decode): GB/s of weight bytes streamed, Q4_K and Q6_K read from their blocks

@@ -2,7 +2,7 @@
 
 float32 `F.linear` (the reference), fbgemm's float16-weight GEMM (`--quantization int8` on batches of 5+
 rows), fbgemm's int8 GEMM with dynamic 7-bit activations, torch's weight-only `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, and llmserve's own kernels (llmserve/csrc/cpu_ops.cpp) as QuantLinear calls
+`_weight_int4pack_mm_for_cpu`, and llmserve's own kernels (llmserve/csrc/linear.cpp) as QuantLinear calls
 them: int4 (Q4_1 blocks, int8 activations) and int8 (int16 activations), integer dots up to 48 / 16 rows
 and float32 tiles beyond (`--quantization int4`; int8 hands 5+ rows to fbgemm). Times per call in ms,
 batch rows M = 1 (single stream), 4, 16 and 64.

@@ -68,8 +68,8 @@ def main() -> int:
     import transformers
 
     from llmserve import LLM
+    from llmserve.model.gguf_layers import GGUFLinear
     from llmserve.model.loader import bundled_model_path, gguf_model
-    from llmserve.model.quant import GGUFLinear
     from llmserve.tokenizer import Tokenizer
     from tests.gguf_files import round_trip_model
     from tests.integration.test_architectures import greedy_batched_and_alone

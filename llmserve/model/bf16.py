@@ -24,8 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve import envs
-
-KIND = 2  # the fused decode stack's projection kind for a packed bfloat16 weight (csrc decode_layer)
+from llmserve.model.kinds import ProjectionKind
 
 
 def supported() -> bool:
@@ -93,12 +92,12 @@ class BF16Linear(nn.Module):
             y += self.bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, int, list[torch.Tensor]] | None:
-        """(KIND, 0, [packed weight]): this layer as the fused decode stack reads it; None without the packed
+    def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
+        """(BF16, 0, [packed weight]): this layer as the fused decode stack reads it; None without the packed
         layout or with a bias."""
         if self.packed is None or self.bias is not None:
             return None
-        return KIND, 0, [self.packed]
+        return ProjectionKind.BF16, 0, [self.packed]
 
     def extra_repr(self) -> str:
         return f"bfloat16, in_features={self.in_features}, out_features={self.out_features}"

@@ -1,8 +1,8 @@
 """GGUF's quantized tensors used as the file holds them: dequantization and matmuls on the raw blocks.
 
-`llmserve/csrc/gguf_ops.cpp` (AVX2 + FMA + F16C; the Q4_K / Q6_K dots also in AVX-512 VNNI, chosen at run
-time as the other kernels' AVX-512 variants, `LLMSERVE_AVX512=0` keeps AVX2) is compiled into cpu_ops.cpp's
-extension module by ops.cpu_kernels(), so that the fused decode stack reads GGUF projections too
+`llmserve/csrc/gguf_*.cpp` (AVX2 + FMA + F16C; the Q4_K / Q6_K dots also in AVX-512 VNNI, chosen at run
+time as the other kernels' AVX-512 variants, `LLMSERVE_AVX512=0` keeps AVX2) is compiled into the kernels'
+one extension module by cpu_ext.cpu_kernels(), so that the fused decode stack reads GGUF projections too
 (`LLMSERVE_CPU_KERNELS=0`, a CPU without AVX2 or no compiler: the NumPy / PyTorch fallbacks below do the same
 work, slower). A weight is the tensor's bytes, a uint8 tensor [N, row_bytes] (N output rows, each row K values
 in the type's blocks):
@@ -25,6 +25,8 @@ import logging
 
 import numpy as np
 import torch
+
+from llmserve.model import cpu_ext
 
 log = logging.getLogger("llmserve.gguf_kernels")
 
@@ -74,17 +76,15 @@ class _Kernels:
 
 
 def gguf_kernels():
-    """The compiled GGUF kernels (ops.cpu_kernels()' module, its gguf_* functions), or None where they cannot
+    """The compiled GGUF kernels (cpu_ext.cpu_kernels()' module, its gguf_* functions), or None where they cannot
     be used."""
     global _EXT, _TRIED
     if _TRIED:
         return _EXT
     _TRIED = True
-    from llmserve.model import ops
-
-    ext = ops.cpu_kernels()
+    ext = cpu_ext.cpu_kernels()
     if ext is None:
-        log.info("gguf kernels: no compiled kernels (see llmserve.model.ops); using NumPy / PyTorch")
+        log.info("gguf kernels: no compiled kernels (see llmserve.model.cpu_ext); using NumPy / PyTorch")
     _EXT = None if ext is None else _Kernels(ext)
     return _EXT
 

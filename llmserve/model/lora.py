@@ -44,7 +44,7 @@ _LAYER_OF = {
     "down_proj": ("mlp", "down_proj"),
 }
 TARGET_MODULES = tuple(_LAYER_OF)
-# the fused decode stack's projections of a layer, in its order (llmserve/csrc/cpu_ops.cpp, decode_layer)
+# the fused decode stack's projections of a layer, in its order (llmserve/csrc/decode_stack.cpp, decode_layer)
 FUSED_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # steps with up to this many adapter rows of several adapters run them as one batched matmul pair per layer
 BATCHED_ROWS = 64

@@ -1,90 +1,31 @@
 """The model's fused CPU operations, with plain PyTorch equivalents: the model layer's one seam to its kernels.
 
-`llmserve/csrc/cpu_ops.cpp` (AVX2 + FMA) is compiled on first use with torch's C++ extension
-builder (about a minute, cached under ~/.cache/torch_extensions) and used for float32 tensors on
-CPU: RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode and
-prefill attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights.
+`llmserve/csrc/` (AVX2 + FMA, one file per concern; built on first use by cpu_ext.py, which also holds the
+process-wide settings, `configure` and the GEMM engine, re-exported here) is used for float32 tensors on CPU:
+RMSNorm (with the residual add fused in), rotary (with the KV cache write), SiLU-and-mul, decode and prefill
+attention read in place from the paged cache, and int8/int4 weight-only matmuls on the packed weights.
 Elsewhere (CUDA, bfloat16, no compiler, or `LLMSERVE_CPU_KERNELS=0`) the same functions run as PyTorch ops.
 
-The rest of llmserve calls the functions here and never the extension itself. Where each kernel stops
-and the general path takes over is `KernelConfig` (llmserve/config.py): `configure` applies an engine's
-(EngineConfig.kernels) at start-up, for the whole process.
+The rest of llmserve calls the functions here (gguf_kernels.py its own) and never the extension itself.
+Where each kernel stops and the general path takes over is `KernelConfig` (llmserve/config.py): `configure`
+applies an engine's (EngineConfig.kernels) at start-up, for the whole process.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
-from llmserve import envs
-from llmserve.config import KernelConfig
+from llmserve.model import gguf_kernels
+from llmserve.model.cpu_ext import calibrate_gemv as calibrate_gemv
+from llmserve.model.cpu_ext import configure as configure
+from llmserve.model.cpu_ext import cpu_kernels, gemm_engine, gemm_rows, kernel_config
+from llmserve.model.cpu_ext import fast as _fast
+from llmserve.model.kinds import ProjectionKind
 
 log = logging.getLogger("llmserve.ops")
-
-_EXT = None
-_TRIED = False
-_KERNELS = KernelConfig()
-
-
-def configure(kernels: KernelConfig) -> KernelConfig:
-    """Use `kernels`' settings from now on (process-wide); returns the previous ones. Quantized layers
-    take their row limits when built: configure before loading a model (the engine does)."""
-    global _KERNELS
-    previous, _KERNELS = _KERNELS, kernels
-    if kernels != previous:  # GEMV / GEMM crossovers measured under other settings (engine, rows) are stale
-        _CROSSOVERS.clear()
-    if _EXT is not None and kernels.gemm != previous.gemm:
-        _EXT.set_gemm_engine(gemm_engine() == "onednn")
-    if _EXT is not None:
-        _EXT.set_q8_int_gemm(kernels.int8_gemm)
-        _EXT.set_q4_vnni(kernels.int4_vnni)
-    return previous
-
-
-def kernel_config() -> KernelConfig:
-    """The settings in force."""
-    return _KERNELS
-
-
-def cpu_kernels():
-    """The compiled extension module, or None where it cannot be used (built once per process)."""
-    global _EXT, _TRIED
-    if _TRIED:
-        return _EXT
-    _TRIED = True
-    if not envs.LLMSERVE_CPU_KERNELS:
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("cpu kernels: this CPU lacks AVX2; using PyTorch ops")
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-        _EXT = load(
-            name="llmserve_cpu_ops",
-            sources=[os.path.join(csrc, "cpu_ops.cpp"), os.path.join(csrc, "gguf_ops.cpp")],  # (one module)
-            verbose=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-        _EXT.set_avx512(envs.LLMSERVE_AVX512)
-        _EXT.set_gemm_engine(gemm_engine() == "onednn")
-        _EXT.set_q8_int_gemm(_KERNELS.int8_gemm)
-        _EXT.set_q4_vnni(_KERNELS.int4_vnni)
-    except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
-        log.warning("cpu kernels: could not build llmserve/csrc/cpu_ops.cpp + gguf_ops.cpp (%s); using PyTorch ops", e)
-        _EXT = None
-    return _EXT
-
-
-def _fast(x: torch.Tensor):
-    if x.dtype is not torch.float32 or x.is_cuda:
-        return None
-    return _EXT if _TRIED else cpu_kernels()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,7 +54,7 @@ def pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     at every row count, even with the GEMV at one row on a 1B model's shapes. A copy beside the plain weight (auto,
     smaller weights): the GEMV keeps the few rows, whose lead there is oneDNN's call overhead (SmolLM2 one row 19
     vs 22 ms a token), at the copy's bytes (cheap at that size)."""
-    on = _KERNELS.packed_weights
+    on = kernel_config().packed_weights
     if weight.dtype is torch.int8:
         return pack_int8_weight(weight)
     if (
@@ -127,7 +68,7 @@ def pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     ):
         return None, False
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
-    return packed, on is True or weight.numel() >= _KERNELS.packed_min_elements
+    return packed, on is True or weight.numel() >= kernel_config().packed_min_elements
 
 
 def vnni_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -137,7 +78,7 @@ def vnni_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     ext = cpu_kernels()
     n, k = qweight.shape
     if (
-        not (_KERNELS.int8_vnni and _KERNELS.int8_gemm)
+        not (kernel_config().int8_vnni and kernel_config().int8_gemm)
         or ext is None
         or not ext.uses_vnni()
         or qweight.dtype is not torch.int8
@@ -156,7 +97,7 @@ def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     KernelConfig.packed_weights or int8_gemm False, a weight under packed_min_elements on auto (SmolLM2's: no
     gain at 16-64 rows, one row 10 vs 7 ms a token, prefill slower), no extension, no oneDNN int8 matmul in this
     torch. A 1B model's int8 decode step at 16 rows 168 -> 111 ms, prefill 10.0 -> 8.6 s (16 x 128 tokens)."""
-    k = _KERNELS
+    k = kernel_config()
     if (
         k.packed_weights is False
         or (k.packed_weights is None and qweight.numel() < k.packed_min_elements)
@@ -170,108 +111,6 @@ def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     except (AttributeError, RuntimeError) as e:  # a torch without x86's int8 ops
         log.info("int8 weights: oneDNN's packed layout unavailable (%s)", e)
         return None, False
-
-
-_GEMM_MEASURED: str | None = None
-
-
-def gemm_engine() -> str:
-    """The float32 GEMM the many-rows paths use: "onednn" (torch's mkldnn::_linear_pointwise) or "aten"
-    (at::linear: MKL's sgemm in torch's CPU build). KernelConfig.gemm when set; else measured once per process on
-    a prefill-sized matmul (MKL keeps to its AVX2 code on AMD CPUs, oneDNN runs AVX-512: 2-2.4x here; on other
-    CPUs MKL may win). Greedy tokens do not depend on it beyond float32 rounding of the sums' order."""
-    global _GEMM_MEASURED
-    if _KERNELS.gemm is not None:
-        return _KERNELS.gemm
-    if _GEMM_MEASURED is None:
-        _GEMM_MEASURED = _measure_gemm()
-        log.info("float32 GEMM: %s (measured)", _GEMM_MEASURED)
-    return _GEMM_MEASURED
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
-def _measure_gemm(repeats: int = 5) -> str:
-    """The faster of at::linear and oneDNN on 128 x 1024 @ 1024 x 2048 (best of `repeats`, interleaved)."""
-    import time
-
-    if not torch.backends.mkldnn.is_available():
-        return "aten"
-    x, w = torch.randn(128, 1024), torch.randn(2048, 1024)
-    best = {"aten": float("inf"), "onednn": float("inf")}
-    try:
-        with torch.inference_mode():
-            for rep in range(repeats + 1):
-                for name, fn in (("aten", F.linear), ("onednn", _onednn_linear)):
-                    t = time.perf_counter()
-                    fn(x, w)
-                    if rep:
-                        best[name] = min(best[name], time.perf_counter() - t)
-    except Exception as e:  # an odd build without the op: at::linear
-        log.info("float32 GEMM: oneDNN's matmul unavailable (%s)", e)
-        return "aten"
-    return "onednn" if best["onednn"] < best["aten"] * 0.9 else "aten"
-
-
-_CROSSOVERS: dict[tuple, int] = {}  # (N, K, threads) -> rows from which at::linear wins (measured)
-
-
-def gemm_rows(weight: torch.Tensor, packed: torch.Tensor | None = None) -> int:
-    """The number of rows from which the GEMM (`gemm_engine`: MKL's or oneDNN's) beats the extension's GEMV for this
-    float32 weight: KernelConfig.gemv_rows + 1 when set, else measured once per shape and thread count
-    (`calibrate_gemv`). The GEMV reads the weights once per 4 rows (8 with AVX-512), the GEMM once per call but with a
-    start-up cost and packing: where they cross depends on the shape (N * K against the caches) and on
-    the CPU (AVX2 vs AVX-512 GEMM)."""
-    fixed = _KERNELS.gemv_rows
-    if fixed is not None:
-        return fixed + 1
-    if weight.shape[1] % 8 or cpu_kernels() is None:
-        return 0
-    key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), packed is not None)
-    rows = _CROSSOVERS.get(key)
-    if rows is None:
-        rows = _CROSSOVERS[key] = calibrate_gemv(weight, _KERNELS.calibration_rows, gemm_weight=packed)
-        log.debug("float32 %s x %s: GEMV below %d rows, at::linear from there", key[0], key[1], rows)
-    return rows
-
-
-def calibrate_gemv(
-    weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 3, gemm_weight: torch.Tensor | None = None
-) -> int:
-    """The first of `rows` from which the GEMM (on `gemm_weight`, the packed copy, where given) is faster than
-    the GEMV on `weight` at that row count and the next (each the best of `repeats` interleaved runs: robust to
-    a busy machine's stalls); past the largest, the GEMM. Costs a few GEMV passes per shape (~0.1-1 s for a 1B
-    model's shapes)."""
-    import time
-
-    ext = cpu_kernels()
-    w = weight.detach()
-    gw = w if gemm_weight is None else gemm_weight
-    wins = 0
-    first = None
-    with torch.inference_mode():
-        for m in rows:
-            x = torch.randn(m, w.shape[1])
-            best = [float("inf"), float("inf")]
-            for rep in range(repeats + 1):
-                for i in (0, 1):
-                    t = time.perf_counter()
-                    if i == 0:
-                        ext.f32_linear(x, w, m + 1)
-                    else:
-                        ext.gemm(x, gw)
-                    if rep:  # the first round warms up
-                        best[i] = min(best[i], time.perf_counter() - t)
-            if best[1] < best[0]:
-                wins += 1
-                first = m if wins == 1 else first
-                if wins == 2:
-                    return first
-            else:
-                wins, first = 0, None
-    return first if first is not None else rows[-1] + 1
 
 
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +131,7 @@ def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def head_argmax(x: torch.Tensor, weight: torch.Tensor, screen) -> torch.Tensor | None:
     """argmax(linear(x, weight), -1) for float32 x, exactly, reading mostly the int8 screen (see
-    head_argmax in cpu_ops.cpp: the few vocabulary rows that can win are computed in float32 as the GEMV of
+    head_argmax in csrc/linear.cpp: the few vocabulary rows that can win are computed in float32 as the GEMV of
     `linear` computes them, whatever the batch); None where the extension cannot (the
     caller computes the logits). Cheaper at any batch: 64 rows of SmolLM2's head 22 ms vs at::linear's 44."""
     ext = _fast(x)
@@ -388,7 +227,12 @@ def paged_decode_attention(
     """Decode rows' attention read in place from the paged cache into `out`; False when the
     caller must gather and use SDPA instead."""
     ext = _fast(q)
-    if ext is None or not _KERNELS.in_place_decode or q.shape[-1] not in (64, 128) or k_cache.dtype not in KV_DTYPES:
+    if (
+        ext is None
+        or not kernel_config().in_place_decode
+        or q.shape[-1] not in (64, 128)
+        or k_cache.dtype not in KV_DTYPES
+    ):
         return False
     ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return True
@@ -409,7 +253,7 @@ def paged_prefill_attention(
     ext = _fast(q)
     if (
         ext is None
-        or not _KERNELS.in_place_prefill
+        or not kernel_config().in_place_prefill
         or q.shape[-1] not in (64, 128)
         or k_cache.dtype not in KV_DTYPES
         or block_table.dtype is not torch.int64
@@ -441,7 +285,7 @@ def int4_vnni(out_features: int) -> bool:
     """Whether int4 weights with `out_features` channels take the VNNI integer GEMM from
     KernelConfig.int4_vnni_rows rows (q4_linear's many-rows path)."""
     ext = cpu_kernels()
-    return ext is not None and _KERNELS.int4_vnni and out_features % 64 == 0 and ext.uses_vnni()
+    return ext is not None and kernel_config().int4_vnni and out_features % 64 == 0 and ext.uses_vnni()
 
 
 def decode_layer_args(model) -> list | None:
@@ -476,10 +320,10 @@ def decode_layer_args(model) -> list | None:
                 and lin.weight.device.type == "cpu"
             ):
                 # packed in place: oneDNN at every row count; else the GEMV up to the measured crossover, then
-                # oneDNN on the packed copy (kind 1) or the plain weight (shapes repeat: measured on the first
+                # oneDNN on the packed copy (F32_PACKED) or the plain weight (shapes repeat: measured on the first
                 # layer only)
                 packed = getattr(lin, "packed", None)
-                kinds.append(0 if packed is None else 1)
+                kinds.append(ProjectionKind.F32 if packed is None else ProjectionKind.F32_PACKED)
                 bits.append(0)
                 w += [lin.weight] if packed is None else [lin.weight, packed]
                 many.append(0 if lin.weight.is_mkldnn else gemm_rows(lin.weight, packed))
@@ -499,7 +343,7 @@ def decode_stack(model):
     if not args:
         return None
     c = model.cfg
-    return _EXT.DecodeStack(
+    return cpu_kernels().DecodeStack(
         args,
         c.rms_norm_eps,
         model.rotary.cos,
@@ -522,25 +366,21 @@ def lora_linear_add_(x, out, segments, adapters, num_layers: int, layer: int, pr
     """out[each adapter's rows] += x[rows] @ A^T @ B^T for projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down)
     of `layer`, in place: the fused stack's LoRA kernel for a module-path step (DecodeStack.run_lora's
     `segments` and `adapters`; `heads`: (heads, KV heads, head size), the qkv parts' widths)."""
-    _EXT.lora_linear_add_(x, out, segments, adapters, num_layers, layer, proj, *heads)
+    cpu_kernels().lora_linear_add_(x, out, segments, adapters, num_layers, layer, proj, *heads)
 
 
 def decode_stack_fits(x: torch.Tensor) -> bool:
     """Whether a decode step of rows `x` (decode rows only, one group) may run through a DecodeStack."""
-    return _KERNELS.in_place_decode and x.shape[0] <= _KERNELS.fused_decode_rows and _fast(x) is not None
+    return kernel_config().in_place_decode and x.shape[0] <= kernel_config().fused_decode_rows and _fast(x) is not None
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, K: int, exact: bool) -> torch.Tensor:
     """x [M, K] @ W.T, float32, W a GGUF tensor's blocks (uint8 [N, row_bytes], llmserve.model.gguf_kernels):
     `exact` in float32 throughout (W widened, x as it is), otherwise llama.cpp's arithmetic (integer dots
     on the blocks, x rounded to int8 per block)."""
-    from llmserve.model import gguf_kernels
-
     return gguf_kernels.linear_f32(x, raw, qtype, K) if exact else gguf_kernels.linear(x, raw, qtype, K)
 
 
 def gguf_dequantize(raw: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
     """float32 [N, K]: the values of a GGUF tensor's blocks (rows of it: embedding look-ups)."""
-    from llmserve.model import gguf_kernels
-
     return gguf_kernels.dequantize(raw, qtype, K)

@@ -8,7 +8,7 @@ is int8 rows with a scale per row (shared with the LM head when the two are tied
 Kernels (CPU, float32 activations), chosen per call by the number of rows (BENCHMARKS.md, "Weight
 kernels"; the row limits are KernelConfig's `few_rows`, `int4_dot_rows`, `int8_dot_rows`, read when a
 layer is built):
-  * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/cpu_ops.cpp) read the
+  * few rows (decode of a few requests): llmserve's AVX2 kernels (llmserve/csrc/linear.cpp) read the
     packed int8 / int4 weights directly, activations rounded per 32 values (int4: to int8, as
     llama.cpp's Q4_1 x Q8_1 dot; int8: to int16, relative error ~1e-5), dot products summed in int32.
     Reading 1 or 0.6 byte per weight instead of 4 is what makes single-stream decode fast: it is
@@ -31,10 +31,8 @@ read from outside it:
     ("int8" | "int4"), `dequantize()` (the float32 weights it stands for), its buffers `qweight`, `scale`,
     `minv` (int4), `bias`, and `kernel_args()` (ops.decode_layer_args: how the fused decode stack reads it);
   * `Int8Embedding`: a drop-in for nn.Embedding (`forward(ids)`), buffers `qweight` and `scale`;
-  * `GGUFLinear` / `GGUFEmbedding`: the same drop-ins holding a GGUF file's tensors as the file has them
-    (kind "gguf": any type of llmserve.model.gguf_kernels, K-quants included, never rounded again), read
-    through ops.gguf_linear / ops.gguf_dequantize; `adopt_gguf(model, tensors, exact)` puts them in (the
-    loader);
+  * `GGUFLinear` / `GGUFEmbedding` (llmserve.model.gguf_layers, imported here): the same drop-ins holding a GGUF
+    file's tensors as the file has them; `adopt_gguf` (there) puts them in;
   * `is_quantized(module)`: whether a module is one of these (it holds no float parameters).
 The tensor-parallel shards (parallel.py) are float only: the engine refuses quantization with them.
 """
@@ -48,7 +46,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model import ops
-from llmserve.model.layers.linear import checkpoint_parts
+from llmserve.model.gguf_layers import GGUFEmbedding, GGUFLinear, linear_sources
+from llmserve.model.kinds import ProjectionKind
 from llmserve.model.ops import quantize_int8_per_channel
 
 GROUP_SIZE = 32
@@ -262,16 +261,16 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, int, list[torch.Tensor]] | None:
-        """(4 | 8 for int4 | int8, activation bits, [qweight, scale(, minv)]): this layer as the fused decode
+    def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
+        """(INT4 | INT8 | INT8_VNNI, activation bits, [qweight, scale(, minv)]): this layer as the fused decode
         stack reads it (ops.decode_layer_args); None where it does not run on the CPU kernels."""
         if self._kernel is None or self.bias is not None:
             return None
         if self.kind == "int4":
-            return 4, self.act_bits, [self.qweight, self.scale, self.minv]
+            return ProjectionKind.INT4, self.act_bits, [self.qweight, self.scale, self.minv]
         if self.qweight.dim() == 4:  # q8_vnni_gemm at every row count
-            return 9, self.act_bits, [self.qweight, self.csum, self.scale]
-        return 8, self.act_bits, [self.qweight, self.scale]
+            return ProjectionKind.INT8_VNNI, self.act_bits, [self.qweight, self.csum, self.scale]
+        return ProjectionKind.INT8, self.act_bits, [self.qweight, self.scale]
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
@@ -292,135 +291,6 @@ class Int8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q, s = self.qweight[ids].float(), self.scale[ids]
         return (q.view(*q.shape[:-1], s.shape[-1], -1) * s.unsqueeze(-1)).view(q.shape)
-
-
-class GGUFLinear(nn.Module):
-    """A Linear whose weights stay a GGUF file's tensors, block for block (uint8 [rows, row_bytes] each, often
-    views of the file's memory map): one part per checkpoint layer it packs (q, k, v may be of different
-    types, as in Q4_K_M files), their outputs side by side.
-
-    `exact`: float32 throughout (weights widened to float32 per row or tile, activations as they are): the
-    values transformers computes from the same file, up to the order of float32 sums.
-    Otherwise llama.cpp's arithmetic: integer dots on the blocks, activations rounded to int8 per block."""
-
-    kind = "gguf"
-
-    def __init__(
-        self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None, exact: bool
-    ) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = sum(raw.shape[0] for raw, _ in parts)
-        self.qtypes = [int(q) for _, q in parts]
-        for i, (raw, _) in enumerate(parts):
-            self.register_buffer(f"raw{i}", raw)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.exact = exact
-
-    def parts(self) -> list[tuple[torch.Tensor, int]]:
-        return [(getattr(self, f"raw{i}"), q) for i, q in enumerate(self.qtypes)]
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weights these blocks stand for."""
-        return torch.cat([ops.gguf_dequantize(raw, q, self.in_features) for raw, q in self.parts()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).float()
-        ys = [ops.gguf_linear(x2, raw, q, self.in_features, self.exact) for raw, q in self.parts()]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if self.bias is not None:
-            y += self.bias
-        y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def kernel_args(self) -> tuple[int, int, list[torch.Tensor]] | None:
-        """(16, the parts' count | each part's GGMLQuantizationType in the next bytes, [raw blocks per part]): this
-        layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs gguf_linear_parts, the
-        same integer dots as forward's); None where it does not: `exact` (float32 throughout), a bias, float
-        parts (F32 / F16 / BF16), no compiled kernels, off the CPU."""
-        from llmserve.model.gguf_kernels import BLOCKS, gguf_kernels
-
-        parts = self.parts()
-        if (
-            self.exact
-            or self.bias is not None
-            or not 0 < len(parts) < 8
-            or any(BLOCKS[q][0] == 1 or raw.device.type != "cpu" for raw, q in parts)
-            or gguf_kernels() is None
-        ):
-            return None
-        code = len(parts)
-        for i, (_, q) in enumerate(parts):
-            code |= q << (8 * (i + 1))
-        return 16, code, [raw for raw, _ in parts]
-
-    def extra_repr(self) -> str:
-        from llmserve.model.gguf_kernels import NAMES
-
-        return (
-            f"gguf {'+'.join(NAMES[q] for q in self.qtypes)}, in_features={self.in_features}, "
-            f"out_features={self.out_features}, exact={self.exact}"
-        )
-
-
-class GGUFEmbedding(nn.Module):
-    """Embedding rows kept as a GGUF tensor's blocks, dequantized on lookup: a prompt reads a few rows, and
-    the table stays at its file size (an 8B model's 128k x 4096 table is 2 GiB in float32, 0.4 in Q6_K)
-    and is shared with a tied LM head."""
-
-    kind = "gguf"
-
-    def __init__(self, raw: torch.Tensor, qtype: int, dim: int) -> None:
-        super().__init__()
-        self.register_buffer("raw", raw)
-        self.qtype, self.dim = int(qtype), dim
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.raw.index_select(0, ids.reshape(-1).to(self.raw.device))
-        return ops.gguf_dequantize(rows, self.qtype, self.dim).view(*ids.shape, self.dim)
-
-
-def _linear_sources(name: str, path: str, tied: bool, available) -> list[str]:
-    """The checkpoint tensors (names without "model." and ".weight") the Linear at `path` is made of: a tied
-    LM head reads the embedding; a packed projection its parts, or itself where `available` holds it packed
-    (Phi-3's GGUF attn_qkv, ffn_up)."""
-    if name == "lm_head":
-        return ["embed_tokens" if tied else "lm_head"]
-    return [path] if path in available else list(checkpoint_parts(path))
-
-
-def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], exact: bool, floats=None) -> set[str]:
-    """Replace in place each Linear / Embedding of `model` (which may still be on the meta device) whose
-    checkpoint tensors are all in `tensors` ({Hugging Face name without "model." and ".weight": (raw
-    blocks, GGMLQuantizationType number)}) by a GGUFLinear / GGUFEmbedding over them; a layer's bias is
-    read from `floats` (a mapping of Hugging Face names to float tensors). Returns the checkpoint names
-    (Hugging Face's) the new layers stand for."""
-    tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
-    consumed: set[str] = set()
-
-    def convert(module: nn.Module, prefix: str) -> None:
-        for name, child in list(module.named_children()):
-            path = prefix + name
-            if isinstance(child, nn.Linear):
-                names = _linear_sources(name, path, tied, tensors)
-                if not all(n in tensors for n in names):
-                    continue
-                bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
-                setattr(module, name, GGUFLinear([tensors[n] for n in names], child.in_features, bias, exact))
-            elif type(child) is nn.Embedding:
-                if path not in tensors:
-                    continue
-                names = [path]
-                setattr(module, name, GGUFEmbedding(*tensors[path], child.embedding_dim))
-            else:
-                convert(child, path + ".")
-                continue
-            consumed.update("lm_head.weight" if n == "lm_head" else f"model.{n}.weight" for n in names)
-            if isinstance(child, nn.Linear) and child.bias is not None:
-                consumed.update(f"model.{n}.bias" for n in names)
-
-    convert(model, "")
-    return consumed
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -485,7 +355,7 @@ def quantize_model(
         for name, child in list(module.named_children()):
             path = prefix + name
             if isinstance(child, nn.Linear):
-                names = _linear_sources(name, path, tied, blocks)
+                names = linear_sources(name, path, tied, blocks)
                 q = None if only_blocks and child.bias is not None else _from_blocks(blocks, names, child.bias, mode)
                 if q is None and only_blocks:
                     continue

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.quant import GGUFLinear
+from llmserve.model.gguf_layers import GGUFLinear
 from tests.gguf_files import round_trip_model, write_checkpoint_gguf
 from tests.integration.test_architectures import SMALL, greedy_batched_and_alone
 

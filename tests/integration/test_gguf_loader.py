@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.quant import GGUFEmbedding, GGUFLinear, QuantLinear
+from llmserve.model.gguf_layers import GGUFEmbedding, GGUFLinear
+from llmserve.model.quant import QuantLinear
 from tests.gguf_files import MIXED, Q8, write_tiny_gguf
 
 MAX_TOKENS = 16

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model import bf16
+from llmserve.model.kinds import ProjectionKind
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_linear_matches_bf16_reference(native, rows, bias):
     # the output is rounded to bfloat16 (8 bits of mantissa) before it is widened
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     assert torch.equal(lin.weight, w.bfloat16())
-    assert lin.kernel_args() == (bf16.KIND, 0, [lin.packed]) if not bias else lin.kernel_args() is None
+    assert lin.kernel_args() == (ProjectionKind.BF16, 0, [lin.packed]) if not bias else lin.kernel_args() is None
 
 
 def test_linear_keeps_leading_dims_and_empty_rows(native):

@@ -1,4 +1,4 @@
-"""llmserve/csrc/cpu_ops.cpp against plain PyTorch: every fused kernel, odd sizes included."""
+"""llmserve/csrc/'s kernels against plain PyTorch: every fused kernel, odd sizes included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import envs
-from llmserve.model import ops
+from llmserve.model import cpu_ext, ops
 from llmserve.model.layers.rotary import _rotate
 from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
 
@@ -90,10 +90,10 @@ def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
     w = torch.randn(96, 64)
     saved = ops.configure(KernelConfig(calibration_rows=(2, 4, 8)))
     try:
-        ops._CROSSOVERS.clear()
+        cpu_ext._CROSSOVERS.clear()
         rows = ops.gemm_rows(w)
         assert rows in (2, 4, 8, 9)
-        assert ops._CROSSOVERS == {(96, 64, torch.get_num_threads(), False): rows}
+        assert cpu_ext._CROSSOVERS == {(96, 64, torch.get_num_threads(), False): rows}
         assert ops.gemm_rows(torch.randn(96, 12)) == 0  # K not a multiple of 8: at::linear always
         for m in (1, 3, 9):
             x = torch.randn(m, 64)
@@ -102,7 +102,7 @@ def test_gemv_gemm_crossover_is_measured_per_shape_or_fixed(ext):
         assert ops.gemm_rows(w) == 6
     finally:
         ops.configure(saved)
-        ops._CROSSOVERS.clear()
+        cpu_ext._CROSSOVERS.clear()
 
 
 def test_packed_weights_compute_the_same_product(ext):
@@ -137,7 +137,7 @@ def test_packed_weights_compute_the_same_product(ext):
         assert ops.pack_weight(w) == (None, False)  # oneDNN's layout is for oneDNN's matmul only
     finally:
         ops.configure(saved)
-        ops._CROSSOVERS.clear()
+        cpu_ext._CROSSOVERS.clear()
 
 
 def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext):

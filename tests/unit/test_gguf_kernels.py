@@ -1,4 +1,4 @@
-"""llmserve/csrc/gguf_ops.cpp against the gguf package's NumPy dequantization, on synthetic blocks of
+"""llmserve/csrc/gguf_*.cpp against the gguf package's NumPy dequantization, on synthetic blocks of
 every type (gguf_kernels.random_blocks: random bytes, the float16 scale fields set to finite values)."""
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ import torch.nn as nn
 
 from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
+from llmserve.model.gguf_layers import adopt_gguf
 from llmserve.model.loader.build import Lazy, build_model, check_fits
 from llmserve.model.loader.gguf import GGUFTensors
-from llmserve.model.quant import adopt_gguf, quantize_model
+from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
 
 log = logging.getLogger("llmserve.loader")
@@ -79,7 +80,7 @@ WIDEN_GGUF_BYTES = 2 << 30
 
 
 def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
-    """The quantized weight tensors not in `skip`, as their own blocks for quant.adopt_gguf."""
+    """The quantized weight tensors not in `skip`, as their own blocks for gguf_layers.adopt_gguf."""
     return {
         name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name)
         for name in tensors
@@ -114,7 +115,7 @@ def load_gguf_model(
     """The model straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
 
     On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
-    None float32-exact (quant.GGUFLinear widens tiles to float32: transformers' values), with int8 / int4
+    None float32-exact (gguf_layers.GGUFLinear widens tiles to float32: transformers' values), with int8 / int4
     Q4_0 / Q4_1 / Q8_0 tensors go into llmserve's packed layers (its fused decode kernels) and the other types
     run llama.cpp's integer dots on their own blocks; only float tensors (F32 / F16 / BF16) are rounded to
     int8 / int4, and under int8 the Q4_0 / Q4_1 tensors (int8 is the accurate mode: int16 activations,

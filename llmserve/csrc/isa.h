@@ -1,0 +1,61 @@
+// The instruction sets llmserve's kernels are built for, what this CPU has, and the process-wide switches.
+//
+// Every file is compiled for AVX2 + FMA + F16C (llmserve/model/cpu_ext.py's flags): that is the floor, and a CPU
+// without AVX2 never loads the module. Wider variants are compiled per function with one of the target
+// macros below (the rest of a file stays AVX2) and chosen at run time: a kernel calls use_avx512() or
+// use_vnni() and keeps an AVX2 path beside the wide one. One meaning for each macro:
+//   LLMSERVE_AVX512       AVX-512 F/BW/DQ/VL                 (use_avx512())
+//   LLMSERVE_AVX512_VNNI  the same + VNNI (vpdpbusd, vpdpwssd) (use_vnni())
+//   LLMSERVE_AVX512_BF16  the same + BF16 (vdpbf16ps)          (cpu_has_avx512_bf16(); no kernel of ours yet:
+//                         bfloat16 projections run oneDNN's matmul, llmserve/model/bf16.py)
+#pragma once
+
+#include <immintrin.h>
+
+#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define LLMSERVE_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+namespace llmserve {
+
+// The four process-wide switches, one instance for the module: set from Python (llmserve/model/cpu_ext.py, through
+// bindings.cpp's set_* functions) when the module loads and whenever configure (cpu_ext.py) changes them.
+struct Toggles {
+  bool avx512 = true;         // envs.LLMSERVE_AVX512: the AVX-512 variants may run (where the CPU has them)
+  bool gemm_onednn = false;   // gemm() runs oneDNN's matmul, else at::linear (ops.gemm_engine)
+  bool q8_int_gemm = true;    // many rows of per-channel int8: the integer GEMM, else float32 tiles (KernelConfig.int8_gemm)
+  bool q4_vnni = true;        // many rows of int4: the VNNI integer GEMM, else float32 tiles (KernelConfig.int4_vnni)
+};
+inline Toggles toggles;
+
+// What cpuid reports (asked once).
+inline bool cpu_has_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+}
+
+inline bool cpu_has_avx512_vnni() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+inline bool cpu_has_avx512_bf16() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return ok;
+}
+
+// Whether the LLMSERVE_AVX512 / LLMSERVE_AVX512_VNNI variants run: the CPU has them and they are allowed.
+inline bool use_avx512() { return toggles.avx512 && cpu_has_avx512(); }
+inline bool use_vnni() { return use_avx512() && cpu_has_avx512_vnni(); }
+
+}  // namespace llmserve

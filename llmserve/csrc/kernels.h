@@ -1,0 +1,91 @@
+// Every kernel Python calls (bindings.cpp binds them; llmserve/model/ops.py and gguf_kernels.py call them), by the
+// file that defines it. The tensors are CPU tensors; activations float32 unless said otherwise.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace llmserve {
+
+// linear.cpp: out [M, N] = x [M, K] @ W.T; rows below many_rows through the integer dots (few rows), from there
+// the many-rows path (integer GEMM or float32 tiles).
+// int4 W: q [N, K / 2] (two values a byte), float16 scale and min [N, K / 32].
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv,
+                     int64_t many_rows);
+// int8 W: q [N, K] with float32 scales [N, K / group] (or packed by oneDNN: [K, N], one scale a channel);
+// act_bits: x's width on the dots (16, or 8: faster, less exact) and in the integer GEMM (two int8 levels, or one).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows,
+                     int64_t act_bits);
+// float32 W [N, K]: the GEMV below many_rows, gemm() from there.
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, int64_t many_rows);
+// argmax(x @ w.T) per row for float32 w, screened by its int8 copy (qw, scale, err); -1 for a row not finite.
+at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& qw, const at::Tensor& scale,
+                       const at::Tensor& err);
+
+// gemm.cpp: x [M, K] @ w [N, K].T, float32: at::linear or oneDNN's matmul (toggles.gemm_onednn; always oneDNN for a
+// packed w).
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w);
+
+// vnni.cpp (use_vnni() only): x @ W.T for int8 W per channel in the VNNI layout [N / 16, K / 4, 16, 4] with its
+// channel sums; and for int4 W as q4_linear takes it (N % 64 == 0).
+at::Tensor q8_vnni_gemm(const at::Tensor& x, const at::Tensor& wv, const at::Tensor& csum, const at::Tensor& scale,
+                        int64_t act_bits);
+at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv);
+
+// norms.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);   // residual += x; x = norm
+void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const at::Tensor& slot_mapping);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// attention_decode.cpp, attention_prefill.cpp: attention read in place from the paged cache into `out`.
+void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, double scale);
+void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_table, int64_t context_len,
+                              double scale);
+
+// sampling.cpp: one token per row of logits [R, V], drawn from softmax(logits / temps) by inverting its CDF at u.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temps, const at::Tensor& u);
+
+// lora.cpp: out[adapter rows] += x[rows] @ A^T @ B^T for one projection of one layer (the module path's hook).
+struct LoRAWeights;
+void lora_linear_add_(const at::Tensor& x, at::Tensor& out, const std::vector<int64_t>& segments,
+                      const std::vector<std::shared_ptr<LoRAWeights>>& adapters, int64_t num_layers, int64_t layer,
+                      int64_t proj, int64_t H, int64_t Hkv, int64_t D);
+
+// decode_stack.cpp: one decoder layer for decode rows (DecodeStack, decode_stack.h, runs every layer).
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor x, std::optional<at::Tensor> residual_in, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+    const std::vector<int64_t>& act_bits, const std::vector<int64_t>& many_rows, double eps, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, int64_t D, at::Tensor& kv_cache,
+    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+
+}  // namespace llmserve
+
+// gguf_ops.cpp: GGUF's blocks read in place, raw a uint8 tensor [N, row_bytes] of qtype (a GGMLQuantizationType).
+namespace llmserve::gguf {
+
+// float32 [N, K]: the values of raw, bit-exact with the gguf package.
+at::Tensor dequantize(const at::Tensor& raw, int64_t qtype, int64_t K);
+
+// x [M, K] @ dequantize(raw).T: integer dots below many_rows rows, dequantized tiles + gemm() from there.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t many_rows);
+
+// The same product in float32 throughout (weights widened, activations as they are).
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t few_rows);
+
+// x [M, K] @ [dequantize(raws[0]); dequantize(raws[1]); ...].T through the integer dots, the parts' outputs
+// side by side (a packed projection whose parts may be of different types, as q / k / v in Q4_K_M files): x
+// rounded once, one parallel region. Every row of x is computed as linear() computes it (the same bits).
+at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& raws, const std::vector<int64_t>& qtypes);
+
+}  // namespace llmserve::gguf

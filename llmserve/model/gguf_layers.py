@@ -1,0 +1,140 @@
+"""A GGUF file's quantized tensors as model layers, block for block (never rounded again): `GGUFLinear` and
+`GGUFEmbedding`, drop-ins for nn.Linear / nn.Embedding of kind "gguf" (any type of llmserve.model.gguf_kernels,
+K-quants included), read through ops.gguf_linear / ops.gguf_dequantize; `adopt_gguf(model, tensors, exact)` puts
+them in (the loader). `linear_sources` names the checkpoint tensors a Linear is made of (quant.quantize_model
+reads it too)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from llmserve.model import ops
+from llmserve.model.gguf_kernels import BLOCKS, NAMES, gguf_kernels
+from llmserve.model.kinds import ProjectionKind
+from llmserve.model.layers.linear import checkpoint_parts
+
+
+class GGUFLinear(nn.Module):
+    """A Linear whose weights stay a GGUF file's tensors, block for block (uint8 [rows, row_bytes] each, often
+    views of the file's memory map): one part per checkpoint layer it packs (q, k, v may be of different
+    types, as in Q4_K_M files), their outputs side by side.
+
+    `exact`: float32 throughout (weights widened to float32 per row or tile, activations as they are): the
+    values transformers computes from the same file, up to the order of float32 sums.
+    Otherwise llama.cpp's arithmetic: integer dots on the blocks, activations rounded to int8 per block."""
+
+    kind = "gguf"
+
+    def __init__(
+        self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None, exact: bool
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(raw.shape[0] for raw, _ in parts)
+        self.qtypes = [int(q) for _, q in parts]
+        for i, (raw, _) in enumerate(parts):
+            self.register_buffer(f"raw{i}", raw)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.exact = exact
+
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        return [(getattr(self, f"raw{i}"), q) for i, q in enumerate(self.qtypes)]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights these blocks stand for."""
+        return torch.cat([ops.gguf_dequantize(raw, q, self.in_features) for raw, q in self.parts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).float()
+        ys = [ops.gguf_linear(x2, raw, q, self.in_features, self.exact) for raw, q in self.parts()]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self.bias is not None:
+            y += self.bias
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
+        """(GGUF, the parts' count | each part's GGMLQuantizationType in the next bytes, [raw blocks per part]): this
+        layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs gguf_linear_parts, the
+        same integer dots as forward's); None where it does not: `exact` (float32 throughout), a bias, float
+        parts (F32 / F16 / BF16), no compiled kernels, off the CPU."""
+        parts = self.parts()
+        if (
+            self.exact
+            or self.bias is not None
+            or not 0 < len(parts) < 8
+            or any(BLOCKS[q][0] == 1 or raw.device.type != "cpu" for raw, q in parts)
+            or gguf_kernels() is None
+        ):
+            return None
+        code = len(parts)
+        for i, (_, q) in enumerate(parts):
+            code |= q << (8 * (i + 1))
+        return ProjectionKind.GGUF, code, [raw for raw, _ in parts]
+
+    def extra_repr(self) -> str:
+        return (
+            f"gguf {'+'.join(NAMES[q] for q in self.qtypes)}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, exact={self.exact}"
+        )
+
+
+class GGUFEmbedding(nn.Module):
+    """Embedding rows kept as a GGUF tensor's blocks, dequantized on lookup: a prompt reads a few rows, and
+    the table stays at its file size (an 8B model's 128k x 4096 table is 2 GiB in float32, 0.4 in Q6_K)
+    and is shared with a tied LM head."""
+
+    kind = "gguf"
+
+    def __init__(self, raw: torch.Tensor, qtype: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("raw", raw)
+        self.qtype, self.dim = int(qtype), dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw.index_select(0, ids.reshape(-1).to(self.raw.device))
+        return ops.gguf_dequantize(rows, self.qtype, self.dim).view(*ids.shape, self.dim)
+
+
+def linear_sources(name: str, path: str, tied: bool, available) -> list[str]:
+    """The checkpoint tensors (names without "model." and ".weight") the Linear at `path` is made of: a tied
+    LM head reads the embedding; a packed projection its parts, or itself where `available` holds it packed
+    (Phi-3's GGUF attn_qkv, ffn_up)."""
+    if name == "lm_head":
+        return ["embed_tokens" if tied else "lm_head"]
+    return [path] if path in available else list(checkpoint_parts(path))
+
+
+def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], exact: bool, floats=None) -> set[str]:
+    """Replace in place each Linear / Embedding of `model` (which may still be on the meta device) whose
+    checkpoint tensors are all in `tensors` ({Hugging Face name without "model." and ".weight": (raw
+    blocks, GGMLQuantizationType number)}) by a GGUFLinear / GGUFEmbedding over them; a layer's bias is
+    read from `floats` (a mapping of Hugging Face names to float tensors). Returns the checkpoint names
+    (Hugging Face's) the new layers stand for."""
+    tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
+    consumed: set[str] = set()
+
+    def convert(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            path = prefix + name
+            if isinstance(child, nn.Linear):
+                names = linear_sources(name, path, tied, tensors)
+                if not all(n in tensors for n in names):
+                    continue
+                bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
+                setattr(module, name, GGUFLinear([tensors[n] for n in names], child.in_features, bias, exact))
+            elif type(child) is nn.Embedding:
+                if path not in tensors:
+                    continue
+                names = [path]
+                setattr(module, name, GGUFEmbedding(*tensors[path], child.embedding_dim))
+            else:
+                convert(child, path + ".")
+                continue
+            consumed.update("lm_head.weight" if n == "lm_head" else f"model.{n}.weight" for n in names)
+            if isinstance(child, nn.Linear) and child.bias is not None:
+                consumed.update(f"model.{n}.bias" for n in names)
+
+    convert(model, "")
+    return consumed

@@ -1,0 +1,19 @@
+"""How the fused decode stack reads a projection: the kind a layer's `kernel_args()` names (ops.decode_layer_args
+gathers them for the extension's decode_layer). The C++ twin is llmserve/csrc/projection_kinds.h; the extension's
+`projection_kinds()` returns its table, and a unit test holds the two equal."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ProjectionKind(enum.IntEnum):
+    """The kind, and the tensors it hands over (in order)."""
+
+    F32 = 0  # float32 weight, plain or packed in oneDNN's layout
+    F32_PACKED = 1  # float32: the plain weight and its oneDNN-packed copy
+    BF16 = 2  # bfloat16 weight packed for oneDNN (llmserve.model.bf16)
+    INT4 = 4  # int4: q, scale, min (llmserve.model.quant)
+    INT8 = 8  # int8: q, scale
+    INT8_VNNI = 9  # int8 in the VNNI layout: q, channel sums, scale
+    GGUF = 16  # GGUF blocks, one tensor per part (llmserve.model.gguf_layers)
