@@ -1,4 +1,5 @@
-"""llmserve/csrc/'s kernels against plain PyTorch: every fused kernel, odd sizes included."""
+"""llmserve/csrc/'s linear kernels (dots, GEMV, GEMM, VNNI, the head's argmax) against plain PyTorch (odd sizes);
+norms, rotary and attention: test_cpu_attention.py."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve import envs
 from llmserve.model import cpu_ext, ops
-from llmserve.model.layers.rotary import _rotate
 from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
 
 
@@ -341,162 +340,6 @@ def test_quant_linear_bias_and_batch_shapes(ext, fp16_gemm):
             assert close(lin(x), ref, 1e-3 if many and not int4_vnni else tol), (kind, rows)
         x = torch.randn(2, 3, 64)
         assert lin(x).shape == (2, 3, 64)
-
-
-def test_norms(ext):
-    x, r, w = torch.randn(5, 72), torch.randn(5, 72), torch.randn(72)
-    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    assert close(ext.rms_norm(x, w, 1e-5), ref)
-    x2, r2 = x.clone(), r.clone()
-    ext.add_rms_norm_(x2, r2, w, 1e-6)
-    s = x + r
-    assert close(r2, s) and close(x2, w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)))
-
-
-def test_silu_and_mul(ext):
-    gu = torch.randn(3, 2 * 48) * 6
-    g, u = gu.chunk(2, -1)
-    assert close(ext.silu_and_mul(gu), F.silu(g) * u, 1e-6)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
-    T, H, Hk, D = 5, 4, 2, head_dim
-    qkv = torch.randn(T, (H + 2 * Hk) * D)
-    pos = torch.tensor([0, 3, 9, 31, 2])
-    slots = torch.tensor([7, 0, 33, 12, 5])
-    half = torch.randn(40, D // 2)
-    cos, sin = torch.cat([half.cos(), half.cos()], -1), torch.cat([half.sin(), half.sin()], -1)
-    q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + Hk) * D].view(T, Hk, D)
-    rq, rk = _rotate(q, cos[pos][:, None], sin[pos][:, None]), _rotate(k, cos[pos][:, None], sin[pos][:, None])
-    v = qkv[:, (H + Hk) * D :].clone()
-    kc, vc = torch.zeros(3, 16, Hk, D, dtype=cache_dtype), torch.zeros(3, 16, Hk, D, dtype=cache_dtype)
-    ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, slots)
-    assert close(qkv[:, : H * D].view(T, H, D), rq) and close(qkv[:, H * D : (H + Hk) * D].view(T, Hk, D), rk)
-    assert torch.equal(qkv[:, (H + Hk) * D :], v)
-    # the cache holds the rotated keys and the values, rounded as torch rounds to its dtype (float16:
-    # to nearest, ties to even)
-    written_k = qkv[:, H * D : (H + Hk) * D].view(T, Hk, D).to(cache_dtype)
-    assert torch.equal(kc.view(-1, Hk, D)[slots], written_k)
-    assert torch.equal(vc.view(-1, Hk, D)[slots], v.view(T, Hk, D).to(cache_dtype))
-    untouched = torch.ones(48, dtype=torch.bool)
-    untouched[slots] = False
-    assert kc.view(-1, Hk, D)[untouched].abs().sum() == 0
-    with pytest.raises(RuntimeError):  # a slot outside the cache is refused, not written
-        ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, torch.tensor([7, 0, 48, 12, 5]))
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_attention(ext, head_dim, cache_dtype):
-    torch.manual_seed(0)
-    B, H, Hk, D, NB, BS = 4, 6, 2, head_dim, 40, 16
-    kc, vc = torch.randn(NB, BS, Hk, D).to(cache_dtype), torch.randn(NB, BS, Hk, D).to(cache_dtype)
-    lens = torch.tensor([1, 17, 100, 33])
-    tables = torch.stack([torch.randperm(NB)[:7] for _ in range(B)])
-    qkv = torch.randn(B, (H + 2) * D)  # strided query rows, as the model passes them
-    q = qkv[:, : H * D].view(B, H, D)
-    out = torch.zeros(B, H, D)
-    ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.1)
-    for b in range(B):
-        n = int(lens[b])
-        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()  # the stored values, widened
-        v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()
-        ref = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.1, enable_gqa=True)[0, :, 0]
-        assert close(out[b], ref, 1e-5)
-    bad = tables.clone()
-    bad[2, 3] = NB  # a block id outside the cache is refused, not read
-    with pytest.raises(RuntimeError):
-        ext.paged_decode_attention_(out, q, kc, vc, bad, lens, 0.1)
-    with pytest.raises(RuntimeError):  # keys and values of different types are refused
-        ext.paged_decode_attention_(out, q, kc, vc.double(), tables, lens, 0.1)
-
-
-def _prefill_reference(q, kc, vc, table, ctx, scale):
-    """float64 causal SDPA of q [n, H, D] (positions ctx - n .. ctx - 1) over the first ctx stored keys."""
-    n, _, d = q.shape
-    hk = kc.shape[2]
-    k = kc[table].reshape(-1, hk, d)[:ctx].double().transpose(0, 1)[None]
-    v = vc[table].reshape(-1, hk, d)[:ctx].double().transpose(0, 1)[None]
-    mask = torch.arange(ctx)[None] <= torch.arange(ctx - n, ctx)[:, None]
-    qd = q.double().transpose(0, 1)[None]
-    return F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-
-
-@pytest.mark.parametrize("avx512", [True, False])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("groups", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
-    """A prefill chunk's attention read in place from shuffled blocks against float64 SDPA: fresh chunks and
-    chunks after a prefix (inside one block, across several, not a multiple of the block size), chunk lengths
-    1 to 300 (partial query and key tiles, the diagonal tile), strided query rows, both ISA variants."""
-    if avx512 and not ext.uses_avx512():
-        pytest.skip("this CPU has no AVX-512")
-    torch.manual_seed(head_dim + groups)
-    Hk, D, NB, BS = 2, head_dim, 48, 16
-    H = Hk * groups
-    kc = torch.randn(NB, BS, Hk, D).to(cache_dtype)
-    vc = torch.randn(NB, BS, Hk, D).to(cache_dtype)
-    ext.set_avx512(avx512)
-    try:
-        for prefix, n in [(0, 1), (0, 7), (0, 64), (0, 300), (5, 1), (13, 7), (16, 64), (50, 300), (100, 33)]:
-            ctx = prefix + n
-            table = torch.randperm(NB)[: (ctx + BS - 1) // BS]
-            qkv = torch.randn(n, (H + 2 * Hk) * D)  # query rows strided, as the model passes them
-            q = qkv[:, : H * D].view(n, H, D)
-            out = torch.full((n, H, D), float("nan"))
-            ext.paged_prefill_attention_(out, q, kc, vc, table, ctx, 0.125)
-            ref = _prefill_reference(q, kc, vc, table, ctx, 0.125)
-            assert close(out.double(), ref, 1e-5), (prefix, n)
-    finally:
-        ext.set_avx512(envs.LLMSERVE_AVX512)
-    bad = table.clone()
-    bad[-1] = NB  # a block id outside the cache is refused, not read
-    with pytest.raises(RuntimeError):
-        ext.paged_prefill_attention_(out, q, kc, vc, bad, ctx, 0.125)
-    with pytest.raises(RuntimeError):  # a table too short for the context
-        ext.paged_prefill_attention_(out, q, kc, vc, table[:-1], ctx, 0.125)
-
-
-def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext):
-    """attention.paged_attention on a step of decode rows and two prefill chunks (one fresh, one after a
-    cached prefix): the in-place prefill kernel and the SDPA path (KernelConfig(in_place_prefill=False)) give
-    the same rows; head sizes the kernel lacks fall back by themselves."""
-    from llmserve.config import KernelConfig
-    from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention, write_kv
-
-    torch.manual_seed(1)
-    H, Hk, D, NB, BS = 6, 2, 64, 32, 16
-    kv = torch.zeros(2, NB, BS, Hk, D)
-    tables = [torch.randperm(NB)[:6], torch.randperm(NB)[:6]]
-    # request 0: 40 cached tokens, a 9-token chunk; request 1: a fresh 21-token prompt; then one decode row
-    prefix = torch.randn(40, Hk, D), torch.randn(40, Hk, D)
-    pos0 = torch.arange(40)
-    write_kv(kv[0], kv[1], *prefix, tables[0][pos0 // BS] * BS + pos0 % BS)
-    pos = torch.cat([torch.tensor([39]), torch.arange(40, 49), torch.arange(21)])
-    owner = [0] + [0] * 9 + [1] * 21
-    slots = torch.stack([tables[r][p // BS] * BS + p % BS for r, p in zip(owner, pos.tolist())])
-    T = len(owner)
-    q, k, v = torch.randn(T, H, D), torch.randn(T, Hk, D), torch.randn(T, Hk, D)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        decode_groups=[DecodeGroup(0, 1, tables[0][None], torch.tensor([40]))],
-        prefills=[PrefillChunk(1, 9, 49, tables[0]), PrefillChunk(10, 21, 21, tables[1])],
-    )
-    k[0], v[0] = prefix[0][39], prefix[1][39]  # the decode row rewrites the prefix's last slot unchanged
-    saved = ops.configure(KernelConfig(in_place_prefill=False))
-    try:  # as the engine runs it (the gather's scratch buffers are inference tensors)
-        with torch.inference_mode():
-            slow = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125)
-    finally:
-        ops.configure(saved)
-    with torch.inference_mode():
-        fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True)
-    assert close(fast, slow, 1e-5)
-    out = torch.empty(5, H, 96)
-    assert not ops.paged_prefill_attention(out, torch.randn(5, H, 96), kv[0], kv[1], tables[1], 5, 0.1)
 
 
 def test_bad_input_is_an_error_not_a_crash(ext):
