@@ -30,7 +30,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
-    prompt_logprobs: int | None = None  # vLLM's prompt log-probabilities: refused (not computed yet)
+    # vLLM's prompt log-probabilities: each prompt token's logprob given the tokens before it (the first has
+    # none) and the top-N at its position (0: only the token's own); computed in the prefill (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # guided decoding (structured output), at most one of these; see docs/structured-output.md
@@ -76,8 +78,6 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.prompt_logprobs is not None:
-            raise bad("prompt_logprobs", "prompt log-probabilities are not computed by this server yet")
         if not 0 < self.repetition_penalty <= 10:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -88,6 +88,10 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -147,6 +151,7 @@ class Logprob:
     token_id: int
     logprob: float
     decoded: str = ""
+    rank: int | None = None  # 1: the most likely token at its position (set for prompt logprobs)
 
 
 @dataclass
@@ -156,3 +161,4 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[Logprob] = field(default_factory=list)
+    rank: int | None = None  # the token's rank in the vocabulary at its position, 1-based (prompt logprobs)

@@ -95,4 +95,5 @@ class OutputProcessor:
             ),
             error=req.error,
             embedding=req.embedding,
+            prompt_logprobs=[None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None,
         )

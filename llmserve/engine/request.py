@@ -57,6 +57,8 @@ class Request:
         self.pooled_sum = None  # a pooling request: the sum of its final hidden states so far
         self.embedding: list[float] | None = None  # ... and its normalized vector when the prompt is done
         self.logprobs: list[TokenLogprobs] = []
+        # SamplingParams.prompt_logprobs: entry i is prompt token i + 1's (engine/prompt_logprobs.py)
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.block_hashes: list = []  # chained hashes of full blocks, filled by KVCacheManager
         self.first_scheduled_time: float | None = None
@@ -94,6 +96,13 @@ class Request:
         min_tokens). Such a request can take the model's argmax as is, and can be speculated."""
         p = self.params
         return p.greedy and not p.needs_penalties and not p.guided and self.num_output_tokens >= p.min_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and has not got them all: its prompt is computed in full (no prefix
+        cache hit: a cached block has no logits), and a recomputation after preemption starts them again."""
+        p = self.params.prompt_logprobs
+        return p is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -142,3 +151,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None (it has no prefix), as vLLM's
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

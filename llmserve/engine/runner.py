@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from llmserve.engine import prompt_logprobs
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
@@ -201,6 +202,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         pooled: list[tuple[Request, int, int, int]] = []  # pooling requests: (request, first row, rows, start)
+        scored: list[tuple[Request, int, int, int]] = []  # prompt logprobs: (request, first row, rows, start)
         lora_rows: list[tuple] = []  # requests for a LoRA adapter: (adapter, first row, rows)
         row = 0
         for req in order:
@@ -221,6 +223,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
             if req.lora is not None:
                 lora_rows.append((req.lora, row, n))
+            if k := prompt_logprobs.rows(req, c, n):  # prompt logprobs: the hidden states of its prompt rows
+                scored.append((req, row, k, c))
             if req.params.pooling is not None:  # embeddings: every row's hidden state, nothing to sample
                 pooled.append((req, row, n, c))
             elif c + n - spec >= req.num_tokens:  # reached the end of the known tokens: sample
@@ -252,9 +256,9 @@ class ModelRunner:
         if self.lora is not None:  # the step's adapter index, read by the projections' LoRA hooks
             self.lora.set_step(lora_rows, dev)
         self.pooled = []
-        if pooled:
+        if pooled or scored:
             hidden_rows = torch.tensor(
-                [r for _, first, n, _ in pooled for r in range(first, first + n)], dtype=torch.long, device=dev
+                [r for _, first, n, _ in pooled + scored for r in range(first, first + n)], dtype=torch.long, device=dev
             )
             logits, hidden = self.model(
                 input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, hidden_indices=hidden_rows
@@ -262,6 +266,9 @@ class ModelRunner:
             k = 0
             for req, _, n, c in pooled:
                 self.pooled.append((req, c, hidden[k : k + n]))
+                k += n
+            for req, _, n, c in scored:
+                prompt_logprobs.record(self.model, req, c, hidden[k : k + n])
                 k += n
         else:
             logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)

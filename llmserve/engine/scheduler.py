@@ -170,8 +170,10 @@ class Scheduler:
                 if self.policy != "priority" or not self._preempt_for(request, out):
                     break
             computed, num_cached = [], 0
-            if request.num_computed_tokens == 0 and request.params.pooling is None:
-                # (a pooling request computes every position: mean pooling reads all their hidden states)
+            # a pooling request computes every position (mean pooling reads all their hidden states), and so
+            # does one that asks for prompt logprobs (a cached block has no logits): no prefix cache look-up
+            full = request.params.pooling is not None or request.needs_prompt_logprobs
+            if request.num_computed_tokens == 0 and not full:
                 computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, num_new, computed) is None:

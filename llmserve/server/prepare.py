@@ -133,9 +133,11 @@ def sampling_params(
     tool_plan=None,
     prompt_param: str | None = None,
     max_tokens_param: str = "max_tokens",
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request body's fields, named as the chat API names them (a body without `n`,
-    `stop`, `temperature`... gets the defaults)."""
+    `stop`, `temperature`... gets the defaults). `prompt_logprobs`: at least that many (completions' echo
+    with logprobs), beside the body's own."""
     max_len = eng.engine.max_model_len
     prompt_param = prompt_param or ("messages" if hasattr(body, "messages") else "prompt")
     if prompt_len == 0:
@@ -180,12 +182,17 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=_most(getattr(body, "prompt_logprobs", None), prompt_logprobs),
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             **guided,
         )
     except ValueError as e:
         raise from_value_error(e) from e
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else max(a, b)
 
 
 def admit(eng: AsyncEngine, runs, settings: ServerSettings) -> None:

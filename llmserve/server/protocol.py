@@ -72,14 +72,8 @@ class EngineExtras(APIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's: refused until the prefill computes them
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _prompt_logprobs(cls, v):
-        if v is not None:
-            raise ValueError("prompt log-probabilities are not computed by this server yet")
-        return v
+    # vLLM's: each prompt token's logprob and the top-N at its position, in the answer's `prompt_logprobs`
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class SamplingFields(EngineExtras):

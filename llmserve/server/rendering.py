@@ -10,8 +10,8 @@ ChoicesRendering is OpenAI's chat / text completion envelope (`choices[]`, chunk
 `[DONE]`); api/chat.py's ChatRendering and api/completions.py's CompletionRendering say how one choice
 looks in it:
 - `choice(i, out)`: the finished choice of a JSON answer;
-- `opening(i)`: a choice's first chunks, sent with its first output (chat: the assistant role;
-  completions with echo: the prompt);
+- `opening(i, out)`: a choice's first chunks, sent with its first output (chat: the assistant role;
+  completions with echo: the prompt and its logprobs);
 - `deltas(i, out)`: the stream's chunks for one output (none when it carries nothing to send).
 The Responses, Messages and embeddings APIs have their own renderings (api/responses.py, api/messages.py,
 api/embeddings.py). ChoiceText splits a choice's text into reasoning (--reasoning-parser), content and tool
@@ -93,6 +93,23 @@ def token_text(tok, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
+def vllm_prompt_logprobs(tok, plps, top: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for the token and
+    the `top` best at its position (the first token: None), from the engine's prompt logprobs."""
+    if plps is None:
+        return None
+    out: list = []
+    for lp in plps:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {lp.token_id: (lp.logprob, lp.rank)}
+        for a in lp.top[:top]:
+            entries.setdefault(a.token_id, (a.logprob, a.rank))
+        out.append({t: {"logprob": v, "rank": r, "decoded_token": token_text(tok, t)} for t, (v, r) in entries.items()})
+    return out
+
+
 class ChoicesRendering(Rendering):
     """OpenAI's chat and text completion envelope: `choices[]` in one JSON body, or a chunk per choice delta,
     the usage chunk when stream_options ask for it (usage so far on every chunk with continuous_usage_stats,
@@ -107,7 +124,7 @@ class ChoicesRendering(Rendering):
     def choice(self, i: int, out: RequestOutput) -> dict:
         raise NotImplementedError
 
-    def opening(self, i: int) -> list[dict]:
+    def opening(self, i: int, out: RequestOutput) -> list[dict]:
         return []
 
     def deltas(self, i: int, out: RequestOutput) -> list[dict]:
@@ -134,7 +151,7 @@ class ChoicesRendering(Rendering):
         choices = self.deltas(i, out)
         if i not in self.opened:
             self.opened.add(i)
-            choices = self.opening(i) + choices
+            choices = self.opening(i, out) + choices
         opts = gen.stream_options
         usage = gen.usage() if opts is not None and opts.include_usage and opts.continuous_usage_stats else None
         return [self._chunk(gen, [c], usage) for c in choices]

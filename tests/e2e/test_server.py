@@ -99,9 +99,15 @@ def test_completions_stream_and_echo(client):
         model="smol", prompt="The capital of France is", max_tokens=12, temperature=0, echo=True
     )
     assert echo.choices[0].text == "The capital of France is" + text
-    # the prompt's log-probabilities (lm-eval's loglikelihood) are not computed: a 400, never zeros
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model="smol", prompt="Hi", max_tokens=1, echo=True, logprobs=1)
+    # the prompt's log-probabilities (lm-eval's loglikelihood): the prompt's tokens first, the first None
+    scored = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = scored.choices[0].logprobs
+    assert "".join(lp.tokens) == scored.choices[0].text and len(lp.tokens) > 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     multi = client.completions.create(model="smol", prompt=["One, two,", "A, B,"], max_tokens=4, temperature=0)
     assert sorted(c.index for c in multi.choices) == [0, 1]
 

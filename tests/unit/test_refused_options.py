@@ -1,4 +1,5 @@
-"""Options llmserve does not implement are refused with an error naming them, never silently ignored."""
+"""Options llmserve does not implement are refused with an error naming them, never silently ignored (and the
+ones it once refused are now accepted)."""
 
 import pytest
 from pydantic import ValidationError
@@ -14,15 +15,14 @@ def test_swap_space_is_refused():
         EngineConfig(swap_space=4)
 
 
-def test_prompt_logprobs_are_refused():
+def test_prompt_logprobs_and_echo_with_logprobs_are_accepted():
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=1)
-    with pytest.raises(ValidationError, match="prompt log-probabilities"):
-        CompletionRequest(prompt="x", prompt_logprobs=0)
-
-
-def test_echo_with_logprobs_is_refused():
-    CompletionRequest(prompt="x", echo=True)  # echo alone, and logprobs alone, work
-    CompletionRequest(prompt="x", logprobs=2)
-    with pytest.raises(ValidationError, match="echo"):
-        CompletionRequest(prompt="x", echo=True, logprobs=1)
+        SamplingParams(prompt_logprobs=21)
+    CompletionRequest(prompt="x", prompt_logprobs=5)
+    CompletionRequest(prompt="x", echo=True, logprobs=1)
+    CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0)  # lm-eval's loglikelihood_rolling
+    with pytest.raises(ValidationError, match="max_tokens"):
+        CompletionRequest(prompt="x", max_tokens=0)  # no output and no echo: nothing to answer
+    with pytest.raises(ValidationError, match="prompt_logprobs"):
+        CompletionRequest(prompt="x", prompt_logprobs=-1)

@@ -19,7 +19,7 @@ from llmserve.server import tools as tools_mod
 from llmserve.server.errors import from_value_error
 from llmserve.server.prepare import chat_runs
 from llmserve.server.reasoning import ReasoningParser
-from llmserve.server.rendering import ChoicesRendering, ChoiceText, token_text
+from llmserve.server.rendering import ChoicesRendering, ChoiceText, token_text, vllm_prompt_logprobs
 from llmserve.server.serving import Generation
 from llmserve.server.state import State
 
@@ -82,7 +82,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         body.priority,
         model,
         request,
-        ChatRendering(eng.tokenizer, tool_plan, state.reasoning),
+        ChatRendering(eng.tokenizer, tool_plan, state.reasoning, body.prompt_logprobs),
     )
     return await gen.response(body.stream, body.stream_options)
 
@@ -114,19 +114,31 @@ def chat_logprobs(tok, lps) -> dict | None:
 
 class ChatRendering(ChoicesRendering):
     """/v1/chat/completions. With a reasoning parser, the reasoning goes in `reasoning_content`; with tools to
-    parse, a choice's content is held back while it streams and parsed into `tool_calls` when it finishes."""
+    parse, a choice's content is held back while it streams and parsed into `tool_calls` when it finishes.
+    With vLLM's `prompt_logprobs`, the answer's `prompt_logprobs` (the templated prompt's, as vLLM's)."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(
-        self, tokenizer, tool_plan: tools_mod.ToolPlan | None = None, reasoning: ReasoningParser | None = None
+        self,
+        tokenizer,
+        tool_plan: tools_mod.ToolPlan | None = None,
+        reasoning: ReasoningParser | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         super().__init__()
-        self.tok = tokenizer
+        self.tok, self.prompt_logprobs = tokenizer, prompt_logprobs
         self.tool_plan = tool_plan if tool_plan is not None and tool_plan.parse else None
         self.reasoning = reasoning
         self.texts: dict[int, ChoiceText] = {}
+
+    def body(self, gen) -> dict:
+        body = super().body(gen)
+        if self.prompt_logprobs is not None and gen.finals:
+            first = gen.finals[min(gen.finals)]
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, first.prompt_logprobs, self.prompt_logprobs)
+        return body
 
     def choice(self, i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
@@ -146,7 +158,7 @@ class ChatRendering(ChoicesRendering):
             "stop_reason": c.stop_reason,
         }
 
-    def opening(self, i: int) -> list[dict]:
+    def opening(self, i: int, out: RequestOutput) -> list[dict]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
 
     def deltas(self, i: int, out: RequestOutput) -> list[dict]:
