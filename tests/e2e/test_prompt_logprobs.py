@@ -152,6 +152,11 @@ def _tasks(tmp_path) -> str:
     return str(tmp_path)
 
 
+def _ll(resp) -> float:
+    """A sample's log-likelihood: (loglikelihood, is_greedy) of a choice, or a rolling one's float."""
+    return float(resp[0] if isinstance(resp, (list, tuple)) else resp)
+
+
 def _scores(model, task_dir: str) -> dict:
     """{task: (metric, [each item's log-likelihoods])} of lm-eval on `model` (an LM or a model name + args)."""
     from lm_eval import simple_evaluate
@@ -164,7 +169,7 @@ def _scores(model, task_dir: str) -> dict:
     res = {}
     for task, metric in (("plp_mc", "acc,none"), ("plp_roll", "word_perplexity,none")):
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
-        res[task] = (out["results"][task][metric], [[float(r[0]) for r in s["filtered_resps"]] for s in samples])
+        res[task] = (out["results"][task][metric], [[_ll(r) for r in s["filtered_resps"]] for s in samples])
     return res
 
 

@@ -143,7 +143,7 @@ class CompletionRendering(ChoicesRendering):
 
     def __init__(self, tokenizer, runs, body: CompletionRequest) -> None:
         super().__init__()
-        self.tok, self.runs, self.body = tokenizer, runs, body
+        self.tok, self.runs, self.req = tokenizer, runs, body  # (not `body`: Rendering.body is the answer)
         self.echo, self.no_output = body.echo, body.max_tokens == 0
 
     def _prompt_text(self, index: int) -> str:
@@ -155,19 +155,19 @@ class CompletionRendering(ChoicesRendering):
     def _prompt_part(self, i: int, out: RequestOutput) -> tuple[str, dict | None]:
         """With echo: the prompt's text and its logprobs (None without logprobs)."""
         text = self._prompt_text(i)
-        if self.body.logprobs is None:
+        if self.req.logprobs is None:
             return text, None
         prompt = (self._prompt_ids(i), out.prompt_logprobs)
-        return text, completion_logprobs(self.tok, [], 0, prompt, self.body.logprobs)
+        return text, completion_logprobs(self.tok, [], 0, prompt, self.req.logprobs)
 
     def _output(self, c, delta: bool) -> tuple[str, list | None]:
         if self.no_output:  # max_tokens 0: the generated token is dropped
-            return "", [] if self.body.logprobs is not None else None
+            return "", [] if self.req.logprobs is not None else None
         return (c.delta_text, c.delta_logprobs) if delta else (c.text, c.logprobs)
 
     def _extras(self, choice: dict, i: int, out: RequestOutput) -> dict:
-        if self.body.prompt_logprobs is not None:  # vLLM's field
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, out.prompt_logprobs, self.body.prompt_logprobs)
+        if self.req.prompt_logprobs is not None:  # vLLM's field
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, out.prompt_logprobs, self.req.prompt_logprobs)
         return choice
 
     def choice(self, i: int, out: RequestOutput) -> dict:
@@ -190,7 +190,7 @@ class CompletionRendering(ChoicesRendering):
         if not self.echo:
             return (
                 [self._extras({"index": i, "text": "", "logprobs": None, "finish_reason": None}, i, out)]
-                if (self.body.prompt_logprobs is not None)
+                if (self.req.prompt_logprobs is not None)
                 else []
             )
         text, logprobs = self._prompt_part(i, out)
