@@ -174,7 +174,8 @@ class CompletionRendering(ChoicesRendering):
         c = out.outputs[0]
         text, lps = self._output(c, delta=False)
         prefix, plps = self._prompt_part(i, out) if self.echo else ("", None)
-        logprobs = completion_logprobs(self.tok, lps, len(prefix))
+        offset = sum(len(t) for t in plps["tokens"]) if plps is not None else len(prefix)  # (the same, but tokens')
+        logprobs = completion_logprobs(self.tok, lps, offset)
         if plps is not None and logprobs is not None:
             logprobs = {k: plps[k] + logprobs[k] for k in logprobs}
         choice = {
@@ -187,13 +188,9 @@ class CompletionRendering(ChoicesRendering):
         return self._extras(choice, i, out)
 
     def opening(self, i: int, out: RequestOutput) -> list[dict]:
-        if not self.echo:
-            return (
-                [self._extras({"index": i, "text": "", "logprobs": None, "finish_reason": None}, i, out)]
-                if (self.req.prompt_logprobs is not None)
-                else []
-            )
-        text, logprobs = self._prompt_part(i, out)
+        if not self.echo and self.req.prompt_logprobs is None:
+            return []
+        text, logprobs = self._prompt_part(i, out) if self.echo else ("", None)
         return [self._extras({"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}, i, out)]
 
     def deltas(self, i: int, out: RequestOutput) -> list[dict]:
