@@ -9,7 +9,7 @@ import time
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import SamplingParams
-from llmserve.server.api.completions import CompletionRendering
+from llmserve.server.api.completions import CompletionRendering, CompletionRequest
 from llmserve.server.serving import Generation
 from llmserve.server.state import ServerSettings, ServerState
 
@@ -47,7 +47,10 @@ def test_cancel_as_an_output_arrives_aborts_the_engine_request(llm):
 
         async def main():
             runs = [(0, 0, ids, params)]
-            gen = Generation(state, aeng, "cancel-test", runs, 0, "m", None, CompletionRendering(aeng.tokenizer, runs))
+            body = CompletionRequest(prompt=ids, max_tokens=400)
+            gen = Generation(
+                state, aeng, "cancel-test", runs, 0, "m", None, CompletionRendering(aeng.tokenizer, runs, body)
+            )
 
             async def consume():
                 async for ev in gen.events():
