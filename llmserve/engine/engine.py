@@ -25,15 +25,13 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from llmserve.engine.runner import ModelRunner, num_kv_blocks, profile_activations
+from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
-
-GiB = 1 << 30
 
 
 @dataclass
