@@ -11,14 +11,16 @@ from llmserve.model.gguf_kernels import random_blocks
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
 
-# a Q4_K_M-like mix: K-quants, Q8_0 and Q5_0 side by side, q / k / v of different types in one layer
+# a Q4_K_M-like mix: K-quants, Q8_0 and Q4_0 side by side, q / k / v of different types in one layer (v: Q8_0, as
+# llama.cpp's fallback for Q6_K where a row is no multiple of 256; ffn_up Q4_0 beside a Q5_K gate: packed parts
+# on llmserve's int8 / int4 kernels inside GGUF projections)
 MIXED = {
     "attn_q": "Q4_K",
     "attn_k": "Q4_K",
-    "attn_v": "Q6_K",
+    "attn_v": "Q8_0",
     "attn_output": "Q8_0",
     "ffn_gate": "Q5_K",
-    "ffn_up": "Q4_K",
+    "ffn_up": "Q4_0",
     "ffn_down": "Q6_K",
     "token_embd": "Q8_0",
     "output": "Q6_K",

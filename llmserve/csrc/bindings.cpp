@@ -43,7 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf::dequantize, "GGUF blocks uint8 [N, row_bytes] -> float32 [N, K]");
   m.def("gguf_linear", &gguf::linear, "x [M, K] @ dequantize(raw).T, read from the GGUF blocks", kNoGIL);
   m.def("gguf_linear_f32", &gguf::linear_f32, "x [M, K] @ dequantize(raw).T in float32 (weights widened)", kNoGIL);
-  m.def("gguf_linear_parts", &gguf::linear_parts, "x @ [parts' weights].T side by side, integer dots", kNoGIL);
+  m.def("gguf_linear_parts", &gguf::linear_parts, "x @ [parts' weights].T side by side (codes: projection_kinds.h)",
+        kNoGIL);
+  m.attr("packed_part") = kPackedPart;
   m.def("gguf_uses_avx512", &use_vnni, "whether the AVX-512 VNNI K-quant dots run");
   // attention_decode.cpp, attention_prefill.cpp, sampling.cpp
   m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache", kNoGIL);

@@ -18,12 +18,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
   size_t at_w = 2;
   auto base_linear = [&](const at::Tensor& in, int i) {
     const auto kind = static_cast<ProjectionKind>(kinds[i]);
-    if (kind == kGGUF) {   // act_bits: the parts' count, then a byte per part's GGMLQuantizationType
-      const int64_t parts = act_bits[i] & 0xFF;
-      std::vector<int64_t> qtypes;
-      for (int64_t p = 0; p < parts; ++p) qtypes.push_back(act_bits[i] >> (8 * (p + 1)) & 0xFF);
-      at_w += parts;
-      return gguf::linear_parts(in, std::vector<at::Tensor>(w.begin() + at_w - parts, w.begin() + at_w), qtypes);
+    if (kind == kGGUF) {   // act_bits: the parts' count, then a byte per part (projection_kinds.h)
+      std::vector<int64_t> codes;
+      const size_t first = at_w;
+      for (int64_t p = 0; p < (act_bits[i] & 0xFF); ++p) {
+        codes.push_back(act_bits[i] >> (8 * (p + 1)) & 0xFF);
+        at_w += part_tensors(codes.back());
+      }
+      return gguf::linear_parts(in, std::vector<at::Tensor>(w.begin() + first, w.begin() + at_w), codes, many_rows[i]);
     }
     if (kind == kInt4) {
       at_w += 3;

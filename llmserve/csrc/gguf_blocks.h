@@ -189,6 +189,21 @@ bool with_quant_type(int64_t qtype, F&& f) {
   }
 }
 
+// Q4_0, Q4_1 and Q8_0 have llmserve's own kernel family (linear.cpp's q4_linear / q8_linear, on the blocks
+// repacked at load: llmserve/model/gguf_kernels.py's repack): their structs above serve dequantization only.
+// f(T{}) for the types whose integer dots are gguf_dots.cpp's (Q5_0, Q5_1 and the K-quants); false otherwise.
+template <typename F>
+bool with_dot_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case Q5_0: f(TQ5_0{}); return true;
+    case Q5_1: f(TQ5_1{}); return true;
+    case Q4_K: f(TQ4_K{}); return true;
+    case Q5_K: f(TQ5_K{}); return true;
+    case Q6_K: f(TQ6_K{}); return true;
+    default: return false;
+  }
+}
+
 // The row layout of raw for qtype and K; raw's rows may be strided (stride(0) >= row_bytes).
 struct Layout {
   int64_t N, row_bytes, ld;
@@ -208,7 +223,7 @@ struct Part {
   int64_t qtype, col;
 };
 
-// out [M, ldo]: every part's columns = x @ dequantize(part).T through the integer dots (quantized types
+// out [M, ldo]: every part's columns = x @ dequantize(part).T through the integer dots (with_dot_type's types
 // only). x is rounded once per block size; one parallel region over all the parts' rows.
 void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo, float* op);
 

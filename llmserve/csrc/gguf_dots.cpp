@@ -1,5 +1,6 @@
 // GGUF's integer dots (few rows, and many by default: llama.cpp's arithmetic): x rounded to int8 per 256 values for
-// the K-quants (as llama.cpp's Q8_K) and per 32 for the 32-value types (as its Q8_0), with the sums of every 16
+// the K-quants (as llama.cpp's Q8_K) and per 32 for Q5_0 / Q5_1 (as its Q8_0; Q4_0, Q4_1 and Q8_0 run
+// linear.cpp's q4 / q8 dots on their repacked blocks, see gguf_blocks.h's with_dot_type), with the sums of every 16
 // rounded values for the blocks' offsets and mins; each block unpacked once for up to 4 rows of x. The Q4_K / Q6_K
 // dots also in AVX-512 VNNI (use_vnni()).
 #include <ATen/Parallel.h>
@@ -190,8 +191,7 @@ LLMSERVE_AVX512_VNNI void kquant_dot_avx512(const Acts& a, int64_t m0, const Lay
   }
 }
 
-// 32-value types. Per block and row: sum q * x in int32 (Q8_0's signed q: |q| times x with q's sign),
-// less kZero * sum x; times d * dx; plus m * dx * sum x.
+// Q5_0 / Q5_1. Per block and row: sum q * x in int32, less kZero * sum x; times d * dx; plus m * dx * sum x.
 template <typename T, int MR>
 void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = a.K / 32;
@@ -205,12 +205,9 @@ void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t
       const uint8_t* b = row + g * T::kBytes;
       const Scales32 h = T::header(b);
       const __m256i q = T::quants(b);
-      const __m256i uq = T::kSigned ? _mm256_sign_epi8(q, q) : q;
       for (int m = 0; m < MR; ++m) {
         const int64_t blk = (m0 + m) * G + g;
-        __m256i xv = load32(a.q.data() + 32 * blk);
-        if constexpr (T::kSigned) xv = _mm256_sign_epi8(xv, q);
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xv), ones);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load32(a.q.data() + 32 * blk)), ones);
         const int32_t xsum = a.sum16[2 * blk] + a.sum16[2 * blk + 1];
         if constexpr (T::kZero != 0)   // (in one lane: the lanes are summed in the end)
           dot = _mm256_sub_epi32(dot, _mm256_setr_epi32(T::kZero * xsum, 0, 0, 0, 0, 0, 0, 0));
@@ -263,7 +260,7 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
   const int64_t M = x.size(0);
   std::optional<Acts> a256, a32;
   for (const Part& p : parts) {
-    with_quant_type(p.qtype, [&](auto t) {
+    with_dot_type(p.qtype, [&](auto t) {
       if (decltype(t)::kValues == 256 && !a256) a256.emplace(x, 256);
       if (decltype(t)::kValues == 32 && !a32) a32.emplace(x, 32);
     });
@@ -272,7 +269,7 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
     for (const Part& p : parts) {
       const int64_t n0 = std::max(b, p.col) - p.col, n1 = std::min(e, p.col + p.w.N) - p.col;
       if (n0 >= n1) continue;
-      with_quant_type(p.qtype, [&](auto t) {
+      with_dot_type(p.qtype, [&](auto t) {
         using T = decltype(t);
         dot_range<T>(T::kValues == 256 ? *a256 : *a32, M, p.w, n0, n1, op + p.col, ldo);
       });

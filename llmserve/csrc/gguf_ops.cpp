@@ -17,6 +17,7 @@
 #include "gemm.h"
 #include "gguf_blocks.h"
 #include "kernels.h"
+#include "projection_kinds.h"
 #include "vec.h"
 
 namespace llmserve::gguf {
@@ -167,8 +168,9 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& raw, int64_t qty
   return out;
 }
 
-// out [M, N] = x [M, K] @ dequantize(raw).T; rows < many_rows through the integer dots (the quantized
-// types; F32 / F16 / BF16 always through the tiles).
+// out [M, N] = x [M, K] @ dequantize(raw).T; rows < many_rows through the integer dots (with_dot_type's types;
+// the others always through the tiles: Q4_0 / Q4_1 / Q8_0's dots are q4_linear / q8_linear's, on their blocks
+// repacked).
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t many_rows) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "linear: x must be a float32 CPU tensor [M, K]");
@@ -177,7 +179,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, 
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), w.N}, x.options());
   if (x.size(0) == 0 || w.N == 0) return out;
-  if (x.size(0) < many_rows && with_quant_type(qtype, [](auto) {})) {
+  if (x.size(0) < many_rows && with_dot_type(qtype, [](auto) {})) {
     dot_parts(x, {{w, qtype, 0}}, w.N, out.data_ptr<float>());
     return out;
   }
@@ -185,24 +187,50 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, 
   return out;
 }
 
-// x [M, K] @ the parts' weights side by side, through the integer dots (see kernels.h).
-at::Tensor linear_parts(const at::Tensor& x_in, const std::vector<at::Tensor>& raws, const std::vector<int64_t>& qtypes) {
+// x [M, K] @ the parts' weights side by side (see kernels.h): the GGUF dots' parts in one parallel region, then
+// each packed part through its own kernel into its columns.
+at::Tensor linear_parts(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& codes,
+                        int64_t many_rows) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "linear_parts: x must be a float32 CPU tensor [M, K]");
-  TORCH_CHECK(!raws.empty() && raws.size() == qtypes.size(), "linear_parts: one qtype per part");
+  TORCH_CHECK(!codes.empty(), "linear_parts: no parts");
   const int64_t K = x_in.size(1);
   std::vector<Part> parts;
+  struct Packed {
+    int64_t code;
+    size_t t;      // its first tensor
+    int64_t col;   // its first column
+  };
+  std::vector<Packed> packed;
+  size_t at = 0;
   int64_t N = 0;
-  for (size_t i = 0; i < raws.size(); ++i) {
-    TORCH_CHECK(with_quant_type(qtypes[i], [](auto) {}), "linear_parts: ", qtypes[i], " is not a quantized type");
-    parts.push_back({check_layout(raws[i], qtypes[i], K, "linear_parts"), qtypes[i], N});
-    N += parts.back().w.N;
+  for (const int64_t code : codes) {
+    const size_t n = part_tensors(code);
+    TORCH_CHECK(at + n <= tensors.size(), "linear_parts: ", tensors.size(), " tensors for more parts");
+    if (n > 1) {
+      packed.push_back({code, at, N});
+    } else {
+      TORCH_CHECK(with_dot_type(code, [](auto) {}), "linear_parts: ", code,
+                  " is not a type of GGUF's integer dots (Q4_0 / Q4_1 / Q8_0 come repacked)");
+      parts.push_back({check_layout(tensors[at], code, K, "linear_parts"), code, N});
+    }
+    N += tensors[at].size(0);
+    at += n;
   }
+  TORCH_CHECK(at == tensors.size(), "linear_parts: ", tensors.size(), " tensors for parts that take ", at);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) > 0 && N > 0) dot_parts(x, parts, N, out.data_ptr<float>());
+  if (x.size(0) == 0 || N == 0) return out;
+  if (!parts.empty()) dot_parts(x, parts, N, out.data_ptr<float>());
+  constexpr int64_t kAllRows = int64_t{1} << 62;
+  for (const Packed& p : packed) {   // int8: Q8_0 x Q8_0 as llama.cpp (x rounded to int8 per 32), dots at every row count
+    const at::Tensor* w = tensors.data() + p.t;
+    const at::Tensor y = p.code == kPackedPart + kInt4
+                             ? q4_linear(x, w[0], w[1], w[2], w[0].size(0) % 64 == 0 ? many_rows : kAllRows)
+                             : q8_linear(x, w[0], w[1], kAllRows, 8);
+    out.narrow(1, p.col, y.size(1)).copy_(y);
+  }
   return out;
 }
-
 
 }  // namespace llmserve::gguf

@@ -83,9 +83,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int
 // The same product in float32 throughout (weights widened, activations as they are).
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& raw, int64_t qtype, int64_t K, int64_t few_rows);
 
-// x [M, K] @ [dequantize(raws[0]); dequantize(raws[1]); ...].T through the integer dots, the parts' outputs
-// side by side (a packed projection whose parts may be of different types, as q / k / v in Q4_K_M files): x
-// rounded once, one parallel region. Every row of x is computed as linear() computes it (the same bits).
-at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& raws, const std::vector<int64_t>& qtypes);
+// x [M, K] @ the parts' weights side by side (a packed projection whose parts may be of different types, as q /
+// k / v in Q4_K_M files): `codes` one per part (projection_kinds.h: a GGUF type with integer dots, its blocks one
+// tensor; or a packed Q4 / Q8 part, its q4_linear / q8_linear tensors, the int4 ones taking their many-rows path
+// from `many_rows` rows). Every row of x is computed as linear() / q4_linear / q8_linear compute it (the same bits).
+at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& codes,
+                        int64_t many_rows);
 
 }  // namespace llmserve::gguf

@@ -16,8 +16,16 @@ enum ProjectionKind : int64_t {
   kInt4 = 4,        // int4 (q, scale, min): q4_linear
   kInt8 = 8,        // int8 (q, scale): q8_linear
   kInt8VNNI = 9,    // int8 in the VNNI layout (q, channel sums, scale): q8_vnni_gemm at every row count
-  kGGUF = 16,       // GGUF blocks, one tensor per part; act_bits: the parts' count, then a byte per part's qtype
+  kGGUF = 16,       // a GGUF projection's parts; act_bits: the parts' count, then a byte per part (below)
 };
+
+// A GGUF projection's part: a GGMLQuantizationType whose integer dots are gguf_dots.cpp's (one tensor: the
+// file's blocks), or kPackedPart + kInt4 / kInt8: Q4_0 / Q4_1 / Q8_0 repacked at load into q4_linear's (q, scale,
+// min) / q8_linear's (q, scale) layout, so that each block format has one kernel family.
+inline constexpr int64_t kPackedPart = 128;
+inline int64_t part_tensors(int64_t code) {
+  return code == kPackedPart + kInt4 ? 3 : code == kPackedPart + kInt8 ? 2 : 1;
+}
 
 // The table Python checks its enum against: (the Python member's name, the value).
 inline constexpr struct {

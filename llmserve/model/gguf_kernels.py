@@ -17,6 +17,10 @@ in the type's blocks):
 
 Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
 its number or its name).
+
+One kernel family per block format: Q4_0 / Q4_1 / Q8_0 are llmserve's own int4 / int8 layouts in other bytes, so
+their integer dots are `q4_linear` / `q8_linear` (csrc/linear.cpp, VNNI GEMMs included) on the blocks repacked
+once (`repack`, `packed_linear`); csrc/gguf_dots.cpp's dots take Q5_0, Q5_1 and the K-quants.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ NAMES = {
     13: "Q5_K",
     14: "Q6_K",
 }
+PACKED = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0 -> the packed layout their dots read (`repack`)
+
 # x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
 # float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
 # 1.4x at 256 to 1024 rows, benchmarks/kernels/gguf_kernels.py), so by default never (as llama.cpp, whose
@@ -73,6 +79,7 @@ class _Kernels:
     def __init__(self, ext) -> None:
         self.dequantize, self.linear, self.linear_f32 = ext.gguf_dequantize, ext.gguf_linear, ext.gguf_linear_f32
         self.linear_parts, self.uses_avx512 = ext.gguf_linear_parts, ext.gguf_uses_avx512
+        self.q4_linear, self.q8_linear, self.packed_part = ext.q4_linear, ext.q8_linear, ext.packed_part
 
 
 def gguf_kernels():
@@ -142,15 +149,67 @@ def dequantize(raw: torch.Tensor, qtype, K: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = MANY_ROWS) -> torch.Tensor:
-    """x [M, K] @ dequantize(raw).T, float32 [M, N]; fewer than many_rows rows through the integer dots."""
+    """x [M, K] @ dequantize(raw).T, float32 [M, N]; fewer than many_rows rows through the integer dots (Q4_0 /
+    Q4_1 / Q8_0: `packed_linear` on the blocks repacked here, per call; layers repack once)."""
     num = qtype_number(qtype)
     _check(raw, num, K)
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"gguf kernels: x must be [M, {K}], got {tuple(x.shape)}")
     ext = gguf_kernels()
     if ext is not None and x.dtype is torch.float32 and x.device.type == "cpu" and raw.device.type == "cpu":
+        if num in PACKED and x.shape[0] < many_rows:
+            return packed_linear(x, *repack(raw, num))
         return ext.linear(x, raw, num, K, many_rows)
     return x.float() @ dequantize(raw, num, K).to(x.device).t()
+
+
+def repack(raw: torch.Tensor, qtype) -> tuple[str, list[torch.Tensor]]:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks in llmserve's packed layout (llmserve.model.quant.QuantLinear's; no
+    value changes): ("int4", [q [N, K/2] uint8 nibbles as the blocks hold them, scale and min [N, K/32]
+    float16; Q4_0's min is -8 d]) or ("int8", [q [N, K] int8, scale [N, K/32] float32])."""
+    num = qtype_number(qtype)
+    if num not in PACKED:
+        raise ValueError(f"gguf kernels: {NAMES[num]} has no packed layout (Q4_0, Q4_1 and Q8_0 have)")
+    data = raw.cpu().numpy()
+    rows = data.shape[0]
+    b = data.reshape(rows, -1, BLOCKS[num][1])
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    if num == 8:
+        parts = [np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), d.astype(np.float32)]
+    else:
+        off = 4 if num == 3 else 2
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else d * np.float16(-8)
+        parts = [np.ascontiguousarray(b[..., off:]).reshape(rows, -1), d, m]
+    return PACKED[num], [torch.from_numpy(np.ascontiguousarray(a)) for a in parts]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] bytes in the Q4 blocks' nibble order -> [N, K] values 0..15."""
+    n, half = packed.shape
+    g = packed.reshape(n, half // 16, 16)
+    return torch.stack([g & 15, g >> 4], dim=2).reshape(n, half * 2)
+
+
+def packed_dequantize(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """float32 [N, K]: the values of `repack`'s layout (int4: min + scale * q per 32 values; int8: q * scale)."""
+    q, scale = tensors[0], tensors[1].float()
+    n = q.shape[0]
+    if kind == "int4":
+        w = unpack_int4(q).float().reshape(n, scale.shape[1], -1) * scale[..., None] + tensors[2].float()[..., None]
+        return w.reshape(n, -1)
+    return (q.float().reshape(n, scale.shape[1], -1) * scale[..., None]).reshape(n, -1)
+
+
+def packed_linear(x: torch.Tensor, kind: str, tensors: list[torch.Tensor], many_rows: int = MANY_ROWS) -> torch.Tensor:
+    """x [M, K] @ packed_dequantize(kind, tensors).T, float32: llama.cpp's arithmetic on llmserve's kernels (int4:
+    q4_linear, x rounded to int8 per 32, its VNNI GEMM from `many_rows` rows; int8: q8_linear's dots with x
+    rounded to int8 per 32, Q8_0 x Q8_0, at every row count)."""
+    ext = gguf_kernels()
+    if ext is None or x.dtype is not torch.float32 or x.device.type != "cpu":
+        return x.float() @ packed_dequantize(kind, tensors).to(x.device).t()
+    if kind == "int4":
+        return ext.q4_linear(x, *tensors, many_rows if tensors[0].shape[0] % 64 == 0 else MANY_ROWS)
+    return ext.q8_linear(x, *tensors, MANY_ROWS, 8)
 
 
 # float32-exact linear_f32: up to this many rows each weight row is widened once in L1 and dotted with every

@@ -10,21 +10,33 @@ import torch
 import torch.nn as nn
 
 from llmserve.model import ops
-from llmserve.model.gguf_kernels import BLOCKS, NAMES, gguf_kernels
-from llmserve.model.kinds import ProjectionKind
+from llmserve.model.gguf_kernels import (
+    BLOCKS,
+    MANY_ROWS,
+    NAMES,
+    PACKED,
+    gguf_kernels,
+    packed_dequantize,
+    packed_linear,
+    repack,
+)
+from llmserve.model.kinds import PACKED_PART, ProjectionKind
 from llmserve.model.layers.linear import checkpoint_parts
 
 
 class GGUFLinear(nn.Module):
-    """A Linear whose weights stay a GGUF file's tensors, block for block (uint8 [rows, row_bytes] each, often
-    views of the file's memory map): one part per checkpoint layer it packs (q, k, v may be of different
+    """A Linear whose weights are a GGUF file's tensors (uint8 [rows, row_bytes] each, often views of the file's
+    memory map), never rounded again: one part per checkpoint layer it packs (q, k, v may be of different
     types, as in Q4_K_M files), their outputs side by side.
 
     `exact`: float32 throughout (weights widened to float32 per row or tile, activations as they are): the
     values transformers computes from the same file, up to the order of float32 sums.
-    Otherwise llama.cpp's arithmetic: integer dots on the blocks, activations rounded to int8 per block."""
+    Otherwise llama.cpp's arithmetic (activations rounded to int8 per block, integer dots), one kernel family
+    per block format: Q4_0 / Q4_1 / Q8_0 parts are repacked here into llmserve's int4 / int8 layout (the same
+    values; gguf_kernels.repack) for q4_linear / q8_linear, the other types stay blocks for GGUF's dots."""
 
     kind = "gguf"
+    stack_many_rows = None  # int4 parts: q4_linear's VNNI GEMM from these rows (ops.decode_layer_args reads it)
 
     def __init__(
         self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None, exact: bool
@@ -33,21 +45,49 @@ class GGUFLinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for raw, _ in parts)
         self.qtypes = [int(q) for _, q in parts]
-        for i, (raw, _) in enumerate(parts):
-            self.register_buffer(f"raw{i}", raw)
+        self.layouts: list[str] = []  # per part: "gguf" (its blocks: raw{i}) or "int4" / "int8" (q{i}, s{i}, m{i})
+        for i, (raw, q) in enumerate(parts):
+            if exact or int(q) not in PACKED:
+                self.layouts.append("gguf")
+                self.register_buffer(f"raw{i}", raw)
+                continue
+            kind, tensors = repack(raw, q)
+            self.layouts.append(kind)
+            for name, t in zip("qsm", tensors):
+                self.register_buffer(f"{name}{i}", t)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.exact = exact
+        if "int4" in self.layouts and ops.int4_vnni(64):
+            self.stack_many_rows = ops.kernel_config().int4_vnni_rows
 
-    def parts(self) -> list[tuple[torch.Tensor, int]]:
-        return [(getattr(self, f"raw{i}"), q) for i, q in enumerate(self.qtypes)]
+    def parts(self) -> list[tuple[str, int, list[torch.Tensor]]]:
+        """(layout, GGMLQuantizationType, its tensors) per part."""
+        return [
+            (lay, q, [getattr(self, f"raw{i}")] if lay == "gguf" else self._packed(i, lay))
+            for i, (lay, q) in enumerate(zip(self.layouts, self.qtypes))
+        ]
+
+    def _packed(self, i: int, layout: str) -> list[torch.Tensor]:
+        return [getattr(self, f"{n}{i}") for n in ("qsm" if layout == "int4" else "qs")]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these blocks stand for."""
-        return torch.cat([ops.gguf_dequantize(raw, q, self.in_features) for raw, q in self.parts()])
+        return torch.cat(
+            [
+                ops.gguf_dequantize(t[0], q, self.in_features) if lay == "gguf" else packed_dequantize(lay, t)
+                for lay, q, t in self.parts()
+            ]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).float()
-        ys = [ops.gguf_linear(x2, raw, q, self.in_features, self.exact) for raw, q in self.parts()]
+        many = MANY_ROWS if self.stack_many_rows is None else self.stack_many_rows
+        ys = [
+            ops.gguf_linear(x2, t[0], q, self.in_features, self.exact)
+            if lay == "gguf"
+            else packed_linear(x2, lay, t, many)
+            for lay, q, t in self.parts()
+        ]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if self.bias is not None:
             y += self.bias
@@ -55,23 +95,26 @@ class GGUFLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
-        """(GGUF, the parts' count | each part's GGMLQuantizationType in the next bytes, [raw blocks per part]): this
-        layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs gguf_linear_parts, the
-        same integer dots as forward's); None where it does not: `exact` (float32 throughout), a bias, float
-        parts (F32 / F16 / BF16), no compiled kernels, off the CPU."""
+        """(GGUF, the parts' count | a byte per part in the next bytes: its GGMLQuantizationType, or PACKED_PART +
+        INT4 / INT8 for a repacked one, [each part's tensors]): this layer as the fused decode stack reads it
+        (ops.decode_layer_args; the stack runs gguf_linear_parts, the same kernels as forward's); None where it
+        does not: `exact` (float32 throughout), a bias, float parts (F32 / F16 / BF16), no compiled kernels, off
+        the CPU."""
         parts = self.parts()
         if (
             self.exact
             or self.bias is not None
             or not 0 < len(parts) < 8
-            or any(BLOCKS[q][0] == 1 or raw.device.type != "cpu" for raw, q in parts)
+            or any(BLOCKS[q][0] == 1 or t[0].device.type != "cpu" for _, q, t in parts)
             or gguf_kernels() is None
         ):
             return None
-        code = len(parts)
-        for i, (_, q) in enumerate(parts):
-            code |= q << (8 * (i + 1))
-        return ProjectionKind.GGUF, code, [raw for raw, _ in parts]
+        code, tensors = len(parts), []
+        for i, (lay, q, t) in enumerate(parts):
+            part = q if lay == "gguf" else PACKED_PART + (ProjectionKind.INT4 if lay == "int4" else ProjectionKind.INT8)
+            code |= part << (8 * (i + 1))
+            tensors += t
+        return ProjectionKind.GGUF, code, tensors
 
     def extra_repr(self) -> str:
         return (

@@ -16,4 +16,9 @@ class ProjectionKind(enum.IntEnum):
     INT4 = 4  # int4: q, scale, min (llmserve.model.quant)
     INT8 = 8  # int8: q, scale
     INT8_VNNI = 9  # int8 in the VNNI layout: q, channel sums, scale
-    GGUF = 16  # GGUF blocks, one tensor per part (llmserve.model.gguf_layers)
+    GGUF = 16  # a GGUF projection's parts (llmserve.model.gguf_layers), each its tensors
+
+
+# A GGUF projection's part code (a byte of GGUF's activation bits): its GGMLQuantizationType when it stays blocks,
+# PACKED_PART + INT4 / INT8 when repacked (Q4_0 / Q4_1 / Q8_0 on llmserve's own kernels)
+PACKED_PART = 128

@@ -46,6 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model import ops
+from llmserve.model.gguf_kernels import packed_dequantize, unpack_int4  # noqa: F401 (unpack_int4: quant's API)
 from llmserve.model.gguf_layers import GGUFEmbedding, GGUFLinear, linear_sources
 from llmserve.model.kinds import ProjectionKind
 from llmserve.model.ops import quantize_int8_per_channel
@@ -71,12 +72,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     g = q.reshape(n, k // 32, 2, 16)
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    n, half = packed.shape
-    g = packed.reshape(n, half // 16, 16)
-    return torch.stack([g & 15, g >> 4], dim=2).reshape(n, half * 2)
 
 
 class QuantLinear(nn.Module):
@@ -232,15 +227,13 @@ class QuantLinear(nn.Module):
         """The float32 weights these values stand for."""
         n, k = self.out_features, self.in_features
         if self.kind == "int4":
-            q = unpack_int4(self.qweight).float().reshape(n, k // 32, 32)
-            return (q * self.scale.float()[..., None] + self.minv.float()[..., None]).reshape(n, k)
-        g = self.scale.shape[1]
+            return packed_dequantize("int4", [self.qweight, self.scale, self.minv])
         q = self.qweight
         if q.is_mkldnn:  # oneDNN's packed [K, N]
             q = q.to_dense().t()
         elif q.dim() == 4:  # the VNNI layout [N / 16, K / 4, 16, 4]
             q = q.permute(0, 2, 1, 3).reshape(n, k)
-        return (q.float().reshape(n, g, k // g) * self.scale[..., None]).reshape(n, k)
+        return packed_dequantize("int8", [q, self.scale])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -299,7 +292,8 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def _from_blocks(blocks: dict, names: list[str], bias, mode: str) -> QuantLinear | None:
-    """A QuantLinear from a GGUF file's own blocks, when every part is there in one kind: Q8_0 in either
+    """A QuantLinear from a GGUF file's own blocks (`bias`: a tensor, None, or a function reading it, called only
+    when the blocks are taken), when every part is there in one kind: Q8_0 in either
     mode, Q4_0 / Q4_1 under int4 (never rounded again). Under int8 a Q4 tensor is not adopted: int8 is the
     accurate mode, whose int16 activations the Q4 kernels lack (they round x to int8: greedy agreement with
     float32 fell from 97.4% to 92.8% on the bundled model), so it is rounded to int8 per channel from the
@@ -310,6 +304,7 @@ def _from_blocks(blocks: dict, names: list[str], bias, mode: str) -> QuantLinear
     parts = [blocks[n] for n in names]  # (a loader's mapping may convert each part only now)
     if len({p[0] for p in parts}) != 1 or mode == "int8" and parts[0][0] == "int4":
         return None
+    bias = bias() if callable(bias) else bias
     cat = [
         None if parts[0][i] is None else parts[0][i] if len(parts) == 1 else torch.cat([p[i] for p in parts])
         for i in (1, 2, 3)
@@ -356,7 +351,11 @@ def quantize_model(
             path = prefix + name
             if isinstance(child, nn.Linear):
                 names = linear_sources(name, path, tied, blocks)
-                q = None if only_blocks and child.bias is not None else _from_blocks(blocks, names, child.bias, mode)
+                bias, q = child.bias, None
+                if bias is not None and bias.is_meta and weights is not None:  # read only when the blocks are taken
+                    bias = lambda c=child, names=names, path=path: read(c.bias, names, "bias", path)  # noqa: E731
+                if bias is None or callable(bias) or not bias.is_meta:
+                    q = _from_blocks(blocks, names, bias, mode)
                 if q is None and only_blocks:
                     continue
                 if q is None:  # the LM head stays int8, as in llama.cpp's Q4 files

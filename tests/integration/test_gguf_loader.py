@@ -82,13 +82,17 @@ def test_greedy_matches_transformers_on_the_same_gguf(files, kind, keep_blocks, 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
     """--quantization int8 / int4 on a K-quant file: the K-quant and Q5 tensors are served from their own
-    blocks (llama.cpp's integer dots), Q8_0 ones in llmserve's int8 layers with the file's values."""
+    blocks (llama.cpp's integer dots), Q8_0 ones in llmserve's int8 layers with the file's values (Q8_0 / Q4_0
+    parts of a GGUF projection repacked, the same values)."""
     path = files["mixed"]
     exact = LLM(model=path, kv_cache_memory=0.05).engine.model
     q = LLM(model=path, quantization=mode, kv_cache_memory=0.05).engine.model
     for i in range(len(q.layers)):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             a, b = q.get_submodule(f"layers.{i}.{name}"), exact.get_submodule(f"layers.{i}.{name}")
+            if mode == "int8" and name == "mlp.gate_up_proj":  # its Q4_0 up: rounded to int8 (quant._from_blocks)
+                assert isinstance(a, QuantLinear) and a.kind == "int8"
+                continue
             assert torch.equal(a.dequantize(), b.weight), name  # the exact model: widened (a tiny one)
             assert isinstance(a, QuantLinear if name == "self_attn.o_proj" else GGUFLinear), name
     assert isinstance(q.lm_head, GGUFLinear) and not q.lm_head.exact
@@ -115,6 +119,11 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512):
     llm = LLM(model=files["mixed"], quantization="int4", kv_cache_memory=0.05)
     model = llm.engine.model
     assert all(kinds == [16, 8, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF, int8 (Q8_0)
+    # Q8_0 v beside Q4_K q, k and Q4_0 up beside a Q5_K gate: repacked parts on the int8 / int4 kernels
+    assert [lin.layouts for lin in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj)] == [
+        ["gguf", "gguf", "int8"],
+        ["gguf", "int4"],
+    ]
     prompts = _prompts(model.cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     ids = list(range(100, 140))

@@ -135,21 +135,43 @@ def test_avx512_and_avx2_dots_agree(ext, qtype):
     assert all(torch.equal(gk.linear(x[i : i + 1], raw, qtype, k)[0], wide[i]) for i in range(6))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 40])
 def test_linear_parts_side_by_side(ext, variant, rows):
-    """A packed projection's parts of different types (Q4_K_M's q, k, v; a Q8_0 and a Q5_0 part) in one call:
-    the same bits as each part's linear, side by side."""
+    """A packed projection's parts of different types (Q4_K_M's q, k, v; a Q5_0 part; Q8_0 and Q4_0 parts
+    repacked for llmserve's own int8 / int4 kernels) in one call: the same bits as each part's linear, side by
+    side."""
+    from llmserve.model.kinds import PACKED_PART, ProjectionKind
+
     k = 512
-    parts = [
-        (gk.random_blocks(q, n, k, seed=n), gk.qtype_number(q))
-        for q, n in (("Q4_K", 40), ("Q4_K", 9), ("Q6_K", 9), ("Q8_0", 17), ("Q5_0", 3))
-    ]
+    tensors, codes, want = [], [], []
     x = torch.randn(rows, k)
-    got = ext.linear_parts(x, [r for r, _ in parts], [q for _, q in parts])
-    want = torch.cat([gk.linear(x, r, q, k) for r, q in parts], dim=1)
-    assert torch.equal(got, want)
-    with pytest.raises(RuntimeError, match="not a quantized type"):
-        ext.linear_parts(x, [gk.random_blocks("F16", 3, k)], [1])
+    for q, n in (("Q4_K", 40), ("Q4_K", 9), ("Q8_0", 17), ("Q6_K", 9), ("Q4_0", 64), ("Q5_0", 3)):
+        raw, num = gk.random_blocks(q, n, k, seed=n), gk.qtype_number(q)
+        want.append(gk.linear(x, raw, num, k))
+        if num in gk.PACKED:
+            kind, ts = gk.repack(raw, num)
+            tensors += ts
+            codes.append(PACKED_PART + (ProjectionKind.INT4 if kind == "int4" else ProjectionKind.INT8))
+        else:
+            tensors.append(raw)
+            codes.append(num)
+    got = ext.linear_parts(x, tensors, codes, 1 << 62)
+    assert torch.equal(got, torch.cat(want, dim=1))
+    with pytest.raises(RuntimeError, match="not a type of GGUF's integer dots"):
+        ext.linear_parts(x, [gk.random_blocks("F16", 3, k)], [1], 1 << 62)
+    with pytest.raises(RuntimeError, match="not a type of GGUF's integer dots"):  # Q8_0's blocks come repacked
+        ext.linear_parts(x, [gk.random_blocks("Q8_0", 3, k)], [8], 1 << 62)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_repack_keeps_every_value(qtype):
+    """Q4_0 / Q4_1 / Q8_0 in llmserve's packed layout stand for the blocks' exact values (Q4_0's zeros may carry
+    the other sign: q * d - 8 d against d * (q - 8))."""
+    raw = gk.random_blocks(qtype, 11, 256, seed=3)
+    kind, tensors = gk.repack(raw, qtype)
+    assert kind == ("int8" if qtype == Q.Q8_0 else "int4")
+    want = torch.as_tensor(reference(raw, qtype)).reshape(11, 256)
+    assert torch.equal(gk.packed_dequantize(kind, tensors), want)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)

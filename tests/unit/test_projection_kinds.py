@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmserve.model import ops
-from llmserve.model.kinds import ProjectionKind
+from llmserve.model.kinds import PACKED_PART, ProjectionKind
 
 MODEL = pathlib.Path(ops.__file__).parent
 
@@ -22,6 +22,7 @@ def test_python_kinds_equal_the_extension_s():
     ext = ops.cpu_kernels()
     assert ext is not None
     assert ext.projection_kinds() == {k.name: k.value for k in ProjectionKind}
+    assert ext.packed_part == PACKED_PART
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 import torch.nn as nn
 
 from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
+from llmserve.model.gguf_kernels import PACKED, repack
 from llmserve.model.gguf_layers import adopt_gguf
 from llmserve.model.loader.build import Lazy, build_model, check_fits
 from llmserve.model.loader.gguf import GGUFTensors
@@ -20,9 +20,6 @@ from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
 
 log = logging.getLogger("llmserve.loader")
-
-
-_KEPT_KINDS = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0: llmserve's own packed formats
 
 
 class GGUFPackedBlocks(Mapping):
@@ -37,7 +34,7 @@ class GGUFPackedBlocks(Mapping):
         self._names = {
             n.removeprefix("model.").removesuffix(".weight"): n
             for n in tensors
-            if n.endswith(".weight") and tensors.qtype(n) in _KEPT_KINDS
+            if n.endswith(".weight") and tensors.qtype(n) in PACKED
         }
 
     def __iter__(self):
@@ -55,20 +52,9 @@ class GGUFPackedBlocks(Mapping):
 
     def _convert(self, key: str) -> tuple:
         name = self._names[key]
-        num = self.tensors.qtype(name)
-        raw = self.tensors.blocks(name)[0].numpy()
-        rows = raw.shape[0]
-        b = raw.reshape(rows, -1, {2: 18, 3: 20, 8: 34}[num])
-        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
-        if num == 8:
-            q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
-            parts = ["int8", q, d.astype(np.float32), None]
-        else:
-            off = 4 if num == 3 else 2
-            m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if off == 4 else (d * np.float16(-8))
-            parts = ["int4", np.ascontiguousarray(b[..., off:]).reshape(rows, -1), d, m]
+        kind, tensors = repack(self.tensors.blocks(name)[0], self.tensors.qtype(name))
         self.tensors.release(name)
-        return (parts[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in parts[1:]))
+        return (kind, *tensors, None) if kind == "int8" else (kind, *tensors)
 
 
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: read as float weights; every other type is kept as blocks
@@ -132,7 +118,7 @@ def load_gguf_model(
     if not widen:
         skip = set()
         if quantization:
-            skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True)
+            skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True, weights=tensors)
         kept = gguf_kept_blocks(tensors, skip)
         if quantization == "int8":  # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
             kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
