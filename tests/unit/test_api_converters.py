@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve import errors
-from llmserve.server import tools
+from llmserve.server import tool_parsers as tools
 from llmserve.server.api import messages as A
 from llmserve.server.api import responses as R
 from llmserve.server.errors import APIError, from_value_error
