@@ -114,6 +114,30 @@ def test_named_tool_choice_streamed(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS["get_time"])
 
 
+def test_streamed_call_sends_its_arguments_as_they_are_generated(client):
+    """The SDK's stream accumulator sees argument deltas before the call ends (the default parser, hermes,
+    the bare call object a forced tool_choice makes the model write)."""
+    kinds, pieces = [], []
+    with client.chat.completions.stream(
+        model="x",
+        messages=Q,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=60,
+    ) as stream:
+        for ev in stream:
+            kinds.append(ev.type)
+            if ev.type == "tool_calls.function.arguments.delta":
+                pieces.append(ev.arguments_delta)
+        final = stream.get_final_completion()
+    assert len(pieces) >= 3
+    assert kinds.index("tool_calls.function.arguments.delta") < kinds.index("tool_calls.function.arguments.done")
+    call = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls" and "".join(pieces) == call.function.arguments
+    _check_call(call)
+
+
 def test_tool_choice_none_and_bad_choices(client):
     r = client.chat.completions.create(
         model="x", messages=Q, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8

@@ -205,5 +205,7 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
             raise ValueError(
                 "tool_choice: a required or named tool call cannot be combined with response_format or guided_*"
             )
-        kw["guided_json"] = p.forced_schema
+        # as text: the engine's grammar keeps a text schema's key order (a dict's keys are sorted), and the
+        # call's name must come before its arguments for the arguments to stream under their name
+        kw["guided_json"] = json.dumps(p.forced_schema)
     return kw
