@@ -166,3 +166,17 @@ def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
     assert read_chat_template(None) is None
     with pytest.raises(ValueError, match="neither a file nor a Jinja chat template"):
         read_chat_template("no-such-file.jinja")
+
+
+def test_server_settings_pick_the_parser_and_refuse_auto_without_the_flag():
+    from llmserve.config import ServerSettings
+    from llmserve.server.state import ServerState
+
+    state = ServerState(ServerSettings(tool_call_parser="pythonic"))
+    assert state.plan_tools(TOOLS, "auto", False).new_parser().name == "pythonic"
+    off = ServerState(ServerSettings(enable_auto_tool_choice=False))
+    with pytest.raises(tp.ToolError, match='"auto" needs --enable-auto-tool-choice'):
+        off.plan_tools(TOOLS, None)
+    assert off.plan_tools(TOOLS, "required").forced
+    with pytest.raises(ValueError, match="unknown parser 'nope'"):
+        ServerState(ServerSettings(tool_call_parser="nope"))
