@@ -24,7 +24,7 @@ from llmserve import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the tool-call parsers (llmserve/server/tool_parsers/: its PARSERS, which a unit test holds to this list)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -435,8 +435,8 @@ class ServerSettings:
         default=None,
         metadata=flag(
             "the format of the model's tool calls (vLLM's names): hermes (Hermes, Qwen2.5, Qwen3), "
-            "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 pythonic), "
-            "qwen3_coder (XML). Default: chosen from the chat template",
+            "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), openai (gpt-oss harmony), pythonic "
+            "(Llama 3.2 / 4 pythonic), qwen3_coder (XML). Default: chosen from the chat template",
             choices=TOOL_CALL_PARSERS,
         ),
     )

@@ -58,6 +58,10 @@ class ChoiceText:
             self.content += c
             return r, [ToolDelta(content=c)] if c else []
         pieces = self.tools.feed(c, finished)
+        r2 = "".join(d.reasoning for d in pieces)  # a format with its own reasoning channel (openai)
+        if r2:
+            self.reasoning += r2
+            r, pieces = r + r2, [d for d in pieces if not d.reasoning]
         self.pieces += pieces
         self.content += "".join(d.content for d in pieces)
         return r, pieces

@@ -57,6 +57,14 @@ FIXTURES = [
     ("qwen3_coder", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=tags>\n"
      '["x", 1]\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>',
      "Sure.", [("get_weather", {"city": "42", "tags": ["x", 1]}), ("get_time", {})]),
+    ("openai", "<|channel|>analysis<|message|>Weather, so call it.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', None,
+     [("get_weather", PARIS)]),
+    ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 3 pm."
+     "<|return|>", "It is 3 pm.", []),
+    ("openai", '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>'
+     '<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris", "days": 3}<|call|>',
+     None, [("get_time", {}), ("get_weather", PARIS)]),
 ]  # fmt: skip
 IDS = [f"{f[0]}-{k}" for k, f in enumerate(FIXTURES)]
 
@@ -180,3 +188,13 @@ def test_server_settings_pick_the_parser_and_refuse_auto_without_the_flag():
     assert off.plan_tools(TOOLS, "required").forced
     with pytest.raises(ValueError, match="unknown parser 'nope'"):
         ServerState(ServerSettings(tool_call_parser="nope"))
+
+
+def test_openai_analysis_is_reasoning():
+    from llmserve.server.rendering import ChoiceText
+
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>"
+    t = ChoiceText.whole(text, None, tp.plan(TOOLS, "auto", tp.PARSERS["openai"]))
+    assert (t.reasoning, t.calls()) == ("Think.", ("Hi.", []))
+    assert tp.plan(TOOLS, "auto", tp.PARSERS["openai"]).keeps_specials
+    assert tp.choose("{{ '<|start|>assistant<|channel|>final<|message|>' }}").name == "openai"

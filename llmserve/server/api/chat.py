@@ -146,7 +146,7 @@ class ChatRendering(ChoicesRendering):
         text = ChoiceText.whole(c.text, self.reasoning, self.tool_plan)
         content, calls = text.calls()
         message, finish = {"role": "assistant", "content": content}, c.finish_reason
-        if self.reasoning is not None:
+        if self.reasoning is not None or text.reasoning:
             message["reasoning_content"] = text.reasoning or None
         if calls:
             message["tool_calls"] = calls

@@ -5,7 +5,7 @@
   content deltas, then per call its id and name once and its arguments as they are written) and the
   streaming machine they share;
 - one module per model format, named as vLLM names them (`--tool-call-parser`): hermes, llama3_json,
-  mistral, pythonic, qwen3_coder.
+  mistral, openai (gpt-oss harmony), pythonic, qwen3_coder.
 
 Without `--tool-call-parser` the parser is chosen from the chat template's text (`choose`).
 """
@@ -16,6 +16,7 @@ from llmserve.server.tool_parsers.base import ToolDelta, ToolParser, collect, op
 from llmserve.server.tool_parsers.hermes import HermesParser
 from llmserve.server.tool_parsers.llama3_json import Llama3JsonParser
 from llmserve.server.tool_parsers.mistral import MistralParser
+from llmserve.server.tool_parsers.openai import OpenAIParser
 from llmserve.server.tool_parsers.plan import (
     DEFAULT_TOOLS_PROMPT,
     ToolError,
@@ -29,11 +30,12 @@ from llmserve.server.tool_parsers.pythonic import PythonicParser
 from llmserve.server.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    c.name: c for c in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser)
+    c.name: c for c in (HermesParser, Llama3JsonParser, MistralParser, OpenAIParser, PythonicParser, Qwen3CoderParser)
 }
 
 # (what the chat template's text holds, the parser): the first that matches wins
 _TEMPLATE_HINTS = (
+    ("<|channel|>", OpenAIParser),
     ("<function=", Qwen3CoderParser),
     ("<tool_call>", HermesParser),
     ("[TOOL_CALLS]", MistralParser),

@@ -29,6 +29,7 @@ class ToolDelta:
     piece carries `id` and `name`; `arguments` are the arguments' JSON text as it grows)."""
 
     content: str = ""
+    reasoning: str = ""  # a format whose reasoning is part of it (openai's analysis channel)
     index: int | None = None
     id: str | None = None
     name: str | None = None
@@ -53,6 +54,8 @@ class Scan:
     calls: list[Partial] = field(default_factory=list)
     end: int | None = None
     ok: bool = True
+    text: str = ""  # content inside the region so far (formats whose answer text is in regions too)
+    reasoning: str = ""
 
 
 class ToolParser:
@@ -98,7 +101,7 @@ def opens_with(text: str, first: str, tag: str) -> int | None:
     return WAIT if tag.startswith(text) else None
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
+def held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper start of one of `markers`."""
     best = 0
     for m in markers:
@@ -161,7 +164,7 @@ class ToolStream:
                 hits = [(self.buf.find(m), m) for m in self.p.starts]
                 hits = [(at, m) for at, m in hits if at >= 0]
                 if not hits:
-                    keep = 0 if final else _held(self.buf, self.p.starts)
+                    keep = 0 if final else held(self.buf, self.p.starts)
                     out += self._content(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                     return out
@@ -182,10 +185,11 @@ class ToolStream:
 
     def _open(self) -> None:
         self.state, self.region_calls, self.blocked = "region", [], False
+        self.region_text = [0, 0]  # the region's text and reasoning sent so far (lengths)
 
     def _calls(self, scan: Scan) -> list[ToolDelta]:
         out: list[ToolDelta] = []
-        sent = any(c[0] is not None for c in self.region_calls)
+        sent = any(c[0] is not None for c in self.region_calls) or any(self.region_text)
         if scan.end is not None and not scan.ok:
             raw = self.marker + self.buf[: scan.end]
             if not sent:
@@ -193,6 +197,12 @@ class ToolStream:
                 self.count -= len(self.region_calls)
                 return self._content(raw)
             log.warning("a tool call broke off after it began streaming: %r", raw[:300])
+        if len(scan.text) > self.region_text[0]:
+            out += self._content(scan.text[self.region_text[0] :])
+            self.region_text[0] = len(scan.text)
+        if len(scan.reasoning) > self.region_text[1]:
+            out.append(ToolDelta(reasoning=scan.reasoning[self.region_text[1] :]))
+            self.region_text[1] = len(scan.reasoning)
         for k, p in enumerate(scan.calls):
             if self.blocked:
                 break
