@@ -198,3 +198,11 @@ def test_openai_analysis_is_reasoning():
     assert (t.reasoning, t.calls()) == ("Think.", ("Hi.", []))
     assert tp.plan(TOOLS, "auto", tp.PARSERS["openai"]).keeps_specials
     assert tp.choose("{{ '<|start|>assistant<|channel|>final<|message|>' }}").name == "openai"
+
+
+def test_qwen3_coder_streams_a_string_parameter_as_it_is_written():
+    s = parser("qwen3_coder").stream()
+    head = s.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Fran")
+    assert [(d.name, d.arguments) for d in head] == [("get_weather", ""), (None, '{"city": "San Fran')]
+    rest = s.feed("cisco\n</parameter>\n</function>\n</tool_call>", final=True)
+    assert "".join(d.arguments for d in rest) == 'cisco"}'

@@ -11,6 +11,8 @@ from llmserve.server.tool_parsers.base import Partial
 
 _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 _WS = " \t\r\n"
+_STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's characters up to its closing quote
+_PLAIN = re.compile(r'[^"{}\[\]]+')  # inside an object or array: a run of nothing that opens or closes
 
 
 class Malformed(ValueError):
@@ -25,16 +27,8 @@ def skip_ws(text: str, i: int) -> int:
 
 def string_end(text: str, i: int) -> int | None:
     """The index after the JSON string that opens at text[i] ('"'), None if it is not closed yet."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    j = _STRING_BODY.match(text, i + 1).end()
+    return j + 1 if j < len(text) and text[j] == '"' else None
 
 
 def value_end(text: str, i: int, final: bool = False) -> int | None:
@@ -46,6 +40,10 @@ def value_end(text: str, i: int, final: bool = False) -> int | None:
     if c in "{[":
         depth, j = 0, i
         while j < len(text):
+            m = _PLAIN.match(text, j)
+            if m is not None:
+                j = m.end()
+                continue
             c = text[j]
             if c == '"':
                 e = string_end(text, j)

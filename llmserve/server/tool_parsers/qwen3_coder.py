@@ -10,7 +10,8 @@ booleans, objects and arrays are read as JSON, else Python literals, else text):
     </function>
     </tool_call>
 
-The arguments go out as a JSON object one parameter at a time, as each closes. A parameter left without
+The arguments go out as a JSON object as they are written: a string parameter's text as it comes, the
+others as each closes. A parameter left without
 `</parameter>` ends at the next `<parameter=` or at `</function>`."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ast
 import json
 import re
 
-from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser
+from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNC = re.compile(r"\s*<function=([^>\n]+)>")
@@ -31,11 +32,14 @@ class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
     starts = (OPEN,)
 
+    def _kind(self, func: str, key: str):
+        schema = ((self.functions.get(func) or {}).get("parameters") or {}).get("properties", {}).get(key) or {}
+        return schema.get("type") if isinstance(schema, dict) else None
+
     def _value(self, func: str, key: str, raw: str):
         raw = raw[1:] if raw.startswith("\n") else raw
         raw = raw[:-1] if raw.endswith("\n") else raw
-        schema = ((self.functions.get(func) or {}).get("parameters") or {}).get("properties", {}).get(key) or {}
-        kind = schema.get("type") if isinstance(schema, dict) else None
+        kind = self._kind(func, key)
         if kind == "string" or (isinstance(kind, list) and "string" in kind and raw.strip() not in ("null",)):
             return raw
         text = raw.strip()
@@ -47,6 +51,15 @@ class Qwen3CoderParser(ToolParser):
             return ast.literal_eval(text)
         except (ValueError, SyntaxError):
             return raw
+
+    @staticmethod
+    def _open_string(key: str, raw: str) -> str:
+        """`"key": "text so far` of a string parameter still being written: its leading newline dropped, a
+        trailing one (maybe the last, which is dropped) and what may be the start of an end tag held back."""
+        raw = raw[: len(raw) - held(raw, _ENDS)]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(raw, ensure_ascii=False)[:-1]
 
     def region(self, buf: str, marker: str, final: bool) -> Scan:
         close = buf.find(CLOSE)
@@ -70,6 +83,8 @@ class Qwen3CoderParser(ToolParser):
             hits = [(at, e) for at, e in hits if at >= 0]
             if not hits:
                 if not done:
+                    if self._kind(p.name, pm.group(1).strip()) == "string":  # a string streams as it is written
+                        p.args = "{" + ", ".join([*args, self._open_string(pm.group(1).strip(), body[v:])])
                     return Scan(calls=[p])
                 hits = [(len(body), "")]
             at, e = min(hits)
