@@ -219,6 +219,23 @@ def test_responses_function_calls_and_incomplete():
     assert r.body(_gen(_out("", "", True, "stop")))["output"][0]["content"][0]["text"] == ""
 
 
+def test_responses_text_then_a_call_streamed_in_pieces():
+    plan = tools.plan(*R.chat_tools([WEATHER_R], "auto"))
+    r = R.ResponsesRendering(_Tok(), R.ResponsesRequest(input="x"), plan)
+    chunks = ['Sure. <tool_call>{"name": "get_weather", "arguments": {"ci', 'ty": "Oslo"}}</tool_call>']
+    events, _ = _stream(r, chunks)
+    steps = [(e["type"], e.get("delta")) for e in events[2:]]
+    assert steps[:2] == [("response.output_item.added", None), ("response.content_part.added", None)]
+    assert steps[2] == ("response.output_text.delta", "Sure. ")
+    added = steps.index(("response.output_item.added", None), 3)
+    assert steps[added + 1 : added + 3] == [
+        ("response.function_call_arguments.delta", '{"ci'),
+        ("response.function_call_arguments.delta", 'ty": "Oslo"}'),
+    ]
+    output = events[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["message", "function_call"] and output[1]["status"] == "completed"
+
+
 def test_responses_stream_error_events():
     r = R.ResponsesRendering(_Tok(), R.ResponsesRequest(input="x"), None)
     gen = _gen(_out("", "", True, "stop"))
