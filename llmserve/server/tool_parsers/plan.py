@@ -52,7 +52,7 @@ class ToolPlan:
 
     @property
     def keeps_specials(self) -> bool:
-        """The calls' markers are special tokens (mistral): the output is decoded with them."""
+        """The calls' markers are special tokens (mistral, openai): the output is decoded with them."""
         return self.parse and not self.forced and self.parser is not None and self.parser.keep_special_tokens
 
     def names(self) -> set[str]:
