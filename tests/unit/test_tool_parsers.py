@@ -206,3 +206,17 @@ def test_qwen3_coder_streams_a_string_parameter_as_it_is_written():
     assert [(d.name, d.arguments) for d in head] == [("get_weather", ""), (None, '{"city": "San Fran')]
     rest = s.feed("cisco\n</parameter>\n</function>\n</tool_call>", final=True)
     assert "".join(d.arguments for d in rest) == 'cisco"}'
+
+
+def test_strict_tools_under_auto_get_a_structural_tag():
+    from types import SimpleNamespace
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    kw = tp.guided_kwargs(SimpleNamespace(), tp.plan([strict, TIME], "auto"))
+    tag = json.loads(kw["guided_structural_tag"])
+    assert tag["triggers"] == ["<tool_call>"]
+    assert [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {"type": "object"}]
+    assert tp.guided_kwargs(SimpleNamespace(), tp.plan(TOOLS, "auto")) == {}  # no strict tool: free
+    assert tp.plan([strict], "auto", tp.PARSERS["mistral"]).strict_tag() is None  # hermes' format only
+    rf = SimpleNamespace(response_format={"type": "json_object"})
+    assert tp.guided_kwargs(rf, tp.plan([strict], "auto")) == {"guided_json_object": True}

@@ -187,7 +187,7 @@ def chat_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict] |
             if not isinstance(t, dict) or t.get("type") != "function":
                 kind = t.get("type") if isinstance(t, dict) else None
                 raise ValueError(f"tools[{k}]: only function tools are supported, got type {kind!r}")
-            f = {key: t[key] for key in ("name", "description", "parameters") if t.get(key) is not None}
+            f = {key: t[key] for key in ("name", "description", "parameters", "strict") if t.get(key) is not None}
             chat.append({"type": "function", "function": f})
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") != "function" or not isinstance(tool_choice.get("name"), str):

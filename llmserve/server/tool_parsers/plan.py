@@ -10,6 +10,8 @@ into the prompt, forced calls as a grammar (the parsers of the model's output ar
   constrain the output with a JSON schema (anyOf over the functions, or the one named), so the
   output is always exactly one call object, read by the hermes parser (its bare-object form).
 - `parallel_tool_calls: false`: only the first call is kept.
+- `strict: true` tools under "auto" (hermes' format): the text is free until `<tool_call>`, then the
+  grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag).
 """
 
 from __future__ import annotations
@@ -66,6 +68,23 @@ class ToolPlan:
     def stream(self):
         """A ToolStream over this request's output (one per choice)."""
         return self.new_parser().stream(None if self.parallel else 1)
+
+    def strict_tag(self) -> str | None:
+        """With a `strict: true` tool under tool_choice auto (hermes' format): the structural tag that leaves
+        the text free until `<tool_call>`, then holds the call to a declared function and its arguments to
+        its parameters (the others' to any object); None otherwise."""
+        fs = [t["function"] for t in self.tools]
+        if self.choice != "auto" or not any(f.get("strict") for f in fs) or self.parser not in (None, HermesParser):
+            return None
+        structures = [
+            {
+                "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+                "schema": (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"},
+                "end": "}\n</tool_call>",
+            }
+            for f in fs
+        ]
+        return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
 
     def parse_text(self, text: str) -> tuple[str | None, list[dict]]:
         return self.new_parser().parse(text, None if self.parallel else 1)
@@ -208,4 +227,6 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
         # as text: the engine's grammar keeps a text schema's key order (a dict's keys are sorted), and the
         # call's name must come before its arguments for the arguments to stream under their name
         kw["guided_json"] = json.dumps(p.forced_schema)
+    elif p is not None and not kw and (tag := p.strict_tag()) is not None:
+        kw["guided_structural_tag"] = tag
     return kw
