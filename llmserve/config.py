@@ -23,6 +23,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from llmserve import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the tool-call parsers (llmserve/server/tool_parsers/: its PARSERS, which a unit test holds to this list)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -420,6 +422,27 @@ class ServerSettings:
     )
     reasoning_end_marker: str | None = field(
         default=None, metadata=flag("with --reasoning-parser: the end marker", default="</think>")
+    )
+    enable_auto_tool_choice: bool = field(  # tool calls parsed from the output (llmserve/server/tool_parsers/)
+        default=True,
+        metadata=flag(
+            'tool_choice "auto" (the default with tools): the model may answer or call tools, its calls '
+            "read by --tool-call-parser and streamed as they are written. On by default; "
+            '--no-enable-auto-tool-choice refuses "auto" with tools (400), as vLLM does without the flag'
+        ),
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "the format of the model's tool calls (vLLM's names): hermes (Hermes, Qwen2.5, Qwen3), "
+            "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), openai (gpt-oss harmony), pythonic "
+            "(Llama 3.2 / 4 pythonic), qwen3_coder (XML). Default: chosen from the chat template",
+            choices=TOOL_CALL_PARSERS,
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag("a chat template instead of the model's: a Jinja file or text", metavar="FILE|STRING"),
     )
     pooling: str = field(  # /v1/embeddings (llmserve/server/api/embeddings.py)
         default="last",

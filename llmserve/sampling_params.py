@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# the guided decoding fields that hold a value (guided_json_object is a flag)
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_structural_tag")
+
 
 @dataclass
 class SamplingParams:
@@ -41,6 +44,9 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: list[str] | None = None  # the output is exactly one of these strings
     guided_grammar: str | None = None  # an EBNF (GBNF) grammar, rule `root`
+    # free text until a trigger, then a tag's JSON schema (JSON text: {"structures": [{"begin", "schema",
+    # "end"}], "triggers": [...]}; strict tools under tool_choice auto)
+    guided_structural_tag: str | None = None
     # embeddings: "mean" or "last" pools the prompt's final hidden states (normalized) into
     # RequestOutput.embedding and samples nothing
     pooling: str | None = None
@@ -101,16 +107,14 @@ class SamplingParams:
         self._check_guided(bad)
 
     def _check_guided(self, bad) -> None:
-        given = [
-            n
-            for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-            if getattr(self, n) is not None
-        ] + (["guided_json_object"] if self.guided_json_object else [])
+        given = [n for n in GUIDED_FIELDS if getattr(self, n) is not None] + (
+            ["guided_json_object"] if self.guided_json_object else []
+        )
         if len(given) > 1:
             raise bad(given[1], f"only one guided decoding constraint per request, got {', '.join(given)}")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
             raise bad("guided_json", f"must be a JSON schema (an object or its JSON text), got {self.guided_json!r}")
-        for name in ("guided_regex", "guided_grammar"):
+        for name in ("guided_regex", "guided_grammar", "guided_structural_tag"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise bad(name, f"must be a non-empty string, got {v!r}")
@@ -125,12 +129,7 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        return (
-            any(
-                getattr(self, n) is not None for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-            )
-            or self.guided_json_object
-        )
+        return any(getattr(self, n) is not None for n in GUIDED_FIELDS) or self.guided_json_object
 
     @property
     def greedy(self) -> bool:

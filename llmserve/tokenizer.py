@@ -54,6 +54,11 @@ class Tokenizer:
         self.all_special_ids = set(self.hf.all_special_ids)
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
 
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with `template` (a Jinja chat template) instead of the model's."""
+        self.hf.chat_template = template
+        self.has_chat_template = True
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 

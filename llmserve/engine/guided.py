@@ -48,6 +48,8 @@ def guided_spec(params) -> tuple[str, str] | None:
         return ("choice", json.dumps(list(params.guided_choice)))
     if params.guided_grammar is not None:
         return ("grammar", params.guided_grammar)
+    if params.guided_structural_tag is not None:
+        return ("structural_tag", params.guided_structural_tag)
     return None
 
 
@@ -57,7 +59,23 @@ _FIELD = {
     "regex": "guided_regex",
     "choice": "guided_choice",
     "grammar": "guided_grammar",
+    "structural_tag": "tools",
 }
+
+
+def _structural_tag(comp, spec: dict):
+    """Free text until one of spec's triggers, then a structure's begin text, its JSON schema, its end."""
+    import warnings
+
+    import xgrammar as xgr
+
+    tags = [
+        xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
+        for t in spec["structures"]
+    ]
+    with warnings.catch_warnings():  # the (tags, triggers) form is xgrammar's older one, kept in 0.2
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return comp.compile_structural_tag(tags, spec["triggers"])
 
 
 def _ebnf_string(s: str) -> str:
@@ -111,6 +129,8 @@ class GuidedDecoding:
             elif kind == "choice":
                 choices = json.loads(text)
                 compiled = comp.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in choices))
+            elif kind == "structural_tag":
+                compiled = _structural_tag(comp, json.loads(text))
             else:
                 compiled = comp.compile_grammar(text)
         except json.JSONDecodeError as e:
@@ -122,6 +142,7 @@ class GuidedDecoding:
                 "grammar": "invalid EBNF grammar",
                 "choice": "invalid choices",
                 "json_object": "invalid",
+                "structural_tag": "invalid strict tool schema",
             }[kind]
             raise ValueError(f"{_FIELD[kind]}: {what}: {_clean(e)}") from None
         with self._lock:

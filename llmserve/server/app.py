@@ -10,7 +10,8 @@ token ids and SamplingParams to the engine, and turns the engine's outputs into 
     prepare.py     request body -> engine runs: chat encoding, SamplingParams, admission
     serving.py     Generation: the one serving loop (engine stream, pings, timeout, abort, usage)
     rendering.py   the Rendering interface, OpenAI's choices envelope, the reasoning / content split
-    tools.py, reasoning.py  tool calls (prompt, grammar, parse) and thinking models' reasoning, for all APIs
+    tool_parsers/, reasoning.py  tool calls (prompt, grammar, one parser per model format) and thinking
+                   models' reasoning, for all APIs
     errors.py      APIError (the shape is llmserve/errors.py's)
     faults.py      fault injection, a test facility
 

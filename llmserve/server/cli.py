@@ -43,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
         ext = tp.external_launch()
         if ext is not None and ext[0] != 0:  # torchrun / RANK>0: a worker, no HTTP
             return tp.run_external_worker(settings.engine)
-    app = build_app(settings)
+    try:
+        app = build_app(settings)
+    except ValueError as e:  # a bad setting (--tool-call-parser from --config, --chat-template, ...)
+        raise SystemExit(f"llmserve serve: {e}") from e
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -12,7 +12,7 @@ from llmserve.engine.async_engine import AsyncEngine, EngineDeadError
 from llmserve.engine.request import SamplingParams
 from llmserve.engine.scheduler import QueueFullError
 from llmserve.server import protocol as P
-from llmserve.server import tools as tools_mod
+from llmserve.server import tool_parsers as tools_mod
 from llmserve.server.errors import APIError, from_value_error
 from llmserve.server.serving import to_api_error
 from llmserve.server.state import ServerSettings
@@ -183,7 +183,7 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=_most(getattr(body, "prompt_logprobs", None), prompt_logprobs),
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=body.skip_special_tokens and not (tool_plan is not None and tool_plan.keeps_specials),
             include_stop_str_in_output=body.include_stop_str_in_output,
             **guided,
         )

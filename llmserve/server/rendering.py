@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 
 from llmserve.engine.request import RequestOutput
-from llmserve.server import tools as tools_mod
+from llmserve.server import tool_parsers
 from llmserve.server.errors import APIError
 from llmserve.server.reasoning import ReasoningParser
+from llmserve.server.tool_parsers import ToolDelta
 
 
 def sse_event(data: dict, event: str | None = None) -> str:
@@ -35,29 +36,41 @@ def sse_event(data: dict, event: str | None = None) -> str:
 
 
 class ChoiceText:
-    """One choice's text as it arrives, split into reasoning (with a reasoning parser) and content; with tools
-    to parse (a tools.ToolPlan whose `parse` is true) the content is held back and parsed into calls at the end.
-    `feed(delta, finished)` returns the (reasoning, content) to send now."""
+    """One choice's text as it arrives, split into reasoning (with a reasoning parser), content and, with tools
+    to parse (a tool_parsers.ToolPlan whose `parse` is true), tool calls as the model writes them.
+    `feed(delta, finished)` returns the reasoning to send now and the answer's pieces in order
+    (tool_parsers.ToolDelta: content text, or a call's id and name, or its next arguments)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tool_plan: tools_mod.ToolPlan | None = None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tool_plan: tool_parsers.ToolPlan | None = None) -> None:
         self.split = reasoning.stream() if reasoning is not None else None
         self.tool_plan = tool_plan if tool_plan is not None and tool_plan.parse else None
+        self.tools = self.tool_plan.stream() if self.tool_plan is not None else None
         self.reasoning, self.content = "", ""
+        self.pieces: list[ToolDelta] = []  # with tools: every piece so far
 
-    def feed(self, delta: str, finished: bool = False) -> tuple[str, str]:
+    def feed(self, delta: str, finished: bool = False) -> tuple[str, list[ToolDelta]]:
         r, c = self.split.feed(delta) if self.split is not None else ("", delta)
         if finished and self.split is not None:
             r2, c2 = self.split.flush()
             r, c = r + r2, c + c2
         self.reasoning += r
-        self.content += c
-        return r, ("" if self.tool_plan is not None else c)
+        if self.tools is None:
+            self.content += c
+            return r, [ToolDelta(content=c)] if c else []
+        pieces = self.tools.feed(c, finished)
+        r2 = "".join(d.reasoning for d in pieces)  # a format with its own reasoning channel (openai)
+        if r2:
+            self.reasoning += r2
+            r, pieces = r + r2, [d for d in pieces if not d.reasoning]
+        self.pieces += pieces
+        self.content += "".join(d.content for d in pieces)
+        return r, pieces
 
     def calls(self) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of the finished content; no calls without tools to parse."""
-        if self.tool_plan is None:
+        """(content, tool calls in OpenAI's shape) so far; no calls without tools to parse."""
+        if self.tools is None:
             return self.content, []
-        return tools_mod.parse(self.content, self.tool_plan)
+        return tool_parsers.collect(self.pieces)
 
     @classmethod
     def whole(cls, text: str, reasoning: ReasoningParser | None, tool_plan=None) -> "ChoiceText":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Annotated
 
@@ -16,6 +17,7 @@ from llmserve import envs
 from llmserve.config import ServerSettings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
+from llmserve.server import tool_parsers
 from llmserve.server.errors import APIError
 from llmserve.server.faults import install_fault_injection
 from llmserve.server.metrics import ServerMetrics
@@ -37,6 +39,9 @@ class ServerState:
         self.reasoning = ReasoningParser.from_name(
             settings.reasoning_parser, settings.reasoning_start_marker, settings.reasoning_end_marker
         )
+        # the tool-call format: --tool-call-parser, else chosen from the chat template once the model loads
+        self.tool_parser = tool_parsers.get_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        self.chat_template = read_chat_template(settings.chat_template)
 
     @property
     def ready(self) -> bool:
@@ -80,6 +85,11 @@ class ServerState:
             return
         name = engine.engine.served_model_name
         self.model_names = [name]
+        if self.chat_template is not None:
+            engine.tokenizer.set_chat_template(self.chat_template)
+        if self.tool_parser is None:
+            self.tool_parser = tool_parsers.choose(getattr(engine.tokenizer.hf, "chat_template", None))
+            log.info("tool calls: the %s parser (from the chat template)", self.tool_parser.name)
         self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
         engine.on_dead = self._engine_died
         engine.on_aborted = self._request_aborted
@@ -87,6 +97,17 @@ class ServerState:
             install_fault_injection(engine)
         self.engine = engine
         log.info("ready: serving %s", name)
+
+    def plan_tools(self, tools, tool_choice, parallel_tool_calls=None) -> tool_parsers.ToolPlan | None:
+        """A request's tools (tool_parsers.plan) read with the server's tool-call parser; a ValueError for
+        "auto" under --no-enable-auto-tool-choice."""
+        p = tool_parsers.plan(tools, tool_choice, self.tool_parser, parallel_tool_calls)
+        if p is not None and p.choice == "auto" and not self.settings.enable_auto_tool_choice:
+            raise tool_parsers.ToolError(
+                'tool_choice: "auto" needs --enable-auto-tool-choice (this server runs without it); '
+                'send "required", a named function or "none"'
+            )
+        return p
 
     @property
     def lora(self):
@@ -136,6 +157,19 @@ class ServerState:
             fields["prompt"] = out.prompt
             fields["completion"] = comp.text
         req_log.info(json.dumps(fields))
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a template (holds Jinja's `{{` or
+    `{%`); a ValueError for anything else."""
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja chat template")
 
 
 def server_state(request: Request) -> ServerState:

@@ -124,7 +124,7 @@ def test_tool_use_round_trip(client):
     ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
-    assert "input_json" in kinds
+    assert kinds.count("input_json") >= 3  # the arguments as they are generated, not in one piece at the end
     assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
 

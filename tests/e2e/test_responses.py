@@ -139,6 +139,10 @@ def test_named_function_streamed(client):
     )
     types = [e.type for e in events]
     assert "response.function_call_arguments.delta" in types and "response.output_text.delta" not in types
+    # the arguments stream as they are generated: several deltas, after the item opened, before it is done
+    deltas = [k for k, t in enumerate(types) if t == "response.function_call_arguments.delta"]
+    assert len(deltas) >= 3
+    assert types.index("response.output_item.added") < deltas[0] < types.index("response.function_call_arguments.done")
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     jsonschema.validate(json.loads(done.arguments), WEATHER["parameters"])
     final = events[-1].response

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -114,6 +116,30 @@ def test_named_tool_choice_streamed(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS["get_time"])
 
 
+def test_streamed_call_sends_its_arguments_as_they_are_generated(client):
+    """The SDK's stream accumulator sees argument deltas before the call ends (the default parser, hermes,
+    the bare call object a forced tool_choice makes the model write)."""
+    kinds, pieces = [], []
+    with client.chat.completions.stream(
+        model="x",
+        messages=Q,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=60,
+    ) as stream:
+        for ev in stream:
+            kinds.append(ev.type)
+            if ev.type == "tool_calls.function.arguments.delta":
+                pieces.append(ev.arguments_delta)
+        final = stream.get_final_completion()
+    assert len(pieces) >= 3
+    assert kinds.index("tool_calls.function.arguments.delta") < kinds.index("tool_calls.function.arguments.done")
+    call = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls" and "".join(pieces) == call.function.arguments
+    _check_call(call)
+
+
 def test_tool_choice_none_and_bad_choices(client):
     r = client.chat.completions.create(
         model="x", messages=Q, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8
@@ -171,3 +197,40 @@ def test_vllm_extras_and_bad_schema(client):
             response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}},
         )
     assert "objekt" in str(e.value)
+
+
+TEMPLATE = (
+    "{% if tools %}Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}"
+    "(call as <tool_call><function=NAME>...</function></tool_call>)\n{% endif %}"
+    "{{ greeting | default('none') }}\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_template_flag_and_kwargs(tmp_path):
+    """--chat-template FILE replaces the model's template; the tool-call parser is chosen from it;
+    chat_template_kwargs reach it; `tools` go to it (it renders them)."""
+    f = tmp_path / "tpl.jinja"
+    f.write_text(TEMPLATE)
+    with ServerProcess("--num-threads", "1", "--served-model-name", "x", "--chat-template", str(f)) as srv:
+        srv.wait_ready()
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert "tool calls: the qwen3_coder parser (from the chat template)" in srv.log()
+        base = c.chat.completions.create(model="x", messages=Q, max_tokens=1).usage.prompt_tokens
+        kw = c.chat.completions.create(
+            model="x", messages=Q, max_tokens=1, extra_body={"chat_template_kwargs": {"greeting": "a b c d e"}}
+        )
+        assert kw.usage.prompt_tokens == base + 4  # "none" -> "a b c d e" (one token each, in this vocabulary)
+        tools = c.chat.completions.create(model="x", messages=Q, tools=TOOLS, tool_choice="required", max_tokens=40)
+        assert tools.usage.prompt_tokens > base and tools.choices[0].message.tool_calls
+
+
+def test_unknown_tool_call_parser_is_a_startup_error():
+    r = subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "serve", "--tool-call-parser", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "--tool-call-parser" in r.stderr and "'nope'" in r.stderr
+    assert "hermes" in r.stderr and "qwen3_coder" in r.stderr

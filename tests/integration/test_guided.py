@@ -239,3 +239,38 @@ def test_grammar_cache(llm):
         g.compile(SamplingParams(guided_json=SCHEMAS[0]))
     g.compile(SamplingParams(guided_json=json.loads(json.dumps(SCHEMAS[0]))))
     assert g.compilations - before <= 1
+
+
+def test_strict_tool_structural_tag(llm):
+    """A strict tool under tool_choice auto: text is free until `<tool_call>`, then the call must name a
+    declared function and its arguments must follow the schema (tool_parsers.ToolPlan.strict_tag)."""
+    from llmserve.server import tool_parsers
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["unit"],
+            },
+        },
+    }
+    tag = tool_parsers.plan([weather], "auto").strict_tag()
+    tok = llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        m = llm.engine.guided.matcher(SamplingParams(guided_structural_tag=tag))
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "%s"}}\n</tool_call>'
+    assert accepts("Any text at all, {json} too. ")
+    assert accepts("Let me check. " + call % "celsius")
+    assert not accepts("Let me check. " + call % "kelvin")
+    assert not accepts('<tool_call>\n{"name": "launch_rockets", "arguments": {}}')
+    assert (
+        tool_parsers.plan([dict(weather, function={**weather["function"], "strict": False})], "auto").strict_tag()
+        is None
+    )

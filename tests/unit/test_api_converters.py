@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve import errors
-from llmserve.server import tools
+from llmserve.server import tool_parsers as tools
 from llmserve.server.api import messages as A
 from llmserve.server.api import responses as R
 from llmserve.server.errors import APIError, from_value_error
@@ -217,6 +217,23 @@ def test_responses_function_calls_and_incomplete():
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     r = R.ResponsesRendering(_Tok(), R.ResponsesRequest(input="x"), None)  # no text at all: an empty message
     assert r.body(_gen(_out("", "", True, "stop")))["output"][0]["content"][0]["text"] == ""
+
+
+def test_responses_text_then_a_call_streamed_in_pieces():
+    plan = tools.plan(*R.chat_tools([WEATHER_R], "auto"))
+    r = R.ResponsesRendering(_Tok(), R.ResponsesRequest(input="x"), plan)
+    chunks = ['Sure. <tool_call>{"name": "get_weather", "arguments": {"ci', 'ty": "Oslo"}}</tool_call>']
+    events, _ = _stream(r, chunks)
+    steps = [(e["type"], e.get("delta")) for e in events[2:]]
+    assert steps[:2] == [("response.output_item.added", None), ("response.content_part.added", None)]
+    assert steps[2] == ("response.output_text.delta", "Sure. ")
+    added = steps.index(("response.output_item.added", None), 3)
+    assert steps[added + 1 : added + 3] == [
+        ("response.function_call_arguments.delta", '{"ci'),
+        ("response.function_call_arguments.delta", 'ty": "Oslo"}'),
+    ]
+    output = events[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["message", "function_call"] and output[1]["status"] == "completed"
 
 
 def test_responses_stream_error_events():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmserve.server import tools
+from llmserve.server import tool_parsers as tools
 from llmserve.server.api.chat import ChatRendering
 
 WEATHER = {
@@ -23,6 +23,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 def auto(*fs) -> tools.ToolPlan:
     return tools.plan(list(fs or [WEATHER, TIME]), "auto")
+
+
+def parse(text: str, p: tools.ToolPlan):
+    return p.parse_text(text)
 
 
 def args_of(call: dict) -> dict:
@@ -67,13 +71,11 @@ def test_plan_refuses(tools_, choice, match):
 
 # -- parse -----------------------------------------------------------------------------------------
 def test_plain_text_stays_content():
-    assert tools.parse("It is sunny in Paris.", auto()) == ("It is sunny in Paris.", [])
+    assert parse("It is sunny in Paris.", auto()) == ("It is sunny in Paris.", [])
 
 
 def test_one_call():
-    content, calls = tools.parse(
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', auto()
-    )
+    content, calls = parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', auto())
     assert content is None
     assert len(calls) == 1
     c = calls[0]
@@ -86,22 +88,22 @@ def test_several_calls_with_text_around():
         'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.'
     )
-    content, calls = tools.parse(text, auto())
-    assert content == "Let me check. \n Done."
+    content, calls = parse(text, auto())
+    assert content == "Let me check.  Done."  # whitespace between calls is dropped
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert [args_of(c) for c in calls] == [{"city": "Oslo"}, {}]
     assert calls[0]["id"] != calls[1]["id"]
 
 
 def test_unclosed_tag_at_the_end_still_parses():
-    _, calls = tools.parse('<tool_call>{"name": "get_time", "arguments": {}}', auto())
+    _, calls = parse('<tool_call>{"name": "get_time", "arguments": {}}', auto())
     assert [c["function"]["name"] for c in calls] == ["get_time"]
 
 
 def test_bare_json_object_and_string_arguments():
-    content, calls = tools.parse(' {"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}', auto())
+    content, calls = parse(' {"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}', auto())
     assert content is None and args_of(calls[0]) == {"city": "Rome"}
-    _, calls = tools.parse('{"name": "get_weather", "parameters": {"city": "Lima"}}', auto())
+    _, calls = parse('{"name": "get_weather", "parameters": {"city": "Lima"}}', auto())
     assert args_of(calls[0]) == {"city": "Lima"}
 
 
@@ -116,47 +118,27 @@ def test_bare_json_object_and_string_arguments():
     ],
 )
 def test_no_valid_call_leaves_the_text_as_content(text):
-    assert tools.parse(text, auto()) == (text, [])
+    assert parse(text, auto()) == (text, [])
 
 
 def test_a_bad_call_among_good_ones_stays_in_the_content():
     bad = '<tool_call>{"name": oops}</tool_call>'
-    content, calls = tools.parse(bad + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', auto())
+    content, calls = parse(bad + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', auto())
     assert content == bad and [c["function"]["name"] for c in calls] == ["get_time"]
 
 
 def test_forced_output_is_one_json_call():
     p = tools.plan([WEATHER], "required")
-    content, calls = tools.parse('{"name": "get_weather", "arguments": {"city": "Kyiv"}}', p)
+    content, calls = parse('{"name": "get_weather", "arguments": {"city": "Kyiv"}}', p)
     assert content is None and args_of(calls[0]) == {"city": "Kyiv"}
 
 
 def test_non_ascii_arguments_are_kept():
-    _, calls = tools.parse('<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>', auto())
+    _, calls = parse('<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>', auto())
     assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'
 
 
-# -- streaming -------------------------------------------------------------------------------------
-def test_stream_deltas_split_the_arguments():
-    _, calls = tools.parse(
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Llanfairpwllgwyngyll"}}'
-        '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-        auto(),
-    )
-    deltas = tools.stream_deltas(calls)
-    heads = [d for d in deltas if "id" in d]
-    assert [(d["index"], d["function"]) for d in heads] == [
-        (0, {"name": "get_weather", "arguments": ""}),
-        (1, {"name": "get_time", "arguments": ""}),
-    ]
-    assert all(d["type"] == "function" for d in heads)
-    for i, c in enumerate(calls):
-        pieces = [d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d]
-        assert all(len(p) <= 16 for p in pieces)
-        assert "".join(pieces) == c["function"]["arguments"]
-    assert tools.stream_deltas([]) == []
-
-
+# -- streaming ---------------------------------------------------------------------------------------
 def _out(text: str, finished: bool, finish_reason: str | None = None, delta: str | None = None):
     c = SimpleNamespace(
         text=text,
@@ -169,15 +151,29 @@ def _out(text: str, finished: bool, finish_reason: str | None = None, delta: str
     return SimpleNamespace(outputs=[c], finished=finished)
 
 
-def test_chat_rendering_holds_the_text_back_and_streams_the_calls():
+def test_chat_rendering_streams_the_calls_as_they_are_written():
     r = ChatRendering(tokenizer=None, tool_plan=auto())
-    assert r.deltas(0, _out("Sure. <tool_call>{", finished=False)) == []
+    first = r.deltas(0, _out('Sure. <tool_call>{"name": "get_weather", "arguments": {"ci', finished=False))
+    assert [c["delta"] for c in first] == [
+        {"content": "Sure. "},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": first[1]["delta"]["tool_calls"][0]["id"],
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
+    ]
+    rest = r.deltas(0, _out("", finished=True, finish_reason="stop", delta='ty": "Oslo"}}</tool_call>'))
+    assert [c["delta"] for c in rest[:-1]] == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}
+    ]
+    assert rest[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}
     text = 'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-    chunks = r.deltas(0, _out(text, finished=True, finish_reason="stop", delta=text[len("Sure. <tool_call>{") :]))
-    assert chunks[0]["delta"] == {"content": "Sure."}
-    calls = [d for ch in chunks for d in ch["delta"].get("tool_calls", [])]
-    assert calls[0]["function"]["name"] == "get_time"
-    assert chunks[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}
     message = r.choice(0, _out(text, finished=True, finish_reason="stop"))
     assert message["finish_reason"] == "tool_calls" and message["message"]["content"] == "Sure."
 

@@ -1,6 +1,6 @@
 """OpenAI's chat completions API: POST /v1/chat/completions.
 
-The messages are rendered with the chat template and tokenized (prepare.chat_runs; tools.py renders
+The messages are rendered with the chat template and tokenized (prepare.chat_runs; tool_parsers/ renders
 `tools` into the prompt, forces `tool_choice` by the grammar and parses calls from the output), n choices
 run as one Generation, and ChatRendering writes each choice in OpenAI's envelope (rendering.ChoicesRendering):
 `message` / streamed `delta`s, `reasoning_content` with --reasoning-parser, `tool_calls`, logprobs.
@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from llmserve.engine.request import RequestOutput
 from llmserve.server import protocol as P
-from llmserve.server import tools as tools_mod
+from llmserve.server import tool_parsers
 from llmserve.server.errors import from_value_error
 from llmserve.server.prepare import chat_runs
 from llmserve.server.reasoning import ReasoningParser
@@ -60,7 +60,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     eng = state.engine_or_503()
     model = state.check_model(body.model)
     try:
-        tool_plan = tools_mod.plan(body.tools, body.tool_choice)
+        tool_plan = state.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ValueError as e:
         raise from_value_error(e) from e
     runs = await chat_runs(
@@ -114,7 +114,8 @@ def chat_logprobs(tok, lps) -> dict | None:
 
 class ChatRendering(ChoicesRendering):
     """/v1/chat/completions. With a reasoning parser, the reasoning goes in `reasoning_content`; with tools to
-    parse, a choice's content is held back while it streams and parsed into `tool_calls` when it finishes.
+    parse, a choice's calls stream as the model writes them (`delta.tool_calls[]`: id, type and name once,
+    then the arguments in pieces) and its message holds them as `tool_calls`.
     With vLLM's `prompt_logprobs`, the answer's `prompt_logprobs` (the templated prompt's, as vLLM's)."""
 
     object = "chat.completion"
@@ -123,7 +124,7 @@ class ChatRendering(ChoicesRendering):
     def __init__(
         self,
         tokenizer,
-        tool_plan: tools_mod.ToolPlan | None = None,
+        tool_plan: tool_parsers.ToolPlan | None = None,
         reasoning: ReasoningParser | None = None,
         prompt_logprobs: int | None = None,
     ) -> None:
@@ -145,7 +146,7 @@ class ChatRendering(ChoicesRendering):
         text = ChoiceText.whole(c.text, self.reasoning, self.tool_plan)
         content, calls = text.calls()
         message, finish = {"role": "assistant", "content": content}, c.finish_reason
-        if self.reasoning is not None:
+        if self.reasoning is not None or text.reasoning:
             message["reasoning_content"] = text.reasoning or None
         if calls:
             message["tool_calls"] = calls
@@ -164,13 +165,11 @@ class ChatRendering(ChoicesRendering):
     def deltas(self, i: int, out: RequestOutput) -> list[dict]:
         c = out.outputs[0]
         text = self.texts.setdefault(i, ChoiceText(self.reasoning, self.tool_plan))
-        reasoning, content = text.feed(c.delta_text, out.finished)
-        delta = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
+        reasoning, pieces = text.feed(c.delta_text, out.finished)
         if self.tool_plan is None:
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if pieces:
+                delta["content"] = pieces[0].content
             if not delta and not out.finished:
                 return []
             choice = {
@@ -182,16 +181,15 @@ class ChatRendering(ChoicesRendering):
             if out.finished:
                 choice["stop_reason"] = c.stop_reason
             return [choice]
-        chunks = [_delta(i, delta)] if delta else []  # reasoning streams; the content waits for the parse
-        return chunks + (self._tool_deltas(i, c, text) if out.finished else [])
-
-    @staticmethod
-    def _tool_deltas(i: int, c, text: ChoiceText) -> list[dict]:
-        content, calls = text.calls()
-        out = [_delta(i, {"content": content})] if content else []
-        out += [_delta(i, {"tool_calls": [d]}) for d in tools_mod.stream_deltas(calls)]
-        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return out + [{**_delta(i, {}), "finish_reason": finish, "stop_reason": c.stop_reason}]
+        # with tools: the content as it comes, then each call's id and name once and its arguments as written
+        chunks = [_delta(i, {"reasoning_content": reasoning})] if reasoning else []
+        for p in pieces:
+            d = {"content": p.content} if p.index is None else {"tool_calls": [tool_parsers.openai_delta(p)]}
+            chunks.append(_delta(i, d))
+        if out.finished:
+            finish = "tool_calls" if text.calls()[1] and c.finish_reason == "stop" else c.finish_reason
+            chunks.append({**_delta(i, {}), "finish_reason": finish, "stop_reason": c.stop_reason})
+        return chunks
 
 
 def _delta(i: int, delta: dict) -> dict:

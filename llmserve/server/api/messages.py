@@ -3,9 +3,10 @@
 A request becomes a chat: `system` (a string or text blocks) the system message; each message's text
 blocks its content; an assistant's `tool_use` blocks its tool calls and a user's `tool_result` blocks
 `tool` turns before its text; earlier `thinking` blocks are dropped (as chat templates drop reasoning).
-`tools` (name, description, input_schema) and `tool_choice` (auto, any, tool, none) go through the chat
-API's tool machinery (tools.py); `output_config.format` (a JSON schema) is guided decoding; `max_tokens`,
-`stop_sequences`, `temperature`, `top_p`, `top_k` are sampling, vLLM's extras too. `thinking`
+`tools` (name, description, input_schema) and `tool_choice` (auto, any, tool, none;
+`disable_parallel_tool_use`) go through the chat API's tool machinery (tool_parsers/: calls stream as
+input_json_delta as they are written); `output_config.format` (a JSON schema) is guided decoding;
+`max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` are sampling, vLLM's extras too. `thinking`
 ({"type": "enabled" | "disabled"}) sets the chat template's `enable_thinking`.
 
 The answer is a `message` whose content holds a `thinking` block (with --reasoning-parser), a `text`
@@ -30,13 +31,13 @@ from pydantic import BaseModel, Field, field_validator
 
 from llmserve.errors import anthropic_error_body
 from llmserve.server import protocol as P
-from llmserve.server import tools as tools_mod
 from llmserve.server.errors import APIError, from_value_error
 from llmserve.server.prepare import chat_runs, encode_chat
 from llmserve.server.reasoning import ReasoningParser
 from llmserve.server.rendering import ChoiceText, Rendering, sse_event
 from llmserve.server.serving import Generation
 from llmserve.server.state import State
+from llmserve.server.tool_parsers import ToolDelta
 
 router = APIRouter()
 
@@ -231,7 +232,7 @@ def chat_tools(tools: list[dict] | None, tool_choice: dict | None) -> tuple[list
 
 
 # -- the answer ------------------------------------------------------------------------------------------
-def _stop(c, calls: list) -> tuple[str, str | None]:
+def _stop(c, calls: int) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished choice."""
     if c.finish_reason == "length":
         return "max_tokens", None
@@ -251,6 +252,7 @@ class MessagesRendering(Rendering):
         self.text = ChoiceText(reasoning, tool_plan)
         self.blocks: list[dict] = []
         self.open: dict | None = None
+        self.calls = 0  # tool_use blocks
         self.stop: tuple[str, str | None] = ("end_turn", None)
         self.events: list[str] = []
 
@@ -282,42 +284,40 @@ class MessagesRendering(Rendering):
 
     def _close(self) -> None:
         if self.open is not None:
-            self.open = None
+            block, self.open = self.open, None
+            if block["type"] == "tool_use":
+                args = block.pop("_args")
+                try:
+                    block["input"] = json.loads(args) if args else {}
+                except json.JSONDecodeError:
+                    block["input"] = {}
             self._event("content_block_stop", index=len(self.blocks) - 1)
 
-    def _tool_use(self, call: dict) -> None:
-        args = call["function"]["arguments"]
-        block = self._start(
-            {
-                "type": "tool_use",
-                "id": "toolu_" + call["id"].removeprefix("call_"),
-                "name": call["function"]["name"],
-                "input": {},
-            }
-        )
-        self._event(
-            "content_block_delta", index=len(self.blocks) - 1, delta={"type": "input_json_delta", "partial_json": args}
-        )
-        block["input"] = json.loads(args)
-        self._close()
+    def _tool_use(self, d: ToolDelta) -> None:
+        """A piece of a call: its tool_use block starts with the call's first piece; input_json_delta after."""
+        if d.id is not None:
+            block = {"type": "tool_use", "id": "toolu_" + d.id.removeprefix("call_"), "name": d.name, "input": {}}
+            self._start(block)
+            block["_args"] = ""
+            self.calls += 1
+            return
+        self.open["_args"] += d.arguments
+        delta = {"type": "input_json_delta", "partial_json": d.arguments}
+        self._event("content_block_delta", index=len(self.blocks) - 1, delta=delta)
 
     def _advance(self, c, delta: str, finished: bool) -> None:
-        reasoning, content = self.text.feed(delta, finished)
+        reasoning, pieces = self.text.feed(delta, finished)
         if reasoning:
             self._append("thinking", reasoning)
-        if content:
-            self._append("text", content)
+        for p in pieces:
+            if p.index is None:
+                self._append("text", p.content)
+            else:
+                self._tool_use(p)
         if not finished:
             return
-        calls = []
-        if self.text.tool_plan is not None:  # the content was held back for the tool-call parse
-            content, calls = self.text.calls()
-            if content:
-                self._append("text", content)
-            for call in calls:
-                self._tool_use(call)
         self._close()
-        self.stop = _stop(c, calls)
+        self.stop = _stop(c, self.calls)
 
     def _usage(self, gen) -> dict:
         prompt, completion, cached = gen.counts()
@@ -383,9 +383,10 @@ class MessagesRendering(Rendering):
 
 
 # -- the routes (errors in Anthropic's shape on these paths: llmserve/errors.py) ---------------------------------
-def _chat(body: _MessagesFields):
+def _chat(body: _MessagesFields, state):
     try:
-        return chat_messages(body), tools_mod.plan(*chat_tools(body.tools, body.tool_choice))
+        single = (body.tool_choice or {}).get("disable_parallel_tool_use") is True
+        return chat_messages(body), state.plan_tools(*chat_tools(body.tools, body.tool_choice), not single)
     except ValueError as e:
         raise from_value_error(e) from e
 
@@ -399,7 +400,7 @@ def _chat(body: _MessagesFields):
 async def messages(body: MessagesRequest, request: Request, state: State):
     eng = state.engine_or_503()
     model = state.check_model(body.model)
-    msgs, tool_plan = _chat(body)
+    msgs, tool_plan = _chat(body, state)
     runs = await chat_runs(
         eng, state.settings, body, msgs, body.max_tokens, tool_plan, template_kwargs=body.template_kwargs()
     )
@@ -417,6 +418,6 @@ async def messages(body: MessagesRequest, request: Request, state: State):
 async def count_tokens(body: CountTokensRequest, state: State):
     eng = state.engine_or_503()
     state.check_model(body.model)
-    msgs, tool_plan = _chat(body)
+    msgs, tool_plan = _chat(body, state)
     ids = await asyncio.to_thread(encode_chat, eng.tokenizer, msgs, True, body.template_kwargs(), tool_plan)
     return CountTokensResponse(input_tokens=len(ids))

@@ -2,17 +2,19 @@
 
 A request becomes a chat: `instructions` the system message, `input` (a string, or items: messages with
 text parts, `function_call` items and their `function_call_output`s) the turns, function `tools` and
-`tool_choice` the chat API's (tools.py: rendered into the prompt, forced by the grammar, parsed from the
-output), `text.format` a response_format (guided decoding), `max_output_tokens` max_tokens. vLLM's sampling
-and guided_* extras are accepted as well. Nothing is stored: `store` is answered false, and a
-`previous_response_id` (or a `conversation`) is refused with a 400 that says to send the whole input.
+`tool_choice` the chat API's (tool_parsers/: rendered into the prompt, forced by the grammar, parsed from
+the output as it is written), `text.format` a response_format (guided decoding), `max_output_tokens`
+max_tokens. vLLM's sampling and guided_* extras are accepted as well. Nothing is stored: `store` is
+answered false, and a `previous_response_id` (or a `conversation`) is refused with a 400 that says to send
+the whole input.
 
 The answer is a `response` object whose `output` holds a `reasoning` item (with --reasoning-parser), a
 `message` item with one `output_text` part, and `function_call` items. Streamed, it is the official event
 sequence: response.created, response.in_progress; per item output_item.added, content_part.added, its text
 deltas (response.output_text.delta or response.reasoning_text.delta), their .done, content_part.done,
-output_item.done (function calls: function_call_arguments.delta / .done); then response.completed (or
-response.incomplete when max_output_tokens cut it short). A failure mid-stream is an `error` event and
+output_item.done (a function call: output_item.added with its name, function_call_arguments.delta as the
+arguments are written, .done, output_item.done); then response.completed (or response.incomplete when
+max_output_tokens cut it short). A failure mid-stream is an `error` event and
 response.failed. Every event carries its `sequence_number`.
 """
 
@@ -26,13 +28,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from llmserve.server import protocol as P
-from llmserve.server import tools as tools_mod
 from llmserve.server.errors import APIError, from_value_error
 from llmserve.server.prepare import chat_runs
 from llmserve.server.reasoning import ReasoningParser
 from llmserve.server.rendering import ChoiceText, Rendering, sse_event
 from llmserve.server.serving import Generation
 from llmserve.server.state import State
+from llmserve.server.tool_parsers import ToolDelta
 
 router = APIRouter()
 
@@ -185,7 +187,7 @@ def chat_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict] |
             if not isinstance(t, dict) or t.get("type") != "function":
                 kind = t.get("type") if isinstance(t, dict) else None
                 raise ValueError(f"tools[{k}]: only function tools are supported, got type {kind!r}")
-            f = {key: t[key] for key in ("name", "description", "parameters") if t.get(key) is not None}
+            f = {key: t[key] for key in ("name", "description", "parameters", "strict") if t.get(key) is not None}
             chat.append({"type": "function", "function": f})
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") != "function" or not isinstance(tool_choice.get("name"), str):
@@ -207,6 +209,7 @@ class ResponsesRendering(Rendering):
         self.text = ChoiceText(reasoning, tool_plan)
         self.items: list[dict] = []
         self.open: dict | None = None
+        self.calls: dict[int, dict] = {}  # function_call items by the call's index
         self.finish: str | None = None
         self.seq = 0
         self.events: list[str] = []
@@ -252,8 +255,17 @@ class ResponsesRendering(Rendering):
         item, self.open = self.open, None
         if item is None:
             return
+        index = self.items.index(item)
+        if item["type"] == "function_call":
+            where = {"item_id": item["id"], "output_index": index}
+            self._event(
+                "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
+            )
+            item["status"] = status
+            self._event("response.output_item.done", output_index=index, item=item)
+            return
         part = item["content"][0]
-        where = {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "reasoning":
             self._event("response.reasoning_text.done", **where, text=part["text"])
         else:
@@ -262,48 +274,34 @@ class ResponsesRendering(Rendering):
         item["status"] = status
         self._event("response.output_item.done", output_index=where["output_index"], item=item)
 
-    def _call(self, call: dict) -> None:
-        args = call["function"]["arguments"]
-        item = {
-            "type": "function_call",
-            "id": _id("fc"),
-            "call_id": call["id"],
-            "name": call["function"]["name"],
-            "arguments": "",
-            "status": "in_progress",
-        }
-        self.items.append(item)
-        index = len(self.items) - 1
-        self._event("response.output_item.added", output_index=index, item=dict(item))
-        self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=args)
-        self._event(
-            "response.function_call_arguments.done",
-            item_id=item["id"],
-            output_index=index,
-            name=item["name"],
-            arguments=args,
-        )
-        item.update(arguments=args, status="completed")
-        self._event("response.output_item.done", output_index=index, item=item)
+    def _call(self, d: ToolDelta) -> None:
+        """A piece of a function call: its item opens with the call's first piece; its arguments grow."""
+        if d.id is not None:
+            self._close()
+            item = {"type": "function_call", "id": _id("fc"), "call_id": d.id, "name": d.name, "arguments": ""}
+            item["status"] = "in_progress"
+            self.items.append(item)
+            self.open = self.calls[d.index] = item
+            self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))
+            return
+        item = self.calls[d.index]
+        item["arguments"] += d.arguments
+        index = self.items.index(item)
+        self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=d.arguments)
 
     def _advance(self, delta: str, finished: bool, finish_reason: str | None) -> None:
-        reasoning, content = self.text.feed(delta, finished)
+        reasoning, pieces = self.text.feed(delta, finished)
         if reasoning:
             self._append("reasoning", reasoning)
-        if content:
-            self._append("message", content)
+        for p in pieces:
+            if p.index is None:
+                self._append("message", p.content)
+            else:
+                self._call(p)
         if not finished:
             return
         self.finish = finish_reason
         status = "incomplete" if finish_reason == "length" else "completed"
-        if self.text.tool_plan is not None:  # the content was held back for the tool-call parse
-            self._close(status)
-            content, calls = self.text.calls()
-            if content:
-                self._append("message", content)
-            self._close(status)
-            for call in calls:
-                self._call(call)
         if not self.items:  # nothing at all: one empty message, so that output_text is ""
             self._open("message")
         self._close(status)
@@ -415,7 +413,7 @@ async def responses(body: ResponsesRequest, request: Request, state: State):
     check_stateless(body)
     try:
         messages = chat_messages(body)
-        tool_plan = tools_mod.plan(*chat_tools(body.tools, body.tool_choice))
+        tool_plan = state.plan_tools(*chat_tools(body.tools, body.tool_choice), body.parallel_tool_calls)
     except ValueError as e:
         raise from_value_error(e) from e
     runs = await chat_runs(

@@ -1,23 +1,26 @@
-"""Tool calling for the chat API: rendering tools into the prompt, forcing calls with a grammar, and
-parsing the model's output into OpenAI's `tool_calls`.
+"""A request's tools: the plan from `tools` / `tool_choice` / `parallel_tool_calls`, the tools rendered
+into the prompt, forced calls as a grammar (the parsers of the model's output are this package's modules).
 
 - Rendering: a model whose chat template knows `tools` gets them through the template; otherwise (the
   bundled SmolLM2) a default system prompt lists the functions as JSON schemas and asks for
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Assistant messages that carry
   `tool_calls` are rendered in that same form; `role: "tool"` results as `tool` turns.
 - `tool_choice`: "none" renders no tools and parses nothing; "auto" (the default with tools) parses
-  `<tool_call>` blocks (or a bare `{"name", "arguments"}` object); "required" and a named function
+  the calls in the model's format (the server's tool-call parser); "required" and a named function
   constrain the output with a JSON schema (anyOf over the functions, or the one named), so the
-  output is always exactly one parseable call.
+  output is always exactly one call object, read by the hermes parser (its bare-object form).
+- `parallel_tool_calls: false`: only the first call is kept.
+- `strict: true` tools under "auto" (hermes' format): the text is free until `<tool_call>`, then the
+  grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from llmserve.server.tool_parsers.hermes import HermesParser
 
 DEFAULT_TOOLS_PROMPT = (
     "You are a function calling AI model. You may call one or more of the functions below to help "
@@ -26,8 +29,6 @@ DEFAULT_TOOLS_PROMPT = (
     "<tool_call></tool_call> tags, like this:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>'
 )
-
-_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 class ToolError(ValueError):
@@ -40,6 +41,8 @@ class ToolPlan:
     choice: str  # "auto", "none", "required" or "function"
     name: str | None = None  # the function tool_choice names
     forced_schema: dict | None = None
+    parser: type | None = None  # the server's ToolParser class (hermes when None)
+    parallel: bool = True  # parallel_tool_calls
 
     @property
     def parse(self) -> bool:
@@ -49,8 +52,42 @@ class ToolPlan:
     def forced(self) -> bool:
         return self.forced_schema is not None
 
+    @property
+    def keeps_specials(self) -> bool:
+        """The calls' markers are special tokens (mistral, openai): the output is decoded with them."""
+        return self.parse and not self.forced and self.parser is not None and self.parser.keep_special_tokens
+
     def names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools}
+
+    def new_parser(self):
+        """The ToolParser that reads this request's output: a forced call is one bare call object (hermes)."""
+        cls = HermesParser if self.forced or self.parser is None else self.parser
+        return cls(self.tools)
+
+    def stream(self):
+        """A ToolStream over this request's output (one per choice)."""
+        return self.new_parser().stream(None if self.parallel else 1)
+
+    def strict_tag(self) -> str | None:
+        """With a `strict: true` tool under tool_choice auto (hermes' format): the structural tag that leaves
+        the text free until `<tool_call>`, then holds the call to a declared function and its arguments to
+        its parameters (the others' to any object); None otherwise."""
+        fs = [t["function"] for t in self.tools]
+        if self.choice != "auto" or not any(f.get("strict") for f in fs) or self.parser not in (None, HermesParser):
+            return None
+        structures = [
+            {
+                "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+                "schema": (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"},
+                "end": "}\n</tool_call>",
+            }
+            for f in fs
+        ]
+        return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+
+    def parse_text(self, text: str) -> tuple[str | None, list[dict]]:
+        return self.new_parser().parse(text, None if self.parallel else 1)
 
 
 def _function(t: Any) -> dict:
@@ -65,8 +102,16 @@ def _function(t: Any) -> dict:
     return f
 
 
-def plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
-    """Validate tools and tool_choice; None when the request has no tools."""
+def plan(tools: list[dict] | None, tool_choice: Any, parser: type | None = None, parallel=None) -> ToolPlan | None:
+    """Validate tools and tool_choice; None when the request has no tools. `parser`: the ToolParser class
+    of the model's format; `parallel`: the request's parallel_tool_calls (None: true)."""
+    p = _plan(tools, tool_choice)
+    if p is not None:
+        p.parser, p.parallel = parser, parallel is not False
+    return p
+
+
+def _plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ToolError("tool_choice: requires tools")
@@ -149,72 +194,6 @@ def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple
     return out, None
 
 
-def _call(obj: Any, names: set[str]) -> dict | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-    }
-
-
-def parse(text: str, p: ToolPlan) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished output. Text that holds no valid call stays content."""
-    names = p.names()
-    calls: list[dict] = []
-    if p.forced or text.lstrip().startswith("{"):
-        try:
-            c = _call(json.loads(text), names)
-        except json.JSONDecodeError:
-            c = None
-        if c is not None:
-            return None, [c]
-    spans = []
-    for m in _CALL_RE.finditer(text):
-        try:
-            c = _call(json.loads(m.group(1)), names)
-        except json.JSONDecodeError:
-            c = None
-        if c is not None:
-            calls.append(c)
-            spans.append(m.span())
-    if not calls:
-        return text, []
-    rest, last = [], 0
-    for a, b in spans:
-        rest.append(text[last:a])
-        last = b
-    rest.append(text[last:])
-    content = "".join(rest).strip()
-    return (content or None), calls
-
-
-def stream_deltas(calls: list[dict]) -> list[dict]:
-    """OpenAI's streamed form of tool calls: per call a delta with id, type and name (arguments ""),
-    then the arguments string in pieces."""
-    out = []
-    for i, c in enumerate(calls):
-        out.append(
-            {
-                "index": i,
-                "id": c["id"],
-                "type": "function",
-                "function": {"name": c["function"]["name"], "arguments": ""},
-            }
-        )
-        args = c["function"]["arguments"]
-        for k in range(0, len(args), 16):
-            out.append({"index": i, "function": {"arguments": args[k : k + 16]}})
-    return out
-
-
 def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
     """SamplingParams' guided_* fields from a request body: OpenAI's `response_format`, vLLM's
     `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and a forced tool call."""
@@ -245,5 +224,9 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
             raise ValueError(
                 "tool_choice: a required or named tool call cannot be combined with response_format or guided_*"
             )
-        kw["guided_json"] = p.forced_schema
+        # as text: the engine's grammar keeps a text schema's key order (a dict's keys are sorted), and the
+        # call's name must come before its arguments for the arguments to stream under their name
+        kw["guided_json"] = json.dumps(p.forced_schema)
+    elif p is not None and not kw and (tag := p.strict_tag()) is not None:
+        kw["guided_structural_tag"] = tag
     return kw

@@ -1,0 +1,55 @@
+"""`hermes`: Hermes, Qwen2.5 and Qwen3 (and the bundled model through the default tools prompt). Each call
+is a JSON object in tags, anywhere in the answer:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+An answer that is one bare call object (`{"name": ..., "arguments": ...}`; what a forced tool_choice
+makes the model write) is a call too; a tag left open at the end of the answer closes there."""
+
+from __future__ import annotations
+
+from llmserve.server.tool_parsers.base import Scan, ToolParser
+from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    starts = (OPEN,)
+
+    def leading(self, text: str) -> int | None:
+        return 0 if text.startswith("{") else None
+
+    def region(self, buf: str, marker: str, final: bool) -> Scan:
+        tagged = marker == OPEN
+        j = skip_ws(buf, 0)
+        close = buf.find(CLOSE) if tagged else -1
+        bad_end = close + len(CLOSE) if close >= 0 else (len(buf) if final else None)
+        if j >= len(buf):
+            return Scan(end=bad_end, ok=False)
+        if buf[j] != "{":
+            return Scan(end=bad_end, ok=False)
+        try:
+            p, end = call_object(buf, j, final)
+        except Malformed:
+            return Scan(end=bad_end, ok=False)
+        scan = Scan(calls=[p])
+        if end is None:
+            if close >= 0 or final:  # the tag closed (or the answer ended) inside the object
+                return Scan(calls=[p], end=bad_end, ok=False)
+            return scan
+        scan.ok = self.known(p.name)
+        if not tagged:
+            scan.end = end
+            return scan
+        rest = skip_ws(buf, end)
+        if buf.startswith(CLOSE, rest):
+            scan.end = rest + len(CLOSE)
+        elif rest < len(buf) and not CLOSE.startswith(buf[rest:]):
+            scan.end, scan.ok = bad_end, False
+        elif final:
+            scan.end = len(buf)
+        return scan

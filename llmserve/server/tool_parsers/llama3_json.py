@@ -1,0 +1,51 @@
+"""`llama3_json`: Llama 3.1 / 3.2 / 3.3 with JSON tool calling. The answer opens with one call object, or
+several separated by `;`, optionally after `<|python_tag|>`:
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}
+
+("arguments" is read as well as "parameters"). An answer that does not open with `{` is text."""
+
+from __future__ import annotations
+
+from llmserve.server.tool_parsers.base import Scan, ToolParser, opens_with
+from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
+
+TAG = "<|python_tag|>"
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    starts = (TAG,)
+
+    def leading(self, text: str) -> int | None:
+        return opens_with(text, "{", TAG)
+
+    def region(self, buf: str, marker: str, final: bool) -> Scan:
+        scan, j = Scan(), skip_ws(buf, 0)
+        while True:
+            if j >= len(buf):
+                if final:
+                    scan.end, scan.ok = len(buf), bool(scan.calls) and scan.calls[-1].complete
+                return scan
+            if buf[j] != "{":
+                scan.end, scan.ok = (len(buf), False) if not scan.calls else (j, scan.ok)
+                return scan
+            try:
+                p, end = call_object(buf, j, final)
+            except Malformed:  # not a call: with the answer's end, the region is content
+                return Scan(calls=scan.calls, end=len(buf), ok=False)
+            scan.calls.append(p)
+            if end is None:
+                if final:
+                    scan.end, scan.ok = len(buf), False
+                return scan
+            scan.ok = scan.ok and self.known(p.name)
+            k = skip_ws(buf, end)
+            if k >= len(buf):
+                if final:
+                    scan.end = len(buf)
+                return scan
+            if buf[k] != ";":
+                scan.end = end
+                return scan
+            j = skip_ws(buf, k + 1)

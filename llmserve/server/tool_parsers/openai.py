@@ -1,0 +1,59 @@
+"""`openai`: gpt-oss, whose answers are harmony messages, one per channel (special tokens: these answers are
+decoded with skip_special_tokens off; the call's line is wrapped here):
+
+    <|channel|>analysis<|message|>The user wants the weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+    {"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
+
+`analysis` is reasoning; a message to `functions.NAME` (the recipient before or after the channel) is a
+call whose body is its arguments; `final` and other `commentary` are content."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
+
+START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+class OpenAIParser(ToolParser):
+    name = "openai"
+    starts = (START, CHANNEL)
+    keep_special_tokens = True
+
+    def region(self, buf: str, marker: str, final: bool) -> Scan:
+        at = buf.find(MESSAGE)
+        if at < 0:
+            # a header is short; one that runs on, or into another message, is not harmony
+            bad = len(buf) > 300 or any(e in buf for e in ENDS) or (final and bool(buf.strip()))
+            return Scan(end=len(buf), ok=False) if bad or final else Scan()
+        header = marker + buf[:at]
+        start = at + len(MESSAGE)
+        hits = [(buf.find(e, start), e) for e in (*ENDS, START)]
+        hits = [(k, e) for k, e in hits if k >= 0]
+        if hits:
+            stop, e = min(hits)
+            body, end = buf[start:stop], stop + (len(e) if e != START else 0)
+        else:
+            body = buf[start:]
+            body, end = (body, len(buf)) if final else (body[: len(body) - held(body, (*ENDS, START))], None)
+        recipient = _RECIPIENT.search(header)
+        if recipient is not None:
+            p = Partial(name=recipient.group(1), args=body, complete=end is not None)
+            scan = Scan(calls=[p], end=end)
+            if end is not None:
+                try:
+                    scan.ok = isinstance(json.loads(body), dict) and self.known(p.name)
+                except json.JSONDecodeError:
+                    scan.ok = False
+            return scan
+        channel = _CHANNEL.search(header)
+        if channel is not None and channel.group(1) == "analysis":
+            return Scan(end=end, reasoning=body)
+        return Scan(end=end, text=body)

@@ -1,0 +1,131 @@
+"""`pythonic`: calls written as a Python list of calls with keyword arguments (Llama 3.2 / Llama 4 with
+their pythonic system prompt, ToolACE, some Granite fine-tunes), opening the answer, optionally between
+`<|python_start|>` and `<|python_end|>`:
+
+    [get_weather(city="Paris", unit="celsius"), get_time(tz="UTC")]
+
+The arguments are Python literals (strings, numbers, True / False / None, lists, dicts), sent as a JSON
+object one argument at a time as each is written."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, opens_with
+from llmserve.server.tool_parsers.jsonscan import Malformed, skip_ws
+
+START, END = "<|python_start|>", "<|python_end|>"
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def literal_end(text: str, i: int) -> int | None:
+    """The index of the ',' or ')' that ends the Python literal starting at text[i] (None: not yet)."""
+    depth, j, quote = 0, i, None
+    while j < len(text):
+        c = text[j]
+        if quote:
+            if c == "\\":
+                j += 1
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                return j if c == ")" else None
+            depth -= 1
+        elif c == "," and depth == 0:
+            return j
+        j += 1
+    return None
+
+
+class PythonicParser(ToolParser):
+    name = "pythonic"
+
+    def leading(self, text: str) -> int | None:
+        return opens_with(text, "[", START)
+
+    def region(self, buf: str, marker: str, final: bool) -> Scan:
+        scan = Scan()
+        try:
+            done = self._list(buf, scan)
+        except (Malformed, ValueError, SyntaxError, TypeError):
+            return Scan(calls=scan.calls, end=len(buf), ok=False)  # not a call list: content
+        if done is None:
+            if final:
+                scan.end, scan.ok = len(buf), False
+            return scan
+        k = skip_ws(buf, done)
+        if buf.startswith(END, k):
+            done = k + len(END)
+        elif marker == START and not final and END.startswith(buf[k:]):
+            return Scan(calls=scan.calls)
+        scan.end, scan.ok = done, all(self.known(p.name) for p in scan.calls)
+        return scan
+
+    def _list(self, buf: str, scan: Scan) -> int | None:
+        """Reads the list into scan.calls; the index after its ']', None while it is open."""
+        j = skip_ws(buf, 0)
+        if j >= len(buf):
+            return None
+        if buf[j] != "[":
+            raise Malformed("expected '['")
+        j += 1
+        while True:
+            j = skip_ws(buf, j)
+            if j >= len(buf):
+                return None
+            if buf[j] == "]":
+                if not scan.calls:
+                    raise Malformed("no calls")
+                return j + 1
+            if buf[j] == "," and scan.calls and scan.calls[-1].complete:
+                j += 1
+                continue
+            j = self._call(buf, j, scan)
+            if j is None:
+                return None
+
+    def _call(self, buf: str, j: int, scan: Scan) -> int | None:
+        m = _IDENT.match(buf, j)
+        if m is None:
+            raise Malformed("expected a function name")
+        if m.end() >= len(buf):
+            return None
+        if buf[m.end()] != "(":
+            raise Malformed("expected '('")
+        p = Partial(name=m.group(), args="{")
+        scan.calls.append(p)
+        args: list[str] = []
+        j = m.end() + 1
+        while True:
+            j = skip_ws(buf, j)
+            if j >= len(buf):
+                return None
+            if buf[j] == ")":
+                p.args, p.complete = "{" + ", ".join(args) + "}", True
+                return j + 1
+            if buf[j] == "," and args:
+                j += 1
+                continue
+            k = _IDENT.match(buf, j)
+            if k is None:
+                raise Malformed("expected an argument name")
+            eq = skip_ws(buf, k.end())
+            if eq >= len(buf):
+                return None
+            if buf[eq] != "=":
+                raise Malformed("expected '='")
+            v = skip_ws(buf, eq + 1)
+            end = literal_end(buf, v)
+            if end is None:
+                return None
+            value = ast.literal_eval(buf[v:end].strip())
+            args.append(json.dumps(k.group(), ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
+            p.args = "{" + ", ".join(args)
+            j = end

@@ -1,0 +1,108 @@
+"""`qwen3_coder`: Qwen3-Coder (and Qwen3.5-style XML tool calling). Each call is XML in tags; the values
+are raw text, read by the type the tool's schema gives the parameter (strings stay text; numbers,
+booleans, objects and arrays are read as JSON, else Python literals, else text):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+The arguments go out as a JSON object as they are written: a string parameter's text as it comes, the
+others as each closes. A parameter left without
+`</parameter>` ends at the next `<parameter=` or at `</function>`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FUNC = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
+_ENDS = ("</parameter>", "<parameter=", "</function>")
+
+
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+    starts = (OPEN,)
+
+    def _kind(self, func: str, key: str):
+        schema = ((self.functions.get(func) or {}).get("parameters") or {}).get("properties", {}).get(key) or {}
+        return schema.get("type") if isinstance(schema, dict) else None
+
+    def _value(self, func: str, key: str, raw: str):
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        kind = self._kind(func, key)
+        if kind == "string" or (isinstance(kind, list) and "string" in kind and raw.strip() not in ("null",)):
+            return raw
+        text = raw.strip()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return raw
+
+    @staticmethod
+    def _open_string(key: str, raw: str) -> str:
+        """`"key": "text so far` of a string parameter still being written: its leading newline dropped, a
+        trailing one (maybe the last, which is dropped) and what may be the start of an end tag held back."""
+        raw = raw[: len(raw) - held(raw, _ENDS)]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(raw, ensure_ascii=False)[:-1]
+
+    def region(self, buf: str, marker: str, final: bool) -> Scan:
+        close = buf.find(CLOSE)
+        body = buf[:close] if close >= 0 else buf
+        bad = Scan(end=close + len(CLOSE) if close >= 0 else len(buf), ok=False)
+        done = close >= 0 or final
+        m = _FUNC.match(body)
+        if m is None:
+            if done or (body.strip() and not "<function=".startswith(body.strip()[:10])):
+                return bad
+            return Scan()
+        p = Partial(name=m.group(1).strip(), args="{")
+        args: list[str] = []
+        j = m.end()
+        while True:
+            pm = _PARAM.match(body, j)
+            if pm is None:
+                break
+            v = pm.end()
+            hits = [(body.find(e, v), e) for e in _ENDS]
+            hits = [(at, e) for at, e in hits if at >= 0]
+            if not hits:
+                if not done:
+                    if self._kind(p.name, pm.group(1).strip()) == "string":  # a string streams as it is written
+                        p.args = "{" + ", ".join([*args, self._open_string(pm.group(1).strip(), body[v:])])
+                    return Scan(calls=[p])
+                hits = [(len(body), "")]
+            at, e = min(hits)
+            key = pm.group(1).strip()
+            value = self._value(p.name, key, body[v:at])
+            try:
+                args.append(json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
+            except TypeError:
+                return bad
+            p.args = "{" + ", ".join(args)
+            j = at + len(e) if e == "</parameter>" else at
+        rest = body[j:].strip()
+        if rest.startswith("</function>") or (done and not rest):
+            p.args, p.complete = "{" + ", ".join(args) + "}", True
+            if close >= 0 or final:
+                tail = rest[len("</function>") :].strip() if rest.startswith("</function>") else ""
+                return Scan(calls=[p], end=bad.end, ok=not tail and self.known(p.name))
+            return Scan(calls=[p])
+        if done or (rest and not any(t.startswith(rest[: len(t)]) for t in ("<parameter=", "</function>"))):
+            return Scan(calls=[p], end=bad.end, ok=False)
+        return Scan(calls=[p])

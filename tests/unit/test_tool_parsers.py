@@ -1,0 +1,222 @@
+"""The tool-call parsers (llmserve/server/tool_parsers/), one format each, on answers written as each
+format's public description gives them: the calls of a whole answer, and the same calls from the answer
+streamed in any chunking (hypothesis), with each call's id and name first and its arguments in pieces."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmserve.config import TOOL_CALL_PARSERS
+from llmserve.server import tool_parsers as tp
+from llmserve.server.state import read_chat_template
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "tags": {"type": "array"}},
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+PARIS = {"city": "Paris", "days": 3}
+
+# (parser, answer, content, [(name, arguments)])
+FIXTURES = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+     None, [("get_weather", PARIS)]),
+    ("hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"Z\\" {x}"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     "Checking.", [("get_weather", {"city": 'Zürich "Z" {x}'}), ("get_time", {})]),
+    ("hermes", '{"name": "get_time", "arguments": {}}', None, [("get_time", {})]),
+    ("hermes", "No tools needed: 2 < 3 and {curly} braces.", "No tools needed: 2 < 3 and {curly} braces.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None,
+     [("get_weather", PARIS)]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+     '{"name": "get_time", "parameters": {}}', None, [("get_weather", PARIS), ("get_time", {})]),
+    ("llama3_json", "Paris is sunny {today}.", "Paris is sunny {today}.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+     '{"name": "get_time", "arguments": {}}]', None, [("get_weather", PARIS), ("get_time", {})]),
+    ("mistral", 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]get_time[ARGS]{}',
+     "Let me look.", [("get_weather", PARIS), ("get_time", {})]),
+    ("mistral", "Just text [with brackets].", "Just text [with brackets].", []),
+    ("pythonic", '[get_weather(city="Paris", days=3), get_time()]', None, [("get_weather", PARIS), ("get_time", {})]),
+    ("pythonic", "<|python_start|>[get_weather(city='Pa, (ris)', tags=['a', None, True])]<|python_end|>", None,
+     [("get_weather", {"city": "Pa, (ris)", "tags": ["a", None, True]})]),
+    ("pythonic", "[1] is a footnote.", "[1] is a footnote.", []),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", None, [("get_weather", PARIS)]),
+    ("qwen3_coder", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=tags>\n"
+     '["x", 1]\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>',
+     "Sure.", [("get_weather", {"city": "42", "tags": ["x", 1]}), ("get_time", {})]),
+    ("openai", "<|channel|>analysis<|message|>Weather, so call it.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', None,
+     [("get_weather", PARIS)]),
+    ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 3 pm."
+     "<|return|>", "It is 3 pm.", []),
+    ("openai", '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>'
+     '<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris", "days": 3}<|call|>',
+     None, [("get_time", {}), ("get_weather", PARIS)]),
+]  # fmt: skip
+IDS = [f"{f[0]}-{k}" for k, f in enumerate(FIXTURES)]
+
+
+def parser(name: str) -> tp.ToolParser:
+    return tp.PARSERS[name](TOOLS)
+
+
+def streamed(p: tp.ToolParser, text: str, cuts: list[int], max_calls: int | None = None) -> list[tp.ToolDelta]:
+    s, out, last = p.stream(max_calls), [], 0
+    for c in sorted(set(cuts)) + [len(text)]:
+        out += s.feed(text[last:c])
+        last = c
+    return out + s.flush()
+
+
+@pytest.mark.parametrize("name, text, content, calls", FIXTURES, ids=IDS)
+def test_the_whole_answer(name, text, content, calls):
+    got_content, got = parser(name).parse(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["type"] == "function" and c["id"] for c in got)
+    assert len({c["id"] for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("name, text, content, calls", FIXTURES, ids=IDS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_any_chunking_gives_the_same_calls(name, text, content, calls, data):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    p = parser(name)
+    whole_content, whole = p.parse(text)
+    deltas = streamed(p, text, cuts)
+    got_content, got = tp.collect(deltas)
+    assert [c["function"] for c in got] == [c["function"] for c in whole]
+    assert (got_content or "").strip() == (whole_content or "").strip()
+    seen: set[int] = set()
+    for d in deltas:  # per call: its id and name once, first; then only arguments
+        if d.index is None:
+            continue
+        assert (d.id is not None) == (d.index not in seen)
+        seen.add(d.index)
+
+
+def test_arguments_stream_before_the_call_ends():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Llanfairpwllgwyngyll", "days": 3}}</tool_call>'
+    s = parser("hermes").stream()
+    out = [d for k in range(len(text)) for d in s.feed(text[k])]
+    pieces = [d.arguments for d in out if d.index == 0 and d.id is None]
+    assert out[0].name == "get_weather" and len(pieces) > 10
+    assert "".join(pieces) == '{"city": "Llanfairpwllgwyngyll", "days": 3}'
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'),
+        ("hermes", '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par'),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": oops}'),
+        ("pythonic", "[get_weather(city=Paris)]"),
+        ("qwen3_coder", "<tool_call>\n<function=launch_rockets>\n</function>\n</tool_call>"),
+    ],
+)
+def test_a_malformed_call_stays_content_with_a_log_line(name, text, caplog):
+    assert parser(name).parse(text) == (text, [])
+    assert "malformed tool call" in caplog.text
+
+
+def test_mistral_ids_are_nine_alphanumerics():
+    _, calls = parser("mistral").parse("[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_time[ARGS]{}")
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert tp.PARSERS["mistral"].keep_special_tokens
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    content, calls = parser("llama3_json").parse(text, max_calls=1)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+    p = tp.plan(TOOLS, "auto", tp.PARSERS["llama3_json"], parallel=False)
+    assert [c["function"]["name"] for c in p.parse_text(text)[1]] == ["get_time"]
+
+
+def test_a_forced_call_is_read_as_a_bare_object_whatever_the_parser():
+    p = tp.plan(TOOLS, "required", tp.PARSERS["mistral"])
+    assert not p.keeps_specials
+    assert p.parse_text('{"name": "get_time", "arguments": {}}')[1][0]["function"]["name"] == "get_time"
+
+
+def test_registry_names_and_choice_from_the_template():
+    assert tuple(tp.PARSERS) == TOOL_CALL_PARSERS
+    with pytest.raises(ValueError, match="unknown parser 'nope'; choose from hermes, llama3_json"):
+        tp.get_parser("nope")
+    assert tp.choose(None) is tp.PARSERS["hermes"]
+    assert tp.choose("{{ '<tool_call>' }}{% if tools %}<function=x>{% endif %}").name == "qwen3_coder"
+    assert tp.choose("{% for t in tools %}<tool_call>{% endfor %}").name == "hermes"
+    assert tp.choose("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]").name == "mistral"
+    assert tp.choose("<|python_start|>{{ m }}").name == "pythonic"
+    assert tp.choose("Environment: ipython\n<|python_tag|>").name == "llama3_json"
+
+
+def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(str(f)) == f.read_text()
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"
+    assert read_chat_template(None) is None
+    with pytest.raises(ValueError, match="neither a file nor a Jinja chat template"):
+        read_chat_template("no-such-file.jinja")
+
+
+def test_server_settings_pick_the_parser_and_refuse_auto_without_the_flag():
+    from llmserve.config import ServerSettings
+    from llmserve.server.state import ServerState
+
+    state = ServerState(ServerSettings(tool_call_parser="pythonic"))
+    assert state.plan_tools(TOOLS, "auto", False).new_parser().name == "pythonic"
+    off = ServerState(ServerSettings(enable_auto_tool_choice=False))
+    with pytest.raises(tp.ToolError, match='"auto" needs --enable-auto-tool-choice'):
+        off.plan_tools(TOOLS, None)
+    assert off.plan_tools(TOOLS, "required").forced
+    with pytest.raises(ValueError, match="unknown parser 'nope'"):
+        ServerState(ServerSettings(tool_call_parser="nope"))
+
+
+def test_openai_analysis_is_reasoning():
+    from llmserve.server.rendering import ChoiceText
+
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>"
+    t = ChoiceText.whole(text, None, tp.plan(TOOLS, "auto", tp.PARSERS["openai"]))
+    assert (t.reasoning, t.calls()) == ("Think.", ("Hi.", []))
+    assert tp.plan(TOOLS, "auto", tp.PARSERS["openai"]).keeps_specials
+    assert tp.choose("{{ '<|start|>assistant<|channel|>final<|message|>' }}").name == "openai"
+
+
+def test_qwen3_coder_streams_a_string_parameter_as_it_is_written():
+    s = parser("qwen3_coder").stream()
+    head = s.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Fran")
+    assert [(d.name, d.arguments) for d in head] == [("get_weather", ""), (None, '{"city": "San Fran')]
+    rest = s.feed("cisco\n</parameter>\n</function>\n</tool_call>", final=True)
+    assert "".join(d.arguments for d in rest) == 'cisco"}'
+
+
+def test_strict_tools_under_auto_get_a_structural_tag():
+    from types import SimpleNamespace
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    kw = tp.guided_kwargs(SimpleNamespace(), tp.plan([strict, TIME], "auto"))
+    tag = json.loads(kw["guided_structural_tag"])
+    assert tag["triggers"] == ["<tool_call>"]
+    assert [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {"type": "object"}]
+    assert tp.guided_kwargs(SimpleNamespace(), tp.plan(TOOLS, "auto")) == {}  # no strict tool: free
+    assert tp.plan([strict], "auto", tp.PARSERS["mistral"]).strict_tag() is None  # hermes' format only
+    rf = SimpleNamespace(response_format={"type": "json_object"})
+    assert tp.guided_kwargs(rf, tp.plan([strict], "auto")) == {"guided_json_object": True}
