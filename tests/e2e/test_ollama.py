@@ -146,3 +146,18 @@ def test_errors_in_ollamas_shape(http):
         headers={"content-type": "application/x-www-form-urlencoded"},
     )
     assert r.status_code == 200 and r.json()["eval_count"] == 2
+
+
+def test_through_the_router(server, http):
+    from llmserve.testing.launcher import router_thread, wait_until
+
+    direct = http.post("/api/chat", json={"model": NAME, "messages": Q, "stream": False, "options": GREEDY}).json()
+    with router_thread(backends=[server.url], health_interval=0.2) as r, httpx.Client(base_url=r.url, timeout=120) as c:
+        wait_until(lambda: NAME in r.router.known_models(), timeout=20)
+        lines = _ndjson(c.post("/api/chat", json={"model": f"{NAME}:latest", "messages": Q, "options": GREEDY}))
+        assert "".join(ln["message"]["content"] for ln in lines) == direct["message"]["content"]
+        assert lines[-1]["done"] and lines[-1]["eval_count"] == direct["eval_count"]
+        emb = c.post("/api/embed", json={"model": NAME, "input": "Paris"}).json()
+        assert len(emb["embeddings"]) == 1
+        r404 = c.post("/api/chat", json={"model": "nope:latest", "messages": Q})
+        assert r404.status_code == 404 and set(r404.json()) == {"error"}

@@ -162,3 +162,21 @@ def test_chat_tool_calls_in_ollamas_shape():
 def test_stream_error_is_an_error_line():
     r = OllamaRendering("chat", "m")
     assert json.loads(r.stream_error(None, APIError(500, "boom"))[0]) == {"error": "boom"}
+
+
+def test_router_reads_ollamas_bodies_and_answers_its_errors():
+    from starlette.datastructures import Headers
+
+    from llmserve.router.errors import RouterError
+    from llmserve.router.proxy import route_request
+    from llmserve.router.state import RouterConfig
+
+    cfg = RouterConfig(chars_per_token=1.0)
+    body = {"model": "smol:latest", "messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 5}}
+    req = route_request(body, Headers({}), cfg, "/api/chat")
+    assert (req.model, req.stream, req.max_tokens, req.prompt_text) == ("smol", True, 5, "<user>Hi\n")
+    assert not route_request({**body, "stream": False}, Headers({}), cfg, "/api/chat").stream
+    assert not route_request({"model": "smol", "input": "x"}, Headers({}), cfg, "/api/embed").stream
+    assert route_request(body, Headers({}), cfg, "/v1/chat/completions").model == "smol:latest"
+    err = RouterError(502, "cut", "bad_gateway", "backend_stream_error")
+    assert err.sse("/api/chat") == b'{"error": "cut"}\n'
