@@ -3,6 +3,7 @@
 - OpenAI's, on every OpenAI-style endpoint: {"error": {"message", "type", "param", "code"}}.
 - Anthropic's, on /v1/messages and its sub-paths: {"type": "error", "error": {"type", "message"}}, with
   Anthropic's type names per status.
+- Ollama's, on its API under /api/: {"error": "message"}.
 
 No heavy imports (no FastAPI, no engine): the server, the router and the fake servers all use it.
 """
@@ -42,6 +43,7 @@ ANTHROPIC_ERROR_TYPES = {
 }
 
 ANTHROPIC_PATH = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 
 
 def error_type(status: int) -> str:
@@ -69,6 +71,11 @@ def is_anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
+def is_ollama_path(path: str) -> bool:
+    """Ollama's API (/api/chat, /api/generate, ...): errors are {"error": "message"}."""
+    return path.startswith(OLLAMA_PREFIX)
+
+
 def error_body_for(
     path: str,
     status: int,
@@ -80,4 +87,6 @@ def error_body_for(
     """The error body in the shape of the API that `path` belongs to."""
     if is_anthropic_path(path):
         return anthropic_error_body(status, message)
+    if is_ollama_path(path):
+        return {"error": message}
     return error_body(status, message, param, code, type)

@@ -33,6 +33,11 @@ PROXY_PATHS = (
     "/v1/embeddings",
     "/tokenize",
     "/detokenize",
+    "/api/chat",  # Ollama's
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/show",
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from llmserve.errors import error_body_for, is_anthropic_path
+from llmserve.errors import error_body_for, is_anthropic_path, is_ollama_path
 
 
 class RouterError(Exception):
@@ -31,7 +31,9 @@ class RouterError(Exception):
         return json.dumps(self.payload(path)).encode()
 
     def sse(self, path: str = "") -> bytes:
-        """The error as a stream event: OpenAI's `data:` event, or Anthropic's `event: error`."""
+        """The error as a stream event: OpenAI's `data:` event, Anthropic's `event: error`, or Ollama's NDJSON line."""
+        if is_ollama_path(path):
+            return self.body(path) + b"\n"
         head = b"event: error\n" if is_anthropic_path(path) else b""
         return head + b"data: " + self.body(path) + b"\n\n"
 

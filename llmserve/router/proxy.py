@@ -25,6 +25,8 @@ from contextlib import asynccontextmanager
 
 from starlette.datastructures import Headers
 
+from llmserve.errors import is_ollama_path
+
 from .errors import RouterError, send_error
 from .policies import Backend, RouteRequest
 from .state import Router, RouterConfig
@@ -106,9 +108,10 @@ def _turns(items: list, system=None) -> str:
     )
 
 
-def route_request(payload: dict, headers: Headers, cfg: RouterConfig) -> RouteRequest:
+def route_request(payload: dict, headers: Headers, cfg: RouterConfig, path: str = "") -> RouteRequest:
     """The facts a policy routes on, read from the JSON body of any proxied API (chat and text
-    completions, Responses, Anthropic's Messages, embeddings). No tokenizer at the router: the prompt
+    completions, Responses, Anthropic's Messages, embeddings, Ollama's on /api/*: `name:latest` is `name`,
+    streaming unless `stream` is false, `options.num_predict`). No tokenizer at the router: the prompt
     length is estimated as characters / chars_per_token."""
     text, ntok = "", None
     prompt = payload.get("prompt", payload.get("input", ""))
@@ -133,14 +136,20 @@ def route_request(payload: dict, headers: Headers, cfg: RouterConfig) -> RouteRe
         or payload.get("user")
         or (metadata.get("user_id") if isinstance(metadata, dict) else None)
     )
-    model = payload.get("model")
+    model, stream = payload.get("model"), bool(payload.get("stream"))
+    if is_ollama_path(path):
+        options = payload.get("options") if isinstance(payload.get("options"), dict) else {}
+        max_tokens = options.get("num_predict") if isinstance(options.get("num_predict"), int) else None
+        max_tokens = max_tokens if max_tokens is not None and max_tokens > 0 else None
+        model = model.removesuffix(":latest") if isinstance(model, str) else model
+        stream = payload.get("stream", True) is not False and path in ("/api/chat", "/api/generate")
     return RouteRequest(
         model=model if isinstance(model, str) and model else None,
         prompt_text=text,
         prompt_tokens=ntok,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         session_key=str(session) if session else None,
-        stream=bool(payload.get("stream")),
+        stream=stream,
     )
 
 
@@ -192,7 +201,7 @@ class ProxyEndpoint:
                 ) from None
             if not isinstance(payload, dict):
                 raise RouterError(400, "request body must be a JSON object", "invalid_request_error", "invalid_json")
-            req = route_request(payload, headers, r.config)
+            req = route_request(payload, headers, r.config, scope["path"])
             if req.model is not None and req.model not in r.known_models():
                 if not r.known_models():
                     raise RouterError(503, "no backend is ready yet", "service_unavailable_error", "no_healthy_backend")
@@ -365,7 +374,7 @@ class ProxyEndpoint:
         out.append((b"x-llmserve-backend", backend.url.encode()))
         if not any(k == b"x-request-id" for k, _ in out):
             out.append((b"x-request-id", request_id.encode()))
-        sse = any(k == b"content-type" and b"text/event-stream" in v for k, v in out)
+        sse = any(k == b"content-type" and (b"text/event-stream" in v or b"ndjson" in v) for k, v in out)
         await send({"type": "http.response.start", "status": status, "headers": out})
         await send({"type": "http.response.body", "body": first, "more_body": True})
         r.metrics.ttfb.labels(backend.url).observe(time.perf_counter() - t0)

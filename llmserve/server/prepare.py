@@ -102,9 +102,11 @@ async def chat_runs(
     add_generation_prompt: bool = True,
     prompt_param: str = "messages",
     max_tokens_param: str = "max_tokens",
+    context: int | None = None,
 ) -> list:
     """A chat-shaped request's runs (serving.Run), checked and admitted: the messages rendered and tokenized,
-    the sampling parameters of `body` (its fields as the chat API names them), the grammar compiled."""
+    the sampling parameters of `body` (its fields as the chat API names them), the grammar compiled.
+    `context`: a context window below the model's (Ollama's num_ctx)."""
     ids = await asyncio.to_thread(
         encode_chat, eng.tokenizer, messages, add_generation_prompt, template_kwargs, tool_plan
     )
@@ -117,6 +119,7 @@ async def chat_runs(
         tool_plan=tool_plan,
         prompt_param=prompt_param,
         max_tokens_param=max_tokens_param,
+        context=context,
     )
     await compile_guided(eng, params)
     runs = [(i, 0, ids, p) for i, p in enumerate(fan_out(params))]
@@ -134,11 +137,12 @@ def sampling_params(
     prompt_param: str | None = None,
     max_tokens_param: str = "max_tokens",
     prompt_logprobs: int | None = None,
+    context: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request body's fields, named as the chat API names them (a body without `n`,
     `stop`, `temperature`... gets the defaults). `prompt_logprobs`: at least that many (completions' echo
-    with logprobs), beside the body's own."""
-    max_len = eng.engine.max_model_len
+    with logprobs), beside the body's own. `context`: a context window below the model's."""
+    max_len = eng.engine.max_model_len if context is None else min(context, eng.engine.max_model_len)
     prompt_param = prompt_param or ("messages" if hasattr(body, "messages") else "prompt")
     if prompt_len == 0:
         raise APIError(400, f"{prompt_param}: must not be empty", param=prompt_param)

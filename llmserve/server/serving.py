@@ -169,13 +169,15 @@ class Generation:
         """The answer: SSE when the request streams, else one JSON body once every choice is done."""
         if stream:
             self.stream_options = stream_options
-            return StreamingResponse(self.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
+            media_type = getattr(self.rendering, "media_type", "text/event-stream")  # Ollama's: NDJSON
+            return StreamingResponse(self.sse(), media_type=media_type, headers=SSE_HEADERS)
         await self._collect()
         return JSONResponse(self.rendering.body(self))
 
     async def sse(self) -> AsyncIterator[str]:
-        """The answer as server-sent events, as the rendering writes them: its opening events, events for each
-        output, pings while waiting (with --sse-ping-interval), its closing events, or its error events."""
+        """The answer as server-sent events (or NDJSON lines: the rendering's `media_type`), as the rendering
+        writes them: its opening events, events for each output, pings while waiting (with
+        --sse-ping-interval), its closing events, or its error events."""
         r = self.rendering
         try:
             for event in r.stream_open(self):

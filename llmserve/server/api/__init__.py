@@ -7,6 +7,8 @@ rendering (how an engine output becomes the API's JSON body or SSE events, rende
     messages.py     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
     embeddings.py   POST /v1/embeddings
     tokenize.py     POST /tokenize, /detokenize
+    ollama.py       Ollama's API: /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/ps, ...
+                    (its answers in ollama_render.py)
     models.py       GET /v1/models
     lora.py         POST /v1/load_lora_adapter, /v1/unload_lora_adapter (runtime LoRA adapters)
     health.py       GET /health, /ready, /version
@@ -33,6 +35,7 @@ from llmserve.server.api import (
     messages,
     metrics,
     models,
+    ollama,
     responses,
     tokenize,
     web,
@@ -40,7 +43,7 @@ from llmserve.server.api import (
 from llmserve.server.state import ServerState
 
 # in the order their routes are matched and listed in /openapi.json
-APIS = (health, metrics, models, lora, web, tokenize, chat, completions, responses, embeddings, messages)
+APIS = (health, metrics, models, lora, web, tokenize, chat, completions, responses, embeddings, messages, ollama)
 
 
 def include_apis(app: FastAPI, state: ServerState) -> None:

@@ -1,0 +1,410 @@
+"""Ollama's API on the same port: what Open WebUI, langchain-ollama, Continue and the `ollama` client speak.
+
+    POST /api/chat, /api/generate   a chat / a prompt; NDJSON lines while it streams (`stream` defaults
+                                    to true, as Ollama's), the last one `done` with the counts and durations
+    POST /api/embed, /api/embeddings  vectors (the legacy route: one prompt, `embedding`)
+    GET  /api/tags, /api/ps; POST /api/show; GET /api/version
+    POST /api/pull                  success for the served model, else a clear error: there is no hub
+
+Names are Ollama's `name:tag`: the served model is `NAME:latest` (NAME alone works too). `options` map onto
+sampling (num_predict, temperature, top_k, top_p, min_p, stop, seed, num_ctx, repeat_penalty,
+presence_penalty, frequency_penalty; others such as num_gpu or num_thread are ignored); `format` ("json" or a
+JSON schema) is the structured-output path; `tools` are the chat API's (server/tools.py), the calls come
+back with `arguments` as an object; `think` sets the template's enable_thinking and, with
+--reasoning-parser, the reasoning comes back in `thinking`. Everything runs through the chat machinery
+(prepare.chat_runs, serving.Generation). Errors are Ollama's `{"error": "..."}` (llmserve/errors.py).
+`keep_alive` is accepted and ignored: one model, always loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Literal, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import Field, ValidationError
+
+from llmserve import __version__
+from llmserve.server import protocol as P
+from llmserve.server import tools as tools_mod
+from llmserve.server.api import embeddings as E
+from llmserve.server.api.ollama_render import (
+    NDJSON,
+    NEVER,
+    OllamaEmbedRendering,
+    OllamaRendering,
+    describe,
+    now_rfc3339,
+    tagged,
+)
+from llmserve.server.errors import APIError, from_value_error
+from llmserve.server.prepare import admit, chat_runs, compile_guided, fan_out, sampling_params
+from llmserve.server.serving import Generation
+from llmserve.server.state import ServerState, State
+
+
+class _JSONBody(APIRoute):
+    """Bodies are JSON whatever their content type: Ollama's clients and docs (`curl -d '{...}'`) send
+    them without one, or as a form."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            if "json" not in request.headers.get("content-type", ""):
+                headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+                request = Request(
+                    {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}, request.receive
+                )
+            return await handler(request)
+
+        return route
+
+
+router = APIRouter(route_class=_JSONBody)
+
+KeepAlive = Union[int, float, str, None]
+
+
+# -- protocol ------------------------------------------------------------------------------------------
+class OllamaMessage(P.APIModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    thinking: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+
+
+class _Generating(P.APIModel):
+    model: str
+    format: Union[Literal["", "json"], dict[str, Any], None] = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    think: Union[bool, Literal["high", "medium", "low"], None] = None
+
+
+class ChatRequest(_Generating):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Generating):
+    prompt: str = ""
+    system: str | None = None
+    suffix: str | None = None
+    images: list[str] | None = None
+    raw: bool = False
+    template: str | None = None
+    context: list[int] | None = None
+
+
+class EmbedRequest(P.APIModel):
+    model: str
+    input: Union[str, list[str]]
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+
+
+class LegacyEmbeddingsRequest(P.APIModel):
+    model: str
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+
+
+class NameRequest(P.APIModel):
+    model: str | None = None
+    name: str | None = None  # the older field name
+    stream: bool = True
+
+    def which(self) -> str:
+        if not (self.model or self.name):
+            raise APIError(400, "model: is required", param="model")
+        return self.model or self.name
+
+
+# -- the request as the chat machinery's ---------------------------------------------------------------
+def resolve(state: ServerState, name: str) -> str:
+    """The served name an Ollama name (`name:tag`, `:latest` optional) stands for; unknown: 404."""
+    base = name.removesuffix(":latest")
+    try:
+        return state.check_model(base)
+    except APIError:
+        if base != name:
+            return state.check_model(name)
+        raise
+
+
+# option -> SamplingFields field (the same checks and defaults as the OpenAI-style APIs)
+OPTIONS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "stop": "stop",
+    "seed": "seed",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+def response_format(fmt) -> dict | None:
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt}}
+
+
+def sampling_fields(body: _Generating) -> tuple[P.SamplingFields, int | None, int | None]:
+    """(the sampling fields, num_predict or None, num_ctx or None) of `options` and `format`."""
+    o = {k: v for k, v in (body.options or {}).items() if v is not None}
+    fields = {OPTIONS[k]: v for k, v in o.items() if k in OPTIONS}
+    if isinstance(fields.get("seed"), int) and fields["seed"] < 0:  # Ollama's -1: a random seed
+        fields.pop("seed")
+    try:
+        sf = P.SamplingFields(**fields, response_format=response_format(body.format))
+        predict, ctx = o.get("num_predict"), o.get("num_ctx")
+        for k, v in (("num_predict", predict), ("num_ctx", ctx)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"options.{k}: must be an integer")
+    except ValidationError as e:
+        err = e.errors()[0]
+        inv = {v: k for k, v in OPTIONS.items()}
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        where = "format" if where.startswith("response_format") else f"options.{inv.get(where, where)}"
+        raise APIError(400, f"{where}: {err.get('msg')}", param=where.split(".")[0]) from e
+    except ValueError as e:
+        raise from_value_error(e) from e
+    return sf, (predict if predict is not None and predict > 0 else None), (ctx if ctx and ctx > 0 else None)
+
+
+def _no_images(images, where: str) -> None:
+    if images:
+        raise APIError(400, f"{where}: images are not supported: the served model reads text only", param=where)
+
+
+def chat_messages(msgs: list[OllamaMessage]) -> list[P.ChatMessage]:
+    out = []
+    for k, m in enumerate(msgs):
+        _no_images(m.images, f"messages[{k}].images")
+        calls = None
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                f = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                    raise APIError(400, f"messages[{k}].tool_calls[{j}]: needs a function with a name")
+                args = f.get("arguments") or {}
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                calls.append(
+                    {"id": f"call_{k}_{j}", "type": "function", "function": {"name": f["name"], "arguments": args}}
+                )
+        out.append(P.ChatMessage(role=m.role, content=m.content or "", name=m.tool_name, tool_calls=calls))
+    return out
+
+
+def _template_kwargs(state: ServerState, body: _Generating, model: str) -> dict | None:
+    if body.think is None:
+        return None
+    if body.think and state.reasoning is None:
+        raise APIError(
+            400, f'"{model}" does not support thinking (this server runs without --reasoning-parser)', param="think"
+        )
+    return {"enable_thinking": bool(body.think)}
+
+
+def _loaded(name: str, kind: str) -> JSONResponse:
+    """Ollama's answer to a request with nothing to generate: the model is loaded."""
+    head = {"model": name, "created_at": now_rfc3339()}
+    if kind == "chat":
+        head["message"] = {"role": "assistant", "content": ""}
+    else:
+        head["response"] = ""
+    return JSONResponse({**head, "done": True, "done_reason": "load"})
+
+
+# -- the routes ----------------------------------------------------------------------------------------
+@router.post("/api/chat", summary="Ollama: a chat (NDJSON while it streams)")
+async def chat(body: ChatRequest, request: Request, state: State):
+    eng = state.engine_or_503()
+    model = resolve(state, body.model)
+    if not body.messages:
+        return _loaded(body.model, "chat")
+    try:
+        tool_plan = tools_mod.plan(body.tools, None)
+    except ValueError as e:
+        raise from_value_error(e) from e
+    sf, predict, ctx = sampling_fields(body)
+    runs = await chat_runs(
+        eng,
+        state.settings,
+        sf,
+        chat_messages(body.messages),
+        predict,
+        tool_plan,
+        template_kwargs=_template_kwargs(state, body, body.model),
+        max_tokens_param="options.num_predict",
+        context=ctx,
+    )
+    reasoning = state.reasoning if body.think is not False else None
+    rendering = OllamaRendering("chat", body.model, reasoning, tool_plan, think=body.think is not False)
+    gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
+    return await gen.response(body.stream)
+
+
+@router.post("/api/generate", summary="Ollama: a completion of a prompt (NDJSON while it streams)")
+async def generate(body: GenerateRequest, request: Request, state: State):
+    eng = state.engine_or_503()
+    model = resolve(state, body.model)
+    _no_images(body.images, "images")
+    if body.suffix:
+        raise APIError(400, "suffix: not supported (no fill-in-the-middle)", param="suffix")
+    if not body.prompt:
+        return _loaded(body.model, "generate")
+    sf, predict, ctx = sampling_fields(body)
+    if body.raw:
+        ids = await asyncio.to_thread(eng.tokenizer.encode, body.prompt)
+        params = sampling_params(
+            sf, eng, len(ids), predict, None, prompt_param="prompt", max_tokens_param="options.num_predict", context=ctx
+        )
+        await compile_guided(eng, params)
+        runs = [(i, 0, ids, p) for i, p in enumerate(fan_out(params))]
+        admit(eng, runs, state.settings)
+    else:
+        msgs = ([P.ChatMessage(role="system", content=body.system)] if body.system else []) + [
+            P.ChatMessage(role="user", content=body.prompt)
+        ]
+        runs = await chat_runs(
+            eng,
+            state.settings,
+            sf,
+            msgs,
+            predict,
+            template_kwargs=_template_kwargs(state, body, body.model),
+            prompt_param="prompt",
+            max_tokens_param="options.num_predict",
+            context=ctx,
+        )
+    reasoning = state.reasoning if body.think is not False and not body.raw else None
+    rendering = OllamaRendering("generate", body.model, reasoning, think=body.think is not False)
+    gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
+    return await gen.response(body.stream)
+
+
+async def _embed(state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None):
+    eng = state.engine_or_503()
+    model = resolve(state, name)
+    try:
+        req = E.EmbeddingRequest(input=inputs, dimensions=dimensions)
+    except ValidationError as e:
+        raise APIError(400, f"input: {e.errors()[0].get('msg')}", param="input") from e
+    runs = await E.runs(eng, req, state.settings.pooling)
+    admit(eng, runs, state.settings)
+    gen = Generation(state, eng, P.random_id("embd"), runs, 0, model, request, OllamaEmbedRendering(name, legacy))
+    return await gen.response(False)
+
+
+@router.post("/api/embed", summary="Ollama: embeddings of one input or several")
+async def embed(body: EmbedRequest, request: Request, state: State):
+    return await _embed(state, request, body.model, body.input, False, body.dimensions)
+
+
+@router.post("/api/embeddings", summary="Ollama (legacy): the embedding of one prompt")
+async def embeddings(body: LegacyEmbeddingsRequest, request: Request, state: State):
+    return await _embed(state, request, body.model, body.prompt, True)
+
+
+def _entries(state: ServerState) -> list[tuple[str, dict]]:
+    eng = state.engine_or_503()
+    return [(tagged(n), describe(eng.engine)) for n in state.model_names]
+
+
+@router.get("/api/tags", summary="Ollama: the models served")
+async def tags(state: State):
+    models = [
+        {
+            "name": n,
+            "model": n,
+            "modified_at": d["modified_at"],
+            "size": d["size"],
+            "digest": d["digest"],
+            "details": d["details"],
+        }
+        for n, d in _entries(state)
+    ]
+    return {"models": models}
+
+
+@router.get("/api/ps", summary="Ollama: the models loaded")
+async def ps(state: State):
+    eng = state.engine_or_503()
+    on_gpu = eng.engine.device.type == "cuda"
+    models = [
+        {
+            "name": n,
+            "model": n,
+            "size": d["size"],
+            "digest": d["digest"],
+            "details": d["details"],
+            "expires_at": NEVER,
+            "size_vram": d["size"] if on_gpu else 0,
+            "context_length": eng.engine.max_model_len,
+        }
+        for n, d in _entries(state)
+    ]
+    return {"models": models}
+
+
+@router.post("/api/show", summary="Ollama: a model's details")
+async def show(body: NameRequest, state: State):
+    eng = state.engine_or_503()
+    resolve(state, body.which())
+    d = describe(eng.engine)
+    template = getattr(eng.tokenizer.hf, "chat_template", None)
+    capabilities = ["completion", "tools"] + (["thinking"] if state.reasoning is not None else [])
+    return {
+        "modelfile": f"FROM {eng.engine.model_path}\n",
+        "parameters": "",
+        "template": template if isinstance(template, str) else "",
+        "details": d["details"],
+        "model_info": d["model_info"],
+        "capabilities": capabilities,
+        "modified_at": d["modified_at"],
+    }
+
+
+@router.get("/api/version", summary="Ollama: the server's version")
+async def version():
+    return {"version": __version__}
+
+
+@router.post("/api/pull", summary="Ollama: there is no hub; the served model answers success")
+async def pull(body: NameRequest, state: State):
+    name = body.which()
+    try:
+        resolve(state, name)
+    except APIError as e:
+        raise APIError(
+            501,
+            f"pulling models is not supported: this server has no model hub; it serves "
+            f"{', '.join(tagged(n) for n in state.served_names())}",
+        ) from e
+    if body.stream:
+        return StreamingResponse(iter([json.dumps({"status": "success"}) + "\n"]), media_type=NDJSON)
+    return {"status": "success"}
+
+
+@router.api_route("/api/{op}", methods=["POST", "DELETE"], include_in_schema=False)
+async def unsupported(op: str):
+    if op in ("create", "copy", "delete", "push", "blobs"):
+        raise APIError(501, f"/api/{op} is not supported: this server's models are given at start-up")
+    raise APIError(404, f"/api/{op}: no such endpoint")

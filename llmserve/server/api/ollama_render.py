@@ -1,0 +1,227 @@
+"""Ollama's answers (api/ollama.py's rendering): /api/chat and /api/generate as one JSON object or NDJSON
+lines (a line per piece of text, then the `done` line with `done_reason` and the counts and durations,
+in nanoseconds, as Ollama reports them), /api/embed's and /api/embeddings' vectors, and the model
+descriptions /api/tags, /api/show and /api/ps list (details, model_info, size, digest)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+
+from llmserve.engine.request import RequestOutput
+from llmserve.server.errors import APIError
+from llmserve.server.rendering import ChoiceText, Rendering
+
+NDJSON = "application/x-ndjson"
+NEVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at of a model that is never unloaded
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float | None) -> int:
+    return max(0, int((seconds or 0.0) * 1e9))
+
+
+def _line(d: dict) -> str:
+    return json.dumps(d, ensure_ascii=False) + "\n"
+
+
+def ollama_tool_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI's tool calls (arguments a JSON string) in Ollama's shape (arguments an object)."""
+    out = []
+    for c in calls:
+        f = c["function"]
+        try:
+            args = json.loads(f["arguments"])
+        except (TypeError, json.JSONDecodeError):
+            args = {}
+        out.append({"function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+class OllamaRendering(Rendering):
+    """/api/chat (`message`) or /api/generate (`response`, `thinking`, `context`): one choice."""
+
+    media_type = NDJSON
+
+    def __init__(self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True) -> None:
+        self.kind, self.model = kind, model
+        self.reasoning, self.tool_plan, self.think = reasoning, tool_plan, think
+        self.text: ChoiceText | None = None
+
+    def _head(self) -> dict:
+        return {"model": self.model, "created_at": now_rfc3339()}
+
+    def _piece(self, content: str, thinking: str = "", calls: list | None = None) -> dict:
+        d = self._head()
+        if self.kind == "chat":
+            msg = {"role": "assistant", "content": content}
+            if thinking and self.think:
+                msg["thinking"] = thinking
+            if calls:
+                msg["tool_calls"] = ollama_tool_calls(calls)
+            d["message"] = msg
+        else:
+            d["response"] = content
+            if thinking and self.think:
+                d["thinking"] = thinking
+        d["done"] = False
+        return d
+
+    def _done(self, gen, out: RequestOutput, d: dict) -> dict:
+        c = out.outputs[0]
+        prompt, completion, _ = gen.counts()
+        m = out.metrics
+        start = (m.first_scheduled_time or m.arrival_time) if m else gen.arrival
+        first = (m.first_token_time if m else None) or start
+        end = (m.finished_time if m else None) or first
+        d.update(
+            done=True,
+            done_reason="length" if c.finish_reason == "length" else "stop",
+            total_duration=_ns(max(end, first) - gen.arrival),
+            load_duration=0,
+            prompt_eval_count=prompt,
+            prompt_eval_duration=_ns(first - start),
+            eval_count=completion,
+            eval_duration=_ns(end - first),
+        )
+        if self.kind == "generate":
+            d["context"] = list(gen.runs[0][2]) + list(c.token_ids)
+        return d
+
+    def body(self, gen) -> dict:
+        out = gen.finals[0]
+        text = ChoiceText.whole(out.outputs[0].text, self.reasoning, self.tool_plan)
+        content, calls = text.calls()
+        return self._done(gen, out, self._piece(content or "", text.reasoning, calls))
+
+    def stream_output(self, gen, i: int, out: RequestOutput) -> list[str]:
+        if self.text is None:
+            self.text = ChoiceText(self.reasoning, self.tool_plan)
+        reasoning, content = self.text.feed(out.outputs[0].delta_text, out.finished)
+        lines = []
+        if content or (reasoning and self.think):
+            lines.append(_line(self._piece(content, reasoning)))
+        if out.finished:
+            if self.tool_plan is not None and self.tool_plan.parse:  # the content waited for the parse
+                content, calls = self.text.calls()
+                if content or calls:
+                    lines.append(_line(self._piece(content or "", "", calls)))
+            lines.append(_line(self._done(gen, out, self._piece(""))))
+        return lines
+
+    def stream_error(self, gen, e: APIError) -> list[str]:
+        return [_line({"error": e.message})]
+
+    def ping(self) -> str:
+        return ""  # NDJSON has no comment line: nothing is sent while waiting
+
+
+class OllamaEmbedRendering(Rendering):
+    """/api/embed (`embeddings`, one per input) or the legacy /api/embeddings (`embedding`, one prompt)."""
+
+    def __init__(self, model: str, legacy: bool = False) -> None:
+        self.model, self.legacy = model, legacy
+
+    def body(self, gen) -> dict:
+        vectors = [gen.finals[i].embedding for i in sorted(gen.finals)]
+        if self.legacy:
+            return {"embedding": vectors[0]}
+        return {
+            "model": self.model,
+            "embeddings": vectors,
+            "total_duration": _ns(max(o.metrics.finished_time or 0 for o in gen.finals.values()) - gen.arrival)
+            if all(o.metrics for o in gen.finals.values())
+            else 0,
+            "load_duration": 0,
+            "prompt_eval_count": gen.counts()[0],
+        }
+
+
+# -- model descriptions ---------------------------------------------------------------------------------
+def tagged(name: str) -> str:
+    """An Ollama model name: `name:latest` unless it has a tag."""
+    return name if ":" in name else f"{name}:latest"
+
+
+def _disk(path: str) -> tuple[int, float]:
+    """(bytes, newest mtime) of a model file or folder."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return st.st_size, st.st_mtime
+    size, mtime = 0, 0.0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.stat(os.path.join(root, f))
+            except OSError:
+                continue
+            size, mtime = size + st.st_size, max(mtime, st.st_mtime)
+    return size, mtime
+
+
+def parameter_count(mc) -> int:
+    """The decoder's parameters, from its configuration (quantized weights are packed: counting tensors
+    would not give it)."""
+    attn = mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    if mc.num_experts:
+        mlp = 3 * mc.hidden_size * mc.moe_intermediate_size * mc.num_experts + mc.hidden_size * mc.num_experts
+    else:
+        mlp = 3 * mc.hidden_size * mc.intermediate_size
+    embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
+    return embed + mc.num_layers * (attn + mlp + 2 * mc.hidden_size) + mc.hidden_size
+
+
+def _size_label(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
+    return str(n)
+
+
+def family(mc) -> str:
+    kind = getattr(mc.hf_config, "model_type", None)
+    return kind or mc.architecture.lower().removesuffix("forcausallm")
+
+
+def describe(engine) -> dict:
+    """What /api/tags, /api/show and /api/ps say of the served model (`engine`: the LLMEngine). The digest
+    is of the path, size and mtime, not of the content (hashing gigabytes on a listing is not worth it)."""
+    cached = getattr(engine, "_ollama_description", None)
+    if cached is not None:
+        return cached
+    mc = engine.model_config
+    size, mtime = _disk(engine.model_path)
+    gguf = engine.source.kind == "gguf"
+    quant = engine.config.quantization or ("gguf" if gguf else str(engine.dtype).removeprefix("torch."))
+    fam, params = family(mc), parameter_count(mc)
+    desc = {
+        "size": size,
+        "digest": hashlib.sha256(f"{engine.model_path}:{size}:{mtime}".encode()).hexdigest(),
+        "modified_at": datetime.fromtimestamp(mtime or 0, timezone.utc).isoformat().replace("+00:00", "Z"),
+        "details": {
+            "parent_model": "",
+            "format": "gguf" if gguf else "safetensors",
+            "family": fam,
+            "families": [fam],
+            "parameter_size": _size_label(params),
+            "quantization_level": quant.upper(),
+        },
+        "model_info": {
+            "general.architecture": fam,
+            "general.parameter_count": params,
+            f"{fam}.context_length": engine.max_model_len,
+            f"{fam}.embedding_length": mc.hidden_size,
+            f"{fam}.block_count": mc.num_layers,
+            f"{fam}.attention.head_count": mc.num_heads,
+            f"{fam}.attention.head_count_kv": mc.num_kv_heads,
+            f"{fam}.vocab_size": mc.vocab_size,
+        },
+    }
+    engine._ollama_description = desc
+    return desc

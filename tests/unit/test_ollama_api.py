@@ -1,0 +1,182 @@
+"""Ollama's API without a model: options and format onto the sampling fields, messages onto the chat's,
+the NDJSON lines and the JSON answer of chat and generate (fake engine outputs), the error shape."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from llmserve.errors import error_body_for
+from llmserve.server import tools
+from llmserve.server.api import ollama as O
+from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls, parameter_count, tagged
+from llmserve.server.errors import APIError
+from llmserve.server.reasoning import ReasoningParser
+
+
+def test_options_map_onto_sampling_fields():
+    body = O.ChatRequest(
+        model="m",
+        options={
+            "temperature": 0,
+            "top_k": 5,
+            "top_p": 0.5,
+            "stop": ["\n"],
+            "seed": 7,
+            "repeat_penalty": 1.2,
+            "num_predict": 9,
+            "num_ctx": 256,
+            "num_gpu": 1,  # ignored
+        },
+        format="json",
+    )
+    sf, predict, ctx = O.sampling_fields(body)
+    assert (sf.temperature, sf.top_k, sf.top_p, sf.stop, sf.seed) == (0, 5, 0.5, ["\n"], 7)
+    assert sf.repetition_penalty == 1.2 and sf.response_format == {"type": "json_object"}
+    assert (predict, ctx) == (9, 256)
+    sf, predict, _ = O.sampling_fields(O.ChatRequest(model="m", options={"seed": -1, "num_predict": -1}))
+    assert sf.seed is None and predict is None
+    schema = {"type": "object"}
+    sf, _, _ = O.sampling_fields(O.ChatRequest(model="m", format=schema))
+    assert sf.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    "options, where",
+    [
+        ({"temperature": -1}, "options.temperature"),
+        ({"repeat_penalty": 0}, "options.repeat_penalty"),
+        ({"num_predict": "x"}, "options.num_predict"),
+    ],
+)
+def test_bad_options_are_400_naming_the_option(options, where):
+    with pytest.raises(APIError) as e:
+        O.sampling_fields(O.ChatRequest(model="m", options=options))
+    assert e.value.status == 400 and e.value.message.startswith(where)
+
+
+def test_messages_and_tool_calls_become_the_chats():
+    msgs = O.chat_messages(
+        [
+            O.OllamaMessage(role="user", content="hi"),
+            O.OllamaMessage(
+                role="assistant", content="", tool_calls=[{"function": {"name": "f", "arguments": {"a": 1}}}]
+            ),
+            O.OllamaMessage(role="tool", content="2", tool_name="f"),
+        ]
+    )
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"]
+    assert msgs[1].tool_calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert msgs[2].name == "f"
+    with pytest.raises(APIError) as e:
+        O.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk="])])
+    assert e.value.status == 400 and "images" in e.value.message
+
+
+def test_names_and_error_shape():
+    assert tagged("smol") == "smol:latest" and tagged("smol:q4") == "smol:q4"
+    assert error_body_for("/api/chat", 404, "no such model") == {"error": "no such model"}
+    assert "type" in error_body_for("/v1/chat/completions", 404, "x")["error"]
+    state = SimpleNamespace(check_model=lambda n: n if n == "smol" else (_ for _ in ()).throw(APIError(404, "nope")))
+    assert O.resolve(state, "smol:latest") == "smol" and O.resolve(state, "smol") == "smol"
+    with pytest.raises(APIError):
+        O.resolve(state, "other:latest")
+
+
+def test_parameter_count_of_a_small_llama():
+    mc = SimpleNamespace(
+        hidden_size=576,
+        head_dim=64,
+        num_heads=9,
+        num_kv_heads=3,
+        num_experts=0,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        num_layers=30,
+    )
+    assert 134e6 < parameter_count(mc) < 136e6  # SmolLM2-135M
+
+
+# fake engine outputs and a fake Generation
+def _out(text, delta, finished=False, finish_reason=None, n=1):
+    c = SimpleNamespace(text=text, delta_text=delta, finish_reason=finish_reason, token_ids=list(range(n)))
+    m = SimpleNamespace(arrival_time=1.0, first_scheduled_time=1.0, first_token_time=1.5, finished_time=2.0)
+    return SimpleNamespace(outputs=[c], finished=finished, metrics=m)
+
+
+def _gen(final):
+    return SimpleNamespace(finals={0: final}, counts=lambda: (7, 5, 0), arrival=1.0, runs=[(0, 0, [1, 2], None)])
+
+
+def _lines(rendering, pieces, finish_reason="stop"):
+    acc, lines = "", []
+    final = _out("".join(pieces), pieces[-1], True, finish_reason, 5)
+    for k, p in enumerate(pieces):
+        acc += p
+        last = k == len(pieces) - 1
+        out = final if last else _out(acc, p)
+        lines += rendering.stream_output(_gen(final), 0, out)
+    assert all(ln.endswith("\n") and "\n" not in ln[:-1] for ln in lines)
+    return [json.loads(ln) for ln in lines]
+
+
+def test_chat_stream_lines_and_done():
+    lines = _lines(OllamaRendering("chat", "m:latest"), ["Hel", "lo"], "length")
+    assert [ln["message"]["content"] for ln in lines] == ["Hel", "lo", ""]
+    assert [ln["done"] for ln in lines] == [False, False, True]
+    done = lines[-1]
+    assert done["done_reason"] == "length" and done["model"] == "m:latest" and done["created_at"].endswith("Z")
+    assert (done["prompt_eval_count"], done["eval_count"]) == (7, 5)
+    assert done["total_duration"] == 1_000_000_000 and done["eval_duration"] == 500_000_000
+    assert done["prompt_eval_duration"] == 500_000_000
+
+
+def test_generate_body_with_thinking_and_context():
+    r = OllamaRendering("generate", "m", ReasoningParser.from_name("qwen3"))
+    final = _out("<think>hmm</think>It is 4.", "", True, "stop", 3)
+    body = r.body(_gen(final))
+    assert body["response"] == "It is 4." and body["thinking"] == "hmm" and body["done_reason"] == "stop"
+    assert body["context"] == [1, 2, 0, 1, 2]
+    # think=false: no thinking field
+    body = OllamaRendering("generate", "m", ReasoningParser.from_name("qwen3"), think=False).body(_gen(final))
+    assert "thinking" not in body
+
+
+def test_chat_tool_calls_in_ollamas_shape():
+    fn = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    plan = tools.plan([fn], None)
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = OllamaRendering("chat", "m", None, plan).body(_gen(_out(text, "", True, "stop")))
+    assert body["message"]["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    assert body["done_reason"] == "stop"
+    lines = _lines(OllamaRendering("chat", "m", None, plan), [text[:20], text[20:]])
+    assert [bool(ln["message"].get("tool_calls")) for ln in lines] == [True, False] and lines[-1]["done"]
+    assert ollama_tool_calls([{"function": {"name": "f", "arguments": "not json"}}]) == [
+        {"function": {"name": "f", "arguments": {}}}
+    ]
+
+
+def test_stream_error_is_an_error_line():
+    r = OllamaRendering("chat", "m")
+    assert json.loads(r.stream_error(None, APIError(500, "boom"))[0]) == {"error": "boom"}
+
+
+def test_router_reads_ollamas_bodies_and_answers_its_errors():
+    from starlette.datastructures import Headers
+
+    from llmserve.router.errors import RouterError
+    from llmserve.router.proxy import route_request
+    from llmserve.router.state import RouterConfig
+
+    cfg = RouterConfig(chars_per_token=1.0)
+    body = {"model": "smol:latest", "messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 5}}
+    req = route_request(body, Headers({}), cfg, "/api/chat")
+    assert (req.model, req.stream, req.max_tokens, req.prompt_text) == ("smol", True, 5, "<user>Hi\n")
+    assert not route_request({**body, "stream": False}, Headers({}), cfg, "/api/chat").stream
+    assert not route_request({"model": "smol", "input": "x"}, Headers({}), cfg, "/api/embed").stream
+    assert route_request(body, Headers({}), cfg, "/v1/chat/completions").model == "smol:latest"
+    err = RouterError(502, "cut", "bad_gateway", "backend_stream_error")
+    assert err.sse("/api/chat") == b'{"error": "cut"}\n'
