@@ -1,14 +1,14 @@
 """One decoder for the Llama family and its relatives: Llama (3.x rope scaling), SmolLM2, Mistral, Qwen2,
-Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE, composed of
+Qwen3, Phi-3 / Phi-4-mini, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE, composed of
 llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its weight packing.
 
 Differences between them are configuration, read from the checkpoint's config into `ModelConfig`'s
 feature fields (each family's: llmserve.model.registry): attention bias (Qwen2), tied or untied
-embeddings, GQA, rope theta and scaling, RMSNorm over each q / k head (Qwen3, Gemma 3), Gemma's
-(1 + weight) norms, scaled embeddings, extra norms after attention and the MLP, attention and final logit
-soft-capping, query_pre_attn_scalar, GELU-tanh MLP, sliding-window layers, routed experts. The model sees
-flat token batches and an `AttentionMetadata`; it never sees a request. Q/K/V and gate/up projections
-are fused into one matmul each.
+embeddings, GQA, rope theta and scaling (partial rotary: q/k rows in layers.head_order), RMSNorm over
+each q / k head (Qwen3, Gemma 3), Gemma's (1 + weight) norms, scaled embeddings, extra norms after
+attention and the MLP, attention and final logit soft-capping, query_pre_attn_scalar, GELU-tanh MLP,
+sliding-window layers, routed experts. The model sees flat token batches and an `AttentionMetadata`; it
+never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from llmserve.model.layers import (
     Rotary,
     SparseMoE,
     checkpoint_parts,
+    head_order,
+    head_rows,
     local_rope_parameters,
+    qkv_in_head_order,
 )
 
 
@@ -214,10 +217,12 @@ class LlamaModel(nn.Module):
         (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's
         blocks, see quant.quantize_model) have no float parameter to load and are skipped. A checkpoint
         that packs a projection itself (Phi-3's qkv_proj, gate_up_proj) is read as it is; Gemma's norm
-        weights are stored as w - 1 and loaded as 1 + w."""
+        weights are stored as w - 1 and loaded as 1 + w. With partial rotary, q and k heads' rows (and their
+        norms) are loaded in layers.head_order."""
         keys = {k.removeprefix("model."): k for k in weights}  # `weights` may read each tensor when asked
         offset = self.cfg.norm_offset
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)} if offset else ()
+        order = head_order(self.cfg)
         for name, p in self.named_parameters():
             layer, _, kind = name.rpartition(".")
             if name == "lm_head.weight" and name not in keys:
@@ -234,6 +239,10 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if name in norms:
                 tensor = 1.0 + tensor.float()
+            if order is not None and layer.endswith("self_attn.qkv_proj"):
+                tensor = qkv_in_head_order(tensor, self.cfg, order)
+            elif order is not None and layer.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+                tensor = head_rows(tensor, order, self.cfg.head_dim)
             with torch.no_grad():
                 p.copy_(tensor)
         if (

@@ -179,12 +179,13 @@ def _gguf_gemma3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
 def _gguf_phi3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     extra = {"sliding_window": meta.get("attention.sliding_window") or None}  # (llama.cpp writes 0 for none)
     rot = meta.get("rope.dimension_count", kw["head_dim"])
-    if rot != kw["head_dim"]:
-        extra["partial_rotary_factor"] = rot / kw["head_dim"]
-    if any(n.startswith("rope_factors") for n in meta.tensor_names):
+    longrope = any(n.startswith("rope_factors") for n in meta.tensor_names)
+    if rot != kw["head_dim"] or longrope:  # (its blocks would need rows in the model's order: layers.head_order)
         raise ValueError(
-            f"model: {meta.path or 'the GGUF file'} is a Phi-3 with long-context rope factors (longrope), which "
-            f"llmserve does not run; give a short-context Phi-3 (e.g. a -4k- file) or another --model"
+            f"model: {meta.path or 'the GGUF file'} is a Phi-3 with "
+            f"{'long-context rope factors (longrope)' if longrope else 'partial rotary'}, which llmserve does not "
+            f"read from GGUF yet; give its Hugging Face checkpoint, a short-context Phi-3 (e.g. a -4k- file) or "
+            f"another --model"
         )
     return extra
 
