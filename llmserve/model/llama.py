@@ -139,6 +139,8 @@ class LlamaModel(nn.Module):
             logits = ops.linear(x, head.weight, getattr(head, "packed", None)).float()
         else:
             logits = head(x).float()
+        if self.cfg.logits_scaling != 1.0:  # (Granite: the argmax is the unscaled logits', see _head_argmax)
+            logits = logits / self.cfg.logits_scaling
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     _screen = None  # (the head weight it was built from, its version, ops.head_screen's tensors)
@@ -212,13 +214,28 @@ class LlamaModel(nn.Module):
         self._decode_stack = None
         return packed
 
+    def adapt_weight(self, layer: str, tensor: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """A checkpoint tensor (weight or bias) of the model's layer `layer` (`layers.0.self_attn.qkv_proj`) as the
+        model holds it: q and k heads' rows in layers.head_order (partial rotary, `order`); o_proj and down_proj
+        times the residual multiplier (Granite), so that the layers stay plain ones (the fused decode stack's).
+        Also read by quant.quantize_model for the layers it rounds straight from the checkpoint."""
+        if order is None:
+            order = head_order(self.cfg)
+        if order is not None and layer.endswith("self_attn.qkv_proj"):
+            tensor = qkv_in_head_order(tensor, self.cfg, order)
+        elif order is not None and layer.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+            tensor = head_rows(tensor, order, self.cfg.head_dim)
+        if self.cfg.residual_multiplier != 1.0 and layer.endswith(("self_attn.o_proj", "mlp.down_proj")):
+            tensor = tensor.float() * self.cfg.residual_multiplier
+        return tensor
+
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), packing as we go
         (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's
         blocks, see quant.quantize_model) have no float parameter to load and are skipped. A checkpoint
         that packs a projection itself (Phi-3's qkv_proj, gate_up_proj) is read as it is; Gemma's norm
         weights are stored as w - 1 and loaded as 1 + w. With partial rotary, q and k heads' rows (and their
-        norms) are loaded in layers.head_order."""
+        norms) are loaded in layers.head_order; Granite's residual multiplier is folded in (`adapt_weight`)."""
         keys = {k.removeprefix("model."): k for k in weights}  # `weights` may read each tensor when asked
         offset = self.cfg.norm_offset
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)} if offset else ()
@@ -239,10 +256,7 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if name in norms:
                 tensor = 1.0 + tensor.float()
-            if order is not None and layer.endswith("self_attn.qkv_proj"):
-                tensor = qkv_in_head_order(tensor, self.cfg, order)
-            elif order is not None and layer.endswith(("self_attn.q_norm", "self_attn.k_norm")):
-                tensor = head_rows(tensor, order, self.cfg.head_dim)
+            tensor = self.adapt_weight(layer, tensor, order)
             with torch.no_grad():
                 p.copy_(tensor)
         if (

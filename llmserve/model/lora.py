@@ -198,6 +198,8 @@ def load_peft_adapter(
             b = head_rows(b, head_order(mc), mc.head_dim)
         ranks.add(r)
         scaling = alpha / (r**0.5 if rslora else r)
+        if module in ("o_proj", "down_proj"):  # (Granite: the residual multiplier, folded into those layers)
+            scaling *= mc.residual_multiplier
         parts.setdefault((layer, packed), []).append((module, a, b, scaling))
     device = device or next(model.parameters()).device
     dtype = dtype or torch.float32

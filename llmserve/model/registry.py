@@ -107,6 +107,17 @@ def _gemma(hf) -> dict:
     )
 
 
+def _granite(hf) -> dict:
+    if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
+        raise ValueError("model: Granite with attention_bias is not supported")
+    return dict(
+        embed_scale=float(hf.embedding_multiplier),
+        attn_scale=float(hf.attention_multiplier),
+        residual_multiplier=float(hf.residual_multiplier),  # (folded into o_proj and down_proj at load)
+        logits_scaling=float(hf.logits_scaling),
+    )
+
+
 def _mixtral(hf) -> dict:
     return dict(
         num_experts=hf.num_local_experts,
@@ -251,6 +262,8 @@ ARCHITECTURES = {
             ),
             tensor_parallel=False,  # its checkpoint packs q/k/v and gate/up, which the slicing expects apart
         ),
+        # Granite 3.x: Llama layers with multipliers; the residual one is folded into the weights (the fused stack's)
+        ArchSpec("granite", ("GraniteForCausalLM",), config=_granite),
         ArchSpec(
             "gemma2",
             ("Gemma2ForCausalLM",),

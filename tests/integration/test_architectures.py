@@ -28,7 +28,8 @@ SMALL = dict(
 
 
 ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
-FUSED_STACK = {"phi4-mini", "phi4-mini-short"}  # rows whose decode steps run the fused C++ decode stack
+FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
+ADAPTED = ("phi4-mini", "granite")  # rows whose loaded weights differ from the checkpoint's (LlamaModel.adapt_weight)
 
 
 def _longrope(original: int, pairs: int = 24) -> dict:
@@ -69,6 +70,17 @@ def _configs():
         "phi4-mini": (T.Phi3Config, dict(phi4, rope_scaling=_longrope(4))),
         # and served within the original positions (ENGINE's max_model_len): the short factors
         "phi4-mini-short": (T.Phi3Config, dict(phi4, rope_scaling=_longrope(64))),
+        # Granite 3.x: every multiplier away from 1 (64-wide heads: through the fused decode stack)
+        "granite": (
+            T.GraniteConfig,
+            dict(
+                hidden_size=256,
+                embedding_multiplier=3.0,
+                attention_multiplier=0.05,
+                residual_multiplier=0.4,
+                logits_scaling=4.0,
+            ),
+        ),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
         "qwen3-moe": (
             T.Qwen3MoeConfig,
@@ -191,8 +203,8 @@ def test_greedy_equals_transformers_batched_and_alone(checkpoint):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_new_layers_run(checkpoint, mode):
     """--quantization through quant.py's interface (norms and MoE routers stay float; the experts are
-    quantized): every token comes back."""
-    if checkpoint[0] not in ("qwen3", "phi3", "phi4-mini", "mixtral", "gemma2"):
+    quantized): every token comes back; layers whose weights the model adapts are rounded from the adapted ones."""
+    if checkpoint[0] not in ("qwen3", "phi3", *ADAPTED, "mixtral", "gemma2"):
         pytest.skip("one of each kind of layer is enough")
     llm = LLM(
         model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode, num_threads=2
@@ -207,6 +219,11 @@ def test_quantized_new_layers_run(checkpoint, mode):
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
     if checkpoint[0] == "mixtral":
         assert isinstance(layer.mlp.experts[0].gate_up_proj, QuantLinear)
+    if checkpoint[0] in ADAPTED:  # rounded from the weights as the float model holds them (not the checkpoint's)
+        ref = LLM(model=str(checkpoint[1]), kv_cache_memory=0.05, num_threads=2).engine.model.layers[0]
+        for got, want in ((layer.self_attn.qkv_proj, ref.self_attn.qkv_proj), (layer.mlp.down_proj, ref.mlp.down_proj)):
+            x = torch.randn(3, want.in_features)
+            assert (got(x) - want(x)).norm() < 0.25 * want(x).norm(), checkpoint[0]
 
 
 def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
