@@ -40,6 +40,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
     sliding_window: int | None = None  # the sliding layers attend to this many last positions
     sliding_layers: tuple[bool, ...] = ()  # per layer (empty: none)
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary at all (SmolLM3's NoPE layers; empty: none)
     num_experts: int = 0  # > 0: routed experts (llmserve.model.layers.moe) in the moe_layers
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -1,14 +1,15 @@
 """One decoder for the Llama family and its relatives: Llama (3.x rope scaling), SmolLM2, Mistral, Qwen2,
-Qwen3, Phi-3 / Phi-4-mini, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE, composed of
-llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its weight packing.
+Qwen3, Phi-3 / Phi-4-mini, Granite 3.x, SmolLM3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral
+and Qwen3-MoE, composed of llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its
+weight packing.
 
 Differences between them are configuration, read from the checkpoint's config into `ModelConfig`'s
 feature fields (each family's: llmserve.model.registry): attention bias (Qwen2), tied or untied
 embeddings, GQA, rope theta and scaling (partial rotary: q/k rows in layers.head_order), RMSNorm over
 each q / k head (Qwen3, Gemma 3), Gemma's (1 + weight) norms, scaled embeddings, extra norms after
 attention and the MLP, attention and final logit soft-capping, query_pre_attn_scalar, GELU-tanh MLP,
-sliding-window layers, routed experts. The model sees flat token batches and an `AttentionMetadata`; it
-never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
+sliding-window layers, layers without rotary, routed experts. The model sees flat token batches and an
+`AttentionMetadata`; it never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class DecoderLayer(nn.Module):
         # a sliding layer attends to the last `sliding_window` positions: a mask in its attention (all
         # blocks are kept), only where a sequence can outgrow the window
         self.sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
+        self.nope = bool(cfg.nope_layers) and cfg.nope_layers[index]  # no rotary (SmolLM3)
         window = cfg.sliding_window if self.sliding and cfg.sliding_window < (max_positions or 1 << 62) else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, window)
@@ -81,18 +83,22 @@ class LlamaModel(nn.Module):
             cfg.fused_decode
             and cfg.hidden_act == "silu"
             and self.rotary_local is None
+            and self.rotary_none is None
             and not any(layer.self_attn.window for layer in self.layers)
         )
 
     def make_rotary(self, max_positions: int, device: torch.device | None = None) -> None:
-        """float32 cos/sin tables for `max_positions` (on `device`): one for every layer, and a second for
-        the sliding layers where the config has rope parameters per layer type (Gemma 3)."""
+        """float32 cos/sin tables for `max_positions` (on `device`): one for every layer, a second for
+        the sliding layers where the config has rope parameters per layer type (Gemma 3), and the identity
+        for the layers without rotary (SmolLM3's NoPE layers)."""
         per_type = local_rope_parameters(self.cfg, "sliding_attention") is not None
         self.rotary = Rotary(self.cfg, max_positions, "full_attention" if per_type else None)
         self.rotary_local = Rotary(self.cfg, max_positions, "sliding_attention") if per_type else None
+        self.rotary_none = Rotary.identity(self.cfg, max_positions) if any(self.cfg.nope_layers) else None
         if device is not None:
             self.rotary = self.rotary.to(device)
             self.rotary_local = self.rotary_local and self.rotary_local.to(device)
+            self.rotary_none = self.rotary_none and self.rotary_none.to(device)
 
     def forward(
         self,
@@ -122,6 +128,7 @@ class LlamaModel(nn.Module):
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else self.rotary
+                rotary = self.rotary_none if layer.nope else rotary
                 x, residual = layer(x, residual, positions, rotary, kv, meta)
         hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])
         x = self.norm(x[logits_indices] + residual[logits_indices])

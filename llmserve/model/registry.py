@@ -118,6 +118,10 @@ def _granite(hf) -> dict:
     )
 
 
+def _smollm3(hf) -> dict:
+    return dict(nope_layers=tuple(not use_rope for use_rope in hf.no_rope_layers))  # (1: the layer rotates)
+
+
 def _mixtral(hf) -> dict:
     return dict(
         num_experts=hf.num_local_experts,
@@ -264,6 +268,9 @@ ARCHITECTURES = {
         ),
         # Granite 3.x: Llama layers with multipliers; the residual one is folded into the weights (the fused stack's)
         ArchSpec("granite", ("GraniteForCausalLM",), config=_granite),
+        # SmolLM3: Llama layers, every 4th without rotary (the model takes the module path where any is: the
+        # fused stack rotates every layer)
+        ArchSpec("smollm3", ("SmolLM3ForCausalLM",), config=_smollm3),
         ArchSpec(
             "gemma2",
             ("Gemma2ForCausalLM",),

@@ -81,6 +81,8 @@ def _configs():
                 logits_scaling=4.0,
             ),
         ),
+        # SmolLM3: the second of two layers without rotary (transformers' default: every 4th)
+        "smollm3": (T.SmolLM3Config, dict(no_rope_layer_interval=2)),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
         "qwen3-moe": (
             T.Qwen3MoeConfig,

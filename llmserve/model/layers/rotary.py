@@ -30,6 +30,16 @@ class Rotary(nn.Module):
         self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
 
     @classmethod
+    def identity(cls, cfg: ModelConfig, max_positions: int) -> Rotary:
+        """The rotation that leaves q and k as they are (cos 1, sin 0): SmolLM3's NoPE layers, through the
+        same kernels as the rotated ones."""
+        rot = nn.Module.__new__(cls)
+        nn.Module.__init__(rot)
+        rot.register_buffer("cos", torch.ones(max_positions, cfg.head_dim), persistent=False)
+        rot.register_buffer("sin", torch.zeros(max_positions, cfg.head_dim), persistent=False)
+        return rot
+
+    @classmethod
     def _freqs(cls, cfg: ModelConfig, layer_type: str | None, t: torch.Tensor) -> tuple[torch.Tensor, float]:
         """[positions, R/2] angles and the cos/sin scale. longrope (Phi-3 / Phi-4 long context): transformers
         uses the short factors while a sequence fits in original_max_position_embeddings and the long ones (for
