@@ -30,14 +30,17 @@ class ModelConfig:
     # per-architecture features (defaults: Llama's)
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
     norm_offset: bool = False  # norms scale by (1 + weight) (Gemma: folded into the weight at load)
-    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma)
+    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma), embedding_multiplier (Granite)
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
-    attn_scale: float | None = None  # query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_scale: float | None = None  # None: head_dim ** -0.5; query_pre_attn_scalar ** -0.5 (Gemma), Granite's
     attn_softcap: float | None = None  # attention logits -> tanh(s / cap) * cap (Gemma 2)
     final_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    residual_multiplier: float = 1.0  # attention and MLP outputs times this before the residual add (Granite)
+    logits_scaling: float = 1.0  # the output logits divided by this (Granite)
     hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
     sliding_window: int | None = None  # the sliding layers attend to this many last positions
     sliding_layers: tuple[bool, ...] = ()  # per layer (empty: none)
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary at all (SmolLM3's NoPE layers; empty: none)
     num_experts: int = 0  # > 0: routed experts (llmserve.model.layers.moe) in the moe_layers
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -1,14 +1,15 @@
 """One decoder for the Llama family and its relatives: Llama (3.x rope scaling), SmolLM2, Mistral, Qwen2,
-Qwen3, Phi-3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral and Qwen3-MoE, composed of
-llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its weight packing.
+Qwen3, Phi-3 / Phi-4-mini, Granite 3.x, SmolLM3, Gemma 2 / Gemma 3 (text), and the mixture-of-experts Mixtral
+and Qwen3-MoE, composed of llmserve.model.layers (attention, MLP or routed experts, norms, rotary); and its
+weight packing.
 
 Differences between them are configuration, read from the checkpoint's config into `ModelConfig`'s
 feature fields (each family's: llmserve.model.registry): attention bias (Qwen2), tied or untied
-embeddings, GQA, rope theta and scaling, RMSNorm over each q / k head (Qwen3, Gemma 3), Gemma's
-(1 + weight) norms, scaled embeddings, extra norms after attention and the MLP, attention and final logit
-soft-capping, query_pre_attn_scalar, GELU-tanh MLP, sliding-window layers, routed experts. The model sees
-flat token batches and an `AttentionMetadata`; it never sees a request. Q/K/V and gate/up projections
-are fused into one matmul each.
+embeddings, GQA, rope theta and scaling (partial rotary: q/k rows in layers.head_order), RMSNorm over
+each q / k head (Qwen3, Gemma 3), Gemma's (1 + weight) norms, scaled embeddings, extra norms after
+attention and the MLP, attention and final logit soft-capping, query_pre_attn_scalar, GELU-tanh MLP,
+sliding-window layers, layers without rotary, routed experts. The model sees flat token batches and an
+`AttentionMetadata`; it never sees a request. Q/K/V and gate/up projections are fused into one matmul each.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from llmserve.model.layers import (
     Rotary,
     SparseMoE,
     checkpoint_parts,
+    head_order,
+    head_rows,
     local_rope_parameters,
+    qkv_in_head_order,
 )
 
 
@@ -37,6 +41,7 @@ class DecoderLayer(nn.Module):
         # a sliding layer attends to the last `sliding_window` positions: a mask in its attention (all
         # blocks are kept), only where a sequence can outgrow the window
         self.sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
+        self.nope = bool(cfg.nope_layers) and cfg.nope_layers[index]  # no rotary (SmolLM3)
         window = cfg.sliding_window if self.sliding and cfg.sliding_window < (max_positions or 1 << 62) else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, window)
@@ -78,18 +83,22 @@ class LlamaModel(nn.Module):
             cfg.fused_decode
             and cfg.hidden_act == "silu"
             and self.rotary_local is None
+            and self.rotary_none is None
             and not any(layer.self_attn.window for layer in self.layers)
         )
 
     def make_rotary(self, max_positions: int, device: torch.device | None = None) -> None:
-        """float32 cos/sin tables for `max_positions` (on `device`): one for every layer, and a second for
-        the sliding layers where the config has rope parameters per layer type (Gemma 3)."""
+        """float32 cos/sin tables for `max_positions` (on `device`): one for every layer, a second for
+        the sliding layers where the config has rope parameters per layer type (Gemma 3), and the identity
+        for the layers without rotary (SmolLM3's NoPE layers)."""
         per_type = local_rope_parameters(self.cfg, "sliding_attention") is not None
         self.rotary = Rotary(self.cfg, max_positions, "full_attention" if per_type else None)
         self.rotary_local = Rotary(self.cfg, max_positions, "sliding_attention") if per_type else None
+        self.rotary_none = Rotary.identity(self.cfg, max_positions) if any(self.cfg.nope_layers) else None
         if device is not None:
             self.rotary = self.rotary.to(device)
             self.rotary_local = self.rotary_local and self.rotary_local.to(device)
+            self.rotary_none = self.rotary_none and self.rotary_none.to(device)
 
     def forward(
         self,
@@ -119,6 +128,7 @@ class LlamaModel(nn.Module):
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else self.rotary
+                rotary = self.rotary_none if layer.nope else rotary
                 x, residual = layer(x, residual, positions, rotary, kv, meta)
         hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])
         x = self.norm(x[logits_indices] + residual[logits_indices])
@@ -136,6 +146,8 @@ class LlamaModel(nn.Module):
             logits = ops.linear(x, head.weight, getattr(head, "packed", None)).float()
         else:
             logits = head(x).float()
+        if self.cfg.logits_scaling != 1.0:  # (Granite: the argmax is the unscaled logits', see _head_argmax)
+            logits = logits / self.cfg.logits_scaling
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     _screen = None  # (the head weight it was built from, its version, ops.head_screen's tensors)
@@ -209,15 +221,32 @@ class LlamaModel(nn.Module):
         self._decode_stack = None
         return packed
 
+    def adapt_weight(self, layer: str, tensor: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """A checkpoint tensor (weight or bias) of the model's layer `layer` (`layers.0.self_attn.qkv_proj`) as the
+        model holds it: q and k heads' rows in layers.head_order (partial rotary, `order`); o_proj and down_proj
+        times the residual multiplier (Granite), so that the layers stay plain ones (the fused decode stack's).
+        Also read by quant.quantize_model for the layers it rounds straight from the checkpoint."""
+        if order is None:
+            order = head_order(self.cfg)
+        if order is not None and layer.endswith("self_attn.qkv_proj"):
+            tensor = qkv_in_head_order(tensor, self.cfg, order)
+        elif order is not None and layer.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+            tensor = head_rows(tensor, order, self.cfg.head_dim)
+        if self.cfg.residual_multiplier != 1.0 and layer.endswith(("self_attn.o_proj", "mlp.down_proj")):
+            tensor = tensor.float() * self.cfg.residual_multiplier
+        return tensor
+
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), packing as we go
         (PACKED_PROJECTIONS). Layers that already hold quantized weights (adopted from a GGUF file's
         blocks, see quant.quantize_model) have no float parameter to load and are skipped. A checkpoint
         that packs a projection itself (Phi-3's qkv_proj, gate_up_proj) is read as it is; Gemma's norm
-        weights are stored as w - 1 and loaded as 1 + w."""
+        weights are stored as w - 1 and loaded as 1 + w. With partial rotary, q and k heads' rows (and their
+        norms) are loaded in layers.head_order; Granite's residual multiplier is folded in (`adapt_weight`)."""
         keys = {k.removeprefix("model."): k for k in weights}  # `weights` may read each tensor when asked
         offset = self.cfg.norm_offset
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)} if offset else ()
+        order = head_order(self.cfg)
         for name, p in self.named_parameters():
             layer, _, kind = name.rpartition(".")
             if name == "lm_head.weight" and name not in keys:
@@ -234,6 +263,7 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if name in norms:
                 tensor = 1.0 + tensor.float()
+            tensor = self.adapt_weight(layer, tensor, order)
             with torch.no_grad():
                 p.copy_(tensor)
         if (

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from llmserve.model import ops
 from llmserve.model.layers.linear import PACKED_PROJECTIONS
+from llmserve.model.layers.rotary import head_order, head_rows
 
 # this model's layers that adapters may target, and where each checkpoint module sits in them
 _LAYER_OF = {
@@ -193,8 +194,12 @@ def load_peft_adapter(
             )
         if r > max_rank:
             raise LoRAError(f"lora_path: rank {r} is more than --max-lora-rank {max_rank}")
+        if module in ("q_proj", "k_proj") and head_order(mc) is not None:  # (partial rotary: the model's row order)
+            b = head_rows(b, head_order(mc), mc.head_dim)
         ranks.add(r)
         scaling = alpha / (r**0.5 if rslora else r)
+        if module in ("o_proj", "down_proj"):  # (Granite: the residual multiplier, folded into those layers)
+            scaling *= mc.residual_multiplier
         parts.setdefault((layer, packed), []).append((module, a, b, scaling))
     device = device or next(model.parameters()).device
     dtype = dtype or torch.float32

@@ -344,7 +344,9 @@ def quantize_model(
         if path and f"model.{path}.{kind}" in weights:  # a checkpoint that packs the projection itself (Phi-3)
             keys = [f"model.{path}.{kind}"]
         consumed.update(keys)
-        return torch.cat([weights[k].float() for k in keys])
+        t = torch.cat([weights[k].float() for k in keys])
+        adapt = getattr(model, "adapt_weight", None)  # (the model's own row order and folded scales)
+        return t if adapt is None or not path else adapt(path, t)
 
     def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):

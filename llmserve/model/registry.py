@@ -107,6 +107,21 @@ def _gemma(hf) -> dict:
     )
 
 
+def _granite(hf) -> dict:
+    if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
+        raise ValueError("model: Granite with attention_bias is not supported")
+    return dict(
+        embed_scale=float(hf.embedding_multiplier),
+        attn_scale=float(hf.attention_multiplier),
+        residual_multiplier=float(hf.residual_multiplier),  # (folded into o_proj and down_proj at load)
+        logits_scaling=float(hf.logits_scaling),
+    )
+
+
+def _smollm3(hf) -> dict:
+    return dict(nope_layers=tuple(not use_rope for use_rope in hf.no_rope_layers))  # (1: the layer rotates)
+
+
 def _mixtral(hf) -> dict:
     return dict(
         num_experts=hf.num_local_experts,
@@ -179,12 +194,13 @@ def _gguf_gemma3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
 def _gguf_phi3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     extra = {"sliding_window": meta.get("attention.sliding_window") or None}  # (llama.cpp writes 0 for none)
     rot = meta.get("rope.dimension_count", kw["head_dim"])
-    if rot != kw["head_dim"]:
-        extra["partial_rotary_factor"] = rot / kw["head_dim"]
-    if any(n.startswith("rope_factors") for n in meta.tensor_names):
+    longrope = any(n.startswith("rope_factors") for n in meta.tensor_names)
+    if rot != kw["head_dim"] or longrope:  # (its blocks would need rows in the model's order: layers.head_order)
         raise ValueError(
-            f"model: {meta.path or 'the GGUF file'} is a Phi-3 with long-context rope factors (longrope), which "
-            f"llmserve does not run; give a short-context Phi-3 (e.g. a -4k- file) or another --model"
+            f"model: {meta.path or 'the GGUF file'} is a Phi-3 with "
+            f"{'long-context rope factors (longrope)' if longrope else 'partial rotary'}, which llmserve does not "
+            f"read from GGUF yet; give its Hugging Face checkpoint, a short-context Phi-3 (e.g. a -4k- file) or "
+            f"another --model"
         )
     return extra
 
@@ -250,6 +266,11 @@ ARCHITECTURES = {
             ),
             tensor_parallel=False,  # its checkpoint packs q/k/v and gate/up, which the slicing expects apart
         ),
+        # Granite 3.x: Llama layers with multipliers; the residual one is folded into the weights (the fused stack's)
+        ArchSpec("granite", ("GraniteForCausalLM",), config=_granite),
+        # SmolLM3: Llama layers, every 4th without rotary (the model takes the module path where any is: the
+        # fused stack rotates every layer)
+        ArchSpec("smollm3", ("SmolLM3ForCausalLM",), config=_smollm3),
         ArchSpec(
             "gemma2",
             ("Gemma2ForCausalLM",),

@@ -27,10 +27,25 @@ SMALL = dict(
 )
 
 
+ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
+FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
+ADAPTED = ("phi4-mini", "granite")  # rows whose loaded weights differ from the checkpoint's (LlamaModel.adapt_weight)
+
+
+def _longrope(original: int, pairs: int = 24) -> dict:
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + i / 8 for i in range(pairs)],
+        "long_factor": [2.0 + i for i in range(pairs)],
+        "original_max_position_embeddings": original,
+    }
+
+
 def _configs():
     import transformers as T
 
     moe = dict(num_experts_per_tok=2)
+    phi4 = dict(hidden_size=256, partial_rotary_factor=0.75)
     return {
         "llama3-rope": (
             T.LlamaConfig,
@@ -49,6 +64,25 @@ def _configs():
         "qwen2": (T.Qwen2Config, dict(tie_word_embeddings=False)),  # (attention bias: the family's spec)
         "qwen3": (T.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
         "phi3": (T.Phi3Config, dict()),
+        # Phi-4-mini: a quarter of each head (64 wide: a size the fused decode stack runs) passes unrotated;
+        # longrope: every prompt is longer than the original positions (transformers' long factors throughout),
+        # with its attention factor (2 here)
+        "phi4-mini": (T.Phi3Config, dict(phi4, rope_scaling=_longrope(4))),
+        # and served within the original positions (ENGINE's max_model_len): the short factors
+        "phi4-mini-short": (T.Phi3Config, dict(phi4, rope_scaling=_longrope(64))),
+        # Granite 3.x: every multiplier away from 1 (64-wide heads: through the fused decode stack)
+        "granite": (
+            T.GraniteConfig,
+            dict(
+                hidden_size=256,
+                embedding_multiplier=3.0,
+                attention_multiplier=0.05,
+                residual_multiplier=0.4,
+                logits_scaling=4.0,
+            ),
+        ),
+        # SmolLM3: the second of two layers without rotary (transformers' default: every 4th)
+        "smollm3": (T.SmolLM3Config, dict(no_rope_layer_interval=2)),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
         "qwen3-moe": (
             T.Qwen3MoeConfig,
@@ -153,12 +187,13 @@ def greedy_batched_and_alone(llm, prompts: list[list[int]], max_tokens: int) -> 
 
 def test_greedy_equals_transformers_batched_and_alone(checkpoint):
     name, d, want, logprob = checkpoint
-    llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2, **ENGINE.get(name, {}))
     assert llm.engine.config.enable_prefix_caching
     prompts = _prompts()
     batched, alone = greedy_batched_and_alone(llm, prompts, MAX_TOKENS)
     assert batched == want, name
     assert alone == want, name
+    assert bool(llm.engine.model._decode_stack) == (name in FUSED_STACK), name
     # with logits (a logprobs row): the same tokens, and the first one's logprob is transformers'
     # (Gemma 2's final soft-capping shows only there: tanh keeps the argmax)
     lp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -170,8 +205,8 @@ def test_greedy_equals_transformers_batched_and_alone(checkpoint):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_new_layers_run(checkpoint, mode):
     """--quantization through quant.py's interface (norms and MoE routers stay float; the experts are
-    quantized): every token comes back."""
-    if checkpoint[0] not in ("qwen3", "phi3", "mixtral", "gemma2"):
+    quantized): every token comes back; layers whose weights the model adapts are rounded from the adapted ones."""
+    if checkpoint[0] not in ("qwen3", "phi3", *ADAPTED, "mixtral", "gemma2"):
         pytest.skip("one of each kind of layer is enough")
     llm = LLM(
         model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode, num_threads=2
@@ -186,6 +221,11 @@ def test_quantized_new_layers_run(checkpoint, mode):
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
     if checkpoint[0] == "mixtral":
         assert isinstance(layer.mlp.experts[0].gate_up_proj, QuantLinear)
+    if checkpoint[0] in ADAPTED:  # rounded from the weights as the float model holds them (not the checkpoint's)
+        ref = LLM(model=str(checkpoint[1]), kv_cache_memory=0.05, num_threads=2).engine.model.layers[0]
+        for got, want in ((layer.self_attn.qkv_proj, ref.self_attn.qkv_proj), (layer.mlp.down_proj, ref.mlp.down_proj)):
+            x = torch.randn(3, want.in_features)
+            assert (got(x) - want(x)).norm() < 0.25 * want(x).norm(), checkpoint[0]
 
 
 def _write_gguf(folder, path: str, arch: str, bundled_gguf: str) -> None:
@@ -247,19 +287,30 @@ def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
     assert "GPT2LMHeadModel" in msg and "Qwen3ForCausalLM" in msg and "Gemma2ForCausalLM" in msg
 
 
-def test_longrope_is_refused_clearly():
+def test_partial_rotary_longrope_tables():
+    """Phi-4-mini's rotary: the passed dimensions keep cos 1 / sin 0 (unscaled), the rotated ones take the
+    short factors within original_max_position_embeddings and the long ones beyond, times the attention factor."""
+    import math
+
     import transformers
 
-    from llmserve.model.llama import LlamaModel
+    from llmserve.model.layers import Rotary, head_order
     from llmserve.model.registry import config_from_hf
 
-    cfg = transformers.Phi3Config(
-        **{**SMALL, "max_position_embeddings": 512},
-        original_max_position_embeddings=256,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    hf = transformers.Phi3Config(
+        **SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=64, rope_scaling=rope
     )
-    with pytest.raises(ValueError, match="longrope"):
-        LlamaModel(config_from_hf(cfg))
+    cfg = config_from_hf(hf)
+    assert head_order(cfg).tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+    scale = math.sqrt(1 + math.log(256 / 64) / math.log(64))
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8)
+    for positions, factor in ((65, 1.0), (256, 2.0)):  # (a spare row for a verified proposal: still short)
+        rot = Rotary(cfg, positions)
+        assert torch.equal(rot.cos[:, 4:8], torch.ones(positions, 4))
+        assert torch.equal(rot.sin[:, 12:], torch.zeros(positions, 4))
+        assert torch.allclose(rot.cos[49, :4], (49 * inv / factor).cos() * scale)
+        assert torch.allclose(rot.sin[49, 8:12], (49 * inv / factor).sin() * scale)
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():

@@ -5,7 +5,7 @@ from llmserve.model.layers.linear import PACKED_PROJECTIONS, Linear, checkpoint_
 from llmserve.model.layers.mlp import MLP, act_and_mul
 from llmserve.model.layers.moe import Router, SparseMoE
 from llmserve.model.layers.norms import RMSNorm
-from llmserve.model.layers.rotary import Rotary, local_rope_parameters
+from llmserve.model.layers.rotary import Rotary, head_order, head_rows, local_rope_parameters, qkv_in_head_order
 
 __all__ = [
     "MLP",
@@ -18,5 +18,8 @@ __all__ = [
     "SparseMoE",
     "act_and_mul",
     "checkpoint_parts",
+    "head_order",
+    "head_rows",
     "local_rope_parameters",
+    "qkv_in_head_order",
 ]
