@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve.errors import error_body_for
-from llmserve.server import tools
+from llmserve.server import tool_parsers
 from llmserve.server.api import ollama as O
 from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls, parameter_count, tagged
 from llmserve.server.errors import APIError
@@ -147,7 +147,7 @@ def test_generate_body_with_thinking_and_context():
 
 def test_chat_tool_calls_in_ollamas_shape():
     fn = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    plan = tools.plan([fn], None)
+    plan = tool_parsers.plan([fn], None, tool_parsers.get_parser("hermes"))
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     body = OllamaRendering("chat", "m", None, plan).body(_gen(_out(text, "", True, "stop")))
     assert body["message"]["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]

@@ -9,7 +9,7 @@
 Names are Ollama's `name:tag`: the served model is `NAME:latest` (NAME alone works too). `options` map onto
 sampling (num_predict, temperature, top_k, top_p, min_p, stop, seed, num_ctx, repeat_penalty,
 presence_penalty, frequency_penalty; others such as num_gpu or num_thread are ignored); `format` ("json" or a
-JSON schema) is the structured-output path; `tools` are the chat API's (server/tools.py), the calls come
+JSON schema) is the structured-output path; `tools` are the chat API's (server/tool_parsers/), the calls come
 back with `arguments` as an object; `think` sets the template's enable_thinking and, with
 --reasoning-parser, the reasoning comes back in `thinking`. Everything runs through the chat machinery
 (prepare.chat_runs, serving.Generation). Errors are Ollama's `{"error": "..."}` (llmserve/errors.py).
@@ -29,7 +29,6 @@ from pydantic import Field, ValidationError
 
 from llmserve import __version__
 from llmserve.server import protocol as P
-from llmserve.server import tools as tools_mod
 from llmserve.server.api import embeddings as E
 from llmserve.server.api.ollama_render import (
     NDJSON,
@@ -240,7 +239,7 @@ async def chat(body: ChatRequest, request: Request, state: State):
     if not body.messages:
         return _loaded(body.model, "chat")
     try:
-        tool_plan = tools_mod.plan(body.tools, None)
+        tool_plan = state.plan_tools(body.tools, None)
     except ValueError as e:
         raise from_value_error(e) from e
     sf, predict, ctx = sampling_fields(body)

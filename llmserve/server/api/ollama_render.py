@@ -102,15 +102,15 @@ class OllamaRendering(Rendering):
     def stream_output(self, gen, i: int, out: RequestOutput) -> list[str]:
         if self.text is None:
             self.text = ChoiceText(self.reasoning, self.tool_plan)
-        reasoning, content = self.text.feed(out.outputs[0].delta_text, out.finished)
+        reasoning, pieces = self.text.feed(out.outputs[0].delta_text, out.finished)
+        content = "".join(d.content for d in pieces)
         lines = []
         if content or (reasoning and self.think):
             lines.append(_line(self._piece(content, reasoning)))
         if out.finished:
-            if self.tool_plan is not None and self.tool_plan.parse:  # the content waited for the parse
-                content, calls = self.text.calls()
-                if content or calls:
-                    lines.append(_line(self._piece(content or "", "", calls)))
+            _, calls = self.text.calls()  # Ollama sends a turn's calls whole, in one message
+            if calls:
+                lines.append(_line(self._piece("", "", calls)))
             lines.append(_line(self._done(gen, out, self._piece(""))))
         return lines
 
