@@ -36,10 +36,11 @@ def _clean(e: BaseException) -> str:
 
 
 def guided_spec(params) -> tuple[str, str] | None:
-    """(kind, canonical text) of a SamplingParams' constraint, or None when it has none."""
+    """(kind, text) of a SamplingParams' constraint, or None when it has none. A JSON schema keeps its key order:
+    the grammar generates properties in the order the schema lists them (sorting them would reorder the output)."""
     if params.guided_json is not None:
         g = params.guided_json
-        return ("json", g if isinstance(g, str) else json.dumps(g, sort_keys=True))
+        return ("json", g if isinstance(g, str) else json.dumps(g))
     if params.guided_json_object:
         return ("json_object", "")
     if params.guided_regex is not None:

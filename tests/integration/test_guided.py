@@ -274,3 +274,16 @@ def test_strict_tool_structural_tag(llm):
         tool_parsers.plan([dict(weather, function={**weather["function"], "strict": False})], "auto").strict_tag()
         is None
     )
+
+
+def test_json_schema_keeps_its_key_order(llm):
+    """Properties come out in the order the schema lists them (not sorted: "zone" before "age" here)."""
+    schema = {
+        "type": "object",
+        "properties": {"zone": {"enum": ["north"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["zone", "age"],
+        "additionalProperties": False,
+    }
+    out = llm.generate(["Data:"], SamplingParams(temperature=0, max_tokens=40, guided_json=schema), use_tqdm=False)
+    text = out[0].outputs[0].text
+    assert list(json.loads(text)) == ["zone", "age"], text
