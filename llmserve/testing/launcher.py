@@ -33,6 +33,18 @@ LAUNCH = ("-m", "llmserve.cli", "launch")
 FAKE = ("-m", "llmserve.testing.fake_openai")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the process that started it dies, even by SIGKILL, so
+    that a killed test run leaves no server behind (its own session keeps it out of the run's process group).
+    The signal follows the starting thread: servers are started from the test's main thread."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the context manager still stops it
+        pass
+
+
 def free_port(*hosts: str) -> int:
     """A TCP port free on every one of `hosts` (default 127.0.0.1)."""
     hosts = hosts or ("127.0.0.1",)
@@ -115,6 +127,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
 
     def wait_ready(self, timeout: float = 180.0, headers: dict | None = None) -> ServerProcess:
