@@ -21,12 +21,14 @@ docs/structured-output.md): masks for 16 rows of a nested JSON schema take ~0.02
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from typing import Any
 
 import torch
 
+log = logging.getLogger("llmserve.guided")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 
 
@@ -168,17 +170,25 @@ class GuidedMatcher:
     def __init__(self, matcher, stop_token_ids: list[int]) -> None:
         self.m = matcher
         self.stop_token_ids = stop_token_ids
+        self.released = False  # nothing the model can write continues the grammar: only a stop token now
+
+    def release(self) -> None:
+        """The sampler found no token the grammar (with the request's bans) allows: the request ends on a stop
+        token, which accept() then takes."""
+        if not self.released and not self.m.is_terminated():
+            log.info("guided decoding: no token continues the grammar here; the request stops")
+        self.released = True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Advance on an appended token; False if the grammar does not allow it."""
-        if self.m.is_terminated():
+        if self.m.is_terminated() or self.released:
             return token_id in self.stop_token_ids
         return bool(self.m.accept_token(token_id))
 
     @property
     def finished(self) -> bool:
-        """The grammar has accepted its stop token: the request must end."""
-        return self.m.is_terminated()
+        """The grammar has accepted its stop token (or released the request): the request must end."""
+        return self.m.is_terminated() or self.released

@@ -29,7 +29,8 @@ class SamplingRow:
     banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
     # A grammar that masks the logits (engine/guided.py's GuidedMatcher), or None. Duck-typed: it has
     # `fill(bitmask, row)`, which writes the allowed tokens into row `row` of an int32 bitmask
-    # [rows, ceil(vocab / 32)] (bit t of the row set: token t allowed), and `stop_token_ids`.
+    # [rows, ceil(vocab / 32)] (bit t of the row set: token t allowed), `stop_token_ids`, and `release()`, called
+    # when nothing is allowed (the row then ends on a stop token).
     guided: object | None = None
 
 
@@ -78,6 +79,9 @@ def _top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[Sampl
     return out
 
 
+_MAX_TEMPERATURE = 1e30  # above it every finite logit / T is ~0 anyway: a uniform draw over the allowed tokens
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     """logits: [len(rows), vocab] float32."""
@@ -97,7 +101,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     else:
         sub = logits[idx] if len(idx) < len(rows) else logits
         params = [rows[i].params for i in idx]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        # (a temperature beyond float32's range would be inf there: -inf / inf is NaN)
+        temps = torch.tensor([min(p.temperature, _MAX_TEMPERATURE) for p in params], device=logits.device)
         if _filtering(params):
             sub = _filter(sub / temps.unsqueeze(1), params)
             temps = torch.ones_like(temps)
@@ -167,7 +172,9 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: -inf on the logits of tokens the guided rows' grammars do not allow, and on their banned
     tokens. A row that this leaves with nothing allowed (its grammar is complete and EOS is banned, e.g. by
-    min_tokens) gets its stop tokens back: the grammar's end wins over min_tokens. The bits are unpacked
+    min_tokens; or a grammar no token of this vocabulary continues, such as a regex of characters no token
+    spells) gets its stop tokens back and its grammar's `release()`: the request ends there, never on a token
+    the grammar refuses. The bits are unpacked
     with numpy (single-threaded, ~50 us) and applied with one
     masked_fill per guided row: few torch ops, since each costs thread start-up on a busy CPU."""
     idx = [i for i, r in enumerate(rows) if r.guided is not None]
@@ -183,6 +190,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for j, i in enumerate(idx):
         if rows[i].banned_ids:
             disallowed[j, rows[i].banned_ids] = True
-            if bool(disallowed[j].all()):
-                disallowed[j, rows[i].guided.stop_token_ids] = False
+        if bool(disallowed[j].all()):  # nothing left: the row ends on a stop token (the grammar releases it)
+            disallowed[j, rows[i].guided.stop_token_ids] = False
+            rows[i].guided.release()
         logits[i].masked_fill_(disallowed[j], float("-inf"))

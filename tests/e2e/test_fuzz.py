@@ -4,8 +4,8 @@ OpenAI's error shape, and 2xx JSON answers conform to the documented response sc
 
 Generation lengths are clamped (max_tokens <= 4 when the example gives a valid one or none) and the
 server runs with --max-model-len 256, so that the run fits CI's time budget; FUZZ_EXAMPLES sets the
-examples per operation and mode (default 12). The Responses, Messages and embeddings APIs are fuzzed too:
-4xx answers on /v1/messages are checked for Anthropic's shape instead.
+examples per operation and mode (default 12). The Responses, Messages, embeddings and Ollama APIs are fuzzed
+too: 4xx answers on /v1/messages are checked for Anthropic's shape instead, on /api/* for Ollama's.
 
 The cases are drawn with hypothesis from each operation's `as_strategy()` inside one plain test, not
 through `schemathesis.pytest.from_fixture`: that lazy loader reaches into pytest internals
@@ -64,6 +64,15 @@ def server():
 def _clamp(body, path: str = ""):
     """Keep generations short: a positive max_tokens (the Responses API's max_output_tokens) above 4 becomes 4;
     none given becomes 4."""
+    if isinstance(body, dict) and path in ("/api/chat", "/api/generate"):  # Ollama's: options.num_predict
+        opts = body.get("options")
+        if isinstance(opts, dict):
+            v = opts.get("num_predict")
+            if not isinstance(v, int) or isinstance(v, bool) or v > 4 or v < 0:
+                opts["num_predict"] = 4
+        elif opts is None:
+            body["options"] = {"num_predict": 4}
+        return
     if isinstance(body, dict) and path != "/v1/embeddings":
         keys = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
         for k in keys:
@@ -80,6 +89,9 @@ def _check_shape(resp, label: str, path: str = "") -> None:
         body = resp.json()
         assert body.get("type") == "error", f"{label}: 4xx not in Anthropic's shape: {resp.text[:300]}"
         assert isinstance(body["error"].get("type"), str) and body["error"].get("message"), label
+    elif 400 <= resp.status_code < 500 and path.startswith("/api/"):  # Ollama's API: {"error": "message"}
+        err = resp.json().get("error")
+        assert isinstance(err, str) and err, f"{label}: 4xx not in Ollama's shape: {resp.text[:300]}"
     elif 400 <= resp.status_code < 500:
         err = resp.json().get("error")
         assert isinstance(err, dict), f"{label}: 4xx not in OpenAI's shape: {resp.text[:300]}"

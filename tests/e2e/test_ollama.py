@@ -137,7 +137,7 @@ def test_errors_in_ollamas_shape(http):
     r = http.post("/api/chat", json={"model": NAME, "messages": Q, "think": True})
     assert r.status_code == 400 and "thinking" in r.json()["error"]
     r = http.post("/api/pull", json={"model": "llama3.2"})
-    assert r.status_code == 501 and "hub" in r.json()["error"]
+    assert r.status_code == 404 and "hub" in r.json()["error"]
     assert http.post("/api/pull", json={"model": NAME, "stream": False}).json() == {"status": "success"}
     # `curl -d` sends a form content type: the body is read as JSON all the same
     r = http.post(

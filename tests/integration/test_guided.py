@@ -287,3 +287,12 @@ def test_json_schema_keeps_its_key_order(llm):
     out = llm.generate(["Data:"], SamplingParams(temperature=0, max_tokens=40, guided_json=schema), use_tqdm=False)
     text = out[0].outputs[0].text
     assert list(json.loads(text)) == ["zone", "age"], text
+
+
+def test_regex_no_token_can_spell_ends_the_request(llm):
+    """A regex of characters no token of this vocabulary spells (found by the fuzz test: a 500 before): the
+    request stops where nothing continues the grammar, and the engine keeps serving."""
+    params = SamplingParams(temperature=0, max_tokens=8, guided_regex="q\u00ec\U0009ffed")
+    out = llm.generate(["Say q:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text.startswith("q"), out
+    assert llm.engine.kv.usage == 0

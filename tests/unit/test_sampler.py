@@ -115,6 +115,10 @@ class OnlyToken:
 
     def __init__(self, token: int, stop_token_ids=(3,)) -> None:
         self.token, self.stop_token_ids = token, list(stop_token_ids)
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] = 0
@@ -173,3 +177,29 @@ def test_fused_draw_matches_the_torch_draw():
     assert bool(((target >= lo - 1e-5) & (target <= hi + 1e-5)).all())
     assert bool(torch.isfinite(logits.gather(1, fused.unsqueeze(1))).all())
     assert (sampler._draw(logits[:4], temps[:4], u[:4]) == fused[:4]).all()
+
+
+def test_values_beyond_float32_never_pick_a_masked_token():
+    """A temperature that is finite in Python but inf in float32 (1e300) must not turn the logits to NaN, which
+    drew token 0 past the grammar's mask (a 500 found by the fuzz test)."""
+    extremes = [
+        {"temperature": 1e300},
+        {"temperature": 1e300, "min_p": 1.0},
+        {"temperature": 1e300, "top_k": 5, "repetition_penalty": 10.0},
+    ]
+    for kw in extremes:
+        for seed in range(5):
+            logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(seed)) * 5
+            logits[0, 0] = 0.0  # (a zero times an infinite factor is NaN)
+            row = SamplingRow(
+                SamplingParams(**kw), torch.Generator().manual_seed(seed), [3, 4, 0], [3, 0], [], OnlyToken(7)
+            )
+            assert sample(logits, [row]).token_ids == [7], kw
+
+
+def test_grammar_no_token_continues_ends_on_a_stop_token():
+    """A grammar that this vocabulary cannot continue (a regex of characters no token spells) allows nothing:
+    the row draws a stop token and the grammar is released (the request ends), never a refused token."""
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0)):
+        g = OnlyToken(None)
+        assert sample(LOGITS.repeat(1, 1), [SamplingRow(params, guided=g)]).token_ids == [3] and g.released

@@ -392,9 +392,9 @@ async def pull(body: NameRequest, state: State):
     try:
         resolve(state, name)
     except APIError as e:
-        raise APIError(
-            501,
-            f"pulling models is not supported: this server has no model hub; it serves "
+        raise APIError(  # (404 as for any model not here: a request's answer, not a server fault)
+            404,
+            f"model {name!r} not found, and pulling is not supported: this server has no model hub; it serves "
             f"{', '.join(tagged(n) for n in state.served_names())}",
         ) from e
     if body.stream:
