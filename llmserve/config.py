@@ -286,6 +286,17 @@ class EngineConfig:
     speculative_ngram: int = field(
         default=0, metadata=flag("propose up to K tokens by prompt lookup (n-gram) and verify them in one forward")
     )
+    speculative_model: str | None = field(
+        default=None,
+        metadata=flag(
+            "a draft model (same tokenizer, smaller) that proposes --num-speculative-tokens tokens a step, "
+            "verified by the model in one forward (greedy and sampled requests: the output is the model's)",
+            metavar="MODEL",
+        ),
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata=flag("tokens the --speculative-model proposes per step", metavar="K")
+    )
     enable_lora: bool = field(
         default=False,
         metadata=flag(
@@ -336,6 +347,13 @@ class EngineConfig:
             raise ValueError("quantization: int8/int4 weights are not supported with tensor_parallel_size > 1 yet")
         if self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram}")
+        if self.speculative_model is not None:
+            if self.speculative_ngram:
+                raise ValueError("speculative_model: choose it or --speculative-ngram, not both")
+            if self.num_speculative_tokens < 1:
+                raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_model: not supported with tensor_parallel_size > 1 yet")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
         if isinstance(self.lora_modules, str):
@@ -352,6 +370,11 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Speculative tokens a step may verify beyond the next one (positions the rotary tables need)."""
+        return self.num_speculative_tokens if self.speculative_model else self.speculative_ngram
 
     def resolved_num_threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))

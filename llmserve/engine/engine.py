@@ -47,7 +47,8 @@ class EngineStats:
     num_preemptions: int
     steps: int
     last_step_time: float
-    spec_decode_num_draft_tokens: int = 0  # speculative decoding: tokens proposed
+    spec_decode_num_drafts: int = 0  # speculative decoding: verifications (a request's proposals in a step)
+    spec_decode_num_draft_tokens: int = 0  # tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # and accepted by verification
     block_size: int = 16  # configuration, for llmserve:cache_config_info
     cache_dtype: str = "float32"
@@ -106,7 +107,7 @@ class LLMEngine:
             )
         self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         max_positions = config.max_model_len or model_max
-        rotary_positions = max_positions + config.speculative_ngram + 1  # room for verified proposals
+        rotary_positions = max_positions + config.num_lookahead_tokens + 1  # room for verified proposals
         kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
         self.model = self.executor.load_model(source, reader, self.dtype, rotary_positions, kv_bytes)
         del reader
@@ -146,6 +147,13 @@ class LLMEngine:
             self.runner.lora = self.lora.layers
             for name, path in parse_lora_modules(config.lora_modules):
                 self.lora.load(name, path)
+        self.draft = None  # DraftProposer (engine/draft.py) with --speculative-model
+        if config.speculative_model:
+            from llmserve.engine.draft import DraftProposer
+
+            self.draft = DraftProposer(
+                config, mc, self.device, self.dtype, self.act_dtype, self.kv_dtype, num_blocks, block_size
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
@@ -176,6 +184,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""
+        if getattr(self, "draft", None) is not None:
+            self.draft.shutdown()
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
 
@@ -272,7 +282,7 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.config.speculative_ngram > 0:
+        if self.config.num_lookahead_tokens > 0:
             self._propose()
         sched = self.scheduler.schedule()
         self.last_step_time = time.time()
@@ -285,22 +295,30 @@ class LLMEngine:
         appended = self.scheduler.update_from_output(sched, sampled)
         text = self.output_processor.process(appended)  # stop strings found: decisions for the scheduler
         self.scheduler.apply_text(text)
+        if self.draft is not None:  # finished requests give their draft KV back at once
+            self.draft.retain({r.request_id for r in self.scheduler.running})
         return self.output_processor.outputs(text)
 
     def _propose(self) -> None:
-        """n-gram proposals for decoding requests whose next token is the logits' argmax (sampled,
-        guided, penalised or min_tokens-constrained ones decode plainly)."""
-        k = self.config.speculative_ngram
+        """Proposals for decoding requests that can be speculated (greedy or sampled; guided, penalised or
+        min_tokens-constrained ones decode plainly): by the draft model, or by n-gram lookup."""
+        k = self.config.num_lookahead_tokens
+        todo = []
         for r in self.scheduler.running:
             p = r.params
-            r.spec_token_ids = []
-            if p.pooling or not r.next_token_is_argmax or r.num_tokens - r.num_computed_tokens != 1:
+            r.spec_token_ids, r.spec_draft_probs = [], None
+            if p.pooling or not r.can_speculate or r.num_tokens - r.num_computed_tokens != 1:
                 continue
             room = k
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - r.num_output_tokens - 1)
             room = min(room, self.max_model_len - r.num_tokens - 1)
             if room > 0:
+                todo.append((r, room))
+        if self.draft is not None:
+            self.draft.propose(todo)
+        else:
+            for r, room in todo:
                 r.spec_token_ids = propose_ngram(r.all_token_ids, room)
 
     @property
@@ -326,6 +344,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             steps=self.steps,
             last_step_time=self.last_step_time,
+            spec_decode_num_drafts=self.scheduler.num_spec_drafts,
             spec_decode_num_draft_tokens=self.num_spec_proposed,
             spec_decode_num_accepted_tokens=self.num_spec_accepted,
             block_size=self.block_size,

@@ -37,7 +37,8 @@ class SchedulerOutput:
 class SampledTokens:
     """What the runner sampled for one request that reached the end of its known tokens: one token
     per logits row, i.e. its next token, or with k speculative proposals k + 1 tokens (the model's
-    pick after each verified position). If sampling failed at a row, the tokens before it and `error`."""
+    pick after each verified position; a sampled request: the proposals rejection sampling accepted and
+    the model's token after them). If sampling failed at a row, the tokens before it and `error`."""
 
     request: Request
     token_ids: list[int]

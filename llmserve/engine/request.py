@@ -66,6 +66,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.spec_token_ids: list[int] = []  # speculative proposals for the next step
+        self.spec_draft_probs: list | None = None  # a draft model's distribution per proposal (sampled requests)
         self.generator = None  # torch.Generator of a seeded request (set by the engine)
         self.guided = None  # GuidedMatcher (engine/guided.py) of a guided request
         self.lora = None  # LoRAAdapter (model/lora.py) of a request for an adapter
@@ -96,6 +97,14 @@ class Request:
         min_tokens). Such a request can take the model's argmax as is, and can be speculated."""
         p = self.params
         return p.greedy and not p.needs_penalties and not p.guided and self.num_output_tokens >= p.min_tokens
+
+    @property
+    def can_speculate(self) -> bool:
+        """Only temperature, top-k, top-p and min-p shape its next-token distribution (no penalties, grammar
+        or banned tokens), so k proposals can be verified in one forward: greedy ones by equality with the
+        argmax, sampled ones by rejection sampling (model/rejection.py)."""
+        p = self.params
+        return not p.needs_penalties and not p.guided and self.num_output_tokens >= p.min_tokens
 
     @property
     def needs_prompt_logprobs(self) -> bool:

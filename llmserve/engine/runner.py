@@ -17,11 +17,11 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
-from llmserve.model import ops
+from llmserve.model import ops, rejection
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaModel
-from llmserve.model.sampler import SamplingRow, sample
+from llmserve.model.sampler import SamplingRow, _top_logprobs, sample
 
 log = logging.getLogger("llmserve.runner")
 
@@ -149,27 +149,12 @@ class ModelRunner:
         if not sampling:
             return pooled
         if argmax:
-            results = [(t, None, None) for t in logits.tolist()]
-        else:
-            rows = []  # one sampling row per logits row: a request verifying k proposals has k + 1
+            tokens, out = logits.tolist(), []
             for r, n in zip(sampling, rows_per_req):
-                p = r.params
-                ban = list(r.eos_token_ids) + p.stop_token_ids if r.num_output_tokens < p.min_tokens else []
-                row = SamplingRow(p, r.generator, r.prompt_token_ids, r.output_token_ids, ban, r.guided)
-                rows.extend([row] * n)
-            results = _sample_isolated(logits, rows)
-        out, i = [], 0
-        for r, n in zip(sampling, rows_per_req):
-            mine, i = results[i : i + n], i + n
-            ok = next((j for j, res in enumerate(mine) if res[2] is not None), n)  # the rows before a failed one
-            out.append(
-                SampledTokens(
-                    r,
-                    [res[0] for res in mine[:ok]],
-                    None if argmax else [res[1] for res in mine[:ok]],
-                    mine[ok][2] if ok < n else None,
-                )
-            )
+                out.append(SampledTokens(r, tokens[:n], None, None))
+                tokens = tokens[n:]
+        else:
+            out = _sample_requests(logits, sampling, rows_per_req)
         return out + pooled
 
     def _forward(
@@ -275,6 +260,61 @@ class ModelRunner:
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req
+
+
+def _sample_requests(logits: torch.Tensor, sampling: list[Request], rows_per_req: list[int]) -> list[SampledTokens]:
+    """Each request's tokens from its logits rows. A request verifying k proposals has k + 1 rows: greedy
+    ones take each row's token (the scheduler keeps those that equal the proposals), sampled ones go
+    through rejection sampling (model/rejection.py) over all their rows at once."""
+    rows, at, spec = [], [], []  # plain sampling rows and their logits rows; sampled verifications
+    i = 0
+    for r, n in zip(sampling, rows_per_req):
+        p = r.params
+        if n > 1 and not p.greedy:
+            spec.append((r, i, n))
+        else:
+            ban = list(r.eos_token_ids) + p.stop_token_ids if r.num_output_tokens < p.min_tokens else []
+            rows.extend([SamplingRow(p, r.generator, r.prompt_token_ids, r.output_token_ids, ban, r.guided)] * n)
+            at.extend(range(i, i + n))
+        i += n
+    plain = {}
+    if rows:
+        results = _sample_isolated(logits if len(at) == len(logits) else logits[at], rows)
+        plain = dict(zip(at, results))
+    verified = _verify_sampled(logits, spec) if spec else {}
+    out, i = [], 0
+    for r, n in zip(sampling, rows_per_req):
+        if r.request_id in verified:
+            out.append(verified[r.request_id])
+        else:
+            mine = [plain[j] for j in range(i, i + n)]
+            ok = next((j for j, res in enumerate(mine) if res[2] is not None), n)  # the rows before a failed one
+            error = mine[ok][2] if ok < n else None
+            out.append(SampledTokens(r, [res[0] for res in mine[:ok]], [res[1] for res in mine[:ok]], error))
+        i += n
+    return out
+
+
+def _verify_sampled(logits: torch.Tensor, spec: list[tuple[Request, int, int]]) -> dict[str, SampledTokens]:
+    at = [j for _, i, n in spec for j in range(i, i + n)]
+    params = [r.params for r, _, n in spec for _ in range(n)]
+    sub = logits[at]
+    probs = rejection.target_probs(sub, params)
+    out, k = {}, 0
+    for r, _, n in spec:
+        try:
+            q = torch.stack(r.spec_draft_probs[: n - 1]) if r.spec_draft_probs else None  # a draft model's
+            tokens = rejection.verify(probs[k : k + n], r.spec_token_ids[: n - 1], r.generator, q)
+            lps = [None] * len(tokens)
+            if r.params.logprobs is not None:  # the raw distribution's logprobs, as sample() reports them
+                rows = [SamplingRow(r.params)] * len(tokens)
+                chosen = torch.tensor(tokens, dtype=torch.long, device=sub.device)
+                lps = _top_logprobs(torch.log_softmax(sub[k : k + len(tokens)], dim=-1), chosen, rows)
+            out[r.request_id] = SampledTokens(r, tokens, lps, None)
+        except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
+            out[r.request_id] = SampledTokens(r, [], [], e)
+        k += n
+    return out
 
 
 def _sample_isolated(logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple]:

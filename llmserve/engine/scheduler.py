@@ -53,6 +53,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_spec_proposed = 0  # speculative decoding: tokens proposed and accepted by verification
         self.num_spec_accepted = 0
+        self.num_spec_drafts = 0
         self.fault_hook = None  # tests: called with each request before its token is appended
 
     # -- queue ---------------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class Scheduler:
                 appended.append(AppendedTokens(r, n))
                 continue
             if proposals:
+                self.num_spec_drafts += 1
                 self.num_spec_proposed += len(proposals)
                 self.num_spec_accepted += n - 1
                 if not r.is_finished:  # KV is valid only up to the last verified proposal

@@ -142,7 +142,7 @@ def _load_weights(config, path_hint: str | None = None):
 
 
 def _max_positions(config, mc: ModelConfig) -> int:
-    return (config.max_model_len or mc.max_position_embeddings) + max(config.speculative_ngram, 0) + 1
+    return (config.max_model_len or mc.max_position_embeddings) + max(config.num_lookahead_tokens, 0) + 1
 
 
 class TensorParallel:

@@ -77,7 +77,12 @@ class _EngineCollector:
         yield counter("num_preemptions", "Requests preempted (recomputed later) to free KV blocks.", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.steps)
         yield counter(
-            "spec_decode_num_draft_tokens", "Speculative (n-gram) tokens proposed.", s.spec_decode_num_draft_tokens
+            "spec_decode_num_drafts", "Speculative verifications (per request and step).", s.spec_decode_num_drafts
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Speculative tokens proposed (n-gram or draft model).",
+            s.spec_decode_num_draft_tokens,
         )
         yield counter(
             "spec_decode_num_accepted_tokens",
