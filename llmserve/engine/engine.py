@@ -309,6 +309,9 @@ class LLMEngine:
             r.spec_token_ids, r.spec_draft_probs = [], None
             if p.pooling or not r.can_speculate or r.num_tokens - r.num_computed_tokens != 1:
                 continue
+            if r.spec_wait > 0:  # backing off after proposals that were all rejected
+                r.spec_wait -= 1
+                continue
             room = k
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - r.num_output_tokens - 1)

@@ -67,6 +67,8 @@ class Request:
         self.finished_time: float | None = None
         self.spec_token_ids: list[int] = []  # speculative proposals for the next step
         self.spec_draft_probs: list | None = None  # a draft model's distribution per proposal (sampled requests)
+        self.spec_misses = 0  # verifications in a row that accepted nothing ...
+        self.spec_wait = 0  # ... and the steps to decode plainly before proposing again (2, 4, ... 16)
         self.generator = None  # torch.Generator of a seeded request (set by the engine)
         self.guided = None  # GuidedMatcher (engine/guided.py) of a guided request
         self.lora = None  # LoRAAdapter (model/lora.py) of a request for an adapter

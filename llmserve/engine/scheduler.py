@@ -246,6 +246,10 @@ class Scheduler:
                 self.num_spec_drafts += 1
                 self.num_spec_proposed += len(proposals)
                 self.num_spec_accepted += n - 1
+                # nothing accepted: back off (a sampled request far from what it copies rejects most
+                # proposals, and each one costs a verified row)
+                r.spec_misses = 0 if n > 1 else r.spec_misses + 1
+                r.spec_wait = min(2**r.spec_misses, 16) if r.spec_misses else 0
                 if not r.is_finished:  # KV is valid only up to the last verified proposal
                     r.num_computed_tokens -= len(proposals) + 1 - n
             appended.append(AppendedTokens(r, n))
