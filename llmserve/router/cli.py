@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from llmserve.config import add_arguments as config_arguments
-from llmserve.config import from_args
+from llmserve.flags import add_arguments as config_arguments
+from llmserve.flags import from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

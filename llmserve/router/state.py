@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 from starlette.datastructures import Headers
 
-from llmserve.config import flag
+from llmserve.flags import flag
 
 from .discovery import DnsDiscovery, DnsSource, Registry, Resolver
 from .errors import RouterError
@@ -28,7 +28,7 @@ TIMEOUTS = "retries, timeouts, back-pressure"
 
 @dataclass
 class RouterConfig:
-    """`llmserve route`'s settings: each field's metadata makes its flag (llmserve/config.py's `flag`), in
+    """`llmserve route`'s settings: each field's metadata makes its flag (llmserve/flags.py's `flag`), in
     field order and in its --help group."""
 
     # -- backends
