@@ -122,16 +122,33 @@ def gguf_hf_names(
     return [(f"model.layers.{parts[1]}.{leaf}.{parts[3]}", None)]
 
 
+def _fast_reader():
+    """gguf's GGUFReader, slicing the file's bytes as a plain array. The reader takes two slices per value of
+    the metadata (a length and the bytes of each of a vocabulary's strings: ~200k for 49k tokens), and a slice
+    of its np.memmap runs memmap's subclass hooks: 2.3-2.7 s for the bundled model's file, 0.6-0.7 s this way
+    (same fields, same tensors; `reader.data` stays the memory map)."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if self.__dict__.get("_plain_of") is not self.data:
+                self._plain, self._plain_of = self.data.view(np.ndarray), self.data
+            count = int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            arr = self._plain[offset:end].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader
+
+
 def open_gguf(path: str):
     """gguf's GGUFReader over `path` (a memory map: nothing is read yet), refused with one error naming the
     file when it is truncated or corrupt or holds a tensor type llmserve cannot read."""
-    from gguf import GGUFReader
-
     from llmserve.model.gguf_kernels import BLOCKS, NAMES
 
     size = os.path.getsize(path)
     try:
-        reader = GGUFReader(path)
+        reader = _fast_reader()(path)
     except Exception as e:  # noqa: BLE001 - gguf raises whatever NumPy or struct raise on a bad file
         raise ValueError(
             f"model: {path} is not a readable GGUF file, truncated or corrupt ({size} bytes; "
