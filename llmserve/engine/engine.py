@@ -20,6 +20,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.executor import make_executor
+from llmserve.engine.generation_config import default_sampling
 from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.ngram import propose_ngram
@@ -80,7 +81,13 @@ class LLMEngine:
         self.source = source
         self.model_config, reader = load_model_config(source)
         mc = self.model_config
-        self.served_model_name = config.served_model_name or source.name
+        # every name the model answers to (--served-model-name a b); the first is its name in answers
+        self.served_model_names = list(dict.fromkeys(config.served_model_name or [source.name]))
+        self.served_model_name = self.served_model_names[0]
+        # the model's sampling defaults for what a request leaves out (--generation-config)
+        self.default_sampling = default_sampling(
+            config.generation_config, source.path if source.kind == "hf" else None, config.override_generation_config
+        )
         self.tokenizer = Tokenizer(source.path, gguf=source.kind == "gguf")
         self.eos_token_ids = set(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -142,7 +149,11 @@ class LLMEngine:
             from llmserve.engine.lora import LoRARegistry, parse_lora_modules
 
             self.lora = LoRARegistry(
-                self.model, config.max_loras, config.max_lora_rank, self.act_dtype, reserved=(self.served_model_name,)
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                self.act_dtype,
+                reserved=tuple(self.served_model_names),
             )
             self.runner.lora = self.lora.layers
             for name, path in parse_lora_modules(config.lora_modules):
@@ -213,6 +224,14 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (prompt plus at least one output token), "
                 f"{n - self.max_model_len + 1} too many"
             )
+        most = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > most:
+                raise ValueError(f"{name}: {asked} requested, more than this server's most of {most} (--max-logprobs)")
+        bias = params.logit_bias or {}
+        if any(t >= vocab for t in bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {max(bias)}")
         if params.guided:
             self.guided.compile(params)  # a bad schema fails here, before anything is queued (cached)
         # Like vLLM's engine, prompt + max_tokens may exceed max_model_len: generation then stops

@@ -76,8 +76,8 @@ class LLM:
         if _is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation config's defaults (--generation-config), as vLLM
+            sampling_params = SamplingParams(**self.engine.default_sampling)
         params = (
             list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         )

@@ -47,7 +47,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         if not p.needs_penalties:
             continue
         out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype) if len(out) else None
+        counts = None
+        if len(out) and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(row.prompt_ids + row.output_ids, dtype=torch.long, device=logits.device)
             mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
@@ -57,6 +59,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         if counts is not None:
             logits[i] -= p.frequency_penalty * counts
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:  # after the penalties, as vLLM; ids past the logits (a padded vocabulary) do not occur
+            ids = [t for t in p.logit_bias if t < vocab]
+            bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+            logits[i, ids] += bias
     return logits
 
 

@@ -155,8 +155,14 @@ def sampling_params(
             param=prompt_param,
             code="context_length_exceeded",
         )
+    defaults = eng.engine.default_sampling  # the model's generation config: what the body leaves out
+
+    def given(name: str, fallback):
+        value = getattr(body, name, None)
+        return defaults.get(name, fallback) if value is None else value
+
     if max_tokens is None:
-        max_tokens = max_len - prompt_len
+        max_tokens = min(max_len - prompt_len, defaults.get("max_tokens", max_len))
     elif prompt_len + max_tokens > max_len:
         raise APIError(
             400,
@@ -167,23 +173,23 @@ def sampling_params(
             param=max_tokens_param,
             code="context_length_exceeded",
         )
-    temperature, top_p = getattr(body, "temperature", None), getattr(body, "top_p", None)
     try:
         guided = tools_mod.guided_kwargs(body, tool_plan)
         return SamplingParams(
             n=getattr(body, "n", 1),
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=min(body.min_tokens, max_tokens),
             stop=getattr(body, "stop", None),
             stop_token_ids=body.stop_token_ids,
+            logit_bias=getattr(body, "logit_bias", None),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=_most(getattr(body, "prompt_logprobs", None), prompt_logprobs),

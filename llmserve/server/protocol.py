@@ -73,7 +73,8 @@ class EngineExtras(APIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's: each prompt token's logprob and the top-N at its position, in the answer's `prompt_logprobs`
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # (its most: the engine's --max-logprobs)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
 
 
 class SamplingFields(EngineExtras):
@@ -87,6 +88,8 @@ class SamplingFields(EngineExtras):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
+    # token id (a string, as JSON keys are) -> a bias in [-100, 100] added to its logit (SamplingParams checks it)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -84,7 +84,7 @@ class ServerState:
                 self.on_fatal(e)
             return
         name = engine.engine.served_model_name
-        self.model_names = [name]
+        self.model_names = list(engine.engine.served_model_names)
         if self.chat_template is not None:
             engine.tokenizer.set_chat_template(self.chat_template)
         if self.tool_parser is None:

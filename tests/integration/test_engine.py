@@ -76,6 +76,9 @@ def test_seeded_request_same_alone_and_in_batch(llm):
         (lambda llm: SamplingParams(top_p=1.5), "top_p"),
         (lambda llm: SamplingParams(temperature=-0.5), "temperature"),
         (lambda llm: llm.generate([[10**9]], SamplingParams(max_tokens=4), use_tqdm=False), "prompt"),
+        (lambda llm: llm.generate(["Hi"], SamplingParams(logit_bias={10**9: 5}), use_tqdm=False), "logit_bias"),
+        (lambda llm: llm.generate(["Hi"], SamplingParams(logprobs=21), use_tqdm=False), "logprobs"),
+        (lambda llm: llm.generate(["Hi"], SamplingParams(prompt_logprobs=50), use_tqdm=False), "prompt_logprobs"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(llm, make, field):
@@ -189,3 +192,24 @@ def test_fault_in_one_request_fails_it_alone(llm):
     for g in good:
         assert finals[g].error is None and len(finals[g].outputs[0].token_ids) == 6
     assert eng.kv.num_free_blocks == eng.num_blocks
+
+
+def test_logit_bias_bans_and_forces_tokens_in_a_batch(llm):
+    """-100 keeps a token out of greedy and sampled output, +100 makes it every token; the rows batched with
+    them (greedy, on the fast paths) are untouched."""
+    prompts = [chat_ids(llm, f"Count from {i} to {i + 9}.") for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    top = max(set(plain[0]), key=plain[0].count)  # a token the greedy answer uses
+    ban = {top: -100}
+    params = [
+        greedy.clone(logit_bias=ban),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logit_bias=ban),
+        greedy.clone(logit_bias={42: 100}),
+        greedy,
+    ]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert top not in outs[0] and outs[0] != plain[0]
+    assert top not in outs[1]
+    assert outs[2] == [42] * 12
+    assert outs[3] == plain[3]

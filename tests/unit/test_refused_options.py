@@ -17,8 +17,9 @@ def test_swap_space_is_refused():
 
 def test_prompt_logprobs_and_echo_with_logprobs_are_accepted():
     assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams(prompt_logprobs=21).prompt_logprobs == 21  # the engine's --max-logprobs bounds it
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
     CompletionRequest(prompt="x", prompt_logprobs=5)
     CompletionRequest(prompt="x", echo=True, logprobs=1)
     CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0)  # lm-eval's loglikelihood_rolling

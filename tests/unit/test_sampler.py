@@ -203,3 +203,27 @@ def test_grammar_no_token_continues_ends_on_a_stop_token():
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0)):
         g = OnlyToken(None)
         assert sample(LOGITS.repeat(1, 1), [SamplingRow(params, guided=g)]).token_ids == [3] and g.released
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    banned = SamplingParams(temperature=0, logit_bias={"0": -100})
+    assert sample(LOGITS.repeat(1, 1), [SamplingRow(banned)]).token_ids == [1]  # the argmax moves on
+    forced = draw(SamplingParams(temperature=1.0, logit_bias={3: 100}), n=500)
+    assert forced == Counter({3: 500})
+    never = draw(SamplingParams(temperature=1.0, logit_bias={"0": -100, "1": -100}), n=1000)
+    assert set(never) == {2, 3} and abs(never[2] / 1000 - 0.75) < 0.06, never  # 0.15 : 0.05, renormalised
+    # a bias shifts the distribution as softmax says: +ln(3) on token 3 makes it as likely as token 2
+    shifted = draw(SamplingParams(temperature=1.0, logit_bias={3: math.log(3)}))
+    assert abs(shifted[3] - shifted[2]) / 2000 < 0.04, shifted
+
+
+def test_logit_bias_is_checked():
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={"5": 1}).needs_penalties
+    for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": float("nan")}, {"5": "1"}, [5]):
+        try:
+            SamplingParams(logit_bias=bad)
+        except ValueError as e:
+            assert "logit_bias" in str(e)
+        else:
+            raise AssertionError(f"accepted {bad!r}")

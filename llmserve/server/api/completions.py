@@ -31,7 +31,7 @@ router = APIRouter()
 class CompletionRequest(P.SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo only, the prompt alone
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # its most: --max-logprobs
     echo: bool = False
     suffix: str | None = None
 

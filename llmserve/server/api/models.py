@@ -1,4 +1,5 @@
-"""GET /v1/models: the base model, then the loaded LoRA adapters (each with its `parent`, as vLLM lists them)."""
+"""GET /v1/models: the base model (each of its --served-model-name names), then the loaded LoRA adapters (each
+with its `parent`, as vLLM lists them); GET /v1/models/{id}: one of them, or a 404 as OpenAI answers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from llmserve.server import protocol as P
+from llmserve.server.errors import APIError
 from llmserve.server.state import State
 
 router = APIRouter()
@@ -28,8 +30,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-@router.get("/v1/models", response_model=ModelList, responses=P.ERROR_RESPONSES)
-async def models(state: State):
+def _cards(state) -> list[ModelCard]:
     eng = state.engine_or_503()
     cards = [
         ModelCard(id=n, root=eng.engine.model_path, max_model_len=eng.engine.max_model_len) for n in state.model_names
@@ -38,4 +39,17 @@ async def models(state: State):
         cards.append(
             ModelCard(id=a.name, root=a.path, parent=state.model_names[0], max_model_len=eng.engine.max_model_len)
         )
-    return ModelList(data=cards)
+    return cards
+
+
+@router.get("/v1/models", response_model=ModelList, responses=P.ERROR_RESPONSES)
+async def models(state: State):
+    return ModelList(data=_cards(state))
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=P.ERROR_RESPONSES)
+async def model(model: str, state: State):
+    for card in _cards(state):
+        if card.id == model:
+            return card
+    raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
