@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from llmserve.flags import add_arguments, flag, from_args
+from llmserve.security import api_key_field, api_key_file_field, resolve_api_keys, ssl_field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the tool-call parsers (llmserve/server/tool_parsers/: its PARSERS, which a unit test holds to this list)
@@ -298,10 +299,17 @@ class ServerSettings:
 
     host: str = field(default="127.0.0.1", metadata=flag("address to listen on"))
     port: int = field(default=8000, metadata=flag("port to listen on"))
-    api_key: str | None = field(
-        default=None,
-        metadata=flag("require 'Authorization: Bearer KEY' on the API (also LLMSERVE_API_KEY)", env="LLMSERVE_API_KEY"),
+    ssl_keyfile: str | None = ssl_field("ssl_keyfile")  # TLS (llmserve/security.py): uvicorn's ssl_* settings
+    ssl_certfile: str | None = ssl_field("ssl_certfile")
+    ssl_ca_certs: str | None = ssl_field("ssl_ca_certs")
+    ssl_cert_reqs: int = ssl_field("ssl_cert_reqs")
+    # one key (a str) or several: any one is accepted (api_keys())
+    api_key: str | list[str] | None = api_key_field(
+        "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on the API; several keys: any one "
+        "is accepted (also LLMSERVE_API_KEY)",
+        env="LLMSERVE_API_KEY",
     )
+    api_key_file: str | None = api_key_file_field()
     protect_metrics: bool = field(  # /metrics, /health, /ready and /version need the key too
         default=False,
         metadata=flag(
@@ -388,6 +396,10 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
     retry_after_seconds: int = 1
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (--api-key's and --api-key-file's); empty: the API is open. Reads the file."""
+        return resolve_api_keys(self.api_key, self.api_key_file)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

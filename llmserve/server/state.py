@@ -30,6 +30,7 @@ req_log = logging.getLogger("llmserve.requests")
 class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
+        self.api_keys = settings.api_keys()  # --api-key's and --api-key-file's (read once, at start-up)
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.metrics: ServerMetrics | None = None
