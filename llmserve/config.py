@@ -393,6 +393,16 @@ class ServerSettings:
     log_prompts: bool = field(
         default=False, metadata=flag("log prompts and completions (off by default)", action="store_true")
     )
+    otlp_traces_endpoint: str | None = field(  # llmserve/server/tracing.py
+        default=None,
+        metadata=flag(
+            "export a span per request (vLLM's llm_request, gen_ai.* attributes) to this OTLP HTTP/protobuf "
+            "endpoint, e.g. http://127.0.0.1:4318/v1/traces (also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); needs "
+            "pip install 'llmserve[otlp]'",
+            metavar="URL",
+            env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ),
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
     ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
     retry_after_seconds: int = 1
