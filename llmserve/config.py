@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from llmserve.flags import add_arguments, flag, from_args
+from llmserve.security import api_key_field, api_key_file_field, resolve_api_keys, ssl_field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the tool-call parsers (llmserve/server/tool_parsers/: its PARSERS, which a unit test holds to this list)
@@ -362,10 +363,17 @@ class ServerSettings:
 
     host: str = field(default="127.0.0.1", metadata=flag("address to listen on"))
     port: int = field(default=8000, metadata=flag("port to listen on"))
-    api_key: str | None = field(
-        default=None,
-        metadata=flag("require 'Authorization: Bearer KEY' on the API (also LLMSERVE_API_KEY)", env="LLMSERVE_API_KEY"),
+    ssl_keyfile: str | None = ssl_field("ssl_keyfile")  # TLS (llmserve/security.py): uvicorn's ssl_* settings
+    ssl_certfile: str | None = ssl_field("ssl_certfile")
+    ssl_ca_certs: str | None = ssl_field("ssl_ca_certs")
+    ssl_cert_reqs: int = ssl_field("ssl_cert_reqs")
+    # one key (a str) or several: any one is accepted (api_keys())
+    api_key: str | list[str] | None = api_key_field(
+        "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on the API; several keys: any one "
+        "is accepted (also LLMSERVE_API_KEY)",
+        env="LLMSERVE_API_KEY",
     )
+    api_key_file: str | None = api_key_file_field()
     protect_metrics: bool = field(  # /metrics, /health, /ready and /version need the key too
         default=False,
         metadata=flag(
@@ -449,9 +457,23 @@ class ServerSettings:
     log_prompts: bool = field(
         default=False, metadata=flag("log prompts and completions (off by default)", action="store_true")
     )
+    otlp_traces_endpoint: str | None = field(  # llmserve/server/tracing.py
+        default=None,
+        metadata=flag(
+            "export a span per request (vLLM's llm_request, gen_ai.* attributes) to this OTLP HTTP/protobuf "
+            "endpoint, e.g. http://127.0.0.1:4318/v1/traces (also OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); needs "
+            "pip install 'llmserve[otlp]'",
+            metavar="URL",
+            env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ),
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
     ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
     retry_after_seconds: int = 1
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (--api-key's and --api-key-file's); empty: the API is open. Reads the file."""
+        return resolve_api_keys(self.api_key, self.api_key_file)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -58,6 +58,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
         os.environ.get("LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
     ),
     # -- other tools' conventions, as llmserve reads them ----------------------------------------
+    # OpenTelemetry's: where `llmserve serve` sends its request spans when --otlp-traces-endpoint is not given
+    # (default: none, no tracing). The exporter's other OTEL_* variables (OTEL_BSP_SCHEDULE_DELAY, headers,
+    # timeouts) are read by OpenTelemetry itself.
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": lambda: os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
     # any value: never download from the Hugging Face hub (a --model that is not a local path fails)
     "HF_HUB_OFFLINE": lambda: bool(os.environ.get("HF_HUB_OFFLINE")),
     # torchrun's (or by hand, for tensor parallelism over several machines): this process's rank, the

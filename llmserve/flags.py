@@ -35,8 +35,8 @@ def flag(
     `group`: the --help group of this flag and the next ones (until one names another; before any does:
     the one `add_arguments` is given); `action`, `type`, `metavar`:
     argparse's, where the field's type does not say (a bool field is --x/--no-x, a list field takes
-    several values); `parse`: the flag's value -> the field's; `env`: the variable (llmserve/envs.py) an
-    empty value falls back to."""
+    several values, "extend" takes several values and may be given several times); `parse`: the flag's
+    value -> the field's; `env`: the variable (llmserve/envs.py) an empty value falls back to."""
     return {
         "help": help,
         "choices": choices,
@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, group: str | None = None
         )
         if meta.get("action"):
             kwargs["action"] = meta["action"]
+            if meta["action"] == "extend":  # --api-key a b, --api-key a --api-key b
+                kwargs["nargs"] = "+"
         elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is list:  # --lora-modules a=x b=y

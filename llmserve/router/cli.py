@@ -4,6 +4,8 @@
                    --port 8080 --policy cache_aware
     llmserve route --config fleet.yaml
     llmserve route --backend-dns llmserve-headless.default.svc.cluster.local:8000
+    llmserve route --backend https://10.0.0.5:8000 --backend-ca-certs ca.pem \
+                   --ssl-keyfile key.pem --ssl-certfile cert.pem --api-key k1 k2
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ def build_router(args, dns_resolver=None):
 def run(args) -> int:
     import uvicorn
 
+    from llmserve.security import uvicorn_ssl
+
     from .app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
-    router = build_router(args)
+    try:
+        router = build_router(args)
+        tls = uvicorn_ssl(router.config, "llmserve route")
+    except ValueError as e:  # an unreadable --api-key-file, TLS files
+        raise SystemExit(str(e)) from e
     log = logging.getLogger("llmserve.router")
     log.info(
         "routing with policy %s over %d backends%s",
@@ -65,5 +73,6 @@ def run(args) -> int:
         access_log=False,
         proxy_headers=False,
         timeout_graceful_shutdown=5,
+        **tls,
     )
     return 0

@@ -4,7 +4,8 @@
 
 The replicas listen on 127.0.0.1:BASE_PORT+i (BASE_PORT defaults to --port + 1) and share the
 machine's threads (--num-threads is the total, split evenly). The router listens on --host:--port
-and is the only entry point. Ctrl-C / SIGTERM stops the router and every replica; a replica that
+and is the only entry point; the --ssl-* flags are its (https outside, plain http to the replicas on
+loopback), the API keys both its and the replicas'. Ctrl-C / SIGTERM stops the router and every replica; a replica that
 dies is restarted (up to --max-restarts times). Replicas also get SIGTERM if the launcher itself
 is killed (Linux parent-death signal).
 
@@ -28,8 +29,9 @@ from llmserve.config import add_serve_arguments
 log = logging.getLogger("llmserve.launch")
 
 # serve flags the launcher sets itself, per replica (--host and --port are the router's, --num-threads the
-# total, --api-key the router's and the replicas')
-_OWN = {"host", "port", "num_threads", "api_key", "help"}
+# total, --api-key the router's and the replicas', TLS the router's: the replicas listen on loopback, plain http)
+_TLS = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
+_OWN = {"host", "port", "num_threads", "api_key", "help", *_TLS}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,13 +131,15 @@ def replica_commands(args, n: int, base_port: int) -> list[list[str]]:
                 str(threads),
             ]
             if args.api_key:
-                cmd += ["--api-key", args.api_key]
+                cmd += ["--api-key", *([args.api_key] if isinstance(args.api_key, str) else args.api_key)]
         cmds.append(cmd)
     return cmds
 
 
 def run(args) -> int:
     import uvicorn
+
+    from llmserve.security import resolve_api_keys, uvicorn_ssl
 
     from .app import Router, RouterConfig, build_app
 
@@ -162,16 +166,21 @@ def run(args) -> int:
                     )
                     r.start()
 
-    router = Router(
-        RouterConfig(
+    try:
+        keys = resolve_api_keys(args.api_key, args.api_key_file)  # the replicas read --api-key-file too
+        config = RouterConfig(
             backends=[f"http://127.0.0.1:{r.port}" for r in replicas],
             policy=args.router_policy,
             max_retries=args.router_max_retries,
             health_interval=args.router_health_interval,
-            api_key=args.api_key,
-            backend_api_key=args.api_key,
+            api_key=list(keys),
+            backend_api_key=keys[0] if keys else None,
+            **{name: getattr(args, name) for name in _TLS},
         )
-    )
+        tls = uvicorn_ssl(config, "llmserve launch")
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    router = Router(config)
 
     # uvicorn turns SIGTERM / Ctrl-C into a graceful shutdown, then re-raises the signal with
     # the handlers it found: make those exit cleanly so the finally block stops the replicas.
@@ -193,6 +202,7 @@ def run(args) -> int:
             access_log=False,
             proxy_headers=False,
             timeout_graceful_shutdown=5,
+            **tls,
         )
     finally:
         stopping.set()

@@ -5,7 +5,7 @@ is proxy.py (proxied requests) and routes.py (everything else)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,6 +14,7 @@ import httpx
 from starlette.datastructures import Headers
 
 from llmserve.flags import flag
+from llmserve.security import api_key_field, api_key_file_field, key_ok, resolve_api_keys, ssl_field
 
 from .discovery import DnsDiscovery, DnsSource, Registry, Resolver
 from .errors import RouterError
@@ -58,9 +59,14 @@ class RouterConfig:
     # -- listening (the CLI's: uvicorn's)
     host: str = field(default="127.0.0.1", metadata=flag(None, group="listening"))
     port: int = field(default=8080, metadata=flag(None))
-    api_key: str | None = field(  # the router's own key (clients must send it)
-        default=None, metadata=flag("clients must send this key (Bearer, or x-api-key)")
+    ssl_keyfile: str | None = ssl_field("ssl_keyfile")  # TLS (llmserve/security.py): uvicorn's ssl_* settings
+    ssl_certfile: str | None = ssl_field("ssl_certfile")
+    ssl_ca_certs: str | None = ssl_field("ssl_ca_certs")
+    ssl_cert_reqs: int = ssl_field("ssl_cert_reqs")
+    api_key: str | list[str] | None = api_key_field(  # the router's own keys (clients must send one)
+        "clients must send this key (Bearer, or x-api-key); several keys: any one is accepted"
     )
+    api_key_file: str | None = api_key_file_field()
     backend_api_key: str | None = field(  # sent to backends instead of the client's key
         default=None, metadata=flag("key sent to backends (default: none; the client's key is not passed on)")
     )
@@ -69,6 +75,13 @@ class RouterConfig:
         metadata=flag(
             "pass the client's Authorization / x-api-key through to backends (off by default; --backend-api-key wins)",
             action="store_true",
+        ),
+    )
+    backend_ca_certs: str | None = field(  # https:// backends are verified against this (else the system's CAs)
+        default=None,
+        metadata=flag(
+            "CA certificates (PEM) to verify https:// backends with (default: the system's trusted CAs)",
+            metavar="FILE",
         ),
     )
     log_level: str = field(default="info", metadata=flag(None))
@@ -143,12 +156,21 @@ class RouterConfig:
     )
     queue_timeout: float = field(default=60.0, metadata=flag(None, metavar="S"))
 
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys clients may send (--api-key's and --api-key-file's); empty: none needed. Reads the file."""
+        return resolve_api_keys(self.api_key, self.api_key_file)
+
+    def backend_ssl_context(self) -> ssl.SSLContext:
+        """How https:// backends are verified: against --backend-ca-certs, else the system's CAs."""
+        return ssl.create_default_context(cafile=self.backend_ca_certs or None)
+
 
 class Router:
     """Backends, policy, health and the queue; the HTTP side is `build_app`."""
 
     def __init__(self, config: RouterConfig, registry: Registry | None = None, dns_resolver: Resolver | None = None):
         self.config = cfg = config
+        self.api_keys = cfg.api_keys()  # read once, at start-up
         self.metrics = RouterMetrics()
         self.registry = registry or Registry()
         for url in cfg.backends:
@@ -186,12 +208,14 @@ class Router:
     # -- lifecycle --
     async def start(self) -> None:
         cfg = self.config
+        tls = cfg.backend_ssl_context()
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             timeout=httpx.Timeout(cfg.connect_timeout, read=None),
             follow_redirects=False,
+            verify=tls,
         )
-        self.upstream = UpstreamPool(connect_timeout=cfg.connect_timeout)
+        self.upstream = UpstreamPool(connect_timeout=cfg.connect_timeout, ssl_context=tls)
         headers = {"Authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else {}
         self.health = HealthChecker(
             self.registry,
@@ -345,10 +369,5 @@ class Router:
         )
 
     def authorized(self, headers: Headers) -> bool:
-        key = self.config.api_key
-        if not key:
-            return True
-        auth = headers.get("authorization", "").encode("latin-1", "replace")
-        xkey = headers.get("x-api-key", "").encode("latin-1", "replace")
-        want = key.encode()  # constant-time comparisons: no timing oracle on the key
-        return hmac.compare_digest(auth, b"Bearer " + want) | hmac.compare_digest(xkey, want)
+        """The request carries one of the router's keys (or it has none)."""
+        return not self.api_keys or key_ok(headers, self.api_keys)

@@ -200,11 +200,13 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections per (scheme, host, port)."""
 
-    def __init__(self, connect_timeout: float = 5.0, max_idle_per_host: int = 128):
+    def __init__(
+        self, connect_timeout: float = 5.0, max_idle_per_host: int = 128, ssl_context: _ssl.SSLContext | None = None
+    ):
         self.connect_timeout = connect_timeout
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple, list[_Connection]] = {}
-        self._ssl = None
+        self._ssl = ssl_context  # https:// backends (None: the system's CAs, made on first use)
         self._closed = False
 
     @staticmethod

@@ -62,6 +62,8 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
         state.draining = True
         if state.engine is not None:
             state.engine.shutdown()
+        if state.tracer is not None:  # export the spans still queued
+            state.tracer.shutdown()
 
     # errors answer in the shape of the API the path belongs to (Anthropic's on /v1/messages)
     @app.exception_handler(APIError)

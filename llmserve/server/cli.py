@@ -1,4 +1,4 @@
-"""`llmserve serve`: flags (named as vLLM names them), YAML config, uvicorn, graceful shutdown."""
+"""`llmserve serve`: flags (named as vLLM names them), YAML config, uvicorn (TLS with --ssl-*), graceful shutdown."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from llmserve.security import uvicorn_ssl
     from llmserve.server.app import build_app
     from llmserve.server.http_limits import http_protocol
 
@@ -44,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
         if ext is not None and ext[0] != 0:  # torchrun / RANK>0: a worker, no HTTP
             return tp.run_external_worker(settings.engine)
     try:
+        tls = uvicorn_ssl(settings, "llmserve serve")
         app = build_app(settings)
-    except ValueError as e:  # a bad setting (--tool-call-parser from --config, --chat-template, ...)
+    except ValueError as e:  # a bad setting (--tool-call-parser from --config, --chat-template, TLS files, ...)
         raise SystemExit(f"llmserve serve: {e}") from e
     config = uvicorn.Config(
         app,
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=64 * 1024,
         timeout_keep_alive=5,
         http=http_protocol(settings.read_timeout, 64 * 1024),
+        **tls,
     )
     server = uvicorn.Server(config)
     exit_code = {"code": 0}

@@ -1,4 +1,5 @@
-"""The server's HTTP middleware: API key auth, body size and time limits, CORS wiring.
+"""The server's HTTP middleware: API key auth (any one of the keys: llmserve/security.py), body size and
+time limits, CORS wiring.
 
 GuardMiddleware is pure ASGI, so that streamed answers stay unbuffered. Header size and header time
 limits are uvicorn's protocol's (http_limits.py); the body's are here: a body over
@@ -10,11 +11,11 @@ client that writes its whole body before reading sees the 413.
 from __future__ import annotations
 
 import asyncio
-import hmac
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmserve.security import key_ok
 from llmserve.server.errors import APIError
 from llmserve.server.state import ServerState
 
@@ -64,15 +65,6 @@ def _too_slow_error(timeout: float) -> APIError:
 OPEN_PATHS = ("/health", "/ready", "/version", "/metrics", "/stats", "/openapi.json", "/docs", "/")
 
 
-def _key_ok(headers: dict[str, str], key: str) -> bool:
-    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
-    want = key.encode()
-    auth = headers.get("authorization") or ""
-    bearer = auth[7:].strip().encode() if auth.startswith("Bearer ") else b""
-    xkey = (headers.get("x-api-key") or "").strip().encode()
-    return hmac.compare_digest(bearer, want) | hmac.compare_digest(xkey, want)
-
-
 class GuardMiddleware:
     def __init__(self, app, state: ServerState) -> None:
         self.app = app
@@ -84,11 +76,11 @@ class GuardMiddleware:
         s = self.state.settings
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
-        if s.api_key and scope.get("method") != "OPTIONS":
+        if self.state.api_keys and scope.get("method") != "OPTIONS":
             open_path = (path in OPEN_PATHS or path.startswith("/static/")) and not (
                 s.protect_metrics and path in ("/health", "/ready", "/version", "/metrics", "/stats")
             )
-            if not open_path and not _key_ok(headers, s.api_key):
+            if not open_path and not key_ok(headers, self.state.api_keys):
                 err = APIError(
                     401,
                     "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",

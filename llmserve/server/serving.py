@@ -63,10 +63,15 @@ class Generation:
         Raises APIError for failures before or during generation."""
         queue: asyncio.Queue = asyncio.Queue()
 
+        tracer = self.state.tracer
+
         async def run(index: int, ids: list[int], params: SamplingParams) -> None:
             times: list[float] = []
+            rid = f"{self.rid}-{index}"
+            if tracer is not None:  # the span is made when the request finishes (state.record_finished)
+                tracer.begin(rid, self.request.headers if self.request is not None else None, params, self.model)
             try:
-                async for out in self.eng.generate(ids, params, f"{self.rid}-{index}", self.priority, self.lora):
+                async for out in self.eng.generate(ids, params, rid, self.priority, self.lora):
                     if out.outputs[0].delta_token_ids:
                         times.append(time.time())
                         if self.state.metrics is not None:
@@ -75,6 +80,8 @@ class Generation:
                     if out.finished:
                         self._record(out, ids, times)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                if tracer is not None and not isinstance(e, asyncio.CancelledError):
+                    tracer.forget(rid)  # refused or failed outside the engine (a cancelled one ends as an abort)
                 await queue.put((index, e))
 
         # Start every run; the first failure to add (bad input, full queue) fails the whole request.

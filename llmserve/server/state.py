@@ -22,6 +22,7 @@ from llmserve.server.errors import APIError
 from llmserve.server.faults import install_fault_injection
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.reasoning import ReasoningParser
+from llmserve.server.tracing import make_tracer
 
 log = logging.getLogger("llmserve.server")
 req_log = logging.getLogger("llmserve.requests")
@@ -30,6 +31,7 @@ req_log = logging.getLogger("llmserve.requests")
 class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
+        self.api_keys = settings.api_keys()  # --api-key's and --api-key-file's (read once, at start-up)
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.metrics: ServerMetrics | None = None
@@ -42,6 +44,7 @@ class ServerState:
         # the tool-call format: --tool-call-parser, else chosen from the chat template once the model loads
         self.tool_parser = tool_parsers.get_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         self.chat_template = read_chat_template(settings.chat_template)
+        self.tracer = make_tracer(settings.otlp_traces_endpoint)  # --otlp-traces-endpoint, else None
 
     @property
     def ready(self) -> bool:
@@ -135,7 +138,8 @@ class ServerState:
             self.on_fatal(e)
 
     def record_finished(self, out: RequestOutput, num_prompt_tokens: int, times: list[float], arrival: float) -> None:
-        """Metrics and the request log line for one finished engine request (aborted ones included)."""
+        """Metrics, the request log line and the trace span (--otlp-traces-endpoint) for one finished engine
+        request (aborted ones included)."""
         m = self.metrics
         if m is not None:
             m.token_times(arrival, times)
@@ -153,6 +157,11 @@ class ServerState:
             "finish_reason": comp.finish_reason,
             "preemptions": met.num_preemptions if met else 0,
         }
+        if self.tracer is not None:
+            try:
+                self.tracer.finish(out, num_prompt_tokens, self.model_names[0] if self.model_names else None)
+            except Exception:  # noqa: BLE001 - tracing must not break accounting
+                log.exception("could not record the request's span")
         if self.settings.log_prompts:
             fields["prompt"] = out.prompt
             fields["completion"] = comp.text

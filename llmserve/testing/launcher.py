@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -109,9 +110,12 @@ class ServerProcess:
         env: dict | None = None,
         log_path: str | None = None,
         ready_path: str = "/ready",
+        verify: str | None = None,
     ) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # a CA file: the server speaks https (its --ssl-* flags), verified against it
+        self.verify = ssl.create_default_context(cafile=verify) if verify else True
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.ready_path = ready_path
         name = cmd[-1].rsplit(".", 1)[-1]
         self.log_path = log_path or os.path.join(ROOT, "test-artifacts", f"{name}-{self.port}.log")
@@ -138,7 +142,10 @@ class ServerProcess:
                     f"{self.proc.args} exited with {self.proc.returncode}; {self.log_path}:\n" + self.log()[-3000:]
                 )
             try:
-                if httpx.get(self.url + self.ready_path, timeout=2, headers=headers).status_code == 200:
+                if (
+                    httpx.get(self.url + self.ready_path, timeout=2, headers=headers, verify=self.verify).status_code
+                    == 200
+                ):
                     return self
             except httpx.HTTPError:
                 pass
@@ -149,7 +156,8 @@ class ServerProcess:
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """/metrics -> {'name{labels}': value} and bare names summed over labels."""
-        return parse_prometheus(httpx.get(self.url + "/metrics", timeout=5, headers=headers).text, labelled=True)
+        r = httpx.get(self.url + "/metrics", timeout=5, headers=headers, verify=self.verify)
+        return parse_prometheus(r.text, labelled=True)
 
     def log(self) -> str:
         """What this process has written to its log so far."""

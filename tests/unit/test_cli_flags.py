@@ -97,7 +97,7 @@ def test_the_api_key_falls_back_to_its_variable(monkeypatch):
     serve_cli.add_arguments(p)
     monkeypatch.setenv("LLMSERVE_API_KEY", "from-env")
     assert serve_settings_from_args(p.parse_args([])).api_key == "from-env"
-    assert serve_settings_from_args(p.parse_args(["--api-key", "flag"])).api_key == "flag"
+    assert serve_settings_from_args(p.parse_args(["--api-key", "flag"])).api_key == ["flag"]  # --api-key takes several
 
 
 def test_the_router_and_the_launcher_build_their_flags_without_the_server():
