@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmserve run-batch: cannot read {args.input_file}: {e}", file=sys.stderr)
         return 1
     try:
-        results = asyncio.run(run_file(serve_settings_from_args(args), text))
+        settings = dataclasses.replace(serve_settings_from_args(args), batch_dir=None)  # no Batches API here
+        results = asyncio.run(run_file(settings, text))
     except ValueError as e:  # a bad setting (as `llmserve serve` refuses it)
         raise SystemExit(f"llmserve run-batch: {e}") from e
     _write(args.output_file, results)
