@@ -25,6 +25,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # the `priority` batch lines run at inside `llmserve serve` (lower runs first under --scheduling-policy
 # priority; interactive requests default to 0), unless a line's body names its own
 BATCH_PRIORITY = 1 << 20
+QUEUE_FULL_RETRIES = 30  # a line refused with 429 (--max-queued-requests) is sent again, after Retry-After
 
 
 @dataclass
@@ -130,7 +131,11 @@ async def run_line(client: httpx.AsyncClient, line: BatchLine, priority: int | N
     if priority is not None and "priority" not in body:
         body["priority"] = priority
     try:
-        r = await client.post(line.url, json=body)
+        for _ in range(QUEUE_FULL_RETRIES):
+            r = await client.post(line.url, json=body)
+            if r.status_code != 429:
+                break
+            await asyncio.sleep(_retry_after(r))
     except Exception as e:  # noqa: BLE001 - one line's failure is its result, never the batch's
         return result_line(line, 500, _error_body(500, f"internal error: {type(e).__name__}: {e}", "internal_error"))
     try:
@@ -139,6 +144,13 @@ async def run_line(client: httpx.AsyncClient, line: BatchLine, priority: int | N
         answer = {"text": r.text}
     rid = answer.get("id") if isinstance(answer, dict) and isinstance(answer.get("id"), str) else None
     return result_line(line, r.status_code, answer, rid)
+
+
+def _retry_after(r: httpx.Response) -> float:
+    try:
+        return min(30.0, max(0.05, float(r.headers.get("retry-after", "1"))))
+    except ValueError:
+        return 1.0
 
 
 async def run_lines(

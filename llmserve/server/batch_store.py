@@ -15,7 +15,8 @@ BATCH_PRIORITY (behind interactive requests under --scheduling-policy priority).
 the partial file as it comes; at the end the successful ones (2xx) go to the output file, the others to the
 error file (purpose "batch_output"), in the input's order. After a restart, a batch that was validating,
 in progress or finalizing is resumed: the lines already in its partial file are not sent again. A batch
-being cancelled starts no further line; those running finish, and what was done is in its files.
+being cancelled starts no further line; those running finish, and what was done is in its files. A server
+that stops (SIGTERM) starts no further line either, and leaves the batch in progress for the next start.
 """
 
 from __future__ import annotations
@@ -299,6 +300,9 @@ class BatchStore:
             todo = [line for line in lines if line.index not in done]
             if b["status"] == "in_progress" and todo:
                 await self._send(app, b, todo, done)
+            if state.draining:  # the server stops: what is left runs at the next start
+                self._save_batch(b)
+                return
             await asyncio.to_thread(self._finish, b, lines, done)
         except asyncio.CancelledError:
             raise  # shutdown: the batch stays as it is, resumed at the next start
@@ -309,10 +313,13 @@ class BatchStore:
             self._save_batch(b)
 
     async def _send(self, app, b: dict, todo, done: dict[int, dict]) -> None:
+        state = app.state.llm
         last_save = [time.monotonic()]
         with open(self._partial_path(b["id"]), "a", encoding="utf-8") as partial:
 
             def record(line, result) -> None:
+                if state.draining and (result.get("response") or {}).get("status_code") == 503:
+                    return  # refused because the server stops: not an answer, sent again at the next start
                 partial.write(json.dumps({"index": line.index, "result": result}) + "\n")
                 partial.flush()
                 done[line.index] = result
@@ -321,9 +328,14 @@ class BatchStore:
                     last_save[0] = time.monotonic()
                     self._save_batch(b)
 
-            async with in_process_client(app, app.state.llm.settings.api_key) as client:
+            async with in_process_client(app, state.settings.api_key) as client:
                 await run_lines(
-                    client, todo, self.concurrency, record, BATCH_PRIORITY, stop=lambda: b["status"] == "cancelling"
+                    client,
+                    todo,
+                    self.concurrency,
+                    record,
+                    BATCH_PRIORITY,
+                    stop=lambda: b["status"] == "cancelling" or state.draining,
                 )
 
     @staticmethod

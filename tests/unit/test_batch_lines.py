@@ -137,3 +137,22 @@ def test_run_lines_stops_starting_lines_when_told():
 
     results = asyncio.run(go())
     assert sorted(results) == [0, 1]
+
+
+def test_a_line_refused_for_a_full_queue_is_sent_again():
+    app, calls = FastAPI(), []
+
+    @app.post("/v1/completions")
+    async def completions():
+        calls.append(1)
+        if len(calls) < 3:
+            return JSONResponse({"error": {"message": "full"}}, status_code=429, headers={"Retry-After": "0"})
+        return {"id": "cmpl-1"}
+
+    (line,) = parse_lines(json.dumps({"custom_id": "q", "url": "/v1/completions", "body": {"prompt": "x"}}))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await run_lines(client, [line], 1)
+
+    assert succeeded(asyncio.run(go())[0]) and len(calls) == 3

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from llmserve.config import ServerSettings
 from llmserve.server.api.files import parse_multipart
@@ -136,7 +137,7 @@ def test_a_batch_resumes_from_its_partial_results(tmp_path):
         sent.append(body)
         return {"id": f"chatcmpl-{len(sent)}", "n": len(sent)}
 
-    app.state.llm = SimpleNamespace(ready=True, load_error=None, settings=SimpleNamespace(api_key=None))
+    app.state.llm = SimpleNamespace(ready=True, load_error=None, draining=False, settings=SimpleNamespace(api_key=None))
     asyncio.run(store._run(app, b["id"]))
     assert len(sent) == 4 and {s["priority"] for s in sent} == {1 << 20}
     assert b["status"] == "completed" and b["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -146,3 +147,29 @@ def test_a_batch_resumes_from_its_partial_results(tmp_path):
     assert not (tmp_path / "batches" / f"{b['id']}.partial.jsonl").exists()
     asyncio.run(store.stop())
     assert BatchStore(str(tmp_path), 10000, 2).batch(b["id"])["status"] == "completed"
+
+
+def test_a_stopping_server_leaves_its_batch_in_progress(tmp_path):
+    """SIGTERM: the lines refused with 503 while the server drains are not answers; the batch stays in progress."""
+    lines = [{**LINE, "custom_id": f"r{i}"} for i in range(6)]
+    store = BatchStore(str(tmp_path), 10000, 1)
+    f = store.add_file("r.jsonl", "batch", "".join(json.dumps(x) + "\n" for x in lines).encode())
+    b = store.create_batch(f["id"], "/v1/chat/completions", "24h", None)
+    app = FastAPI()
+    app.state.llm = state = SimpleNamespace(
+        ready=True, load_error=None, draining=False, settings=SimpleNamespace(api_key=None)
+    )
+    sent = []
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        sent.append(1)
+        if len(sent) >= 2:
+            state.draining = True
+            return JSONResponse({"error": {"message": "not ready"}}, status_code=503)
+        return {"id": "chatcmpl-1"}
+
+    asyncio.run(store._run(app, b["id"]))
+    assert len(sent) == 2 and b["status"] == "in_progress" and b["output_file_id"] is None
+    assert len((tmp_path / "batches" / f"{b['id']}.partial.jsonl").read_text().splitlines()) == 1
+    assert b["request_counts"] == {"total": 6, "completed": 1, "failed": 0}
