@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from llmserve.server import protocol as P
-from llmserve.server.api.files import store
+from llmserve.server.api.files import ListPage, store
 from llmserve.server.state import State
 
 router = APIRouter()
@@ -56,12 +56,8 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
+class BatchList(ListPage):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 @router.post("/v1/batches", response_model=BatchObject, responses=P.ERROR_RESPONSES)

@@ -35,12 +35,17 @@ class FileObject(BaseModel):
     status_details: str | None = None
 
 
-class FileList(BaseModel):
+class ListPage(BaseModel):
+    """OpenAI's cursor page (its `data` in each subclass): batch_store._page builds them."""
+
     object: Literal["list"] = "list"
-    data: list[FileObject]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+class FileList(ListPage):
+    data: list[FileObject]
 
 
 class FileDeleted(BaseModel):
