@@ -1,4 +1,4 @@
-"""`llmserve` command line: serve | route | launch | bench | chat | generate.
+"""`llmserve` command line: serve | run-batch | route | launch | bench | chat | generate.
 
 Each subcommand lives with the component it drives; this file only wires them together so that
 `llmserve --help` stays fast (heavy modules are imported when a subcommand runs).
@@ -13,6 +13,7 @@ import sys
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int | None`
 SUBCOMMANDS = {
     "serve": ("llmserve.server.cli", "Serve a model over an OpenAI-compatible HTTP API"),
+    "run-batch": ("llmserve.server.run_batch", "Run an OpenAI batch file (JSONL) through the server, offline"),
     "route": ("llmserve.router.cli", "Route OpenAI API requests over several servers"),
     "launch": ("llmserve.router.launch", "Start N servers and a router on this machine"),
     "bench": ("llmserve.bench.cli", "Load-test an OpenAI-compatible server"),

@@ -453,6 +453,18 @@ class ServerSettings:
             choices=("last", "mean"),
         ),
     )
+    batch_dir: str | None = field(  # the Files and Batches APIs (llmserve/server/batch_store.py)
+        default=None,
+        metadata=flag(
+            "keep OpenAI Files and Batches API state here (uploaded files, batches, their results; they survive a "
+            "restart, a batch in progress resumes); one server per folder. Default: none, /v1/files and "
+            "/v1/batches answer 404",
+            metavar="DIR",
+        ),
+    )
+    max_batch_file_bytes: int = field(
+        default=64 * 1024 * 1024, metadata=flag("with --batch-dir: larger uploads to /v1/files get 413")
+    )
     log_level: str = field(default="info", metadata=flag(None, choices=("debug", "info", "warning", "error")))
     log_prompts: bool = field(
         default=False, metadata=flag("log prompts and completions (off by default)", action="store_true")

@@ -56,10 +56,14 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
             threading.Thread(target=state.load, name="llmserve-load", daemon=True).start()
         else:
             state.load()
+        if state.batches is not None:  # the batches left unfinished run on (they wait for the model)
+            state.batches.start(app)
 
     @app.on_event("shutdown")
     async def _shutdown():
         state.draining = True
+        if state.batches is not None:
+            await state.batches.stop()
         if state.engine is not None:
             state.engine.shutdown()
         if state.tracer is not None:  # export the spans still queued

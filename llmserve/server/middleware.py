@@ -88,6 +88,8 @@ class GuardMiddleware:
                 )
                 return await err.response(path)(scope, receive, send)
         limit = s.max_request_body_bytes
+        if path == "/v1/files" and s.batch_dir:  # uploads: the file's limit, and room for the multipart framing
+            limit = max(limit, s.max_batch_file_bytes + 64 * 1024)
         try:
             declared = int(headers.get("content-length", "0") or 0)
         except ValueError:

@@ -120,3 +120,4 @@ class UsageInfo(BaseModel):
 
 # the error answers each route documents (for /openapi.json)
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+CONFLICT_RESPONSES = {**ERROR_RESPONSES, 409: {"model": ErrorResponse}}  # the Files and Batches APIs' 409

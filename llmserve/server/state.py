@@ -18,6 +18,7 @@ from llmserve.config import ServerSettings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
 from llmserve.server import tool_parsers
+from llmserve.server.batch_store import BatchStore
 from llmserve.server.errors import APIError
 from llmserve.server.faults import install_fault_injection
 from llmserve.server.metrics import ServerMetrics
@@ -45,6 +46,12 @@ class ServerState:
         self.tool_parser = tool_parsers.get_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         self.chat_template = read_chat_template(settings.chat_template)
         self.tracer = make_tracer(settings.otlp_traces_endpoint)  # --otlp-traces-endpoint, else None
+        # the Files and Batches APIs' state (--batch-dir), batches run at most half max_num_seqs at a time
+        self.batches = (
+            BatchStore(settings.batch_dir, settings.max_batch_file_bytes, settings.engine.max_num_seqs // 2)
+            if settings.batch_dir
+            else None
+        )
 
     @property
     def ready(self) -> bool:

@@ -42,6 +42,15 @@ API = {
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/files"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/files/{file_id}"),
+    ("GET", "/v1/files/{file_id}/content"),
+    ("DELETE", "/v1/files/{file_id}"),
+    ("POST", "/v1/batches"),
+    ("GET", "/v1/batches"),
+    ("GET", "/v1/batches/{batch_id}"),
+    ("POST", "/v1/batches/{batch_id}/cancel"),
 }
 # operations whose generated cases must include answered ones (embeddings' random token ids and strings are
 # mostly refused, as they should be: their answers are covered by tests/e2e/test_embeddings.py)
@@ -50,8 +59,11 @@ TIMEOUT = 150
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--api-key", KEY, "--max-model-len", "256", "--max-num-seqs", "32", "--request-timeout", "120")
+def server(tmp_path_factory):
+    srv = ServerProcess(
+        *("--api-key", KEY, "--max-model-len", "256", "--max-num-seqs", "32", "--request-timeout", "120"),
+        *("--batch-dir", str(tmp_path_factory.mktemp("batches"))),  # the Files and Batches APIs on
+    )
     try:
         srv.wait_ready()
         yield srv

@@ -1,4 +1,4 @@
-"""The flags of `llmserve serve`, `route` and `launch` (names, aliases, defaults, help, choices, types,
+"""The flags of `llmserve serve`, `run-batch`, `route` and `launch` (names, aliases, defaults, help, choices, types,
 groups), and the settings they give when none is passed, against a snapshot (tests/data/cli_flags.json).
 The engine's group is left out: test_config_flags.py checks it against EngineConfig.
 
@@ -59,6 +59,7 @@ def current() -> dict:
     from llmserve.router import launch
     from llmserve.router.app import RouterConfig
     from llmserve.server import cli as serve_cli
+    from llmserve.server import run_batch
 
     def parse(add_arguments, argv):
         p = argparse.ArgumentParser()
@@ -67,6 +68,7 @@ def current() -> dict:
 
     return {
         "serve": parser_spec(serve_cli.add_arguments),
+        "run-batch": parser_spec(run_batch.add_arguments),
         "route": parser_spec(route_cli.add_arguments),
         "launch": parser_spec(launch.add_arguments),
         # what no flags give

@@ -10,6 +10,8 @@ rendering (how an engine output becomes the API's JSON body or SSE events, rende
     ollama.py       Ollama's API: /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/ps, ...
                     (its answers in ollama_render.py)
     models.py       GET /v1/models
+    files.py        /v1/files: OpenAI's Files API, for batch input and output files (--batch-dir)
+    batches.py      /v1/batches: OpenAI's Batches API, run in the background (batch_store.py, batch.py)
     lora.py         POST /v1/load_lora_adapter, /v1/unload_lora_adapter (runtime LoRA adapters)
     health.py       GET /health, /ready, /version
     metrics.py      GET /metrics, /stats
@@ -27,9 +29,11 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from llmserve.server.api import (
+    batches,
     chat,
     completions,
     embeddings,
+    files,
     health,
     lora,
     messages,
@@ -43,7 +47,22 @@ from llmserve.server.api import (
 from llmserve.server.state import ServerState
 
 # in the order their routes are matched and listed in /openapi.json
-APIS = (health, metrics, models, lora, web, tokenize, chat, completions, responses, embeddings, messages, ollama)
+APIS = (
+    health,
+    metrics,
+    models,
+    lora,
+    web,
+    tokenize,
+    chat,
+    completions,
+    responses,
+    embeddings,
+    messages,
+    ollama,
+    files,
+    batches,
+)
 
 
 def include_apis(app: FastAPI, state: ServerState) -> None:
