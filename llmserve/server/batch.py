@@ -182,9 +182,10 @@ async def run_lines(
     return results
 
 
-def in_process_client(app, api_key: str | None = None) -> httpx.AsyncClient:
-    """An httpx client that calls `app` in this process (no socket), with the API key where there is one."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def in_process_client(app, api_keys: tuple[str, ...] = ()) -> httpx.AsyncClient:
+    """An httpx client that calls `app` in this process (no socket), with the first accepted API key where
+    the server has any (`Settings.api_keys()`: --api-key's and --api-key-file's)."""
+    headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://llmserve-batch", headers=headers, timeout=None
     )

@@ -328,7 +328,7 @@ class BatchStore:
                     last_save[0] = time.monotonic()
                     self._save_batch(b)
 
-            async with in_process_client(app, state.settings.api_key) as client:
+            async with in_process_client(app, state.api_keys) as client:
                 await run_lines(
                     client,
                     todo,

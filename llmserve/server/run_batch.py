@@ -65,7 +65,7 @@ async def run_file(settings, text: str) -> list[dict]:
         if state.engine is None:
             raise SystemExit(f"llmserve run-batch: the model failed to load: {state.load_error}")
         with tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr) as bar:
-            async with in_process_client(app, settings.api_key) as client:
+            async with in_process_client(app, state.api_keys) as client:
                 results = await run_lines(
                     client, lines, settings.engine.max_num_seqs, on_result=lambda _line, _r: bar.update(1)
                 )
