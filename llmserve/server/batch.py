@@ -191,6 +191,29 @@ def in_process_client(app, api_keys: tuple[str, ...] = ()) -> httpx.AsyncClient:
     )
 
 
+def read_partial(path: str) -> dict[int, dict]:
+    """The results recorded so far in a partial file ({"index", "result"} a line): {line index: result line}.
+    A missing file is none; a line cut short by a crash is skipped (its request runs again)."""
+    done = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for text in f:
+                try:
+                    rec = json.loads(text)
+                    done[int(rec["index"])] = rec["result"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+    except FileNotFoundError:
+        pass
+    return done
+
+
+def record_partial(f, line: BatchLine, result: dict) -> None:
+    """`line`'s result appended to an open partial file, flushed (what a crash leaves is kept)."""
+    f.write(json.dumps({"index": line.index, "result": result}, ensure_ascii=False) + "\n")
+    f.flush()
+
+
 @asynccontextmanager
 async def running_app(app):
     """`app` started (its lifespan: the engine loads) and stopped around the block."""

@@ -35,6 +35,8 @@ from llmserve.server.batch import (
     check_lines,
     in_process_client,
     parse_lines,
+    read_partial,
+    record_partial,
     run_lines,
     succeeded,
 )
@@ -267,20 +269,6 @@ class BatchStore:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._lock.close()
 
-    def _read_partial(self, batch_id: str) -> dict[int, dict]:
-        done = {}
-        try:
-            with open(self._partial_path(batch_id), encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                        done[int(rec["index"])] = rec["result"]
-                    except (ValueError, KeyError, TypeError):
-                        pass  # a line cut short by a crash: its request runs again
-        except FileNotFoundError:
-            pass
-        return done
-
     async def _run(self, app, batch_id: str) -> None:
         b = self.batches[batch_id]
         state = app.state.llm
@@ -295,7 +283,7 @@ class BatchStore:
             if b["input_file_id"] not in self.files:
                 raise RuntimeError(f"the input file {b['input_file_id']} was deleted")
             lines = parse_lines(self.content(b["input_file_id"]).decode("utf-8"), b["endpoint"])
-            done = self._read_partial(batch_id)
+            done = read_partial(self._partial_path(batch_id))
             self._count(b, done)
             todo = [line for line in lines if line.index not in done]
             if b["status"] == "in_progress" and todo:
@@ -320,8 +308,7 @@ class BatchStore:
             def record(line, result) -> None:
                 if state.draining and (result.get("response") or {}).get("status_code") == 503:
                     return  # refused because the server stops: not an answer, sent again at the next start
-                partial.write(json.dumps({"index": line.index, "result": result}) + "\n")
-                partial.flush()
+                record_partial(partial, line, result)
                 done[line.index] = result
                 b["request_counts"]["completed" if succeeded(result) else "failed"] += 1
                 if time.monotonic() - last_save[0] > 1.0:  # the counts, for GET /v1/batches/{id} after a restart

@@ -137,7 +137,7 @@ def test_a_batch_resumes_from_its_partial_results(tmp_path):
         sent.append(body)
         return {"id": f"chatcmpl-{len(sent)}", "n": len(sent)}
 
-    app.state.llm = SimpleNamespace(ready=True, load_error=None, draining=False, settings=SimpleNamespace(api_key=None))
+    app.state.llm = SimpleNamespace(ready=True, load_error=None, draining=False, api_keys=())
     asyncio.run(store._run(app, b["id"]))
     assert len(sent) == 4 and {s["priority"] for s in sent} == {1 << 20}
     assert b["status"] == "completed" and b["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
@@ -156,9 +156,7 @@ def test_a_stopping_server_leaves_its_batch_in_progress(tmp_path):
     f = store.add_file("r.jsonl", "batch", "".join(json.dumps(x) + "\n" for x in lines).encode())
     b = store.create_batch(f["id"], "/v1/chat/completions", "24h", None)
     app = FastAPI()
-    app.state.llm = state = SimpleNamespace(
-        ready=True, load_error=None, draining=False, settings=SimpleNamespace(api_key=None)
-    )
+    app.state.llm = state = SimpleNamespace(ready=True, load_error=None, draining=False, api_keys=())
     sent = []
 
     @app.post("/v1/chat/completions")
