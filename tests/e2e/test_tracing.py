@@ -1,7 +1,8 @@
 """--otlp-traces-endpoint on a real `llmserve serve`: a tiny OTLP HTTP collector in this process receives the
 spans (one "llm_request" per request, vLLM's gen_ai.* attributes), a request's `traceparent` makes its span a
-child of the caller's, and the spans still queued are exported when the server stops (the batch delay here is
-longer than the test, so they arrive only by the shutdown flush)."""
+child of the caller's (sent through `llmserve route`, which passes the header on), and the spans still queued
+are exported when the server stops (the batch delay here is longer than the test, so they arrive only by the
+shutdown flush)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from llmserve.testing.launcher import ServerProcess, wait_until
+from llmserve.testing.launcher import ServerProcess, router_thread, wait_until
 
 trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 pytest.importorskip("opentelemetry.sdk")
@@ -81,12 +82,13 @@ def test_a_span_per_request_with_vllm_attributes_and_the_callers_parent():
         try:
             srv.wait_ready()
             prompt = "Count: one, two, three,"
-            r1 = httpx.post(
-                srv.url + "/v1/completions",
-                json={"prompt": prompt, "max_tokens": 5, "temperature": 0.0, "top_p": 0.9},
-                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
-                timeout=120,
-            )
+            with router_thread(backends=[srv.url]) as router:  # the W3C header crosses the router
+                r1 = httpx.post(
+                    router.url + "/v1/completions",
+                    json={"prompt": prompt, "max_tokens": 5, "temperature": 0.0, "top_p": 0.9},
+                    headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+                    timeout=120,
+                )
             r2 = httpx.post(
                 srv.url + "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
