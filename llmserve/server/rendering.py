@@ -100,6 +100,10 @@ class Rendering:
     def ping(self) -> str:
         return ": ping\n\n"
 
+    def completion_tokens(self, out: RequestOutput) -> int:
+        """The tokens `out` counts as its completion in usage (what the answer shows)."""
+        return len(out.outputs[0].token_ids)
+
 
 def token_text(tok, token_id: int) -> str:
     """One token's text, special tokens included (logprobs name their tokens so)."""

@@ -138,7 +138,7 @@ class Generation:
         for i, pi, ids, _ in self.runs:
             firsts.setdefault(pi, (i, len(ids)))
         prompt = sum(n for _, n in firsts.values())
-        completion = sum(len(o.outputs[0].token_ids) for o in self.latest.values())
+        completion = sum(self.rendering.completion_tokens(o) for o in self.latest.values())
         cached = sum(self.latest[i].num_cached_tokens for i, _ in firsts.values() if i in self.latest)
         return prompt, completion, cached
 

@@ -66,6 +66,7 @@ def test_echo_logprobs_equal_transformers(client, hf_model, hf_tokenizer):
     z = client.completions.create(model="smol", prompt=ids, max_tokens=0, echo=True, logprobs=1)
     assert z.choices[0].text == hf_tokenizer.decode(ids)
     assert z.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1], abs=1e-5)
+    assert (z.usage.prompt_tokens, z.usage.completion_tokens, z.usage.total_tokens) == (len(ids), 0, len(ids))
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="smol", prompt=ids, max_tokens=0)
 

@@ -4,7 +4,7 @@ Each prompt (text or token ids; several in one request) is tokenized, n choices 
 Generation, and CompletionRendering writes each choice in OpenAI's envelope (rendering.ChoicesRendering):
 `text` (with `echo`, the prompt first), logprobs in the completions shape: with `echo`, the prompt's tokens
 first (the engine's prompt logprobs, the first token's None), as lm-eval's loglikelihood reads them; `max_tokens:
-0` with `echo` answers the prompt alone (one token is generated and dropped, as vLLM does). vLLM's
+0` with `echo` answers the prompt alone (one token is generated and dropped, as vLLM does; usage counts 0). vLLM's
 `prompt_logprobs` field answers each choice's `prompt_logprobs` (rendering.vllm_prompt_logprobs).
 """
 
@@ -164,6 +164,9 @@ class CompletionRendering(ChoicesRendering):
         if self.no_output:  # max_tokens 0: the generated token is dropped
             return "", [] if self.req.logprobs is not None else None
         return (c.delta_text, c.delta_logprobs) if delta else (c.text, c.logprobs)
+
+    def completion_tokens(self, out: RequestOutput) -> int:
+        return 0 if self.no_output else super().completion_tokens(out)  # max_tokens 0: nothing is shown
 
     def _extras(self, choice: dict, i: int, out: RequestOutput) -> dict:
         if self.req.prompt_logprobs is not None:  # vLLM's field
