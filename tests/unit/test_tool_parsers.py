@@ -220,3 +220,16 @@ def test_strict_tools_under_auto_get_a_structural_tag():
     assert tp.plan([strict], "auto", tp.PARSERS["mistral"]).strict_tag() is None  # hermes' format only
     rf = SimpleNamespace(response_format={"type": "json_object"})
     assert tp.guided_kwargs(rf, tp.plan([strict], "auto")) == {"guided_json_object": True}
+
+
+def test_a_forced_call_wins_over_response_format():
+    """openai-agents sends an Agent's output_type as response_format with ModelSettings.tool_choice: OpenAI
+    answers with the call (the format is for a text answer); guided_* with a forced call stays a 400."""
+    from types import SimpleNamespace
+
+    rf = SimpleNamespace(response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": {}}})
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        p = tp.plan(TOOLS, choice)
+        assert tp.guided_kwargs(rf, p) == {"guided_json": json.dumps(p.forced_schema)}
+    with pytest.raises(ValueError, match="guided_"):
+        tp.guided_kwargs(SimpleNamespace(guided_regex="a+"), tp.plan(TOOLS, "required"))

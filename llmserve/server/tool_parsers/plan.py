@@ -10,6 +10,7 @@ into the prompt, forced calls as a grammar (the parsers of the model's output ar
   constrain the output with a JSON schema (anyOf over the functions, or the one named), so the
   output is always exactly one call object, read by the hermes parser (its bare-object form).
 - `parallel_tool_calls: false`: only the first call is kept.
+- `response_format` with a required or named call: the call wins (the format is for a text answer).
 - `strict: true` tools under "auto" (hermes' format): the text is free until `<tool_call>`, then the
   grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag).
 """
@@ -213,6 +214,10 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
             kw["guided_json"] = schema
         elif kind != "text":
             raise ValueError(f'response_format: type must be "text", "json_object" or "json_schema", got {kind!r}')
+    if p is not None and p.forced:
+        # response_format shapes a text answer, and a forced call has none: the call wins, as OpenAI's API
+        # has it (openai-agents sends both: an Agent's output_type with ModelSettings.tool_choice)
+        kw = {}
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         v = getattr(body, name, None)
         if v is not None:
@@ -221,9 +226,7 @@ def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
             kw[name] = v
     if p is not None and p.forced:
         if kw:
-            raise ValueError(
-                "tool_choice: a required or named tool call cannot be combined with response_format or guided_*"
-            )
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with guided_*")
         # as text: the engine's grammar keeps a text schema's key order (a dict's keys are sorted), and the
         # call's name must come before its arguments for the arguments to stream under their name
         kw["guided_json"] = json.dumps(p.forced_schema)
