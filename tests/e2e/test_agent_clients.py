@@ -176,22 +176,32 @@ def test_pydantic_ai_tool_then_output_tool(url):
     assert {t["function"]["name"] for t in rec.bodies[0]["tools"]} == {"lookup_age", "final_result"}
 
 
-def test_pydantic_ai_output_type_alone(url):
-    """Without function tools pydantic-ai sends tool_choice "required" over its output tool: one request."""
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_pydantic_ai_output_type_streamed(url, api):
+    """Without function tools pydantic-ai sends tool_choice "required" over its output tool: one request,
+    streamed by run_stream (the output validated as the call's arguments come), through OpenAIChatModel and
+    OpenAIResponsesModel."""
     from pydantic_ai import Agent
-    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
     rec = Recorder()
     client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, http_client=rec.async_client())
+    cls = OpenAIChatModel if api == "chat" else OpenAIResponsesModel
     agent = Agent(
-        OpenAIChatModel("x", provider=OpenAIProvider(openai_client=client)),
+        cls("x", provider=OpenAIProvider(openai_client=client)),
         output_type=Person,
         model_settings={"temperature": 0, "max_tokens": 60},
     )
-    r = agent.run_sync("Alice is 31.")
-    assert isinstance(r.output, Person) and r.output.age == 31
-    assert len(rec.bodies) == 1 and rec.bodies[0]["tool_choice"] == "required"
+
+    async def run():
+        async with agent.run_stream("Alice is 31.") as r:
+            return [o async for o in r.stream_output()]
+
+    outputs = asyncio.run(run())
+    assert outputs[-1] == Person(name="Alice", age=31)
+    (body,) = rec.bodies
+    assert body["tool_choice"] == "required" and body["stream"] is True
 
 
 # -- instructor -----------------------------------------------------------------------------------------
@@ -219,6 +229,19 @@ def test_instructor_extracts_a_model(url, mode):
         assert body["tool_choice"] == {"type": "function", "function": {"name": "Person"}}
 
 
+def test_instructor_responses_tools(url):
+    """Mode.RESPONSES_TOOLS sends a named tool_choice and the schema as text.format too (the forced call wins)."""
+    rec = Recorder()
+    raw = openai.OpenAI(base_url=url, api_key="x", max_retries=0, http_client=rec.client())
+    client = instructor.from_openai(raw, mode=instructor.Mode.RESPONSES_TOOLS)
+    p = client.responses.create(
+        model="x", response_model=Person, input="Alice is 31.", temperature=0, max_output_tokens=60, max_retries=0
+    )
+    assert isinstance(p, Person) and p.age == 31
+    (body,) = rec.bodies
+    assert body["tool_choice"] == {"type": "function", "name": "Person"} and body["text"]["format"]["type"]
+
+
 def test_instructor_partial_stream(url):
     """create_partial: the streamed call's argument pieces, parsed as they come, end as the whole model."""
     raw = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
@@ -238,7 +261,7 @@ def test_instructor_partial_stream(url):
 
 
 # -- langchain-openai -----------------------------------------------------------------------------------
-def _lc(url: str, rec: Recorder | None = None):
+def _lc(url: str, rec: Recorder | None = None, **kw):
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
@@ -249,6 +272,7 @@ def _lc(url: str, rec: Recorder | None = None):
         max_tokens=60,
         max_retries=0,
         **({"http_client": rec.client()} if rec else {}),
+        **kw,
     )
 
 
@@ -293,3 +317,26 @@ def test_langchain_with_structured_output(url, method):
     p = llm.invoke("Alice is 31.")
     assert isinstance(p, Person) and p.age == 31
     assert list(llm.stream("Alice is 31."))[-1] == p
+
+
+def test_langchain_on_the_responses_api(url):
+    """use_responses_api=True: a forced call invoked and streamed, and with_structured_output (text.format)."""
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return "21"
+
+    rec = Recorder()
+    llm = _lc(url, rec, use_responses_api=True)
+    forced = llm.bind_tools([get_weather], tool_choice="get_weather")
+    (call,) = forced.invoke("Weather in Paris?").tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    acc = None
+    for ch in forced.stream("Weather in Paris?"):
+        acc = ch if acc is None else acc + ch
+    (streamed,) = acc.tool_calls
+    assert (streamed["name"], streamed["args"]) == (call["name"], call["args"])
+    assert llm.with_structured_output(Person).invoke("Alice is 31.") == Person(name="Alice", age=31)
+    assert all(b.get("input") for b in rec.bodies) and len(rec.bodies) == 3
