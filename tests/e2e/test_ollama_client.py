@@ -13,6 +13,7 @@ import math
 from datetime import datetime
 
 import ollama
+import ollama._types as ollama_types
 import pytest
 from langchain_ollama import ChatOllama, OllamaEmbeddings
 from pydantic import BaseModel, Field
@@ -109,6 +110,18 @@ def test_generate(client, greedy):
     stop = client.generate(MODEL, STORY, options={**GREEDY, "num_predict": 60, "stop": ["."]})
     assert "." not in stop.response and stop.done_reason == "stop" and stop.eval_count < 60
     assert stop.response.startswith(g.response)
+
+
+def test_logprobs(client, greedy):
+    r = client.chat(MODEL, Q, options=GREEDY, logprobs=True, top_logprobs=2)
+    assert r.message.content == greedy.message.content and len(r.logprobs) == r.eval_count == 12
+    assert all(isinstance(e, ollama_types.Logprob) and e.logprob <= 0 and len(e.top_logprobs) == 2 for e in r.logprobs)
+    assert "".join(e.token for e in r.logprobs) == r.message.content
+    assert all(e.top_logprobs[0].token == e.token for e in r.logprobs)  # greedy: the most likely one
+    parts = list(client.generate(MODEL, STORY, options=GREEDY, logprobs=True, stream=True))
+    streamed = [e for p in parts for e in (p.logprobs or [])]
+    assert [e.token for e in streamed] == [e.token for e in r.logprobs] and not streamed[0].top_logprobs
+    assert client.chat(MODEL, Q, options=GREEDY).logprobs is None
 
 
 def test_format_json_and_a_pydantic_schema(client):
