@@ -175,6 +175,13 @@ def test_embed_and_embeddings(client):
     assert math.isclose(sum(x * x for x in one.embeddings[0]), 1, abs_tol=1e-3)
     two = client.embed(MODEL, ["Paris is in France.", "def f(): pass"])
     assert len(two.embeddings) == 2 and max(abs(a - b) for a, b in zip(two.embeddings[0], one.embeddings[0])) < 1e-4
+    # an input over the context: cut to it (truncate, true unless the client says false) or a 400
+    long = client.embed(MODEL, ["word " * 600, "Paris is in France."])
+    assert long.prompt_eval_count == 511 + one.prompt_eval_count and len(long.embeddings) == 2
+    assert max(abs(a - b) for a, b in zip(long.embeddings[1], one.embeddings[0])) < 1e-4
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(MODEL, "word " * 600, truncate=False)
+    assert e.value.status_code == 400 and "context length" in e.value.error
     legacy = client.embeddings(MODEL, "Paris is in France.")
     assert isinstance(legacy, ollama.EmbeddingsResponse)
     assert max(abs(a - b) for a, b in zip(legacy.embedding, one.embeddings[0])) < 1e-4

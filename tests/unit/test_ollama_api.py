@@ -3,6 +3,7 @@ the NDJSON lines and the JSON answer of chat and generate (fake engine outputs),
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -189,6 +190,23 @@ def test_logprobs_when_asked_for():
         lines += [json.loads(ln) for ln in r.stream_output(_gen(out), 0, out)]
     assert [[e["token"] for e in ln.get("logprobs", [])] for ln in lines] == [["<1>"], ["<2>", "<3>"], []]
     assert "".join(ln["response"] for ln in lines) == "Hi<tool x" and lines[-1]["done"]
+
+
+def test_embed_truncate_cuts_an_input_to_the_context():
+    from llmserve.server.api import embeddings as E
+
+    mc = SimpleNamespace(hidden_size=4, vocab_size=100)
+    eng = SimpleNamespace(
+        engine=SimpleNamespace(model_config=mc, max_model_len=8),
+        tokenizer=SimpleNamespace(encode=lambda s: [1] * len(s)),
+    )
+    req = E.EmbeddingRequest(input=["abc", "x" * 20])
+    runs = asyncio.run(E.runs(eng, req, "last", truncate=True))
+    assert [len(r[2]) for r in runs] == [3, 7]  # room for the one step an embedding takes
+    with pytest.raises(APIError) as e:
+        asyncio.run(E.runs(eng, req, "last"))
+    assert e.value.status == 400 and "input[1]" in e.value.message
+    assert O.EmbedRequest(model="m", input="x").truncate  # Ollama's default
 
 
 def test_stream_error_is_an_error_line():

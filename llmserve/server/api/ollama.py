@@ -324,14 +324,16 @@ async def generate(body: GenerateRequest, request: Request, state: State):
     return await gen.response(body.stream)
 
 
-async def _embed(state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None):
+async def _embed(
+    state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None, truncate: bool = False
+):
     eng = state.engine_or_503()
     model = resolve(state, name)
     try:
         req = E.EmbeddingRequest(input=inputs, dimensions=dimensions)
     except ValidationError as e:
         raise APIError(400, f"input: {e.errors()[0].get('msg')}", param="input") from e
-    runs = await E.runs(eng, req, state.settings.pooling)
+    runs = await E.runs(eng, req, state.settings.pooling, truncate)
     admit(eng, runs, state.settings)
     gen = Generation(state, eng, P.random_id("embd"), runs, 0, model, request, OllamaEmbedRendering(name, legacy))
     return await gen.response(False)
@@ -339,7 +341,7 @@ async def _embed(state: ServerState, request: Request, name: str, inputs, legacy
 
 @router.post("/api/embed", summary="Ollama: embeddings of one input or several")
 async def embed(body: EmbedRequest, request: Request, state: State):
-    return await _embed(state, request, body.model, body.input, False, body.dimensions)
+    return await _embed(state, request, body.model, body.input, False, body.dimensions, body.truncate)
 
 
 @router.post("/api/embeddings", summary="Ollama (legacy): the embedding of one prompt")
