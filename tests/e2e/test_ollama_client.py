@@ -2,9 +2,9 @@
 official `ollama` client (Client and AsyncClient, whose typed responses must validate) and langchain-ollama
 (ChatOllama, OllamaEmbeddings). tests/e2e/test_ollama.py checks the wire format with httpx; here the clients
 decide what a good answer is: chat and generate, plain and streamed (the chunks assemble to the greedy
-text), raw and system prompts, format json and a pydantic model's schema, options, a Python function as a
-tool and a tool call the model makes, think, embed and the legacy embeddings, list, show, ps, pull, and
-errors as ResponseError with the HTTP status."""
+text), raw and system prompts, format json and a pydantic model's schema, options, logprobs, a Python
+function as a tool and a tool call the model makes, think (and the API key) on the shared reasoning server,
+embed and the legacy embeddings, list, show, ps, pull, and errors as ResponseError with the HTTP status."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ MODEL = f"{NAME}:latest"
 STORY = "Write a long story about a cat."
 Q = [{"role": "user", "content": STORY}]
 GREEDY = {"temperature": 0, "seed": 1, "num_predict": 12}
+KEY = "sk-apis"  # the reasoning_server fixture's key (tests/e2e/conftest.py)
 
 
 class Person(BaseModel):
@@ -167,6 +168,22 @@ def test_think(client):
     r = client.chat(MODEL, Q, think=False, options=GREEDY)
     assert r.message.thinking is None and r.message.content
     assert client.generate(MODEL, STORY, think=False, options=GREEDY).thinking is None
+
+
+def test_think_and_the_api_key_on_a_reasoning_server(reasoning_server):
+    # the shared server with --api-key and --reasoning-parser qwen3 (tests/e2e/conftest.py), as "x"
+    with ollama.Client(host=reasoning_server.url, timeout=120) as anonymous:
+        with pytest.raises(ollama.ResponseError) as e:
+            anonymous.list()
+        assert e.value.status_code == 401
+    with ollama.Client(host=reasoning_server.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        assert "thinking" in c.show("x").capabilities
+        r = c.chat("x", Q, think=True, options=GREEDY)
+        # the bundled model answers at once (no <think>): all of it is content, no thinking
+        assert r.message.content and r.message.thinking is None and r.eval_count == 12
+        parts = list(c.chat("x", Q, think=True, options=GREEDY, stream=True))
+        assert "".join(p.message.content for p in parts) == r.message.content
+        assert c.generate("x", STORY, think="low", options=GREEDY).response == r.message.content
 
 
 def test_embed_and_embeddings(client):
