@@ -1,5 +1,5 @@
 """Ollama's API (/api/...) through a real `llmserve serve` on the bundled model, on the wire with httpx (the
-`ollama` client is not among the test dependencies): tags, show, ps, version, chat plain and streamed
+`ollama` client and langchain-ollama: test_ollama_client.py): tags, show, ps, version, chat plain and streamed
 (NDJSON), generate (templated and raw), embed and the legacy embeddings, format json and a JSON schema,
 options, pull, bodies without a content type, and errors in Ollama's shape. Greedy text through /api/chat
 equals /v1/chat/completions'."""
