@@ -15,6 +15,7 @@ from datetime import datetime
 import ollama
 import ollama._types as ollama_types
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_ollama import ChatOllama, OllamaEmbeddings
 from pydantic import BaseModel, Field
 
@@ -260,6 +261,15 @@ def test_langchain_ollama(server, client, greedy):
     assert m.usage_metadata["output_tokens"] == 12 and m.usage_metadata["input_tokens"] == greedy.prompt_eval_count
     chunks = list(llm.stream(STORY))
     assert "".join(c.content for c in chunks) == greedy.message.content
+    # a tool round trip in langchain's messages: its AIMessage tool_calls and ToolMessage go back as Ollama's
+    history = [
+        HumanMessage("What is 2+3?"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1"}]),
+        ToolMessage("5", tool_call_id="call_1"),
+    ]
+    tooled = ChatOllama(model=NAME, base_url=server.url, temperature=0, num_predict=40).bind_tools([add])
+    (call,) = tooled.invoke(history).tool_calls
+    assert call["name"] == "add" and isinstance(add(**call["args"]), int)
     structured = ChatOllama(model=NAME, base_url=server.url, temperature=0, num_predict=60)
     person = structured.with_structured_output(Person, method="json_schema").invoke("Bob is 3 years old.")
     assert isinstance(person, Person) and person.name
