@@ -1,5 +1,5 @@
 """Ollama's API (/api/...) through a real `llmserve serve` on the bundled model, on the wire with httpx (the
-`ollama` client is not among the test dependencies): tags, show, ps, version, chat plain and streamed
+`ollama` client and langchain-ollama: test_ollama_client.py): tags, show, ps, version, chat plain and streamed
 (NDJSON), generate (templated and raw), embed and the legacy embeddings, format json and a JSON schema,
 options, pull, bodies without a content type, and errors in Ollama's shape. Greedy text through /api/chat
 equals /v1/chat/completions'."""
@@ -7,13 +7,10 @@ equals /v1/chat/completions'."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import jsonschema
 import pytest
-
-from llmserve.testing.launcher import ServerProcess
 
 NAME = "smol"
 Q = [{"role": "user", "content": "Write a long story about a cat."}]
@@ -27,11 +24,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    port = int(os.environ.get("LLMSERVE_TEST_PORT", "0")) or None
-    flags = ("--num-threads", "1", "--served-model-name", NAME, "--max-model-len", "512")
-    with ServerProcess(*flags, port=port) as srv:
-        yield srv.wait_ready()
+def server(ollama_server):
+    return ollama_server
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,14 @@ the NDJSON lines and the JSON answer of chat and generate (fake engine outputs),
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
 import pytest
 
 from llmserve.errors import error_body_for
+from llmserve.sampling_params import Logprob, TokenLogprobs
 from llmserve.server import tool_parsers
 from llmserve.server.api import ollama as O
 from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls, parameter_count, tagged
@@ -101,8 +103,9 @@ def test_parameter_count_of_a_small_llama():
 
 
 # fake engine outputs and a fake Generation
-def _out(text, delta, finished=False, finish_reason=None, n=1):
+def _out(text, delta, finished=False, finish_reason=None, n=1, logprobs=None, delta_logprobs=None):
     c = SimpleNamespace(text=text, delta_text=delta, finish_reason=finish_reason, token_ids=list(range(n)))
+    c.logprobs, c.delta_logprobs = logprobs, delta_logprobs
     m = SimpleNamespace(arrival_time=1.0, first_scheduled_time=1.0, first_token_time=1.5, finished_time=2.0)
     return SimpleNamespace(outputs=[c], finished=finished, metrics=m)
 
@@ -157,6 +160,53 @@ def test_chat_tool_calls_in_ollamas_shape():
     assert ollama_tool_calls([{"function": {"name": "f", "arguments": "not json"}}]) == [
         {"function": {"name": "f", "arguments": {}}}
     ]
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def _lp(i):
+    return TokenLogprobs(i, -0.5 * i, [Logprob(i, -0.5 * i), Logprob(i + 10, -3.0)])
+
+
+def test_logprobs_when_asked_for():
+    # the client's logprobs=true / top_logprobs: the answer's `logprobs`, one entry per generated token
+    body = O.ChatRequest(model="m", logprobs=True, top_logprobs=2)
+    assert body.logprob_count() == 2 and O.ChatRequest(model="m", top_logprobs=2).logprob_count() is None
+    final = _out("ab", "", True, "stop", 2, logprobs=[_lp(1), _lp(2)])
+    got = OllamaRendering("chat", "m", tokenizer=_Tok()).body(_gen(final))["logprobs"]
+    assert [e["token"] for e in got] == ["<1>", "<2>"] and got[1]["logprob"] == -1.0
+    assert got[0]["bytes"] == list(b"<1>") and [t["token"] for t in got[0]["top_logprobs"]] == ["<1>", "<11>"]
+    assert "logprobs" not in OllamaRendering("chat", "m").body(_gen(final))
+    # streamed: each line the tokens since the last line; a held-back piece's go with the next line
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    plan = tool_parsers.plan([fn], None, tool_parsers.get_parser("hermes"))
+    r, lines = OllamaRendering("generate", "m", None, plan, tokenizer=_Tok()), []
+    for k, (acc, piece) in enumerate([("Hi", "Hi"), ("Hi<tool", "<tool"), ("Hi<tool x", " x")]):
+        last = k == 2
+        out = _out(acc, piece, last, "stop" if last else None, 3, [_lp(1), _lp(2), _lp(3)], [_lp(k + 1)])
+        lines += [json.loads(ln) for ln in r.stream_output(_gen(out), 0, out)]
+    assert [[e["token"] for e in ln.get("logprobs", [])] for ln in lines] == [["<1>"], ["<2>", "<3>"], []]
+    assert "".join(ln["response"] for ln in lines) == "Hi<tool x" and lines[-1]["done"]
+
+
+def test_embed_truncate_cuts_an_input_to_the_context():
+    from llmserve.server.api import embeddings as E
+
+    mc = SimpleNamespace(hidden_size=4, vocab_size=100)
+    eng = SimpleNamespace(
+        engine=SimpleNamespace(model_config=mc, max_model_len=8),
+        tokenizer=SimpleNamespace(encode=lambda s: [1] * len(s)),
+    )
+    req = E.EmbeddingRequest(input=["abc", "x" * 20])
+    runs = asyncio.run(E.runs(eng, req, "last", truncate=True))
+    assert [len(r[2]) for r in runs] == [3, 7]  # room for the one step an embedding takes
+    with pytest.raises(APIError) as e:
+        asyncio.run(E.runs(eng, req, "last"))
+    assert e.value.status == 400 and "input[1]" in e.value.message
+    assert O.EmbedRequest(model="m", input="x").truncate  # Ollama's default
 
 
 def test_stream_error_is_an_error_line():

@@ -67,8 +67,9 @@ class EmbeddingResponse(BaseModel):
     usage: dict[str, int]
 
 
-async def runs(eng, body: EmbeddingRequest, pooling: str) -> list:
-    """One run (serving.Run) per input; an empty, too long or out-of-vocabulary input is a 400 naming it."""
+async def runs(eng, body: EmbeddingRequest, pooling: str, truncate: bool = False) -> list:
+    """One run (serving.Run) per input; an empty, too long or out-of-vocabulary input is a 400 naming it.
+    `truncate` (Ollama's /api/embed): a too long input is cut to the context instead."""
     hidden = eng.engine.model_config.hidden_size
     if body.dimensions is not None and body.dimensions != hidden:
         raise APIError(
@@ -89,7 +90,9 @@ async def runs(eng, body: EmbeddingRequest, pooling: str) -> list:
             raise APIError(400, f"{where}: must not be empty", param="input", code="invalid_value")
         if any(t < 0 or t >= vocab for t in ids):
             raise APIError(400, f"{where}: token ids must be in [0, {vocab})", param="input", code="invalid_value")
-        if len(ids) >= max_len:
+        if len(ids) >= max_len and truncate:
+            ids = ids[: max_len - 1]
+        elif len(ids) >= max_len:
             raise APIError(
                 400,
                 f"{where}: {len(ids)} tokens; this model's maximum context length is {max_len} "

@@ -11,7 +11,8 @@ sampling (num_predict, temperature, top_k, top_p, min_p, stop, seed, num_ctx, re
 presence_penalty, frequency_penalty; others such as num_gpu or num_thread are ignored); `format` ("json" or a
 JSON schema) is the structured-output path; `tools` are the chat API's (server/tool_parsers/), the calls come
 back with `arguments` as an object; `think` sets the template's enable_thinking and, with
---reasoning-parser, the reasoning comes back in `thinking`. Everything runs through the chat machinery
+--reasoning-parser, the reasoning comes back in `thinking`; `logprobs` (with `top_logprobs`) puts each generated
+token's logprob in the answer's `logprobs` (ollama_render.py). Everything runs through the chat machinery
 (prepare.chat_runs, serving.Generation). Errors are Ollama's `{"error": "..."}` (llmserve/errors.py).
 `keep_alive` is accepted and ignored: one model, always loaded.
 """
@@ -85,6 +86,12 @@ class _Generating(P.APIModel):
     stream: bool = True
     keep_alive: KeepAlive = None
     think: Union[bool, Literal["high", "medium", "low"], None] = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)  # its most: --max-logprobs
+
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: the top-N alternatives with each token's logprob, or None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ChatRequest(_Generating):
@@ -231,6 +238,11 @@ def _loaded(name: str, kind: str) -> JSONResponse:
     return JSONResponse({**head, "done": True, "done_reason": "load"})
 
 
+def _tokenizer(eng, body: _Generating):
+    """The tokenizer that names the tokens of the answer's `logprobs`; None when they were not asked for."""
+    return eng.tokenizer if body.logprobs else None
+
+
 # -- the routes ----------------------------------------------------------------------------------------
 @router.post("/api/chat", summary="Ollama: a chat (NDJSON while it streams)")
 async def chat(body: ChatRequest, request: Request, state: State):
@@ -250,12 +262,15 @@ async def chat(body: ChatRequest, request: Request, state: State):
         chat_messages(body.messages),
         predict,
         tool_plan,
+        logprobs=body.logprob_count(),
         template_kwargs=_template_kwargs(state, body, body.model),
         max_tokens_param="options.num_predict",
         context=ctx,
     )
     reasoning = state.reasoning if body.think is not False else None
-    rendering = OllamaRendering("chat", body.model, reasoning, tool_plan, think=body.think is not False)
+    rendering = OllamaRendering(
+        "chat", body.model, reasoning, tool_plan, think=body.think is not False, tokenizer=_tokenizer(eng, body)
+    )
     gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
     return await gen.response(body.stream)
 
@@ -273,7 +288,14 @@ async def generate(body: GenerateRequest, request: Request, state: State):
     if body.raw:
         ids = await asyncio.to_thread(eng.tokenizer.encode, body.prompt)
         params = sampling_params(
-            sf, eng, len(ids), predict, None, prompt_param="prompt", max_tokens_param="options.num_predict", context=ctx
+            sf,
+            eng,
+            len(ids),
+            predict,
+            body.logprob_count(),
+            prompt_param="prompt",
+            max_tokens_param="options.num_predict",
+            context=ctx,
         )
         await compile_guided(eng, params)
         runs = [(i, 0, ids, p) for i, p in enumerate(fan_out(params))]
@@ -288,25 +310,30 @@ async def generate(body: GenerateRequest, request: Request, state: State):
             sf,
             msgs,
             predict,
+            logprobs=body.logprob_count(),
             template_kwargs=_template_kwargs(state, body, body.model),
             prompt_param="prompt",
             max_tokens_param="options.num_predict",
             context=ctx,
         )
     reasoning = state.reasoning if body.think is not False and not body.raw else None
-    rendering = OllamaRendering("generate", body.model, reasoning, think=body.think is not False)
+    rendering = OllamaRendering(
+        "generate", body.model, reasoning, think=body.think is not False, tokenizer=_tokenizer(eng, body)
+    )
     gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
     return await gen.response(body.stream)
 
 
-async def _embed(state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None):
+async def _embed(
+    state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None, truncate: bool = False
+):
     eng = state.engine_or_503()
     model = resolve(state, name)
     try:
         req = E.EmbeddingRequest(input=inputs, dimensions=dimensions)
     except ValidationError as e:
         raise APIError(400, f"input: {e.errors()[0].get('msg')}", param="input") from e
-    runs = await E.runs(eng, req, state.settings.pooling)
+    runs = await E.runs(eng, req, state.settings.pooling, truncate)
     admit(eng, runs, state.settings)
     gen = Generation(state, eng, P.random_id("embd"), runs, 0, model, request, OllamaEmbedRendering(name, legacy))
     return await gen.response(False)
@@ -314,7 +341,7 @@ async def _embed(state: ServerState, request: Request, name: str, inputs, legacy
 
 @router.post("/api/embed", summary="Ollama: embeddings of one input or several")
 async def embed(body: EmbedRequest, request: Request, state: State):
-    return await _embed(state, request, body.model, body.input, False, body.dimensions)
+    return await _embed(state, request, body.model, body.input, False, body.dimensions, body.truncate)
 
 
 @router.post("/api/embeddings", summary="Ollama (legacy): the embedding of one prompt")

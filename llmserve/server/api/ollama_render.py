@@ -11,6 +11,7 @@ import os
 from datetime import datetime, timezone
 
 from llmserve.engine.request import RequestOutput
+from llmserve.server.api.chat import chat_logprobs
 from llmserve.server.errors import APIError
 from llmserve.server.rendering import ChoiceText, Rendering
 
@@ -44,14 +45,24 @@ def ollama_tool_calls(calls: list[dict]) -> list[dict]:
 
 
 class OllamaRendering(Rendering):
-    """/api/chat (`message`) or /api/generate (`response`, `thinking`, `context`): one choice."""
+    """/api/chat (`message`) or /api/generate (`response`, `thinking`, `context`): one choice. With
+    `logprobs` asked for (`tokenizer` given), each answer's `logprobs`: per token its text, logprob, bytes
+    and `top_logprobs`; streamed, a line carries the tokens that came since the last line (text held back
+    for a tool call or a reasoning marker: its tokens go with the next line sent)."""
 
     media_type = NDJSON
 
-    def __init__(self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True) -> None:
+    def __init__(
+        self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True, tokenizer=None
+    ) -> None:
         self.kind, self.model = kind, model
         self.reasoning, self.tool_plan, self.think = reasoning, tool_plan, think
+        self.tok = tokenizer
         self.text: ChoiceText | None = None
+        self.pending: list = []  # streamed tokens' logprobs not yet sent
+
+    def _logprobs(self, lps) -> list | None:
+        return None if lps is None else chat_logprobs(self.tok, lps)["content"]
 
     def _head(self) -> dict:
         return {"model": self.model, "created_at": now_rfc3339()}
@@ -97,7 +108,10 @@ class OllamaRendering(Rendering):
         out = gen.finals[0]
         text = ChoiceText.whole(out.outputs[0].text, self.reasoning, self.tool_plan)
         content, calls = text.calls()
-        return self._done(gen, out, self._piece(content or "", text.reasoning, calls))
+        d = self._piece(content or "", text.reasoning, calls)
+        if self.tok is not None and out.outputs[0].logprobs is not None:
+            d["logprobs"] = self._logprobs(out.outputs[0].logprobs)
+        return self._done(gen, out, d)
 
     def stream_output(self, gen, i: int, out: RequestOutput) -> list[str]:
         if self.text is None:
@@ -106,13 +120,17 @@ class OllamaRendering(Rendering):
         content = "".join(d.content for d in pieces)
         lines = []
         if content or (reasoning and self.think):
-            lines.append(_line(self._piece(content, reasoning)))
+            lines.append(self._piece(content, reasoning))
         if out.finished:
             _, calls = self.text.calls()  # Ollama sends a turn's calls whole, in one message
             if calls:
-                lines.append(_line(self._piece("", "", calls)))
-            lines.append(_line(self._done(gen, out, self._piece(""))))
-        return lines
+                lines.append(self._piece("", "", calls))
+            lines.append(self._done(gen, out, self._piece("")))
+        if self.tok is not None and out.outputs[0].delta_logprobs is not None:
+            self.pending += out.outputs[0].delta_logprobs
+            if lines:
+                lines[0]["logprobs"], self.pending = self._logprobs(self.pending), []
+        return [_line(d) for d in lines]
 
     def stream_error(self, gen, e: APIError) -> list[str]:
         return [_line({"error": e.message})]
