@@ -4,8 +4,10 @@ every test under tests/unit, tests/integration or tests/e2e gets the marker `uni
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+from collections import OrderedDict
 
 import pytest
 
@@ -49,19 +51,28 @@ def hf_model(bundled_gguf):
     return model.eval()
 
 
-_ENGINES: dict = {}
+_ENGINES: OrderedDict = OrderedDict()
+# the most engines kept at once: each holds its KV pool (often 1 GiB) and weights, and a session that
+# kept every settings' engine reached 17 GiB and the OOM killer on a 23 GiB machine
+_MAX_ENGINES = 3
 
 
 @pytest.fixture(scope="session")
 def llm_factory():
-    """LLM instances cached by their settings: loading costs seconds, tests share them."""
+    """LLM instances cached by their settings (the most recently used few): loading costs seconds, tests
+    share them. An engine dropped from the cache is freed once no fixture or test holds it."""
 
     def make(**kwargs):
         from llmserve import LLM
 
         key = tuple(sorted(kwargs.items()))
-        if key not in _ENGINES:
-            _ENGINES[key] = LLM(**kwargs)
+        if key in _ENGINES:
+            _ENGINES.move_to_end(key)
+            return _ENGINES[key]
+        while len(_ENGINES) >= _MAX_ENGINES:
+            _ENGINES.popitem(last=False)
+            gc.collect()
+        _ENGINES[key] = LLM(**kwargs)
         return _ENGINES[key]
 
     yield make
