@@ -79,8 +79,16 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_path = source.path
         self.source = source
+        log.info("loading %s (%s) ...", source.name, source.path)
         self.model_config, reader = load_model_config(source)
         mc = self.model_config
+        log.info(
+            "%s: %s, %d layers; config read in %.1fs",
+            source.name,
+            mc.architecture,
+            mc.num_hidden_layers,
+            time.time() - t0,
+        )
         # every name the model answers to (--served-model-name a b); the first is its name in answers
         self.served_model_names = list(dict.fromkeys(config.served_model_name or [source.name]))
         self.served_model_name = self.served_model_names[0]
@@ -118,6 +126,7 @@ class LLMEngine:
         kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
         self.model = self.executor.load_model(source, reader, self.dtype, rotary_positions, kv_bytes)
         del reader
+        log.info("%s: weights built (%s) at %.1fs; sizing the KV cache", source.name, self.dtype, time.time() - t0)
         num_blocks, budget = num_kv_blocks(
             config, per_block, self.device, lambda: self._profile_activations(block_size)
         )
