@@ -92,7 +92,7 @@ def child(args) -> None:
     nbytes, nweights = layer_bytes(eng.model)
     cfg = eng.model.cfg
     kv_elem = eng.kv_dtype.itemsize
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
     greedy = dict(temperature=0, ignore_eos=True)
     prompt = [[(7 * j) % 40000 + 100 for j in range(32)]]
     llm.generate(prompt, SamplingParams(max_tokens=8, **greedy), use_tqdm=False)

@@ -86,7 +86,7 @@ class LLMEngine:
             "%s: %s, %d layers; config read in %.1fs",
             source.name,
             mc.architecture,
-            mc.num_hidden_layers,
+            mc.num_layers,
             time.time() - t0,
         )
         # every name the model answers to (--served-model-name a b); the first is its name in answers
