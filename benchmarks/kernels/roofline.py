@@ -56,8 +56,11 @@ def probe(rows: int, runs: int) -> dict:
     del big
     k, n = 2048, 8192
     flop = 2 * rows * k * n
+    from llmserve.model import bf16
+
     peaks = {}
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    dtypes = (("float32", torch.float32),) + ((("bfloat16", torch.bfloat16),) if bf16.supported() else ())
+    for name, dt in dtypes:  # bfloat16 only where the CPU multiplies it natively (else minutes of emulation)
         a, w = torch.randn(rows, k, dtype=dt), torch.randn(n, k, dtype=dt)
         peaks[name] = flop / best_of(lambda a=a, w=w: F.linear(a, w), runs) / 1e9
     a8 = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
@@ -124,7 +127,9 @@ def child(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a Hugging Face folder or GGUF file (default: the bundled model)")
-    p.add_argument("--modes", default="bfloat16,int8,int4")
+    p.add_argument(
+        "--modes", default=None, help="default: bfloat16,int8,int4 (float32 for bfloat16 without AVX512-BF16)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=256, help="rows of the GEMM peak probe")
     p.add_argument("--runs", type=int, default=5)
@@ -139,7 +144,10 @@ def main() -> None:
         return child(args)
     import torch
 
+    from llmserve.model import bf16
+
     torch.set_num_threads(args.threads)
+    args.modes = args.modes or ("bfloat16" if bf16.supported() else "float32") + ",int8,int4"
     bounds = probe(args.rows, args.runs)
     bw, peaks = bounds["bandwidth_gbs"], bounds["peak_gflops"]
     print(f"bandwidth {bw:.1f} GB/s; GEMM peaks " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()) + " GFLOP/s")
@@ -159,7 +167,7 @@ def main() -> None:
         if line is None:
             sys.exit(f"{mode}: failed\n{res.stderr[-3000:]}")
         r = json.loads(line[7:])
-        peak = peaks[MODES[mode][1]] * 1e9
+        peak = peaks.get(MODES[mode][1], peaks["float32"]) * 1e9
         flop_token = 2 * r["matmul_weights"]
         b_single = bw * 1e9 / (r["layer_bytes"] + r["kv_bytes_per_token"])
         b_prefill = peak / flop_token
