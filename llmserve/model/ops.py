@@ -13,6 +13,7 @@ applies an engine's (EngineConfig.kernels) at start-up, for the whole process.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -91,6 +92,20 @@ def vnni_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(), q.sum(1, dtype=torch.int32)
 
 
+@functools.cache
+def cpu_has_int8_dots() -> bool:
+    """Whether this CPU sums int8 products into int32 directly (AVX512-VNNI, AVX-VNNI or AMX). Without them oneDNN's
+    u8 x s8 matmul (the packed int8 weights' path) adds pairs of products in int16 with saturation (vpmaddubsw):
+    activations shifted to u8 overflow it and the sums come out wrong (seen on a Zen 2, 1 row: -2.11 for -3.80), so
+    there the plain weights stay on _int_mm and the integer dots, which sum exactly."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
 def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """(int8 weights [N, K] with a scale per channel in oneDNN's blocked layout for its int8 matmul, [K, N]: what
     q8_linear's integer GEMM then runs at every row count, True), or (None, False) where that does not apply:
@@ -104,6 +119,7 @@ def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         or not k.int8_gemm
         or qweight.device.type != "cpu"
         or cpu_kernels() is None
+        or not cpu_has_int8_dots()
     ):
         return None, False
     try:
@@ -113,11 +129,15 @@ def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         return None, False
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weights, float32 scale per row) with w ~= q * scale[:, None]."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_int8_per_channel(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weights, float32 scale per row) with w ~= q * scale[:, None]. `rows` at a time, so the float32
+    temporaries of a large table (a 1B model's 100M-value head: 400 MB each) never sit in memory whole."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], rows):
+        c = w[i : i + rows].float()
+        s = scale[i : i + rows] = (c.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+        q[i : i + rows] = torch.round(c / s[:, None]).clamp(-127, 127)
     return q, scale
 
 
