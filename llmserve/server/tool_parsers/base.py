@@ -81,6 +81,11 @@ class ToolParser:
         output ended: the region ends too."""
         raise NotImplementedError
 
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """The xgrammar structural tag format (structure.py) of this format's calls under `strict: true`: the
+        text free until a call opens, then one of `calls` (a function's name, its arguments' JSON schema)."""
+        raise NotImplementedError
+
     def new_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 

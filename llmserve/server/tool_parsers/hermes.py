@@ -10,6 +10,9 @@ makes the model write) is a call too; a tag left open at the end of the answer c
 
 from __future__ import annotations
 
+import json
+
+from llmserve.server.tool_parsers import structure as S
 from llmserve.server.tool_parsers.base import Scan, ToolParser
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
 
@@ -22,6 +25,10 @@ class HermesParser(ToolParser):
 
     def leading(self, text: str) -> int | None:
         return 0 if text.startswith("{") else None
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        opening = OPEN + '\n{"name": %s, "arguments": '
+        return S.triggered([OPEN], [S.tag(opening % json.dumps(n), S.schema(s), "}\n" + CLOSE) for n, s in calls])
 
     def region(self, buf: str, marker: str, final: bool) -> Scan:
         tagged = marker == OPEN

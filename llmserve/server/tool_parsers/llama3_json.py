@@ -7,6 +7,9 @@ several separated by `;`, optionally after `<|python_tag|>`:
 
 from __future__ import annotations
 
+import json
+
+from llmserve.server.tool_parsers import structure as S
 from llmserve.server.tool_parsers.base import Scan, ToolParser, opens_with
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
 
@@ -19,6 +22,18 @@ class Llama3JsonParser(ToolParser):
 
     def leading(self, text: str) -> int | None:
         return opens_with(text, "{", TAG)
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """A leading list of calls (maybe after the tag), or text that does not open with one (a tag in it
+        opens a call)."""
+        tags = [S.tag('{"name": %s, "parameters": ' % json.dumps(n), S.schema(s), "}") for n, s in calls]
+        listed = S.separated(tags, "; ")
+        tagged = [dict(t, begin=TAG + t["begin"]) for t in tags]
+        return S.either(
+            S.seq(S.regex(r"\s*"), S.either(listed, S.seq(S.const(TAG), listed))),
+            S.seq(S.regex(r"\s*([^{<\s]|<[^|])"), S.triggered([TAG], tagged)),
+            S.regex(r"\s*"),
+        )
 
     def region(self, buf: str, marker: str, final: bool) -> Scan:
         scan, j = Scan(), skip_ws(buf, 0)

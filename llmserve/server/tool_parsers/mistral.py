@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 
+from llmserve.server.tool_parsers import structure as S
 from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, new_mistral_id
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws, value_end
 
@@ -29,6 +30,15 @@ class MistralParser(ToolParser):
 
     def new_id(self) -> str:
         return new_mistral_id()
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """After the tag: the array of call objects (v3) or NAME[ARGS]{...} (v11)."""
+        objects = S.separated(
+            [S.tag('{"name": %s, "arguments": ' % json.dumps(n), S.schema(s), "}") for n, s in calls], ", "
+        )
+        arrays = [S.tag(TAG + opening, objects, "]") for opening in ("[", " [")]
+        named = [S.tag(TAG + n + ARGS, S.schema(s), "") for n, s in calls]
+        return S.triggered([TAG], arrays + named)
 
     def region(self, buf: str, marker: str, final: bool) -> Scan:
         j = skip_ws(buf, 0)

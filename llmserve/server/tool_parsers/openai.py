@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import re
 
+from llmserve.server.tool_parsers import structure as S
 from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
+RECIPIENT = "to=functions."
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 
@@ -26,6 +28,13 @@ class OpenAIParser(ToolParser):
     name = "openai"
     starts = (START, CHANNEL)
     keep_special_tokens = True
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """From the recipient on: the rest of the header (the channel when the recipient came first, the
+        constraint), the message, its arguments, `<|call|>`."""
+        rest = S.regex(r"( ?<\|channel\|>commentary)?( ?<\|constrain\|>)?( ?json)?<\|message\|>")
+        tags = [S.tag(RECIPIENT + n, S.seq(rest, S.schema(s)), "<|call|>") for n, s in calls]
+        return S.triggered([RECIPIENT], tags)
 
     def region(self, buf: str, marker: str, final: bool) -> Scan:
         at = buf.find(MESSAGE)

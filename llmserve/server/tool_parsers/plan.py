@@ -11,8 +11,9 @@ into the prompt, forced calls as a grammar (the parsers of the model's output ar
   output is always exactly one call object, read by the hermes parser (its bare-object form).
 - `parallel_tool_calls: false`: only the first call is kept.
 - `response_format` with a required or named call: the call wins (the format is for a text answer).
-- `strict: true` tools under "auto" (hermes' format): the text is free until `<tool_call>`, then the
-  grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag).
+- `strict: true` tools under "auto": the text is free until a call opens in the parser's format, then the
+  grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag
+  each parser builds: `strict_format`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.server.tool_parsers.hermes import HermesParser
+from llmserve.server.tool_parsers.structure import structural_tag
 
 DEFAULT_TOOLS_PROMPT = (
     "You are a function calling AI model. You may call one or more of the functions below to help "
@@ -71,21 +73,17 @@ class ToolPlan:
         return self.new_parser().stream(None if self.parallel else 1)
 
     def strict_tag(self) -> str | None:
-        """With a `strict: true` tool under tool_choice auto (hermes' format): the structural tag that leaves
-        the text free until `<tool_call>`, then holds the call to a declared function and its arguments to
-        its parameters (the others' to any object); None otherwise."""
+        """With a `strict: true` tool under tool_choice auto: the structural tag, in the parser's format, that
+        leaves the text free until a call opens, then holds the call to a declared function and its arguments
+        to its parameters (the others' to any object); None otherwise."""
         fs = [t["function"] for t in self.tools]
-        if self.choice != "auto" or not any(f.get("strict") for f in fs) or self.parser not in (None, HermesParser):
+        if self.choice != "auto" or not any(f.get("strict") for f in fs):
             return None
-        structures = [
-            {
-                "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
-                "schema": (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"},
-                "end": "}\n</tool_call>",
-            }
+        calls = [
+            (f["name"], (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"})
             for f in fs
         ]
-        return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+        return structural_tag(self.new_parser().strict_format(calls))
 
     def parse_text(self, text: str) -> tuple[str | None, list[dict]]:
         return self.new_parser().parse(text, None if self.parallel else 1)

@@ -13,6 +13,7 @@ import ast
 import json
 import re
 
+from llmserve.server.tool_parsers import structure as S
 from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, opens_with
 from llmserve.server.tool_parsers.jsonscan import Malformed, skip_ws
 
@@ -49,6 +50,17 @@ class PythonicParser(ToolParser):
 
     def leading(self, text: str) -> int | None:
         return opens_with(text, "[", START)
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """A leading list of calls (maybe in the tags), their keyword arguments by the schema, or text that does
+        not open with one."""
+        tags = [S.tag(n + "(", S.grammar(S.python_kwargs_grammar(s)), ")") for n, s in calls]
+        listed = S.seq(S.const("["), S.separated(tags, ", "), S.const("]"))
+        return S.either(
+            S.seq(S.regex(r"\s*"), S.either(listed, S.seq(S.const(START), listed, S.const(END)))),
+            S.seq(S.regex(r"\s*([^\[<\s]|<[^|])"), S.any_text()),
+            S.regex(r"\s*"),
+        )
 
     def region(self, buf: str, marker: str, final: bool) -> Scan:
         scan = Scan()

@@ -20,6 +20,7 @@ import ast
 import json
 import re
 
+from llmserve.server.tool_parsers import structure as S
 from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -35,6 +36,13 @@ class Qwen3CoderParser(ToolParser):
     def _kind(self, func: str, key: str):
         schema = ((self.functions.get(func) or {}).get("parameters") or {}).get("properties", {}).get(key) or {}
         return schema.get("type") if isinstance(schema, dict) else None
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        def params(s: dict) -> dict:
+            return dict(S.schema(s), style="qwen_xml")
+
+        opening = OPEN + "\n<function=%s>\n"
+        return S.triggered([OPEN], [S.tag(opening % n, params(s), "</function>\n" + CLOSE) for n, s in calls])
 
     def _value(self, func: str, key: str, raw: str):
         raw = raw[1:] if raw.startswith("\n") else raw
