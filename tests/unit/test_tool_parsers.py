@@ -234,3 +234,69 @@ def test_a_forced_call_wins_over_response_format():
         assert tp.guided_kwargs(rf, p) == {"guided_json": json.dumps(p.forced_schema)}
     with pytest.raises(ValueError, match="guided_"):
         tp.guided_kwargs(SimpleNamespace(guided_regex="a+"), tp.plan(TOOLS, "required"))
+
+
+@pytest.mark.parametrize("name", list(tp.PARSERS))
+def test_the_default_tools_prompt_asks_for_the_parsers_format(name):
+    """A template that cannot render tools gets the default tools prompt: it asks for calls in the format of
+    the parser in force, and the history's calls are written in that format, which the parser reads back."""
+    p = tp.plan(TOOLS, "auto", tp.PARSERS[name])
+    history = [
+        {"role": "user", "content": "Weather and time?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}},
+                {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+    ]
+    msgs, tools = tp.render_messages(history, p, native=False)
+    assert tools is None and msgs[0]["role"] == "system"
+    assert msgs[0]["content"].endswith(tp.PARSERS[name].instructions) and '"get_weather"' in msgs[0]["content"]
+    others = [c.instructions for n, c in tp.PARSERS.items() if n != name]
+    assert tp.PARSERS[name].instructions and tp.PARSERS[name].instructions not in others
+    _, calls = parser(name).parse(msgs[2]["content"])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", PARIS),
+        ("get_time", {}),
+    ]
+    assert "tool_calls" not in msgs[2]
+
+
+def test_history_calls_without_tools_are_written_in_the_parsers_format():
+    p = tp.plan(None, None, tp.PARSERS["mistral"])
+    assert p is not None and not p.parse and not p.tools
+    call = {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    msgs, _ = tp.render_messages([{"role": "assistant", "content": "", "tool_calls": [call]}], p, native=False)
+    assert msgs == [{"role": "assistant", "content": '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'}]
+
+
+def test_openai_harmony_is_read_without_tools():
+    """gpt-oss writes harmony channels whether or not the request has tools: analysis is reasoning, final is
+    content, streamed or whole (the output decoded with its special tokens)."""
+    from llmserve.config import ServerSettings
+    from llmserve.server.api.chat import ChatRendering
+    from llmserve.server.rendering import ChoiceText
+    from llmserve.server.state import ServerState
+
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>"
+    p = ServerState(ServerSettings(tool_call_parser="openai")).plan_tools(None, None)
+    assert p.parse and p.keeps_specials and not p.tools
+    t = ChoiceText.whole(text, None, p)
+    assert (t.reasoning, t.calls()) == ("Think.", ("Hi.", []))
+    r = ChatRendering(tokenizer=None, tool_plan=p)
+    deltas = [c["delta"] for k in range(0, len(text), 5) for c in r.deltas(0, _output(text[k : k + 5]))]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Think."
+    assert "".join(d.get("content", "") for d in deltas) == "Hi."
+    assert not ServerState(ServerSettings(tool_call_parser="hermes")).plan_tools(None, None).parse
+
+
+def _output(delta: str):
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(
+        text="", delta_text=delta, finish_reason=None, stop_reason=None, logprobs=None, delta_logprobs=None
+    )
+    return SimpleNamespace(outputs=[c], finished=False)

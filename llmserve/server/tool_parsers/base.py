@@ -64,6 +64,9 @@ class ToolParser:
     name = ""
     starts: tuple[str, ...] = ()  # markers that open a region anywhere in the text
     keep_special_tokens = False  # the markers are special tokens: decode with skip_special_tokens off
+    always = False  # the whole output is in the format (harmony's channels): read it with tools or without
+    # the default tools prompt's last part (a chat template that cannot render tools): how to call, in this format
+    instructions = ""
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.functions = {t["function"]["name"]: t["function"] for t in tools or []}
@@ -85,6 +88,14 @@ class ToolParser:
         """The xgrammar structural tag format (structure.py) of this format's calls under `strict: true`: the
         text free until a call opens, then one of `calls` (a function's name, its arguments' JSON schema)."""
         raise NotImplementedError
+
+    def format_call(self, name: str, args) -> str:
+        """One call as the model writes it (an assistant message's tool_calls, rendered without the chat
+        template's help); `args` the arguments as an object (a string when they were not JSON)."""
+        raise NotImplementedError
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        return "\n".join(self.format_call(n, a) for n, a in calls)
 
     def new_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"

@@ -22,6 +22,13 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesParser(ToolParser):
     name = "hermes"
     starts = (OPEN,)
+    instructions = (
+        "To call a function, answer with a JSON object of its name and arguments inside <tool_call></tool_call> "
+        'tags, like this:\n<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
+    )
+
+    def format_call(self, name: str, args) -> str:
+        return OPEN + "\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n" + CLOSE
 
     def leading(self, text: str) -> int | None:
         return 0 if text.startswith("{") else None

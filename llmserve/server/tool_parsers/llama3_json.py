@@ -19,6 +19,16 @@ TAG = "<|python_tag|>"
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     starts = (TAG,)
+    instructions = (
+        "To call a function, answer with only a JSON object of its name and parameters, like this:\n"
+        '{"name": <function-name>, "parameters": <arguments-json-object>}\nSeparate several calls with "; ".'
+    )
+
+    def format_call(self, name: str, args) -> str:
+        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        return "; ".join(self.format_call(n, a) for n, a in calls)
 
     def leading(self, text: str) -> int | None:
         return opens_with(text, "{", TAG)

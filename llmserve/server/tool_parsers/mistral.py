@@ -27,6 +27,16 @@ class MistralParser(ToolParser):
     name = "mistral"
     starts = (TAG,)
     keep_special_tokens = True
+    instructions = (
+        "To call functions, answer with [TOOL_CALLS] and a JSON array of the calls, like this:\n"
+        '[TOOL_CALLS] [{"name": <function-name>, "arguments": <arguments-json-object>}]'
+    )
+
+    def format_call(self, name: str, args) -> str:
+        return self.format_calls([(name, args)])
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        return TAG + " " + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
 
     def new_id(self) -> str:
         return new_mistral_id()

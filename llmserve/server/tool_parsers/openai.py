@@ -28,6 +28,15 @@ class OpenAIParser(ToolParser):
     name = "openai"
     starts = (START, CHANNEL)
     keep_special_tokens = True
+    always = True
+    instructions = (
+        "To call a function, write a message to it on the commentary channel, its arguments a JSON object:\n"
+        "<|channel|>commentary to=functions.<function-name> <|constrain|>json<|message|><arguments-json-object><|call|>"
+    )
+
+    def format_call(self, name: str, args) -> str:
+        body = json.dumps(args, ensure_ascii=False)
+        return f"{CHANNEL}commentary {RECIPIENT}{name} <|constrain|>json{MESSAGE}{body}<|call|>"
 
     def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
         """From the recipient on: the rest of the header (the channel when the recipient came first, the

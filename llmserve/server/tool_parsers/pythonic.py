@@ -47,6 +47,19 @@ def literal_end(text: str, i: int) -> int | None:
 
 class PythonicParser(ToolParser):
     name = "pythonic"
+    instructions = (
+        "To call functions, answer with only a Python list of the calls with keyword arguments, like this:\n"
+        "[func_name1(param1=value1, param2=value2), func_name2(param=value)]"
+    )
+
+    def format_call(self, name: str, args) -> str:
+        return self.format_calls([(name, args)])
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        def kwargs(a) -> str:
+            return ", ".join(f"{k}={v!r}" for k, v in a.items()) if isinstance(a, dict) else ""
+
+        return "[" + ", ".join(f"{n}({kwargs(a)})" for n, a in calls) + "]"
 
     def leading(self, text: str) -> int | None:
         return opens_with(text, "[", START)

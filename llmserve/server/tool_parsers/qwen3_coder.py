@@ -32,6 +32,17 @@ _ENDS = ("</parameter>", "<parameter=", "</function>")
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
     starts = (OPEN,)
+    instructions = (
+        "To call a function, answer like this, one parameter element per argument:\n<tool_call>\n"
+        "<function=function-name>\n<parameter=parameter-name>\nvalue\n</parameter>\n</function>\n</tool_call>"
+    )
+
+    def format_call(self, name: str, args) -> str:
+        params = "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+            for k, v in (args.items() if isinstance(args, dict) else ())
+        )
+        return f"{OPEN}\n<function={name}>\n{params}</function>\n{CLOSE}"
 
     def _kind(self, func: str, key: str):
         schema = ((self.functions.get(func) or {}).get("parameters") or {}).get("properties", {}).get(key) or {}
