@@ -91,10 +91,12 @@ class ToolParser:
 
     def format_call(self, name: str, args) -> str:
         """One call as the model writes it (an assistant message's tool_calls, rendered without the chat
-        template's help); `args` the arguments as an object (a string when they were not JSON)."""
-        raise NotImplementedError
+        template's help); `args` the arguments as an object (a string when they were not JSON). A format
+        overrides this or, where the calls are written together (a list), format_calls."""
+        return self.format_calls([(name, args)])
 
     def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        """A message's calls (name, arguments), as the model writes them."""
         return "\n".join(self.format_call(n, a) for n, a in calls)
 
     def new_id(self) -> str:

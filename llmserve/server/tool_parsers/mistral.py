@@ -32,9 +32,6 @@ class MistralParser(ToolParser):
         '[TOOL_CALLS] [{"name": <function-name>, "arguments": <arguments-json-object>}]'
     )
 
-    def format_call(self, name: str, args) -> str:
-        return self.format_calls([(name, args)])
-
     def format_calls(self, calls: list[tuple[str, object]]) -> str:
         return TAG + " " + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
 

@@ -52,9 +52,6 @@ class PythonicParser(ToolParser):
         "[func_name1(param1=value1, param2=value2), func_name2(param=value)]"
     )
 
-    def format_call(self, name: str, args) -> str:
-        return self.format_calls([(name, args)])
-
     def format_calls(self, calls: list[tuple[str, object]]) -> str:
         def kwargs(a) -> str:
             return ", ".join(f"{k}={v!r}" for k, v in a.items()) if isinstance(a, dict) else ""
