@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -300,3 +301,46 @@ def _output(delta: str):
         text="", delta_text=delta, finish_reason=None, stop_reason=None, logprobs=None, delta_logprobs=None
     )
     return SimpleNamespace(outputs=[c], finished=False)
+
+
+def _long_call(name: str, n: int) -> str:
+    """A call to `write` whose text argument is n characters long, in the format of parser `name`."""
+    body = ("word " * (n // 5 + 1))[:n]
+    quoted = json.dumps(body)
+    return {
+        "hermes": '<tool_call>\n{"name": "write", "arguments": {"text": %s, "n": 1}}\n</tool_call>' % quoted,
+        "llama3_json": '{"name": "write", "parameters": {"text": %s, "n": 1}}' % quoted,
+        "mistral": '[TOOL_CALLS]write[ARGS]{"text": %s, "n": 1}' % quoted,
+        "pythonic": "[write(text=%s, n=1)]" % quoted,
+        "qwen3_coder": "<tool_call>\n<function=write>\n<parameter=text>\n%s\n</parameter>\n<parameter=n>\n1\n"
+        "</parameter>\n</function>\n</tool_call>" % body,
+        "openai": '<|channel|>commentary to=functions.write <|constrain|>json<|message|>{"text": %s, "n": 1}<|call|>'
+        % quoted,
+    }[name]
+
+
+@pytest.mark.parametrize("name", list(tp.PARSERS))
+def test_streaming_a_long_call_reads_its_text_once(name):
+    """feed() is incremental: the scanners resume where they stopped, so the work per character of a call
+    streamed in 4-character pieces stays the same from 5 kB to 50 kB (a re-scan of the region with every
+    piece made it grow with the length: 0.06 s for 4 kB, minutes for 50 kB)."""
+    write = {
+        "type": "function",
+        "function": {
+            "name": "write",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}},
+        },
+    }
+    per_char = []
+    for n in (5_000, 50_000):
+        text, s = _long_call(name, n), tp.PARSERS[name]([write]).stream()
+        started = time.perf_counter()
+        out = [d for k in range(0, len(text), 4) for d in s.feed(text[k : k + 4])] + s.flush()
+        took = time.perf_counter() - started
+        _, calls = tp.collect(out)
+        assert json.loads(calls[0]["function"]["arguments"]) == {"text": ("word " * (n // 5 + 1))[:n], "n": 1}
+        if name != "pythonic":  # the argument streamed as it came (pythonic sends each argument once it is whole)
+            assert len([d for d in out if d.arguments]) > n // 100
+        per_char.append(s.memo.work / len(text))
+    assert per_char[1] < 1.5 * per_char[0], per_char
+    assert took < 20, took  # a generous bound (a shared machine): the re-scan took over a minute (pythonic)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from llmserve.server.tool_parsers import structure as S
-from llmserve.server.tool_parsers.base import Scan, ToolParser
+from llmserve.server.tool_parsers.base import Memo, Scan, ToolParser
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -37,17 +37,17 @@ class HermesParser(ToolParser):
         opening = OPEN + '\n{"name": %s, "arguments": '
         return S.triggered([OPEN], [S.tag(opening % json.dumps(n), S.schema(s), "}\n" + CLOSE) for n, s in calls])
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
         tagged = marker == OPEN
         j = skip_ws(buf, 0)
-        close = buf.find(CLOSE) if tagged else -1
+        close = memo.find(buf, CLOSE) if tagged else -1
         bad_end = close + len(CLOSE) if close >= 0 else (len(buf) if final else None)
         if j >= len(buf):
             return Scan(end=bad_end, ok=False)
         if buf[j] != "{":
             return Scan(end=bad_end, ok=False)
         try:
-            p, end = call_object(buf, j, final)
+            p, end = call_object(buf, j, final, memo)
         except Malformed:
             return Scan(end=bad_end, ok=False)
         scan = Scan(calls=[p])

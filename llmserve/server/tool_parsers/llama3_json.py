@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from llmserve.server.tool_parsers import structure as S
-from llmserve.server.tool_parsers.base import Scan, ToolParser, opens_with
+from llmserve.server.tool_parsers.base import Memo, Scan, ToolParser, opens_with
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
 
 TAG = "<|python_tag|>"
@@ -45,7 +45,7 @@ class Llama3JsonParser(ToolParser):
             S.regex(r"\s*"),
         )
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
         scan, j = Scan(), skip_ws(buf, 0)
         while True:
             if j >= len(buf):
@@ -56,7 +56,7 @@ class Llama3JsonParser(ToolParser):
                 scan.end, scan.ok = (len(buf), False) if not scan.calls else (j, scan.ok)
                 return scan
             try:
-                p, end = call_object(buf, j, final)
+                p, end = call_object(buf, j, final, memo)
             except Malformed:  # not a call: with the answer's end, the region is content
                 return Scan(calls=scan.calls, end=len(buf), ok=False)
             scan.calls.append(p)

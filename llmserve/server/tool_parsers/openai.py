@@ -15,7 +15,7 @@ import json
 import re
 
 from llmserve.server.tool_parsers import structure as S
-from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
+from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, held
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -45,15 +45,15 @@ class OpenAIParser(ToolParser):
         tags = [S.tag(RECIPIENT + n, S.seq(rest, S.schema(s)), "<|call|>") for n, s in calls]
         return S.triggered([RECIPIENT], tags)
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
-        at = buf.find(MESSAGE)
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
+        at = memo.find(buf, MESSAGE)
         if at < 0:
             # a header is short; one that runs on, or into another message, is not harmony
             bad = len(buf) > 300 or any(e in buf for e in ENDS) or (final and bool(buf.strip()))
             return Scan(end=len(buf), ok=False) if bad or final else Scan()
         header = marker + buf[:at]
         start = at + len(MESSAGE)
-        hits = [(buf.find(e, start), e) for e in (*ENDS, START)]
+        hits = [(memo.find(buf, e, start), e) for e in (*ENDS, START)]
         hits = [(k, e) for k, e in hits if k >= 0]
         if hits:
             stop, e = min(hits)
