@@ -302,6 +302,35 @@ def test_strict_tools_are_held_in_every_format(llm, name, calls, free):
     assert tool_parsers.plan([free_only], "auto", tool_parsers.PARSERS[name]).strict_tag() is None
 
 
+def test_strict_pythonic_arguments_are_python_literals_by_the_schema(llm):
+    """pythonic's strict calls: keyword arguments in the schema's order, the required ones present, each a
+    Python literal of its type (True, None, either quotes, nested lists and dicts)."""
+    from llmserve.server import tool_parsers
+
+    props = {
+        "a": {"type": "integer"},
+        "b": {"type": "boolean"},
+        "c": {"type": "array", "items": {"type": "string"}},
+        "d": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": ["string", "null"]}}},
+        "e": {"anyOf": [{"type": "integer"}, {"enum": ["auto"]}]},
+        "z": {},
+    }
+    f = {"name": "f", "strict": True, "parameters": {"type": "object", "properties": props, "required": ["a"]}}
+    plan = tool_parsers.plan([{"type": "function", "function": f}], "auto", tool_parsers.PARSERS["pythonic"])
+    tag, tok = plan.strict_tag(), llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        m = llm.engine.guided.matcher(SamplingParams(guided_structural_tag=tag))
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    good = "[f(a=1, b=True, c=['x', \"y\"], d={'x': 1.5, \"y\": None}, e='auto', z=[1, {'k': None}])]"
+    assert accepts(good) and accepts("[f(a=-2, e=3)]")
+    args = {"a": 1, "b": True, "c": ["x", "y"], "d": {"x": 1.5, "y": None}, "e": "auto", "z": [1, {"k": None}]}
+    assert json.loads(plan.parse_text(good)[1][0]["function"]["arguments"]) == args
+    for bad in ("[f(b=True)]", "[f(a=1, b=true)]", "[f(a='1')]", "[f(a=1, e='manual')]", "[f(a=1, d={'y': 1})]"):
+        assert not accepts(bad), bad
+
+
 def test_json_schema_keeps_its_key_order(llm):
     """Properties come out in the order the schema lists them (not sorted: "zone" before "age" here)."""
     schema = {

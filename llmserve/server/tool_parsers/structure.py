@@ -73,8 +73,9 @@ def _literal(value) -> str:
     """A JSON value as a Python literal's EBNF string."""
     if value is True or value is False or value is None:
         return json.dumps(repr(value))
-    if isinstance(value, str):
-        return json.dumps(json.dumps(value, ensure_ascii=False), ensure_ascii=False)
+    if isinstance(value, str):  # in either quotes
+        quoted = {json.dumps(value, ensure_ascii=False), repr(value)}
+        return "(" + " | ".join(json.dumps(q, ensure_ascii=False) for q in sorted(quoted)) + ")"
     return json.dumps(repr(value) if not isinstance(value, (list, dict)) else json.dumps(value))
 
 
@@ -115,7 +116,7 @@ class _Rules:
             item = self.value(s.get("items", {}))
             return self.add(f'"[" ({item} (", " {item})*)? "]"')
         if kind == "object" and isinstance(s.get("properties"), dict):
-            return self.add('"{" ' + self.members(s, lambda k: json.dumps(json.dumps(k) + ": ")) + ' "}"')
+            return self.add('"{" ' + self.members(s, lambda k: _literal(k) + ' ": "') + ' "}"')
         return "lit"
 
     def members(self, s: dict, key) -> str:
