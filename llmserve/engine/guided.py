@@ -66,19 +66,10 @@ _FIELD = {
 }
 
 
-def _structural_tag(comp, spec: dict):
-    """Free text until one of spec's triggers, then a structure's begin text, its JSON schema, its end."""
-    import warnings
-
-    import xgrammar as xgr
-
-    tags = [
-        xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
-        for t in spec["structures"]
-    ]
-    with warnings.catch_warnings():  # the (tags, triggers) form is xgrammar's older one, kept in 0.2
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return comp.compile_structural_tag(tags, spec["triggers"])
+def _structural_tag(comp, text: str):
+    """An xgrammar structural tag in its JSON form (`{"type": "structural_tag", "format": ...}`; the tool
+    parsers build them: free text until a call opens, then the call held to its schema)."""
+    return comp.compile_structural_tag(text)
 
 
 def _ebnf_string(s: str) -> str:
@@ -133,7 +124,7 @@ class GuidedDecoding:
                 choices = json.loads(text)
                 compiled = comp.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in choices))
             elif kind == "structural_tag":
-                compiled = _structural_tag(comp, json.loads(text))
+                compiled = _structural_tag(comp, text)
             else:
                 compiled = comp.compile_grammar(text)
         except json.JSONDecodeError as e:

@@ -312,11 +312,21 @@ def test_langchain_bind_tools_round_trip_and_stream(url):
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_langchain_with_structured_output(url, method):
     """with_structured_output: function_calling (a named tool_choice) and json_schema (response_format),
-    invoked and streamed. json_mode (json_object, no schema sent) is left to the model: not tested."""
+    invoked and streamed (json_mode: below)."""
     llm = _lc(url).with_structured_output(Person, method=method)
     p = llm.invoke("Alice is 31.")
     assert isinstance(p, Person) and p.age == 31
     assert list(llm.stream("Alice is 31."))[-1] == p
+
+
+def test_langchain_json_mode_with_the_keys_in_the_prompt(url):
+    """json_mode sends response_format json_object and no schema: the keys go in the prompt (as LangChain's
+    docs have it), and the bundled model follows a prompt that names them."""
+    rec = Recorder()
+    llm = _lc(url, rec).with_structured_output(Person, method="json_mode")
+    p = llm.invoke("Extract the person as JSON with keys name and age: John is 30 years old.")
+    assert p == Person(name="John", age=30)
+    assert rec.bodies[-1]["response_format"] == {"type": "json_object"}
 
 
 def test_langchain_on_the_responses_api(url):

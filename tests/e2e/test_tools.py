@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -53,13 +54,18 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client():
+def server():
     srv = ServerProcess("--num-threads", "1", "--served-model-name", "x")
     try:
         srv.wait_ready()
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        yield srv
     finally:
         srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def _check_call(call):
@@ -234,3 +240,42 @@ def test_unknown_tool_call_parser_is_a_startup_error():
     )
     assert r.returncode != 0 and "--tool-call-parser" in r.stderr and "'nope'" in r.stderr
     assert "hermes" in r.stderr and "qwen3_coder" in r.stderr
+
+
+def test_a_malformed_call_in_the_output_stays_content(server, client):
+    """The model writes a call to a function that is not among the tools (made to, here, by a regex): the answer
+    is a 200 whose content is that text, no tool calls, and the log says why; streamed the same."""
+    bad = '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'
+    extra = {"guided_regex": re.escape(bad)}
+    r = client.chat.completions.create(model="x", messages=Q, tools=TOOLS, max_tokens=40, extra_body=extra)
+    m = r.choices[0]
+    assert (m.message.content, m.message.tool_calls, m.finish_reason) == (bad, None, "stop")
+    stream = client.chat.completions.create(
+        model="x", messages=Q, tools=TOOLS, max_tokens=40, extra_body=extra, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == bad
+    assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "stop"
+    assert "a malformed tool call is kept as content: " in server.log()
+
+
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System messages are not supported') }}"
+    "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_on_a_template_that_cannot_render_them(tmp_path):
+    """A chat template without tools gets them as the default tools prompt, a system message (the documented
+    fallback); one that cannot take that message either refuses with a 400 naming `messages`, never a 500."""
+    f = tmp_path / "tpl.jinja"
+    f.write_text(NO_SYSTEM_TEMPLATE)
+    with ServerProcess("--num-threads", "1", "--served-model-name", "x", "--chat-template", str(f)) as srv:
+        srv.wait_ready()
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert c.chat.completions.create(model="x", messages=Q, max_tokens=1).choices[0].finish_reason
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="x", messages=Q, tools=TOOLS, max_tokens=1)
+        assert e.value.status_code == 400 and e.value.body["param"] == "messages"
+        assert "could not render" in e.value.body["message"] and "System messages" in e.value.body["message"]

@@ -241,39 +241,94 @@ def test_grammar_cache(llm):
     assert g.compilations - before <= 1
 
 
-def test_strict_tool_structural_tag(llm):
-    """A strict tool under tool_choice auto: text is free until `<tool_call>`, then the call must name a
-    declared function and its arguments must follow the schema (tool_parsers.ToolPlan.strict_tag)."""
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+        },
+    },
+}
+FREE_TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+# (parser, answers with a strict call whose unit is %s, free text of that format)
+STRICT_CALLS = [
+    ("hermes", ['Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"unit": "%s"}}\n</tool_call>'],
+     "Any text at all, {json} too."),
+    ("llama3_json", ['{"name": "get_weather", "parameters": {"unit": "%s"}}; {"name": "get_time", "parameters": {}}',
+                     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "%s"}}'],
+     "It is {sunny} today."),
+    ("mistral", ['Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"unit": "%s"}}]',
+                 '[TOOL_CALLS]get_weather[ARGS]{"unit": "%s"}'], "Just [text]."),
+    ("pythonic", ['[get_weather(city="Paris", unit="%s"), get_time(tz="UTC")]',
+                  '<|python_start|>[get_weather(unit="%s")]<|python_end|>'], "Footnote [1] stays text."),
+    ("qwen3_coder", ["Hm.<tool_call>\n<function=get_weather>\n<parameter=unit>%s</parameter>\n</function>\n"
+                     "</tool_call>"],
+     "free <b>text</b>"),
+    ("openai", ["<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"unit": "%s"}<|call|>',
+                '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"unit": "%s"}'
+                "<|call|>"],
+     "<|channel|>final<|message|>Hi.<|return|>"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, calls, free", STRICT_CALLS, ids=[c[0] for c in STRICT_CALLS])
+def test_strict_tools_are_held_in_every_format(llm, name, calls, free):
+    """A strict tool under tool_choice auto, in each parser's format (tool_parsers.ToolPlan.strict_tag): the
+    text is free until a call opens; from there the call must name a declared function and a strict tool's
+    arguments must follow its schema; what the grammar lets through, the parser reads as the call."""
     from llmserve.server import tool_parsers
 
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "strict": True,
-            "parameters": {
-                "type": "object",
-                "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
-                "required": ["unit"],
-            },
-        },
-    }
-    tag = tool_parsers.plan([weather], "auto").strict_tag()
+    plan = tool_parsers.plan([STRICT_WEATHER, FREE_TIME], "auto", tool_parsers.PARSERS[name])
+    tag = plan.strict_tag()
     tok = llm.get_tokenizer()
 
     def accepts(text: str) -> bool:
         m = llm.engine.guided.matcher(SamplingParams(guided_structural_tag=tag))
         return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
 
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "%s"}}\n</tool_call>'
-    assert accepts("Any text at all, {json} too. ")
-    assert accepts("Let me check. " + call % "celsius")
-    assert not accepts("Let me check. " + call % "kelvin")
-    assert not accepts('<tool_call>\n{"name": "launch_rockets", "arguments": {}}')
-    assert (
-        tool_parsers.plan([dict(weather, function={**weather["function"], "strict": False})], "auto").strict_tag()
-        is None
-    )
+    assert accepts(free)
+    for call in calls:
+        assert accepts(call % "celsius"), call
+        assert not accepts(call % "kelvin"), call  # the schema's enum
+        assert not accepts(call.replace("get_weather", "launch_rockets") % "celsius"), call  # not a tool
+        _, parsed = plan.parse_text(call % "celsius")
+        assert parsed and json.loads(parsed[0]["function"]["arguments"])["unit"] == "celsius"
+    free_only = dict(STRICT_WEATHER, function={**STRICT_WEATHER["function"], "strict": False})
+    assert tool_parsers.plan([free_only], "auto", tool_parsers.PARSERS[name]).strict_tag() is None
+
+
+def test_strict_pythonic_arguments_are_python_literals_by_the_schema(llm):
+    """pythonic's strict calls: keyword arguments in the schema's order, the required ones present, each a
+    Python literal of its type (True, None, either quotes, nested lists and dicts)."""
+    from llmserve.server import tool_parsers
+
+    props = {
+        "a": {"type": "integer"},
+        "b": {"type": "boolean"},
+        "c": {"type": "array", "items": {"type": "string"}},
+        "d": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": ["string", "null"]}}},
+        "e": {"anyOf": [{"type": "integer"}, {"enum": ["auto"]}]},
+        "z": {},
+    }
+    f = {"name": "f", "strict": True, "parameters": {"type": "object", "properties": props, "required": ["a"]}}
+    plan = tool_parsers.plan([{"type": "function", "function": f}], "auto", tool_parsers.PARSERS["pythonic"])
+    tag, tok = plan.strict_tag(), llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        m = llm.engine.guided.matcher(SamplingParams(guided_structural_tag=tag))
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    good = "[f(a=1, b=True, c=['x', \"y\"], d={'x': 1.5, \"y\": None}, e='auto', z=[1, {'k': None}])]"
+    assert accepts(good) and accepts("[f(a=-2, e=3)]")
+    args = {"a": 1, "b": True, "c": ["x", "y"], "d": {"x": 1.5, "y": None}, "e": "auto", "z": [1, {"k": None}]}
+    assert json.loads(plan.parse_text(good)[1][0]["function"]["arguments"]) == args
+    for bad in ("[f(b=True)]", "[f(a=1, b=true)]", "[f(a='1')]", "[f(a=1, e='manual')]", "[f(a=1, d={'y': 1})]"):
+        assert not accepts(bad), bad
 
 
 def test_json_schema_keeps_its_key_order(llm):

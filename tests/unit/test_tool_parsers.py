@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -213,11 +214,12 @@ def test_strict_tools_under_auto_get_a_structural_tag():
 
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     kw = tp.guided_kwargs(SimpleNamespace(), tp.plan([strict, TIME], "auto"))
-    tag = json.loads(kw["guided_structural_tag"])
+    tag = json.loads(kw["guided_structural_tag"])["format"]
     assert tag["triggers"] == ["<tool_call>"]
-    assert [s["schema"] for s in tag["structures"]] == [WEATHER["function"]["parameters"], {"type": "object"}]
+    assert [s["content"]["json_schema"] for s in tag["tags"]] == [WEATHER["function"]["parameters"], {"type": "object"}]
     assert tp.guided_kwargs(SimpleNamespace(), tp.plan(TOOLS, "auto")) == {}  # no strict tool: free
-    assert tp.plan([strict], "auto", tp.PARSERS["mistral"]).strict_tag() is None  # hermes' format only
+    for name in tp.PARSERS:  # every format is held (tests/integration/test_guided.py checks the grammars)
+        assert json.loads(tp.plan([strict], "auto", tp.PARSERS[name]).strict_tag())["type"] == "structural_tag"
     rf = SimpleNamespace(response_format={"type": "json_object"})
     assert tp.guided_kwargs(rf, tp.plan([strict], "auto")) == {"guided_json_object": True}
 
@@ -233,3 +235,112 @@ def test_a_forced_call_wins_over_response_format():
         assert tp.guided_kwargs(rf, p) == {"guided_json": json.dumps(p.forced_schema)}
     with pytest.raises(ValueError, match="guided_"):
         tp.guided_kwargs(SimpleNamespace(guided_regex="a+"), tp.plan(TOOLS, "required"))
+
+
+@pytest.mark.parametrize("name", list(tp.PARSERS))
+def test_the_default_tools_prompt_asks_for_the_parsers_format(name):
+    """A template that cannot render tools gets the default tools prompt: it asks for calls in the format of
+    the parser in force, and the history's calls are written in that format, which the parser reads back."""
+    p = tp.plan(TOOLS, "auto", tp.PARSERS[name])
+    history = [
+        {"role": "user", "content": "Weather and time?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}},
+                {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+    ]
+    msgs, tools = tp.render_messages(history, p, native=False)
+    assert tools is None and msgs[0]["role"] == "system"
+    assert msgs[0]["content"].endswith(tp.PARSERS[name].instructions) and '"get_weather"' in msgs[0]["content"]
+    others = [c.instructions for n, c in tp.PARSERS.items() if n != name]
+    assert tp.PARSERS[name].instructions and tp.PARSERS[name].instructions not in others
+    _, calls = parser(name).parse(msgs[2]["content"])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", PARIS),
+        ("get_time", {}),
+    ]
+    assert "tool_calls" not in msgs[2]
+
+
+def test_history_calls_without_tools_are_written_in_the_parsers_format():
+    p = tp.plan(None, None, tp.PARSERS["mistral"])
+    assert p is not None and not p.parse and not p.tools
+    call = {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    msgs, _ = tp.render_messages([{"role": "assistant", "content": "", "tool_calls": [call]}], p, native=False)
+    assert msgs == [{"role": "assistant", "content": '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'}]
+
+
+def test_openai_harmony_is_read_without_tools():
+    """gpt-oss writes harmony channels whether or not the request has tools: analysis is reasoning, final is
+    content, streamed or whole (the output decoded with its special tokens)."""
+    from llmserve.config import ServerSettings
+    from llmserve.server.api.chat import ChatRendering
+    from llmserve.server.rendering import ChoiceText
+    from llmserve.server.state import ServerState
+
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>"
+    p = ServerState(ServerSettings(tool_call_parser="openai")).plan_tools(None, None)
+    assert p.parse and p.keeps_specials and not p.tools
+    t = ChoiceText.whole(text, None, p)
+    assert (t.reasoning, t.calls()) == ("Think.", ("Hi.", []))
+    r = ChatRendering(tokenizer=None, tool_plan=p)
+    deltas = [c["delta"] for k in range(0, len(text), 5) for c in r.deltas(0, _output(text[k : k + 5]))]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Think."
+    assert "".join(d.get("content", "") for d in deltas) == "Hi."
+    assert not ServerState(ServerSettings(tool_call_parser="hermes")).plan_tools(None, None).parse
+
+
+def _output(delta: str):
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(
+        text="", delta_text=delta, finish_reason=None, stop_reason=None, logprobs=None, delta_logprobs=None
+    )
+    return SimpleNamespace(outputs=[c], finished=False)
+
+
+def _long_call(name: str, n: int) -> str:
+    """A call to `write` whose text argument is n characters long, in the format of parser `name`."""
+    body = ("word " * (n // 5 + 1))[:n]
+    quoted = json.dumps(body)
+    return {
+        "hermes": '<tool_call>\n{"name": "write", "arguments": {"text": %s, "n": 1}}\n</tool_call>' % quoted,
+        "llama3_json": '{"name": "write", "parameters": {"text": %s, "n": 1}}' % quoted,
+        "mistral": '[TOOL_CALLS]write[ARGS]{"text": %s, "n": 1}' % quoted,
+        "pythonic": "[write(text=%s, n=1)]" % quoted,
+        "qwen3_coder": "<tool_call>\n<function=write>\n<parameter=text>\n%s\n</parameter>\n<parameter=n>\n1\n"
+        "</parameter>\n</function>\n</tool_call>" % body,
+        "openai": '<|channel|>commentary to=functions.write <|constrain|>json<|message|>{"text": %s, "n": 1}<|call|>'
+        % quoted,
+    }[name]
+
+
+@pytest.mark.parametrize("name", list(tp.PARSERS))
+def test_streaming_a_long_call_reads_its_text_once(name):
+    """feed() is incremental: the scanners resume where they stopped, so the work per character of a call
+    streamed in 4-character pieces stays the same from 5 kB to 50 kB (a re-scan of the region with every
+    piece made it grow with the length: 0.06 s for 4 kB, minutes for 50 kB)."""
+    write = {
+        "type": "function",
+        "function": {
+            "name": "write",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}},
+        },
+    }
+    per_char = []
+    for n in (5_000, 50_000):
+        text, s = _long_call(name, n), tp.PARSERS[name]([write]).stream()
+        started = time.perf_counter()
+        out = [d for k in range(0, len(text), 4) for d in s.feed(text[k : k + 4])] + s.flush()
+        took = time.perf_counter() - started
+        _, calls = tp.collect(out)
+        assert json.loads(calls[0]["function"]["arguments"]) == {"text": ("word " * (n // 5 + 1))[:n], "n": 1}
+        if name != "pythonic":  # the argument streamed as it came (pythonic sends each argument once it is whole)
+            assert len([d for d in out if d.arguments]) > n // 100
+        per_char.append(s.memo.work / len(text))
+    assert per_char[1] < 1.5 * per_char[0], per_char
+    assert took < 20, took  # a generous bound (a shared machine): the re-scan took over a minute (pythonic)

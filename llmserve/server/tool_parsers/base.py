@@ -7,6 +7,10 @@ it arrives: content outside regions goes out at once (text that may still become
 and each call's id and name go out once its name is known, then its arguments as they are written.
 `parse(text)` is the same machine fed the whole text at once, so a streamed answer and a whole one agree.
 
+Streaming is incremental: a region's text only grows until the region ends, so the scanners keep what they
+learned in the region's Memo and resume where they stopped (a call's arguments streamed in small pieces
+are read once, not again with every piece: O(n) over the call, where a re-scan was O(n^2)).
+
 A region that turns out malformed (bad JSON, a function that is not among the tools) before any of it
 was sent stays content, with a log line; one that breaks after its first delta went out is logged.
 """
@@ -58,12 +62,37 @@ class Scan:
     reasoning: str = ""
 
 
+class Memo:
+    """What the scanners learned about the open region's text, which only grows until the region ends: where
+    to resume (keyed by what is scanned and where it starts), and the values read from parts that are whole.
+    `work`: the characters the scanners read (over the stream: about the text's length, not its square)."""
+
+    def __init__(self) -> None:
+        self.work = 0
+        self.state: dict = {}
+
+    def clear(self) -> None:
+        self.state.clear()
+
+    def find(self, text: str, s: str, start: int = 0) -> int:
+        """text.find(s, start), reading only what the last search from `start` did not."""
+        key = ("find", s, start)
+        frm = self.state.get(key, start)
+        at = text.find(s, frm)
+        self.work += (len(text) if at < 0 else at + len(s)) - frm
+        self.state[key] = at if at >= 0 else max(start, len(text) - len(s) + 1)
+        return at
+
+
 class ToolParser:
     """A model format's tool calls. `tools`: the request's OpenAI tool objects (names and schemas)."""
 
     name = ""
     starts: tuple[str, ...] = ()  # markers that open a region anywhere in the text
     keep_special_tokens = False  # the markers are special tokens: decode with skip_special_tokens off
+    always = False  # the whole output is in the format (harmony's channels): read it with tools or without
+    # the default tools prompt's last part (a chat template that cannot render tools): how to call, in this format
+    instructions = ""
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.functions = {t["function"]["name"]: t["function"] for t in tools or []}
@@ -76,10 +105,25 @@ class ToolParser:
         region here (0: the region starts at once), None when the output does not open with one, WAIT."""
         return None
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
         """The calls in `buf`, the text after `marker` (the one that opened the region). With `final` the
-        output ended: the region ends too."""
+        output ended: the region ends too. `memo`: the region's (buf only grows between calls)."""
         raise NotImplementedError
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """The xgrammar structural tag format (structure.py) of this format's calls under `strict: true`: the
+        text free until a call opens, then one of `calls` (a function's name, its arguments' JSON schema)."""
+        raise NotImplementedError
+
+    def format_call(self, name: str, args) -> str:
+        """One call as the model writes it (an assistant message's tool_calls, rendered without the chat
+        template's help); `args` the arguments as an object (a string when they were not JSON). A format
+        overrides this or, where the calls are written together (a list), format_calls."""
+        return self.format_calls([(name, args)])
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        """A message's calls (name, arguments), as the model writes them."""
+        return "\n".join(self.format_call(n, a) for n, a in calls)
 
     def new_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -124,6 +168,7 @@ class ToolStream:
         self.region_calls: list[list] = []  # this region's calls: [index or None (dropped), id, args sent]
         self.blocked = False  # this region named an unknown function: nothing more goes out of it
         self.ws = ""  # whitespace after a region, held until text follows
+        self.memo = Memo()  # the open region's scanning state (memo.work counts the whole stream's scanning)
 
     def feed(self, delta: str, final: bool = False) -> list[ToolDelta]:
         """The pieces `delta` completes; `final`: the output ends with it (what was held back goes out, an
@@ -174,7 +219,7 @@ class ToolStream:
                 self.marker, self.buf = m, self.buf[at + len(m) :]
                 self._open()
             else:
-                scan = self.p.region(self.buf, self.marker, final)
+                scan = self.p.region(self.buf, self.marker, final, self.memo)
                 if scan.end is None and final:
                     scan.end = len(self.buf)
                 out += self._calls(scan)
@@ -185,6 +230,7 @@ class ToolStream:
 
     def _open(self) -> None:
         self.state, self.region_calls, self.blocked = "region", [], False
+        self.memo.clear()
         self.region_text = [0, 0]  # the region's text and reasoning sent so far (lengths)
 
     def _calls(self, scan: Scan) -> list[ToolDelta]:
@@ -221,10 +267,11 @@ class ToolStream:
             call = self.region_calls[k]
             if call[0] is None or p.args is None or len(p.args) == len(call[2]):
                 continue
-            if not p.args.startswith(call[2]):
+            sent = len(call[2])  # what was sent must still be there: its last characters are checked
+            if len(p.args) < sent or p.args[max(0, sent - 16) : sent] != call[2][-16:]:
                 log.warning("tool call %d: its arguments changed after they were sent; kept as sent", call[0])
                 continue
-            out.append(ToolDelta(index=call[0], arguments=p.args[len(call[2]) :]))
+            out.append(ToolDelta(index=call[0], arguments=p.args[sent:]))
             call[2] = p.args
         return out
 

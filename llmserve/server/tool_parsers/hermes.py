@@ -10,7 +10,10 @@ makes the model write) is a call too; a tag left open at the end of the answer c
 
 from __future__ import annotations
 
-from llmserve.server.tool_parsers.base import Scan, ToolParser
+import json
+
+from llmserve.server.tool_parsers import structure as S
+from llmserve.server.tool_parsers.base import Memo, Scan, ToolParser
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -19,21 +22,32 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesParser(ToolParser):
     name = "hermes"
     starts = (OPEN,)
+    instructions = (
+        "To call a function, answer with a JSON object of its name and arguments inside <tool_call></tool_call> "
+        'tags, like this:\n<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
+    )
+
+    def format_call(self, name: str, args) -> str:
+        return OPEN + "\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n" + CLOSE
 
     def leading(self, text: str) -> int | None:
         return 0 if text.startswith("{") else None
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        opening = OPEN + '\n{"name": %s, "arguments": '
+        return S.triggered([OPEN], [S.tag(opening % json.dumps(n), S.schema(s), "}\n" + CLOSE) for n, s in calls])
+
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
         tagged = marker == OPEN
         j = skip_ws(buf, 0)
-        close = buf.find(CLOSE) if tagged else -1
+        close = memo.find(buf, CLOSE) if tagged else -1
         bad_end = close + len(CLOSE) if close >= 0 else (len(buf) if final else None)
         if j >= len(buf):
             return Scan(end=bad_end, ok=False)
         if buf[j] != "{":
             return Scan(end=bad_end, ok=False)
         try:
-            p, end = call_object(buf, j, final)
+            p, end = call_object(buf, j, final, memo)
         except Malformed:
             return Scan(end=bad_end, ok=False)
         scan = Scan(calls=[p])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from llmserve.server.tool_parsers.base import Partial
+from llmserve.server.tool_parsers.base import Memo, Partial
 
 _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 _WS = " \t\r\n"
@@ -25,20 +25,30 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def string_end(text: str, i: int) -> int | None:
-    """The index after the JSON string that opens at text[i] ('"'), None if it is not closed yet."""
-    j = _STRING_BODY.match(text, i + 1).end()
+def string_end(text: str, i: int, memo: Memo | None = None) -> int | None:
+    """The index after the JSON string that opens at text[i] ('"'), None if it is not closed yet. With a
+    memo, an open string is read on from where the last call stopped."""
+    frm = i + 1 if memo is None else memo.state.get(("str", i), i + 1)
+    j = _STRING_BODY.match(text, frm).end()  # whole characters and escapes: a trailing backslash waits
+    if memo is not None:
+        memo.work += j - frm + 1
+        memo.state[("str", i)] = j
     return j + 1 if j < len(text) and text[j] == '"' else None
 
 
-def value_end(text: str, i: int, final: bool = False) -> int | None:
+def value_end(text: str, i: int, final: bool = False, memo: Memo | None = None) -> int | None:
     """The index after the JSON value that starts at text[i], None if it is not whole yet. Raises
-    Malformed for what cannot start or continue a value."""
+    Malformed for what cannot start or continue a value. With a memo, an open object or array is read on
+    from where the last call stopped."""
     c = text[i]
     if c == '"':
-        return string_end(text, i)
+        return string_end(text, i, memo)
     if c in "{[":
-        depth, j = 0, i
+        key = ("value", i)
+        depth, j = (0, i) if memo is None else memo.state.get(key, (0, i))
+        if isinstance(depth, str):  # read whole before
+            return j
+        frm = j
         while j < len(text):
             m = _PLAIN.match(text, j)
             if m is not None:
@@ -46,9 +56,9 @@ def value_end(text: str, i: int, final: bool = False) -> int | None:
                 continue
             c = text[j]
             if c == '"':
-                e = string_end(text, j)
+                e = string_end(text, j, memo)
                 if e is None:
-                    return None
+                    break
                 j = e
                 continue
             if c in "{[":
@@ -56,8 +66,14 @@ def value_end(text: str, i: int, final: bool = False) -> int | None:
             elif c in "}]":
                 depth -= 1
                 if depth == 0:
+                    if memo is not None:
+                        memo.work += j + 1 - frm
+                        memo.state[key] = ("whole", j + 1)
                     return j + 1
             j += 1
+        if memo is not None:
+            memo.work += j - frm
+            memo.state[key] = (depth, j)
         return None
     m = _SCALAR.match(text, i)
     if m is None:
@@ -67,10 +83,14 @@ def value_end(text: str, i: int, final: bool = False) -> int | None:
     return m.end() if m.end() < len(text) or final else None
 
 
-def call_object(text: str, i: int, final: bool = False) -> tuple[Partial, int | None]:
+def call_object(text: str, i: int, final: bool = False, memo: Memo | None = None) -> tuple[Partial, int | None]:
     """The call object that opens at text[i] ('{'): the call so far, and the index after the object (None
     while it is open). Its arguments stream as their raw text when they are an object; a string of JSON
-    (some models quote them) goes out whole, decoded, once it ends. Raises Malformed."""
+    (some models quote them) goes out whole, decoded, once it ends. Raises Malformed. With a memo, a call
+    read whole before is not read again, and its open arguments are read on from where they stopped."""
+    whole = None if memo is None else memo.state.get(("call", i))
+    if whole is not None:
+        return whole
     p, j, args_raw = Partial(), i + 1, None
     while True:
         j = skip_ws(text, j)
@@ -84,7 +104,7 @@ def call_object(text: str, i: int, final: bool = False) -> tuple[Partial, int | 
             continue
         if c != '"':
             raise Malformed(f"expected a key at {text[j : j + 20]!r}")
-        k_end = string_end(text, j)
+        k_end = string_end(text, j, memo)
         if k_end is None:
             return p, None
         key = json.loads(text[j:k_end])
@@ -96,7 +116,7 @@ def call_object(text: str, i: int, final: bool = False) -> tuple[Partial, int | 
         j = skip_ws(text, j + 1)
         if j >= len(text):
             return p, None
-        v_end = value_end(text, j, final)
+        v_end = value_end(text, j, final, memo)
         is_args = key in ("arguments", "parameters") and args_raw is None
         if is_args and text[j] == "{":
             p.args = text[j:] if v_end is None else text[j:v_end]
@@ -122,4 +142,7 @@ def call_object(text: str, i: int, final: bool = False) -> tuple[Partial, int | 
     if args_raw is None:
         p.args = "{}"
     p.complete = True
+    if memo is not None:
+        memo.work += end - i  # read whole once more (json.loads)
+        memo.state[("call", i)] = (p, end)
     return p, end

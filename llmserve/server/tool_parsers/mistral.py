@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import re
 
-from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, new_mistral_id
+from llmserve.server.tool_parsers import structure as S
+from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, new_mistral_id
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws, value_end
 
 TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -26,20 +27,36 @@ class MistralParser(ToolParser):
     name = "mistral"
     starts = (TAG,)
     keep_special_tokens = True
+    instructions = (
+        "To call functions, answer with [TOOL_CALLS] and a JSON array of the calls, like this:\n"
+        '[TOOL_CALLS] [{"name": <function-name>, "arguments": <arguments-json-object>}]'
+    )
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        return TAG + " " + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
 
     def new_id(self) -> str:
         return new_mistral_id()
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """After the tag: the array of call objects (v3) or NAME[ARGS]{...} (v11)."""
+        objects = S.separated(
+            [S.tag('{"name": %s, "arguments": ' % json.dumps(n), S.schema(s), "}") for n, s in calls], ", "
+        )
+        arrays = [S.tag(TAG + opening, objects, "]") for opening in ("[", " [")]
+        named = [S.tag(TAG + n + ARGS, S.schema(s), "") for n, s in calls]
+        return S.triggered([TAG], arrays + named)
+
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
         j = skip_ws(buf, 0)
         if j >= len(buf):
             return Scan(end=len(buf), ok=False) if final else Scan()
         try:
-            return self._array(buf, j, final) if buf[j] == "[" else self._named(buf, j, final)
+            return self._array(buf, j, final, memo) if buf[j] == "[" else self._named(buf, j, final, memo)
         except Malformed:
             return Scan(end=len(buf), ok=False)
 
-    def _array(self, buf: str, j: int, final: bool) -> Scan:
+    def _array(self, buf: str, j: int, final: bool, memo: Memo) -> Scan:
         scan, j = Scan(), j + 1
         while True:
             j = skip_ws(buf, j)
@@ -54,7 +71,7 @@ class MistralParser(ToolParser):
                 continue
             if buf[j] != "{":
                 raise Malformed("expected a call object")
-            p, end = call_object(buf, j, final)
+            p, end = call_object(buf, j, final, memo)
             scan.calls.append(p)
             if end is None:
                 break
@@ -63,7 +80,7 @@ class MistralParser(ToolParser):
             scan.end, scan.ok = len(buf), False
         return scan
 
-    def _named(self, buf: str, j: int, final: bool) -> Scan:
+    def _named(self, buf: str, j: int, final: bool, memo: Memo) -> Scan:
         m = _NAME.match(buf, j)
         if m is None:
             raise Malformed("expected a function name")
@@ -77,7 +94,7 @@ class MistralParser(ToolParser):
         if buf[k] != "{":
             raise Malformed("expected the arguments object")
         p = Partial(name=m.group())
-        end = value_end(buf, k, final)
+        end = value_end(buf, k, final, memo)
         p.args = buf[k:end] if end is not None else buf[k:]
         if end is None:
             return Scan(calls=[p], end=len(buf), ok=False) if final else Scan(calls=[p])

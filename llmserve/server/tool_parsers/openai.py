@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import re
 
-from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, held
+from llmserve.server.tool_parsers import structure as S
+from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, held
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
+RECIPIENT = "to=functions."
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 
@@ -26,16 +28,32 @@ class OpenAIParser(ToolParser):
     name = "openai"
     starts = (START, CHANNEL)
     keep_special_tokens = True
+    always = True
+    instructions = (
+        "To call a function, write a message to it on the commentary channel, its arguments a JSON object:\n"
+        "<|channel|>commentary to=functions.<function-name> <|constrain|>json<|message|><arguments-json-object><|call|>"
+    )
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
-        at = buf.find(MESSAGE)
+    def format_call(self, name: str, args) -> str:
+        body = json.dumps(args, ensure_ascii=False)
+        return f"{CHANNEL}commentary {RECIPIENT}{name} <|constrain|>json{MESSAGE}{body}<|call|>"
+
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """From the recipient on: the rest of the header (the channel when the recipient came first, the
+        constraint), the message, its arguments, `<|call|>`."""
+        rest = S.regex(r"( ?<\|channel\|>commentary)?( ?<\|constrain\|>)?( ?json)?<\|message\|>")
+        tags = [S.tag(RECIPIENT + n, S.seq(rest, S.schema(s)), "<|call|>") for n, s in calls]
+        return S.triggered([RECIPIENT], tags)
+
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
+        at = memo.find(buf, MESSAGE)
         if at < 0:
             # a header is short; one that runs on, or into another message, is not harmony
             bad = len(buf) > 300 or any(e in buf for e in ENDS) or (final and bool(buf.strip()))
             return Scan(end=len(buf), ok=False) if bad or final else Scan()
         header = marker + buf[:at]
         start = at + len(MESSAGE)
-        hits = [(buf.find(e, start), e) for e in (*ENDS, START)]
+        hits = [(memo.find(buf, e, start), e) for e in (*ENDS, START)]
         hits = [(k, e) for k, e in hits if k >= 0]
         if hits:
             stop, e = min(hits)

@@ -2,17 +2,19 @@
 into the prompt, forced calls as a grammar (the parsers of the model's output are this package's modules).
 
 - Rendering: a model whose chat template knows `tools` gets them through the template; otherwise (the
-  bundled SmolLM2) a default system prompt lists the functions as JSON schemas and asks for
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Assistant messages that carry
-  `tool_calls` are rendered in that same form; `role: "tool"` results as `tool` turns.
+  bundled SmolLM2) a default system prompt lists the functions as JSON schemas and asks for calls in the
+  format of the parser in force (its `instructions`: hermes' `<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`, ...). Assistant messages that carry `tool_calls` are rendered in that same format
+  (`format_calls`); `role: "tool"` results as `tool` turns.
 - `tool_choice`: "none" renders no tools and parses nothing; "auto" (the default with tools) parses
   the calls in the model's format (the server's tool-call parser); "required" and a named function
   constrain the output with a JSON schema (anyOf over the functions, or the one named), so the
   output is always exactly one call object, read by the hermes parser (its bare-object form).
 - `parallel_tool_calls: false`: only the first call is kept.
 - `response_format` with a required or named call: the call wins (the format is for a text answer).
-- `strict: true` tools under "auto" (hermes' format): the text is free until `<tool_call>`, then the
-  grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag).
+- `strict: true` tools under "auto": the text is free until a call opens in the parser's format, then the
+  grammar holds the call to a function's name and its arguments to its schema (an xgrammar structural tag
+  each parser builds: `strict_format`).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.server.tool_parsers.hermes import HermesParser
+from llmserve.server.tool_parsers.structure import structural_tag
 
+# the default tools prompt, followed by the parser's `instructions` (how to call, in its format)
 DEFAULT_TOOLS_PROMPT = (
     "You are a function calling AI model. You may call one or more of the functions below to help "
     "with the user's request. Here are the available functions, as JSON schemas:\n<tools>\n{tools}\n"
-    "</tools>\nTo call a function, answer with a JSON object of its name and arguments inside "
-    "<tool_call></tool_call> tags, like this:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>'
+    "</tools>\n"
 )
 
 
@@ -47,7 +49,9 @@ class ToolPlan:
 
     @property
     def parse(self) -> bool:
-        return self.choice != "none" and bool(self.tools)
+        """The output is read for calls: tools to call, or a format read with or without them (harmony)."""
+        always = not self.forced and self.parser is not None and self.parser.always
+        return (self.choice != "none" and bool(self.tools)) or always
 
     @property
     def forced(self) -> bool:
@@ -71,21 +75,17 @@ class ToolPlan:
         return self.new_parser().stream(None if self.parallel else 1)
 
     def strict_tag(self) -> str | None:
-        """With a `strict: true` tool under tool_choice auto (hermes' format): the structural tag that leaves
-        the text free until `<tool_call>`, then holds the call to a declared function and its arguments to
-        its parameters (the others' to any object); None otherwise."""
+        """With a `strict: true` tool under tool_choice auto: the structural tag, in the parser's format, that
+        leaves the text free until a call opens, then holds the call to a declared function and its arguments
+        to its parameters (the others' to any object); None otherwise."""
         fs = [t["function"] for t in self.tools]
-        if self.choice != "auto" or not any(f.get("strict") for f in fs) or self.parser not in (None, HermesParser):
+        if self.choice != "auto" or not any(f.get("strict") for f in fs):
             return None
-        structures = [
-            {
-                "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
-                "schema": (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"},
-                "end": "}\n</tool_call>",
-            }
+        calls = [
+            (f["name"], (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"})
             for f in fs
         ]
-        return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+        return structural_tag(self.new_parser().strict_format(calls))
 
     def parse_text(self, text: str) -> tuple[str | None, list[dict]]:
         return self.new_parser().parse(text, None if self.parallel else 1)
@@ -104,9 +104,12 @@ def _function(t: Any) -> dict:
 
 
 def plan(tools: list[dict] | None, tool_choice: Any, parser: type | None = None, parallel=None) -> ToolPlan | None:
-    """Validate tools and tool_choice; None when the request has no tools. `parser`: the ToolParser class
-    of the model's format; `parallel`: the request's parallel_tool_calls (None: true)."""
+    """Validate tools and tool_choice. `parser`: the ToolParser class of the model's format; `parallel`: the
+    request's parallel_tool_calls (None: true). Without tools: None, or with a parser, a plan without tools
+    (choice "none") that renders history calls in its format and reads a format that is always read."""
     p = _plan(tools, tool_choice)
+    if p is None and parser is not None:
+        p = ToolPlan([], "none")
     if p is not None:
         p.parser, p.parallel = parser, parallel is not False
     return p
@@ -161,7 +164,8 @@ def template_supports_tools(tokenizer) -> bool:
 def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple[list[dict], list[dict] | None]:
     """Messages (and the `tools` argument for the template) ready for apply_chat_template."""
     if native:
-        return msgs, (p.tools if p is not None and p.choice != "none" else None)
+        return msgs, (p.tools if p is not None and p.choice != "none" and p.tools else None)
+    fmt = (p.parser if p is not None and p.parser is not None else HermesParser)(p.tools if p is not None else [])
     out = []
     for m in msgs:
         m = dict(m)
@@ -174,19 +178,16 @@ def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple
                     args = json.loads(args) if isinstance(args, str) else args
                 except json.JSONDecodeError:
                     pass
-                calls.append(
-                    "<tool_call>\n"
-                    + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False)
-                    + "\n</tool_call>"
-                )
-            m["content"] = ((m.get("content") or "") + "\n".join(calls)).strip()
+                calls.append((f.get("name"), args))
+            m["content"] = ((m.get("content") or "") + fmt.format_calls(calls)).strip()
             m.pop("tool_calls")
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
-    if p is not None and p.choice != "none":
-        text = DEFAULT_TOOLS_PROMPT.format(
-            tools="\n".join(json.dumps(t["function"], ensure_ascii=False) for t in p.tools)
+    if p is not None and p.choice != "none" and p.tools:
+        text = (
+            DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"], ensure_ascii=False) for t in p.tools))
+            + fmt.instructions
         )
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = dict(out[0], content=(out[0]["content"] + "\n\n" + text).strip())

@@ -13,16 +13,20 @@ import ast
 import json
 import re
 
-from llmserve.server.tool_parsers.base import Partial, Scan, ToolParser, opens_with
+from llmserve.server.tool_parsers import structure as S
+from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, opens_with
 from llmserve.server.tool_parsers.jsonscan import Malformed, skip_ws
 
 START, END = "<|python_start|>", "<|python_end|>"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
-def literal_end(text: str, i: int) -> int | None:
-    """The index of the ',' or ')' that ends the Python literal starting at text[i] (None: not yet)."""
-    depth, j, quote = 0, i, None
+def literal_end(text: str, i: int, memo: Memo) -> int | None:
+    """The index of the ',' or ')' that ends the Python literal starting at text[i] (None: not yet); read on
+    from where the last call stopped."""
+    depth, j, quote = memo.state.get(("literal", i), (0, i, None))
+    frm = j
+    memo.work += len(text) - frm
     while j < len(text):
         c = text[j]
         if quote:
@@ -41,19 +45,41 @@ def literal_end(text: str, i: int) -> int | None:
         elif c == "," and depth == 0:
             return j
         j += 1
+    memo.state[("literal", i)] = (depth, j, quote)
     return None
 
 
 class PythonicParser(ToolParser):
     name = "pythonic"
+    instructions = (
+        "To call functions, answer with only a Python list of the calls with keyword arguments, like this:\n"
+        "[func_name1(param1=value1, param2=value2), func_name2(param=value)]"
+    )
+
+    def format_calls(self, calls: list[tuple[str, object]]) -> str:
+        def kwargs(a) -> str:
+            return ", ".join(f"{k}={v!r}" for k, v in a.items()) if isinstance(a, dict) else ""
+
+        return "[" + ", ".join(f"{n}({kwargs(a)})" for n, a in calls) + "]"
 
     def leading(self, text: str) -> int | None:
         return opens_with(text, "[", START)
 
-    def region(self, buf: str, marker: str, final: bool) -> Scan:
+    def strict_format(self, calls: list[tuple[str, dict]]) -> dict:
+        """A leading list of calls (maybe in the tags), their keyword arguments by the schema, or text that does
+        not open with one."""
+        tags = [S.tag(n + "(", S.grammar(S.python_kwargs_grammar(s)), ")") for n, s in calls]
+        listed = S.seq(S.const("["), S.separated(tags, ", "), S.const("]"))
+        return S.either(
+            S.seq(S.regex(r"\s*"), S.either(listed, S.seq(S.const(START), listed, S.const(END)))),
+            S.seq(S.regex(r"\s*([^\[<\s]|<[^|])"), S.any_text()),
+            S.regex(r"\s*"),
+        )
+
+    def region(self, buf: str, marker: str, final: bool, memo: Memo) -> Scan:
         scan = Scan()
         try:
-            done = self._list(buf, scan)
+            done = self._list(buf, scan, memo)
         except (Malformed, ValueError, SyntaxError, TypeError):
             return Scan(calls=scan.calls, end=len(buf), ok=False)  # not a call list: content
         if done is None:
@@ -68,7 +94,7 @@ class PythonicParser(ToolParser):
         scan.end, scan.ok = done, all(self.known(p.name) for p in scan.calls)
         return scan
 
-    def _list(self, buf: str, scan: Scan) -> int | None:
+    def _list(self, buf: str, scan: Scan, memo: Memo) -> int | None:
         """Reads the list into scan.calls; the index after its ']', None while it is open."""
         j = skip_ws(buf, 0)
         if j >= len(buf):
@@ -87,11 +113,16 @@ class PythonicParser(ToolParser):
             if buf[j] == "," and scan.calls and scan.calls[-1].complete:
                 j += 1
                 continue
-            j = self._call(buf, j, scan)
+            whole = memo.state.get(("call", j))  # a call read whole is not read again
+            if whole is not None:
+                scan.calls.append(whole[0])
+                j = whole[1]
+                continue
+            j = self._call(buf, j, scan, memo)
             if j is None:
                 return None
 
-    def _call(self, buf: str, j: int, scan: Scan) -> int | None:
+    def _call(self, buf: str, j: int, scan: Scan, memo: Memo) -> int | None:
         m = _IDENT.match(buf, j)
         if m is None:
             raise Malformed("expected a function name")
@@ -102,13 +133,14 @@ class PythonicParser(ToolParser):
         p = Partial(name=m.group(), args="{")
         scan.calls.append(p)
         args: list[str] = []
-        j = m.end() + 1
+        start, j = j, m.end() + 1
         while True:
             j = skip_ws(buf, j)
             if j >= len(buf):
                 return None
             if buf[j] == ")":
                 p.args, p.complete = "{" + ", ".join(args) + "}", True
+                memo.state[("call", start)] = (p, j + 1)
                 return j + 1
             if buf[j] == "," and args:
                 j += 1
@@ -122,10 +154,15 @@ class PythonicParser(ToolParser):
             if buf[eq] != "=":
                 raise Malformed("expected '='")
             v = skip_ws(buf, eq + 1)
-            end = literal_end(buf, v)
+            end = literal_end(buf, v, memo)
             if end is None:
                 return None
-            value = ast.literal_eval(buf[v:end].strip())
-            args.append(json.dumps(k.group(), ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
+            item = memo.state.get(("arg", v))
+            if item is None:  # read once: whole arguments are not read again
+                value = ast.literal_eval(buf[v:end].strip())
+                item = json.dumps(k.group(), ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+                memo.state[("arg", v)] = item
+                memo.work += end - v
+            args.append(item)
             p.args = "{" + ", ".join(args)
             j = end
