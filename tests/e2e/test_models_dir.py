@@ -21,7 +21,10 @@ import psutil
 import pytest
 
 from llmserve.bench.scrape import metric_sum
-from llmserve.testing.launcher import ServerProcess, wait_until
+from llmserve.cli import main
+from llmserve.testing.launcher import ServerProcess, router_thread, wait_until
+
+pytestmark = pytest.mark.timeout(1800)
 
 PROMPT = [{"role": "user", "content": "Name three colors."}]
 
@@ -206,6 +209,40 @@ def test_ollama_client(server):
         with pytest.raises(ollama.ResponseError) as e:
             c.pull("llama3")
         assert e.value.status_code == 404
+
+
+def test_bench_spreads_load_over_models(server, tmp_path):
+    def done(model):
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return metric_sum(text, "llmserve:request_success_total", model_name=model)
+
+    before = {m: done(m) for m in ("smol", "tiny")}
+    flags = ["--base-url", server.url, "--model", "smol,tiny", "--concurrency", "2", "--num-requests", "4"]
+    rc = main(["bench", *flags, "--output-len", "4", "--output-dir", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    assert {m: done(m) - before[m] for m in ("smol", "tiny")} == {"smol": 2, "tiny": 2}
+
+
+def test_router_routes_by_name_and_merges_ollama_lists(server):
+    with router_thread(backends=[server.url], health_interval=0.2) as r, httpx.Client(base_url=r.url, timeout=600) as c:
+        assert wait_until(lambda: r.router.healthy_backends(), timeout=30)
+        cards = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert {"smol", "tiny", "huge", "broken"} <= set(cards) and "status" in cards["tiny"]
+        assert "broken" not in r.router.healthy_backends()[0].models  # failed there: not routed to it
+        got = c.post(
+            "/api/chat",
+            json={
+                "model": "smol:latest",
+                "messages": PROMPT,
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 4},
+            },
+        )
+        assert got.status_code == 200 and got.json()["message"]["content"]
+        assert "smol:latest" in {m["name"] for m in c.get("/api/ps").json()["models"]}
+        assert {"smol:latest", "tiny:latest"} <= {m["name"] for m in c.get("/api/tags").json()["models"]}
+        assert c.get("/api/version").json()["version"]
+        assert c.post("/api/pull", json={"model": "nope"}).status_code == 404
 
 
 def _running(srv, model: str) -> float:
