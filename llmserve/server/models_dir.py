@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 
 from llmserve.config import EngineConfig, ServerSettings
+from llmserve.model.loader.build import DoesNotFit
 from llmserve.models_config import ModelEntry, scan_models_dir
 from llmserve.server.errors import APIError
 from llmserve.server.state import ServerState
@@ -32,6 +33,7 @@ log = logging.getLogger("llmserve.server")
 
 NOT_LOADED, LOADING, LOADED, UNLOADING, FAILED = "not loaded", "loading", "loaded", "unloading", "failed"
 HELD = "llmserve.models_held"  # the scope key of the slots a request holds (InFlight releases them)
+LOAD_SECONDS = "llmserve.load_seconds"  # the scope key of the seconds a request waited for its model's load
 FOREVER = float("inf")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -60,6 +62,12 @@ def parse_keep_alive(value) -> float | None:
     return FOREVER if sign < 0 else seconds
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 class Slot:
     """One model of DIR: its entry, state, error, ServerState (kept across loads: its metrics count on) and
     requests in flight."""
@@ -74,6 +82,7 @@ class Slot:
         self.loaded_at = 0.0
         self.keep_alive: float | None = None  # the last request's keep_alive (None: --model-idle-timeout)
         self.loading: asyncio.Future | None = None
+        self.footprint = 0  # bytes the process's RSS grew by at the model's last load
         state.slot = self
 
     def expires_at(self, default: float) -> float:
@@ -198,7 +207,12 @@ class ModelPool:
         if held is not None:  # (InFlight releases it)
             slot.in_flight += 1
             held.append(slot)
-        await self.ensure_loaded(slot)
+        if slot.status != LOADED:
+            t0 = time.perf_counter()
+            await self.ensure_loaded(slot)
+            request.scope[LOAD_SECONDS] = time.perf_counter() - t0
+        else:
+            await self.ensure_loaded(slot)
         return slot.state
 
     def release(self, slot: Slot) -> None:
@@ -234,13 +248,24 @@ class ModelPool:
             slot.state.load_error = None
             t0 = time.perf_counter()
             log.info("loading model %s from %s", slot.name, slot.entry.path)
-            await asyncio.to_thread(slot.state.load)
-            err = slot.state.load_error
-            if err is None:
-                slot.status, slot.loaded_at, slot.last_used = LOADED, time.time(), time.time()
-                log.info("model %s loaded in %.2f s", slot.name, time.perf_counter() - t0)
-                return
-            if isinstance(err, ValueError) and "does not fit in memory" in str(err):
+            while True:
+                rss = _rss()
+                await asyncio.to_thread(slot.state.load)
+                err = slot.state.load_error
+                if err is None:
+                    slot.status, slot.loaded_at, slot.last_used = LOADED, time.time(), time.time()
+                    slot.footprint = max(0, _rss() - rss)
+                    log.info("model %s loaded in %.2f s", slot.name, time.perf_counter() - t0)
+                    return
+                too_big = isinstance(err, DoesNotFit)
+                idle = [s for s in self.slots.values() if s.status == LOADED and s.in_flight == 0]
+                # the memory check refused it: idle models make room first (the least recently used), when
+                # what they took at their load covers the shortfall
+                if not (too_big and idle and sum(s.footprint for s in idle) >= err.needed - err.available):
+                    break
+                await self.unload(min(idle, key=lambda s: s.last_used), f"memory for {slot.name}")
+                slot.state.load_error = None
+            if too_big:
                 slot.status, slot.error = NOT_LOADED, str(err)
                 raise APIError(503, f"the model {slot.name!r} cannot load now: {err}", code="insufficient_memory")
             self._failed(slot, err)

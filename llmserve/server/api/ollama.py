@@ -46,7 +46,7 @@ from llmserve.server.api.ollama_render import (
     tagged,
 )
 from llmserve.server.errors import APIError, from_value_error
-from llmserve.server.models_dir import FOREVER, parse_keep_alive
+from llmserve.server.models_dir import FOREVER, LOAD_SECONDS, parse_keep_alive
 from llmserve.server.prepare import admit, chat_runs, compile_guided, fan_out, sampling_params
 from llmserve.server.serving import Generation
 from llmserve.server.state import ServerState, State
@@ -288,7 +288,13 @@ async def chat(body: ChatRequest, request: Request, state: State):
     )
     reasoning = state.reasoning if body.think is not False else None
     rendering = OllamaRendering(
-        "chat", body.model, reasoning, tool_plan, think=body.think is not False, tokenizer=_tokenizer(eng, body)
+        "chat",
+        body.model,
+        reasoning,
+        tool_plan,
+        think=body.think is not False,
+        tokenizer=_tokenizer(eng, body),
+        load=request.scope.get(LOAD_SECONDS, 0.0),
     )
     gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
     return await gen.response(body.stream)
@@ -338,7 +344,12 @@ async def generate(body: GenerateRequest, request: Request, state: State):
         )
     reasoning = state.reasoning if body.think is not False and not body.raw else None
     rendering = OllamaRendering(
-        "generate", body.model, reasoning, think=body.think is not False, tokenizer=_tokenizer(eng, body)
+        "generate",
+        body.model,
+        reasoning,
+        think=body.think is not False,
+        tokenizer=_tokenizer(eng, body),
+        load=request.scope.get(LOAD_SECONDS, 0.0),
     )
     gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
     return await gen.response(body.stream)

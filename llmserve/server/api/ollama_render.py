@@ -53,9 +53,10 @@ class OllamaRendering(Rendering):
     media_type = NDJSON
 
     def __init__(
-        self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True, tokenizer=None
+        self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True, tokenizer=None, load=0.0
     ) -> None:
         self.kind, self.model = kind, model
+        self.load = load  # seconds this request waited for its model to load (--models-dir)
         self.reasoning, self.tool_plan, self.think = reasoning, tool_plan, think
         self.tok = tokenizer
         self.text: ChoiceText | None = None
@@ -93,8 +94,8 @@ class OllamaRendering(Rendering):
         d.update(
             done=True,
             done_reason="length" if c.finish_reason == "length" else "stop",
-            total_duration=_ns(max(end, first) - gen.arrival),
-            load_duration=0,
+            total_duration=_ns(max(end, first) - gen.arrival + self.load),
+            load_duration=_ns(self.load),
             prompt_eval_count=prompt,
             prompt_eval_duration=_ns(first - start),
             eval_count=completion,
