@@ -229,6 +229,35 @@ def test_ollama_client(server):
         assert e.value.status_code == 404
 
 
+def test_web_page_model_menu_shows_every_model_and_its_state(server):
+    chromium = os.environ.get("LLMSERVE_CHROMIUM", "/usr/bin/chromium")
+    if not os.path.exists(chromium):
+        pytest.skip(f"{chromium} missing: run `make browser` (tests/e2e/test_web_page.py)")
+    from playwright.sync_api import sync_playwright
+
+    assert _chat(server, "smol", n=1).status_code == 200
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox"], headless=True)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_function("document.querySelectorAll('#model option').length >= 4", timeout=30_000)
+            options = page.eval_on_selector_all(
+                "#model option", "os => os.map(o => [o.value, o.textContent, o.disabled])"
+            )
+        finally:
+            browser.close()
+    shown = {value: (text, disabled) for value, text, disabled in options}
+    states = {c["id"]: c["status"]["value"] for c in _cards(server).values()}
+    for name, state in states.items():
+        text, disabled = shown[name]
+        assert text == (name if state == "loaded" else f"{name} ({state})") and disabled == (state == "failed")
+    assert states["broken"] == "failed" and states["huge"] == "not loaded" and states["smol"] == "loaded"
+    assert not errors, errors
+
+
 def test_bench_spreads_load_over_models(server, tmp_path):
     def done(model):
         text = httpx.get(server.url + "/metrics", timeout=10).text
