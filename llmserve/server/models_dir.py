@@ -203,6 +203,7 @@ class ModelPool:
         if request.url.path.startswith("/v1/files") or request.url.path.startswith("/v1/batches"):
             return self.front
         slot = self.resolve(name)
+        slot.keep_alive = None  # each request sets how long its model stays once idle (Ollama's keep_alive or none)
         held = request.scope.get(HELD)
         if held is not None:  # (InFlight releases it)
             slot.in_flight += 1

@@ -241,7 +241,7 @@ def keep_alive(state: ServerState, value) -> float | None:
         seconds = parse_keep_alive(value)
     except ValueError as e:
         raise from_value_error(e) from e
-    if state.slot is not None and seconds is not None:
+    if state.slot is not None:  # (as Ollama: a request without it goes back to the default)
         state.slot.keep_alive = seconds
     return seconds
 
