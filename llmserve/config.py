@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from llmserve.flags import add_arguments, flag, from_args
+from llmserve.models_config import ModelsDirSettings
 from llmserve.security import api_key_field, api_key_file_field, resolve_api_keys, ssl_field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -480,6 +481,7 @@ class ServerSettings:
         ),
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
+    models: ModelsDirSettings = field(default_factory=ModelsDirSettings)  # --models-dir (llmserve/models_config.py)
     ready_stall_seconds: float = 120.0  # /ready fails if the engine loop made no progress this long
     retry_after_seconds: int = 1
 
@@ -503,10 +505,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file of settings (keys as flag names); flags win")
     add_engine_arguments(parser)
     add_arguments(parser, ServerSettings, "server")
+    add_arguments(parser, ModelsDirSettings)
 
 
 def serve_settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    return from_args(ServerSettings, args, engine=engine_config_from_args(args))
+    return from_args(
+        ServerSettings, args, engine=engine_config_from_args(args), models=from_args(ModelsDirSettings, args)
+    )
 
 
 def flag_dests(argv: list[str]) -> set[str]:

@@ -46,7 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
     )
-    g.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model name (default: the first of /v1/models); several, comma-separated: requests take them in turn",
+    )
     g.add_argument(
         "--endpoint",
         choices=list(ENDPOINTS),

@@ -92,7 +92,9 @@ class OpenAIClient:
         timeout_per_token: float = 0.5,
     ) -> None:
         self.root = normalize_base_url(base_url)
-        self.model = model
+        # several models ("a,b"): requests take them in turn (--models-dir servers, routers)
+        self.models = [m.strip() for m in (model or "").split(",") if m.strip()]
+        self.model = self.models[0] if self.models else None
         self.endpoint = endpoint
         self.temperature = temperature
         self.ignore_eos = ignore_eos
@@ -114,14 +116,15 @@ class OpenAIClient:
             r = await self.http.get("/v1/models")
             r.raise_for_status()
             self.model = r.json()["data"][0]["id"]
+            self.models = [self.model]
         return self.model
 
     def timeout_for(self, req: BenchRequest) -> float:
         return self.fixed_timeout or auto_timeout(req, self.timeout_per_token)
 
-    def body(self, req: BenchRequest) -> tuple[str, dict]:
+    def body(self, req: BenchRequest, index: int = 0) -> tuple[str, dict]:
         messages = req.messages or [{"role": "user", "content": req.prompt}]
-        body: dict = {"model": self.model}
+        body: dict = {"model": self.models[index % len(self.models)] if self.models else self.model}
         if self.endpoint == "embeddings":
             return ENDPOINTS["embeddings"], {**body, "input": req.prompt, **self.extra_body}
         body["stream"] = True
@@ -154,7 +157,7 @@ class OpenAIClient:
         rec = RequestRecord(
             index=index, prompt_len=req.prompt_len, max_tokens=req.output_len, timeout=self.timeout_for(req)
         )
-        path, body = self.body(req)
+        path, body = self.body(req, index)
         rec.start = time.perf_counter()
         try:
             await asyncio.wait_for(self._stream(path, body, rec, on_chunk), rec.timeout)

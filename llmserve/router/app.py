@@ -38,6 +38,7 @@ PROXY_PATHS = (
     "/api/embed",
     "/api/embeddings",
     "/api/show",
+    "/api/pull",  # (--models-dir: loads the model on a backend that has it)
 )
 
 

@@ -165,7 +165,9 @@ class HealthChecker:
             cards = {m["id"]: m for m in r.json().get("data", [])}
         except (ValueError, KeyError, TypeError, AttributeError):
             return False, "/v1/models: bad JSON"
-        b.models, b.model_cards = set(cards), cards
+        # a model that failed to load there (--models-dir: a broken file) is not routed to it
+        served = {m for m, c in cards.items() if (c.get("status") or {}).get("value") != "failed"}
+        b.models, b.model_cards = served, cards
         return True, ""
 
     async def _scrape(self, b: Backend) -> None:

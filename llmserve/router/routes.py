@@ -1,10 +1,13 @@
 """The router's own routes (everything but the proxied POSTs): probes, metrics, the backends' state,
-the web page, and /v1/models merged over the healthy backends."""
+the web page, /v1/models merged over the healthy backends (a model loaded on one of them shows as loaded),
+and Ollama's GET /api/tags, /api/ps (merged by name) and /api/version (the lowest)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -79,8 +82,46 @@ def add_routes(app: FastAPI, router: Router) -> None:
         cards: dict[str, dict] = {}
         for b in router.healthy_backends():
             for m in sorted(b.models):
-                cards.setdefault(m, dict(b.model_cards.get(m) or {"id": m, "object": "model", "owned_by": "llmserve"}))
+                card = dict(b.model_cards.get(m) or {"id": m, "object": "model", "owned_by": "llmserve"})
+                if m not in cards or _loaded(card) and not _loaded(cards[m]):
+                    cards[m] = card
         return {"object": "list", "data": list(cards.values())}
+
+    async def _gather(path: str) -> list[dict]:
+        """The JSON bodies of GET `path` on the healthy backends that answer it (the others left out)."""
+
+        async def one(b):
+            try:
+                r = await router.client.get(
+                    b.url + path, timeout=router.config.health_timeout, headers=_backend_headers()
+                )
+                return r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        bodies = await asyncio.gather(*(one(b) for b in router.healthy_backends()))
+        return [x for x in bodies if isinstance(x, dict)]
+
+    def _backend_headers() -> dict:
+        key = router.config.backend_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    @app.get("/api/tags")
+    async def ollama_tags(request: Request):
+        if (denied := check_key(request)) is not None:
+            return denied
+        return {"models": _merge_by_name(await _gather("/api/tags"))}
+
+    @app.get("/api/ps")
+    async def ollama_ps(request: Request):
+        if (denied := check_key(request)) is not None:
+            return denied
+        return {"models": _merge_by_name(await _gather("/api/ps"))}
+
+    @app.get("/api/version")
+    async def ollama_version(request: Request):
+        versions = [v["version"] for v in await _gather("/api/version") if isinstance(v.get("version"), str)]
+        return {"version": min(versions) if versions else "0.0.0"}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request):
@@ -93,3 +134,17 @@ def add_routes(app: FastAPI, router: Router) -> None:
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
         return JSONResponse(status_code=404, content=err.payload())
+
+
+def _loaded(card: dict) -> bool:
+    return (card.get("status") or {"value": "loaded"}).get("value") == "loaded"
+
+
+def _merge_by_name(bodies: list[dict]) -> list[dict]:
+    """Ollama's model lists of several backends as one: each name once (the first backend's entry)."""
+    out: dict[str, dict] = {}
+    for body in bodies:
+        for m in body.get("models") or ():
+            if isinstance(m, dict) and isinstance(m.get("name"), str):
+                out.setdefault(m["name"], m)
+    return list(out.values())

@@ -268,7 +268,15 @@ class Router:
         return set().union(*(b.models for b in self.registry)) if len(self.registry) else set()
 
     def candidates(self, model: str | None, exclude: set[int] = frozenset()) -> list[Backend]:
-        return [b for b in self.registry if b.healthy and id(b) not in exclude and (model is None or model in b.models)]
+        """Healthy backends serving `model`, not tried yet; those that have it loaded, when some have and others
+        list it unloaded (`llmserve serve --models-dir`: a request elsewhere would wait for a load)."""
+        out = [b for b in self.registry if b.healthy and id(b) not in exclude and (model is None or model in b.models)]
+        if model is not None and len(out) > 1:
+            loaded = [
+                b for b in out if (b.model_cards.get(model) or {}).get("status", {}).get("value", "loaded") == "loaded"
+            ]
+            return loaded or out
+        return out
 
     def saturated(self, b: Backend) -> bool:
         limit = b.max_outstanding if b.max_outstanding is not None else self.config.max_outstanding

@@ -5,6 +5,7 @@ token ids and SamplingParams to the engine, and turns the engine's outputs into 
 
     api/           one module per API: its router, protocol models and rendering (api/__init__.py)
     state.py       ServerSettings, ServerState (the engine, loaded in the background; readiness; metrics)
+    models_dir.py  --models-dir: a ServerState per model, loaded on demand, unloaded when idle (ModelPool)
     middleware.py  API key, body size and time limits (413 after draining, 408), CORS
     protocol.py    the request pieces the APIs share (chat messages, sampling fields), the error shape
     prepare.py     request body -> engine runs: chat encoding, SamplingParams, admission
@@ -32,6 +33,7 @@ from llmserve.server.api import include_apis
 from llmserve.server.errors import APIError, from_validation_errors
 from llmserve.server.faults import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
 from llmserve.server.middleware import BodyRefused, install_middleware
+from llmserve.server.models_dir import InFlight, ModelPool
 from llmserve.server.state import ServerSettings, ServerState
 
 # what other modules and the tests import from here
@@ -49,10 +51,19 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
     )
     app.state.llm = state
     install_middleware(app, state)
+    if settings.models.models_dir:  # several models, loaded on demand (server/models_dir.py)
+        if settings.engine.model:
+            raise ValueError("--models-dir: give it or --model, not both")
+        if settings.batch_dir:
+            raise ValueError("--batch-dir: not supported with --models-dir yet")
+        state.models = ModelPool(state)
+        app.add_middleware(InFlight, pool=state.models)
 
     @app.on_event("startup")
     async def _startup():
-        if load_in_background:
+        if state.models is not None:
+            state.models.start()
+        elif load_in_background:
             threading.Thread(target=state.load, name="llmserve-load", daemon=True).start()
         else:
             state.load()
@@ -62,6 +73,8 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
     @app.on_event("shutdown")
     async def _shutdown():
         state.draining = True
+        if state.models is not None:
+            state.models.shutdown()
         if state.batches is not None:
             await state.batches.stop()
         if state.engine is not None:

@@ -38,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
     _apply_config_file(args, flag_dests(sys.argv[2:]))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # batches' in-process calls: the request log says enough
-    settings = serve_settings_from_args(args)
+    try:
+        settings = serve_settings_from_args(args)
+    except ValueError as e:  # a bad setting (--models-dir not a folder, ...)
+        raise SystemExit(f"llmserve serve: {e}") from e
     if settings.engine.tensor_parallel_size > 1:
         from llmserve.engine import tp
 

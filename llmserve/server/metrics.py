@@ -257,6 +257,24 @@ class ServerMetrics:
         self.request_errors.labels(self.model_name, kind).inc()
 
 
+def render_merged(metrics: list[ServerMetrics]) -> bytes:
+    """One exposition of several models' metrics (--models-dir): each family once, with every model's samples
+    (told apart by their `model_name` label); the process' own families from the first only."""
+    families: dict = {}
+    for m in metrics:
+        for fam in m.registry.collect():
+            if fam.name not in families:
+                families[fam.name] = fam
+            elif not fam.name.startswith(("process_", "python_")):
+                families[fam.name].samples.extend(fam.samples)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    return generate_latest(_Merged())
+
+
 def _percentiles(sorted_values: list[float]) -> dict:
     n = len(sorted_values)
     if not n:

@@ -5,6 +5,7 @@ the request log line). Routes get the state as the `State` dependency."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from llmserve import envs
 from llmserve.config import ServerSettings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
+from llmserve.model.loader.build import release_freed_memory
 from llmserve.server import tool_parsers
 from llmserve.server.batch_store import BatchStore
 from llmserve.server.errors import APIError
@@ -38,6 +40,8 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.model_names: list[str] = []
         self.draining = False
+        self.models = None  # --models-dir: the ModelPool (server/models_dir.py), on the front state
+        self.slot = None  # --models-dir: this model's Slot in it
         self.on_fatal = None  # set by the CLI: called when the process should exit non-zero
         self.reasoning = ReasoningParser.from_name(
             settings.reasoning_parser, settings.reasoning_start_marker, settings.reasoning_end_marker
@@ -55,6 +59,8 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
+        if self.models is not None:  # the front of --models-dir: ready to list and load models
+            return not self.draining
         e = self.engine
         if e is None or e.dead is not None or self.draining:
             return False
@@ -100,13 +106,26 @@ class ServerState:
         if self.tool_parser is None:
             self.tool_parser = tool_parsers.choose(getattr(engine.tokenizer.hf, "chat_template", None))
             log.info("tool calls: the %s parser (from the chat template)", self.tool_parser.name)
-        self.metrics = ServerMetrics(name, lambda: engine.engine.stats())
+        if self.metrics is None:  # (kept across an unload and a new load: the counters go on)
+            self.metrics = ServerMetrics(name, lambda: self.engine.engine.stats() if self.engine is not None else None)
         engine.on_dead = self._engine_died
         engine.on_aborted = self._request_aborted
         if envs.LLMSERVE_FAULT_INJECTION:
             install_fault_injection(engine)
         self.engine = engine
         log.info("ready: serving %s", name)
+
+    def unload(self) -> None:
+        """Stop the engine and give its memory back (--models-dir: an idle model): the engine thread joined,
+        the last references dropped, gc, then malloc_trim so that the process's RSS falls."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        engine.shutdown()
+        engine.on_dead = engine.on_aborted = None
+        del engine
+        gc.collect()
+        release_freed_memory()
 
     def plan_tools(self, tools, tool_choice, parallel_tool_calls=None) -> tool_parsers.ToolPlan | None:
         """A request's tools (tool_parsers.plan) read with the server's tool-call parser; a ValueError for
@@ -188,8 +207,12 @@ def read_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja chat template")
 
 
-def server_state(request: Request) -> ServerState:
-    return request.app.state.llm
+async def server_state(request: Request) -> ServerState:
+    """The app's ServerState; with --models-dir, that of the model the request's body names (loaded first)."""
+    state = request.app.state.llm
+    if state.models is None:
+        return state
+    return await state.models.state_for(request)
 
 
 # a route's parameter `state: State` is the app's ServerState

@@ -380,3 +380,22 @@ def test_a_queued_request_cancelled_as_a_slot_frees_stays_cancelled():
         assert b.outstanding == 0 and r.queued == 0
 
     asyncio.run(main())
+
+
+def test_a_model_goes_to_the_backends_that_have_it_loaded():
+    """Backends started with --models-dir list models not loaded (`status`): a request goes to one that has its
+    model loaded when there is one, to any that lists it otherwise; a model failed there is not routed to it."""
+    from llmserve.router.app import Router, RouterConfig
+
+    r = Router(RouterConfig(backends=["http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11"]))
+    a, b, c = list(r.registry)
+    for be, status in ((a, "not loaded"), (b, "loaded"), (c, "not loaded")):
+        be.healthy = True
+        be.models = {"m"}
+        be.model_cards = {"m": {"id": "m", "status": {"value": status}}}
+    assert r.candidates("m") == [b]
+    assert r.candidates("m", {id(b)}) == [a, c]  # tried already: the others load it
+    b.model_cards["m"]["status"]["value"] = "not loaded"
+    assert r.candidates("m") == [a, b, c]
+    c.model_cards = {}  # a backend without states (no --models-dir): its models are loaded
+    assert r.candidates("m") == [c]

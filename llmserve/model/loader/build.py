@@ -16,6 +16,14 @@ from llmserve.model.quant import is_quantized, quantize_model
 from llmserve.model.registry import arch_spec, make_model
 
 
+class DoesNotFit(ValueError):
+    """check_fits' refusal: `needed` and `available` bytes (a server of several models may free some first)."""
+
+    def __init__(self, message: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed, self.available = needed, available
+
+
 def check_fits(path: str, weights: int, kv_bytes: int) -> None:
     """Refuse a model whose weights and asked KV cache exceed the memory available now, before allocating."""
     import psutil
@@ -24,11 +32,13 @@ def check_fits(path: str, weights: int, kv_bytes: int) -> None:
     available = psutil.virtual_memory().available
     runtime = GiB // 2  # activations, the tokenizer, the process itself
     if weights + kv_bytes + runtime > available:
-        raise ValueError(
+        raise DoesNotFit(
             f"model: {path} does not fit in memory: its weights take {weights / GiB:.1f} GiB as served, the KV cache "
             f"{kv_bytes / GiB:.1f} GiB (--kv-cache-memory), the runtime ~{runtime / GiB:.1f} GiB, and "
             f"{available / GiB:.1f} GiB are available; lower --kv-cache-memory, use a smaller quantization "
-            f"(a Q4_K_M file, --quantization int4 for float files), or free memory"
+            f"(a Q4_K_M file, --quantization int4 for float files), or free memory",
+            weights + kv_bytes + runtime,
+            available,
         )
 
 

@@ -24,7 +24,7 @@ async def health():
 )
 async def ready(state: State):
     if state.ready:
-        return {"status": "ready", "model": state.model_names[0]}
+        return {"status": "ready", "model": state.model_names[0] if state.model_names else None}
     return state.engine_or_503()
 
 

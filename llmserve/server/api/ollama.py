@@ -14,7 +14,10 @@ back with `arguments` as an object; `think` sets the template's enable_thinking 
 --reasoning-parser, the reasoning comes back in `thinking`; `logprobs` (with `top_logprobs`) puts each generated
 token's logprob in the answer's `logprobs` (ollama_render.py). Everything runs through the chat machinery
 (prepare.chat_runs, serving.Generation). Errors are Ollama's `{"error": "..."}` (llmserve/errors.py).
-`keep_alive` is accepted and ignored: one model, always loaded.
+`keep_alive` (seconds, a duration such as "5m", 0: unload once answered, -1: keep) sets how long the model
+stays loaded once idle with --models-dir (server/models_dir.py), where /api/tags lists every model of the
+folder, /api/ps the loaded ones with their `expires_at`, and /api/pull loads one; with --model, one model is
+always loaded and keep_alive is checked and ignored.
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ from llmserve.server.api.ollama_render import (
     OllamaEmbedRendering,
     OllamaRendering,
     describe,
+    describe_file,
     now_rfc3339,
+    rfc3339,
     tagged,
 )
 from llmserve.server.errors import APIError, from_value_error
+from llmserve.server.models_dir import FOREVER, LOAD_SECONDS, parse_keep_alive
 from llmserve.server.prepare import admit, chat_runs, compile_guided, fan_out, sampling_params
 from llmserve.server.serving import Generation
 from llmserve.server.state import ServerState, State
@@ -228,14 +234,26 @@ def _template_kwargs(state: ServerState, body: _Generating, model: str) -> dict 
     return {"enable_thinking": bool(body.think)}
 
 
-def _loaded(name: str, kind: str) -> JSONResponse:
-    """Ollama's answer to a request with nothing to generate: the model is loaded."""
+def keep_alive(state: ServerState, value) -> float | None:
+    """Checks a request's keep_alive (a 400 naming it) and, with --models-dir, sets how long its model stays
+    loaded once idle (0: unloaded as soon as the request is answered)."""
+    try:
+        seconds = parse_keep_alive(value)
+    except ValueError as e:
+        raise from_value_error(e) from e
+    if state.slot is not None:  # (as Ollama: a request without it goes back to the default)
+        state.slot.keep_alive = seconds
+    return seconds
+
+
+def _loaded(name: str, kind: str, keep: float | None) -> JSONResponse:
+    """Ollama's answer to a request with nothing to generate: the model is loaded (or, keep_alive 0, unloaded)."""
     head = {"model": name, "created_at": now_rfc3339()}
     if kind == "chat":
         head["message"] = {"role": "assistant", "content": ""}
     else:
         head["response"] = ""
-    return JSONResponse({**head, "done": True, "done_reason": "load"})
+    return JSONResponse({**head, "done": True, "done_reason": "unload" if keep == 0 else "load"})
 
 
 def _tokenizer(eng, body: _Generating):
@@ -248,8 +266,9 @@ def _tokenizer(eng, body: _Generating):
 async def chat(body: ChatRequest, request: Request, state: State):
     eng = state.engine_or_503()
     model = resolve(state, body.model)
+    keep = keep_alive(state, body.keep_alive)
     if not body.messages:
-        return _loaded(body.model, "chat")
+        return _loaded(body.model, "chat", keep)
     try:
         tool_plan = state.plan_tools(body.tools, None)
     except ValueError as e:
@@ -269,7 +288,13 @@ async def chat(body: ChatRequest, request: Request, state: State):
     )
     reasoning = state.reasoning if body.think is not False else None
     rendering = OllamaRendering(
-        "chat", body.model, reasoning, tool_plan, think=body.think is not False, tokenizer=_tokenizer(eng, body)
+        "chat",
+        body.model,
+        reasoning,
+        tool_plan,
+        think=body.think is not False,
+        tokenizer=_tokenizer(eng, body),
+        load=request.scope.get(LOAD_SECONDS, 0.0),
     )
     gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
     return await gen.response(body.stream)
@@ -282,8 +307,9 @@ async def generate(body: GenerateRequest, request: Request, state: State):
     _no_images(body.images, "images")
     if body.suffix:
         raise APIError(400, "suffix: not supported (no fill-in-the-middle)", param="suffix")
+    keep = keep_alive(state, body.keep_alive)
     if not body.prompt:
-        return _loaded(body.model, "generate")
+        return _loaded(body.model, "generate", keep)
     sf, predict, ctx = sampling_fields(body)
     if body.raw:
         ids = await asyncio.to_thread(eng.tokenizer.encode, body.prompt)
@@ -318,17 +344,23 @@ async def generate(body: GenerateRequest, request: Request, state: State):
         )
     reasoning = state.reasoning if body.think is not False and not body.raw else None
     rendering = OllamaRendering(
-        "generate", body.model, reasoning, think=body.think is not False, tokenizer=_tokenizer(eng, body)
+        "generate",
+        body.model,
+        reasoning,
+        think=body.think is not False,
+        tokenizer=_tokenizer(eng, body),
+        load=request.scope.get(LOAD_SECONDS, 0.0),
     )
     gen = Generation(state, eng, P.random_id("ollama"), runs, 0, model, request, rendering)
     return await gen.response(body.stream)
 
 
 async def _embed(
-    state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None, truncate: bool = False
+    state: ServerState, request: Request, name: str, inputs, legacy: bool, dimensions=None, truncate=False, keep=None
 ):
     eng = state.engine_or_503()
     model = resolve(state, name)
+    keep_alive(state, keep)
     try:
         req = E.EmbeddingRequest(input=inputs, dimensions=dimensions)
     except ValidationError as e:
@@ -341,17 +373,46 @@ async def _embed(
 
 @router.post("/api/embed", summary="Ollama: embeddings of one input or several")
 async def embed(body: EmbedRequest, request: Request, state: State):
-    return await _embed(state, request, body.model, body.input, False, body.dimensions, body.truncate)
+    return await _embed(state, request, body.model, body.input, False, body.dimensions, body.truncate, body.keep_alive)
 
 
 @router.post("/api/embeddings", summary="Ollama (legacy): the embedding of one prompt")
 async def embeddings(body: LegacyEmbeddingsRequest, request: Request, state: State):
-    return await _embed(state, request, body.model, body.prompt, True)
+    return await _embed(state, request, body.model, body.prompt, True, keep=body.keep_alive)
 
 
 def _entries(state: ServerState) -> list[tuple[str, dict]]:
+    if state.models is not None:  # --models-dir: every model of the folder (failed ones left out)
+        return [
+            (
+                tagged(s.name),
+                describe(s.state.engine.engine) if s.state.engine is not None else describe_file(s.entry.path),
+            )
+            for s in state.models.slots.values()
+            if s.status != "failed"
+        ]
     eng = state.engine_or_503()
     return [(tagged(n), describe(eng.engine)) for n in state.model_names]
+
+
+def _running(state: ServerState) -> list[tuple[str, dict, object, str]]:
+    """(name, description, LLMEngine, expires_at) of each loaded model."""
+    if state.models is not None:
+        pool = state.models
+        out = []
+        for s in pool.loaded():
+            t = s.expires_at(pool.idle_timeout)
+            out.append(
+                (
+                    tagged(s.name),
+                    describe(s.state.engine.engine),
+                    s.state.engine.engine,
+                    NEVER if t == FOREVER else rfc3339(t),
+                )
+            )
+        return out
+    eng = state.engine_or_503()
+    return [(tagged(n), describe(eng.engine), eng.engine, NEVER) for n in state.model_names]
 
 
 @router.get("/api/tags", summary="Ollama: the models served")
@@ -372,8 +433,6 @@ async def tags(state: State):
 
 @router.get("/api/ps", summary="Ollama: the models loaded")
 async def ps(state: State):
-    eng = state.engine_or_503()
-    on_gpu = eng.engine.device.type == "cuda"
     models = [
         {
             "name": n,
@@ -381,11 +440,11 @@ async def ps(state: State):
             "size": d["size"],
             "digest": d["digest"],
             "details": d["details"],
-            "expires_at": NEVER,
-            "size_vram": d["size"] if on_gpu else 0,
-            "context_length": eng.engine.max_model_len,
+            "expires_at": expires,
+            "size_vram": d["size"] if engine.device.type == "cuda" else 0,
+            "context_length": engine.max_model_len,
         }
-        for n, d in _entries(state)
+        for n, d, engine, expires in _running(state)
     ]
     return {"models": models}
 
@@ -413,7 +472,7 @@ async def version():
     return {"version": __version__}
 
 
-@router.post("/api/pull", summary="Ollama: there is no hub; the served model answers success")
+@router.post("/api/pull", summary="Ollama: there is no hub; a served model answers success (--models-dir: loaded)")
 async def pull(body: NameRequest, state: State):
     name = body.which()
     try:

@@ -53,9 +53,10 @@ class OllamaRendering(Rendering):
     media_type = NDJSON
 
     def __init__(
-        self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True, tokenizer=None
+        self, kind: str, model: str, reasoning=None, tool_plan=None, think: bool = True, tokenizer=None, load=0.0
     ) -> None:
         self.kind, self.model = kind, model
+        self.load = load  # seconds this request waited for its model to load (--models-dir)
         self.reasoning, self.tool_plan, self.think = reasoning, tool_plan, think
         self.tok = tokenizer
         self.text: ChoiceText | None = None
@@ -93,8 +94,8 @@ class OllamaRendering(Rendering):
         d.update(
             done=True,
             done_reason="length" if c.finish_reason == "length" else "stop",
-            total_duration=_ns(max(end, first) - gen.arrival),
-            load_duration=0,
+            total_duration=_ns(max(end, first) - gen.arrival + self.load),
+            load_duration=_ns(self.load),
             prompt_eval_count=prompt,
             prompt_eval_duration=_ns(first - start),
             eval_count=completion,
@@ -207,6 +208,28 @@ def family(mc) -> str:
     return kind or mc.architecture.lower().removesuffix("forcausallm")
 
 
+def describe_file(path: str) -> dict:
+    """What /api/tags says of a model of --models-dir that is not loaded: its file's size, digest and date."""
+    size, mtime = _disk(path)
+    return {
+        "size": size,
+        "digest": hashlib.sha256(f"{path}:{size}:{mtime}".encode()).hexdigest(),
+        "modified_at": rfc3339(mtime or 0),
+        "details": {
+            "parent_model": "",
+            "format": "gguf" if path.endswith(".gguf") else "safetensors",
+            "family": "",
+            "families": None,
+            "parameter_size": "",
+            "quantization_level": "",
+        },
+    }
+
+
+def rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
 def describe(engine) -> dict:
     """What /api/tags, /api/show and /api/ps say of the served model (`engine`: the LLMEngine). The digest
     is of the path, size and mtime, not of the content (hashing gigabytes on a listing is not worth it)."""
@@ -221,7 +244,7 @@ def describe(engine) -> dict:
     desc = {
         "size": size,
         "digest": hashlib.sha256(f"{engine.model_path}:{size}:{mtime}".encode()).hexdigest(),
-        "modified_at": datetime.fromtimestamp(mtime or 0, timezone.utc).isoformat().replace("+00:00", "Z"),
+        "modified_at": rfc3339(mtime or 0),
         "details": {
             "parent_model": "",
             "format": "gguf" if gguf else "safetensors",

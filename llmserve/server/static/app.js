@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { messages: [], controller: null, busy: false };
+const state = { messages: [], controller: null, busy: false, modelsTimer: null };
 
 // -- models and key ----------------------------------------------------------------------------
 async function loadModels() {
@@ -24,10 +24,16 @@ async function loadModels() {
     const o = document.createElement("option");
     o.value = o.textContent = m.id;
     if (m.parent) o.textContent = `${m.id} (LoRA adapter of ${m.parent})`;
+    // --models-dir: every model of the folder, loaded or not (a request loads it); a failed one can't be chosen
+    const status = m.status && m.status.value;
+    if (status && status !== "loaded") o.textContent = `${m.id} (${status})`;
+    if (status === "failed") { o.disabled = true; o.title = m.status.error || ""; }
     sel.appendChild(o);
   }
   if (keep && [...sel.options].some((o) => o.value === keep)) sel.value = keep;
   setConn("ready", "ok");
+  clearTimeout(state.modelsTimer);  // several models: their states change (loads, idle unloads)
+  if (data.data.length > 1) state.modelsTimer = setTimeout(loadModels, 5000);
 }
 
 function setConn(text, kind) {
