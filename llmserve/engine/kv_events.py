@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import uuid
 from array import array
 from collections import deque
 
@@ -70,7 +71,7 @@ class KVEventLog:
         self._events: deque[tuple[int, str, list[str]]] = deque()
         self._seq = 0
         self._by_block: dict[int, str] = {}  # block id -> the name it is cached under
-        self.enabled = True
+        self.instance = uuid.uuid4().hex  # a reader that sees another instance (a restart) starts over
 
     # -- written by the KV cache manager (the engine's thread) --
     def stored(self, request, index: int, block) -> None:
@@ -103,7 +104,7 @@ class KVEventLog:
         stored) when some of those events are gone or `after` is not from this log (another process)."""
         with self._lock:
             first = self._events[0][0] - len(self._events[0][2]) + 1 if self._events else self._seq + 1
-            body = {"block_size": self.block_size, "hash": HASH_ALGO, "seq": self._seq}
+            body = {"block_size": self.block_size, "hash": HASH_ALGO, "seq": self._seq, "instance": self.instance}
             if 0 <= after <= self._seq and after >= first - 1:
                 body["reset"] = False
                 body["events"] = [

@@ -52,6 +52,7 @@ def add_routes(app: FastAPI, router: Router) -> None:
                     "running": b.running,
                     "waiting": b.waiting,
                     "kv_usage": b.kv_usage,
+                    "kv_blocks": None if b.kv_blocks is None else len(b.kv_blocks),  # from its KV events
                 }
                 for b in router.registry
             ],
