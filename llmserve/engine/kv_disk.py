@@ -124,6 +124,7 @@ class DiskTier:
         self.load_seconds = 0.0
         self.corrupt_files = 0
         self.dropped_writes = 0
+        self.copy_seconds = 0.0  # on the step's path: copying completed blocks out of the pool
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -210,6 +211,7 @@ class DiskTier:
         """After the model ran `sched`: copy the blocks it completed out of the pool for the writer."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
         bs = self.block_size
         for r in sched.requests:
             done = min(r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id], r.num_tokens) // bs
@@ -234,6 +236,7 @@ class DiskTier:
                 self._queue.put((name, data))
         if len(self._saved) > 4 * max(len(kv.req_blocks), 16):  # forget finished requests
             self._saved = {k: v for k, v in self._saved.items() if k in kv.req_blocks}
+        self.copy_seconds += time.perf_counter() - t0
 
     def _write_loop(self) -> None:
         while True:
