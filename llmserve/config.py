@@ -147,6 +147,16 @@ class EngineConfig:
             choices=("auto", "float32", "float16", "bfloat16"),
         ),
     )
+    kv_cache_dir: str | None = field(
+        default=None,
+        metadata=flag("a folder (shareable by replicas) that keeps full KV blocks on disk", metavar="PATH"),
+    )
+    kv_cache_dir_size: float = field(
+        default=10.0, metadata=flag("GiB --kv-cache-dir may hold (least recently used go)")
+    )
+    kv_events_config: str | None = field(
+        default=None, metadata=flag('publish KV block events at GET /kv_events: {"enable_kv_cache_events": true}')
+    )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=flag("CUDA: fraction of device memory for weights, activations and KV cache")
     )
@@ -270,6 +280,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} (auto, float32, float16, bfloat16)"
             )
+        if self.kv_cache_dir_size <= 0:
+            raise ValueError(f"kv_cache_dir_size: must be positive GiB, got {self.kv_cache_dir_size}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.quantization in ("none", ""):

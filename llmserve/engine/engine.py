@@ -23,6 +23,8 @@ from llmserve.engine.executor import make_executor
 from llmserve.engine.generation_config import default_sampling
 from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.kv_disk import open_disk_tier
+from llmserve.engine.kv_events import KVEventLog, parse_kv_events_config
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -57,6 +59,7 @@ class EngineStats:
     max_lora: int | None = None  # --max-loras with --enable-lora (else None: no LoRA metrics)
     running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests
     waiting_lora_adapters: tuple[str, ...] = ()  # ... and of waiting ones
+    kv_disk: dict | None = None  # --kv-cache-dir: the disk tier's counters (kv_disk.DiskTier.stats)
 
 
 class LLMEngine:
@@ -174,6 +177,7 @@ class LLMEngine:
             self.draft = DraftProposer(
                 config, mc, self.device, self.dtype, self.act_dtype, self.kv_dtype, num_blocks, block_size
             )
+        self._init_kv_tiers(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
@@ -202,8 +206,19 @@ class LLMEngine:
             "on" if config.enable_prefix_caching else "off",
         )
 
+    def _init_kv_tiers(self, config) -> None:
+        """--kv-events-config: the pool's block events; --kv-cache-dir: the disk tier."""
+        events = parse_kv_events_config(config.kv_events_config)
+        if events is not None:
+            self.kv.events = KVEventLog(self.block_size, events.get("max_events", 10_000))
+            self.kv.pool.on_removed = self.kv.events.removed
+        if config.kv_cache_dir:
+            self.kv.disk = open_disk_tier(self)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""
+        if getattr(self, "kv", None) is not None and self.kv.disk is not None:
+            self.kv.disk.close()
         if getattr(self, "draft", None) is not None:
             self.draft.shutdown()
         if getattr(self, "executor", None) is not None:
@@ -320,6 +335,8 @@ class LLMEngine:
         # every row plain greedy (no logprobs): the model answers tokens, not logits (cheaper for a float32 head)
         argmax = all(r.next_token_is_argmax and r.params.logprobs is None for r in sched.requests)
         sampled = self.runner.execute(sched, self.kv, argmax=argmax)
+        if self.kv.disk is not None:  # blocks this step completed: copied out for the disk writer
+            self.kv.disk.save(sched, self.kv)
         appended = self.scheduler.update_from_output(sched, sampled)
         text = self.output_processor.process(appended)  # stop strings found: decisions for the scheduler
         self.scheduler.apply_text(text)
@@ -384,6 +401,7 @@ class LLMEngine:
             max_lora=self.config.max_loras if self.lora is not None else None,
             running_lora_adapters=_lora_names(s.running),
             waiting_lora_adapters=_lora_names(s.waiting),
+            kv_disk=self.kv.disk.stats() if self.kv.disk is not None else None,
         )
 
 

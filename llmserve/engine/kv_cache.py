@@ -81,6 +81,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.enable_caching = enable_caching
+        self.on_removed = None  # called with a block whose hash is dropped (KV events)
 
     @property
     def num_free(self) -> int:
@@ -98,6 +99,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.on_removed is not None:
+                        self.on_removed(block)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -129,15 +132,19 @@ class BlockPool:
         """Forget a block's hash: its contents are not what the hash names."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.on_removed is not None:
+                self.on_removed(block)
         block.block_hash = None
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Name `block` by `block_hash`; False when it already has a name or another block has this one."""
         if block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:  # same contents already cached in another block
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
 
 class KVCacheManager:
@@ -152,6 +159,8 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
+        self.events = None  # KVEventLog (kv_events.py) with --kv-events-config
+        self.disk = None  # DiskTier (kv_disk.py) with --kv-cache-dir: looked up after a miss in RAM
 
     # -- hashing -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:
@@ -191,6 +200,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.disk is not None and len(hits) < max_blocks:
+            hits += self.disk.load(self, request, hits, max_blocks)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -233,8 +244,13 @@ class KVCacheManager:
             return
         hashes = self._update_block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            self.cache_block(request, i, blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
+
+    def cache_block(self, request: Request, index: int, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Name block `index` of `request` by its hash (and publish it with KV events)."""
+        if self.pool.cache_block(block, block_hash) and self.events is not None:
+            self.events.stored(request, index, block)
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])

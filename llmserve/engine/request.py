@@ -61,6 +61,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.block_hashes: list = []  # chained hashes of full blocks, filled by KVCacheManager
+        self.block_digests: list[bytes] = []  # ... their names outside the process (kv_events.chain_digests)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

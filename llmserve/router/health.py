@@ -11,6 +11,9 @@
 - Load: with `scrape_metrics`, `/metrics` is read on the same interval and
   `num_requests_running`, `num_requests_waiting` and `kv_cache_usage_perc` (llmserve: or vllm:
   prefix) land on the backend for the policies to use.
+- KV events: with `kv_events_interval`, each healthy backend's GET /kv_events is read that often (the
+  events after the last one read) and `Backend.kv_blocks` follows the blocks its cache holds; a backend
+  that answers 404 publishes none (`kv_blocks` None), and cache_aware keeps its guessed tree for it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import re
 from collections.abc import Callable
 
 import httpx
+
+from llmserve.engine.kv_events import HASH_ALGO
 
 from .discovery import Registry
 from .metrics import RouterMetrics
@@ -190,6 +195,38 @@ class HealthChecker:
         if backends:
             await asyncio.gather(*(self.check(b) for b in backends))
 
+    async def pull_kv_events(self, b: Backend) -> None:
+        for _ in range(2):
+            try:
+                r = await self.client.get(
+                    b.url + "/kv_events", params={"after": b.kv_events_seq}, timeout=self.timeout, headers=self.headers
+                )
+            except httpx.HTTPError:
+                return
+            if r.status_code == 404:  # publishes no events
+                b.kv_blocks, b.kv_events_seq = None, -1
+                return
+            if r.status_code != 200:
+                return
+            try:
+                body = r.json()
+                if not body["reset"] and body.get("instance") != b.kv_events_instance:
+                    b.kv_events_seq = -1  # another process answers now (a restart): read its snapshot
+                    continue
+                apply_kv_events(b, body)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                b.kv_blocks, b.kv_events_seq = None, -1
+            return
+
+    async def run_kv_events(self, interval: float) -> None:
+        while True:
+            backends = [b for b in self.registry if b.healthy]
+            try:
+                await asyncio.gather(*(self.pull_kv_events(b) for b in backends))
+            except Exception:  # never let the loop die
+                log.exception("KV events round failed")
+            await asyncio.sleep(interval)
+
     async def run(self) -> None:
         while True:
             try:
@@ -197,3 +234,21 @@ class HealthChecker:
             except Exception:  # never let the loop die
                 log.exception("health check round failed")
             await asyncio.sleep(self.interval)
+
+
+def apply_kv_events(b: Backend, body: dict) -> None:
+    """Bring `b.kv_blocks` up to date with a GET /kv_events answer (llmserve/server/api/kv_events.py)."""
+    if body.get("hash") != HASH_ALGO:  # names this router cannot compute
+        b.kv_blocks, b.kv_events_seq = None, -1
+        return
+    blocks = set() if body["reset"] or b.kv_blocks is None else b.kv_blocks
+    for ev in body["events"]:
+        kind = ev["type"]
+        if kind == "AllBlocksCleared":
+            blocks.clear()
+        elif kind == "BlockStored":
+            blocks.update(ev["block_hashes"])
+        elif kind == "BlockRemoved":
+            blocks.difference_update(ev["block_hashes"])
+    b.kv_blocks, b.kv_events_seq = blocks, int(body["seq"])
+    b.kv_block_size, b.kv_events_instance = int(body["block_size"]), body.get("instance")

@@ -213,6 +213,7 @@ class ProxyEndpoint:
             await send_error(send, e, scope["path"])
             return
 
+        req.token_ids = await r.prompt_token_ids(payload, req, scope["path"])
         started = False
 
         async def tracked_send(message) -> None:

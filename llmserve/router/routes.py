@@ -55,6 +55,8 @@ def add_routes(app: FastAPI, router: Router) -> None:
                     "running": b.running,
                     "waiting": b.waiting,
                     "kv_usage": b.kv_usage,
+                    "kv_blocks": None if b.kv_blocks is None else len(b.kv_blocks),  # from its KV events
+                    "kv_events_seq": b.kv_events_seq,
                 }
                 for b in router.registry
             ],

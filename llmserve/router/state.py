@@ -107,6 +107,14 @@ class RouterConfig:
         default="x-session-id", metadata=flag("session: header with the session key (else the body's `user`)")
     )
     chars_per_token: float = field(default=4.0, metadata=flag("prompt length estimate for length buckets and timeouts"))
+    kv_events_interval: float = field(
+        default=1.0,
+        metadata=flag(
+            "cache_aware: seconds between reads of each backend's GET /kv_events (its real KV cache; "
+            "backends without it keep the guessed prefix tree); 0: off",
+            metavar="S",
+        ),
+    )
     scrape_metrics: bool = field(
         default=False,
         metadata=flag(
@@ -205,6 +213,36 @@ class Router:
         self._waiters: deque[asyncio.Future] = deque()
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def reads_kv_events(self) -> bool:
+        return self.policy.name == "cache_aware" and self.config.kv_events_interval > 0
+
+    async def prompt_token_ids(self, payload: dict, req: RouteRequest, path: str) -> list[int] | None:
+        """The request's prompt as the backends tokenize it, asked of a backend that publishes KV events (POST
+        /tokenize: a text prompt, or chat messages through its chat template); None where none publishes."""
+        if not self.reads_kv_events or self.health is None:
+            return None
+        b = next((b for b in self.candidates(req.model) if b.kv_blocks is not None), None)
+        if b is None:
+            return None
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+            return prompt
+        if path.endswith("/chat/completions") and isinstance(payload.get("messages"), list):
+            body = {"model": req.model, "messages": payload["messages"]}
+        elif path.endswith("/completions") and isinstance(prompt, str):
+            body = {"model": req.model, "prompt": prompt}
+        else:
+            return None
+        try:
+            r = await self.client.post(
+                b.url + "/tokenize", json=body, timeout=self.config.health_timeout, headers=self.health.headers
+            )
+            tokens = r.json()["tokens"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return tokens if isinstance(tokens, list) else None
+
     # -- lifecycle --
     async def start(self) -> None:
         cfg = self.config
@@ -233,6 +271,8 @@ class Router:
             await d.refresh()
         await self.health.check_all()  # ready at once when the backends already are
         self._tasks = [asyncio.create_task(self.health.run())]
+        if self.reads_kv_events:
+            self._tasks.append(asyncio.create_task(self.health.run_kv_events(cfg.kv_events_interval)))
         self._tasks += [asyncio.create_task(d.run()) for d in self.dns]
 
     async def stop(self) -> None:

@@ -43,6 +43,17 @@ RECENT_WINDOW = 60.0  # seconds of TTFT/ITL samples kept for /stats percentiles
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
+KV_DISK_DOCS = {
+    "external_prefix_cache_queries": "Prompt tokens looked up in the disk tier (after a miss in RAM).",
+    "external_prefix_cache_hits": "Prompt tokens loaded from the disk tier instead of computed.",
+    "kv_disk_bytes_read": "Bytes of KV blocks read from the disk tier.",
+    "kv_disk_bytes_written": "Bytes of KV blocks written to the disk tier.",
+    "kv_disk_load_seconds": "Seconds spent looking up and loading blocks from the disk tier.",
+    "kv_disk_corrupt_files": "Disk tier files that did not check out (their blocks were recomputed).",
+    "kv_disk_dropped_writes": "Blocks not written because the writer was too far behind.",
+}
+
+
 class _EngineCollector:
     """Gauges and counters read from the engine when /metrics is scraped."""
 
@@ -89,6 +100,8 @@ class _EngineCollector:
             "Speculative tokens accepted by verification.",
             s.spec_decode_num_accepted_tokens,
         )
+        for name, value in (s.kv_disk or {}).items():  # --kv-cache-dir
+            yield counter(name, KV_DISK_DOCS[name], value)
         info = GaugeMetricFamily(
             P + "cache_config_info",
             "KV cache configuration (labels; the value is 1).",

@@ -13,6 +13,7 @@ from llmserve.router.policies import (
     POLICIES,
     Backend,
     CacheAware,
+    Decision,
     HashRing,
     LeastOutstanding,
     Length,
@@ -299,3 +300,85 @@ def test_make_policy():
     assert make_policy("cache_aware", cache_threshold=0.9).cache_threshold == 0.9
     with pytest.raises(ValueError):
         make_policy("random")
+
+
+# -- cache_aware on the engines' KV events ------------------------------------------------------------
+def _engine_cache(num_blocks: int = 8, block_size: int = 4, max_events: int = 10_000):
+    """A real KV cache manager of an engine, publishing its block events."""
+    from llmserve.engine.kv_cache import KVCacheManager
+    from llmserve.engine.kv_events import KVEventLog
+
+    kv = KVCacheManager(num_blocks, block_size)
+    kv.events = KVEventLog(block_size, max_events)
+    kv.pool.on_removed = kv.events.removed
+    return kv
+
+
+def _run(kv, rid: str, tokens: list[int]) -> None:
+    """A request computes its prompt and finishes (its full blocks stay cached, free)."""
+    from llmserve.engine.request import Request
+    from llmserve.sampling_params import SamplingParams
+
+    r = Request(rid, tokens, SamplingParams(max_tokens=1))
+    computed, n = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, len(tokens) - n, computed) is not None
+    r.num_computed_tokens = len(tokens)
+    kv.free(r)
+
+
+def test_cache_aware_routes_on_kv_events_and_never_on_an_evicted_prefix():
+    from llmserve.router.health import apply_kv_events
+
+    a_kv, b_kv = _engine_cache(), _engine_cache()
+    a, b = backends(2)
+    prompt = list(range(100, 121))  # 5 full blocks of 4
+    _run(a_kv, "1", prompt)
+    for backend, kv in ((a, a_kv), (b, b_kv)):
+        apply_kv_events(backend, kv.events.since(backend.kv_events_seq))
+    assert len(a.kv_blocks) == 5 and b.kv_blocks == set()
+    policy = CacheAware()
+    r = req("the prompt's text", token_ids=prompt)
+    policy.on_routed(r, b)  # the guessed tree says b: the events say a
+    assert policy.choose(r, [a, b]) == Decision(a, "cache_hit")
+    # a evicts the prompt's blocks (two other prompts take its whole pool): the router reads the removals
+    _run(a_kv, "2", list(range(200, 216)))
+    _run(a_kv, "3", list(range(300, 316)))
+    before = a.kv_events_seq
+    body = a_kv.events.since(before)
+    assert not body["reset"] and {e["type"] for e in body["events"]} == {"BlockStored", "BlockRemoved"}
+    apply_kv_events(a, body)
+    assert a.kv_events_seq > before and len(a.kv_blocks) == 8
+    d = policy.choose(r, [a, b])
+    assert d.reason == "cache_miss"
+    # a partly evicted prefix counts only up to its first missing block
+    _run(b_kv, "4", prompt[:12] + [1] * 9)
+    apply_kv_events(b, b_kv.events.since(b.kv_events_seq))
+    assert sum(1 for _ in policy.matched(r, [b])) == 1 and next(policy.matched(r, [b]))[1] == 12 / 21
+
+
+def test_cache_aware_keeps_the_tree_for_backends_without_events():
+    a, c = backends(2)
+    a.kv_blocks = set()  # publishes events, holds nothing
+    policy = CacheAware()
+    r = req("a long shared system prompt " * 4, token_ids=list(range(40)))
+    policy.on_routed(r, c)  # c publishes nothing: its tree entry stands
+    assert policy.choose(r, [a, c]) == Decision(c, "cache_hit")
+    assert policy.choose(req("a long shared system prompt " * 4), [a, c]) == Decision(c, "cache_hit")  # no tokens
+
+
+def test_kv_event_log_snapshot_when_the_reader_is_behind_or_new():
+    from llmserve.router.health import apply_kv_events
+
+    kv = _engine_cache(num_blocks=4, max_events=2)
+    reader = backends(1)[0]
+    _run(kv, "1", list(range(9)))  # 2 blocks stored (one event)
+    apply_kv_events(reader, kv.events.since(-1))
+    seen = reader.kv_events_seq
+    for i in range(3):  # many runs: the log keeps only its last 2 events
+        _run(kv, str(i + 2), list(range(1000 * (i + 1), 1000 * (i + 1) + 9)))
+    body = kv.events.since(seen)
+    assert body["reset"] and body["events"][0]["type"] == "AllBlocksCleared"
+    apply_kv_events(reader, body)
+    want = {kv.events._by_block[b.block_id] for b in kv.pool.cached.values()}
+    assert want and reader.kv_blocks == want
+    assert kv.events.since(10**9)["reset"]  # a sequence number this log never gave (another process's)

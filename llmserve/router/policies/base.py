@@ -39,6 +39,11 @@ class Backend:
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
+    # the blocks the backend's KV cache holds, from its GET /kv_events (None: it publishes no events)
+    kv_blocks: set[str] | None = None
+    kv_block_size: int = 16
+    kv_events_seq: int = -1  # the last event read
+    kv_events_instance: str | None = None  # ... from this engine process
 
     def load(self, use_metrics: bool = False) -> float:
         """Requests in flight, as the router counts them, or as the backend reports them when
@@ -67,6 +72,7 @@ class RouteRequest:
     max_tokens: int | None = None
     session_key: str | None = None
     stream: bool = False
+    token_ids: list[int] | None = None  # the prompt as the backends tokenize it (asked when some publish KV events)
 
 
 @dataclass

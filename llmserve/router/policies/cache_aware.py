@@ -1,10 +1,14 @@
-"""`cache_aware` (the default): an approximate radix tree of recent prompts per backend sends a request to the
-backend that most likely holds its prefix in its KV cache, unless load is imbalanced (absolute *and*
-relative gap, as SGLang's router does), in which case least outstanding wins."""
+"""`cache_aware` (the default): a request goes to the backend that holds the longest prefix of it in its KV
+cache, unless load is imbalanced (absolute *and* relative gap, as SGLang's router does), in which case least
+outstanding wins. What a backend holds is known from its KV events (`Backend.kv_blocks`, the names of the
+blocks in its cache, matched against the request's token ids) where it publishes them, and guessed from an
+approximate radix tree of the prompts recently routed to it where it does not."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from llmserve.engine.kv_events import chain_digests, chain_extra
 
 from .base import Backend, Decision, Policy, RouteRequest
 
@@ -136,8 +140,10 @@ class CacheAware(Policy):
 
     1. If load is imbalanced (max - min > `balance_abs_threshold` and max > min *
        `balance_rel_threshold`), route to the least loaded backend ("balance").
-    2. Otherwise find the backend whose stored prompts share the longest prefix with this one. If
-       the matched fraction exceeds `cache_threshold`, route there ("cache_hit").
+    2. Otherwise find the backend that holds the longest prefix of this prompt: for a backend that
+       publishes KV events, the leading blocks of the request's token ids in its cache; for the others,
+       the longest prefix its stored prompts share with this one. If the matched fraction exceeds
+       `cache_threshold`, route there ("cache_hit"). A block a backend evicted is not matched there.
     3. Else route to the backend with the smallest tree, i.e. the most free cache ("cache_miss"),
        ties broken by load.
     The prompt is then recorded in the chosen backend's tree.
@@ -168,23 +174,43 @@ class CacheAware(Policy):
         if len(candidates) > 1 and self.imbalanced(candidates):
             return Decision(self.least_loaded(candidates), REASON_BALANCE)
         text = req.prompt_text
-        if text:
-            matched = self.tree.match(text)
-            best, best_len = None, 0
-            for b in candidates:
-                n = matched.get(id(b), 0)
-                if n > best_len or (
-                    n == best_len
+        if text or req.token_ids:
+            best, best_frac = None, 0.0
+            for b, frac in self.matched(req, candidates):
+                if frac > best_frac or (
+                    frac == best_frac
                     and best is not None
-                    and n > 0
+                    and frac > 0
                     and b.load(self.use_metrics) < best.load(self.use_metrics)
                 ):
-                    best, best_len = b, n
-            if best is not None and best_len / min(len(text), self.tree.max_prompt_chars) > self.cache_threshold:
+                    best, best_frac = b, frac
+            if best is not None and best_frac > self.cache_threshold:
                 return Decision(best, REASON_CACHE_HIT)
         smallest = min(self.tree.size(id(b)) for b in candidates)
         emptiest = [b for b in candidates if self.tree.size(id(b)) == smallest]
         return Decision(self.least_loaded(emptiest), REASON_CACHE_MISS)
+
+    def matched(self, req: RouteRequest, candidates: list[Backend]):
+        """(backend, fraction of the prompt it holds) per candidate."""
+        text, tokens = req.prompt_text, req.token_ids
+        tree = self.tree.match(text) if text and any(b.kv_blocks is None or not tokens for b in candidates) else {}
+        names: dict[int, list[str]] = {}  # block size -> the request's block names
+        lora = (
+            req.model if req.model and any(b.model_cards.get(req.model, {}).get("parent") for b in candidates) else None
+        )
+        for b in candidates:
+            if b.kv_blocks is not None and tokens:  # its real cache
+                bs = b.kv_block_size
+                if bs not in names:
+                    names[bs] = [d.hex() for d in chain_digests(tokens, bs, chain_extra(None, lora))]
+                n = 0
+                for name in names[bs]:
+                    if name not in b.kv_blocks:
+                        break
+                    n += 1
+                yield b, n * bs / len(tokens)
+            else:
+                yield b, tree.get(id(b), 0) / max(min(len(text), self.tree.max_prompt_chars), 1)
 
     def on_routed(self, req: RouteRequest, backend: Backend) -> None:
         if req.prompt_text:

@@ -15,6 +15,7 @@ rendering (how an engine output becomes the API's JSON body or SSE events, rende
     lora.py         POST /v1/load_lora_adapter, /v1/unload_lora_adapter (runtime LoRA adapters)
     health.py       GET /health, /ready, /version
     metrics.py      GET /metrics, /stats
+    kv_events.py    GET /kv_events (the KV cache's block stored / removed events, --kv-events-config)
     web.py          GET / (the web page) and /static/
 
 What they share is one level up, in llmserve/server/: protocol.py (the common request pieces, errors'
@@ -35,6 +36,7 @@ from llmserve.server.api import (
     embeddings,
     files,
     health,
+    kv_events,
     lora,
     messages,
     metrics,
@@ -50,6 +52,7 @@ from llmserve.server.state import ServerState
 APIS = (
     health,
     metrics,
+    kv_events,
     models,
     lora,
     web,
