@@ -122,6 +122,12 @@ def _smollm3(hf) -> dict:
     return dict(nope_layers=tuple(not use_rope for use_rope in hf.no_rope_layers))  # (1: the layer rotates)
 
 
+def _olmo2(hf) -> dict:
+    if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
+        raise ValueError("model: OLMo 2 with attention_bias is not supported")
+    return {}
+
+
 def _mixtral(hf) -> dict:
     return dict(
         num_experts=hf.num_local_experts,
@@ -271,6 +277,30 @@ ARCHITECTURES = {
         # SmolLM3: Llama layers, every 4th without rotary (the model takes the module path where any is: the
         # fused stack rotates every layer)
         ArchSpec("smollm3", ("SmolLM3ForCausalLM",), config=_smollm3),
+        # OLMo 2: no norm before attention or the MLP, one after each (the sandwich's post-norms), q / k normed over
+        # the whole projection (all heads as one row: not split across tensor-parallel ranks)
+        ArchSpec(
+            "olmo2",
+            ("Olmo2ForCausalLM",),
+            features=dict(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
+            config=_olmo2,
+            tensor_parallel=False,
+            **_NO_STACK,
+        ),
+        # GLM-4 (0414): Gemma's sandwich norms under other names, interleaved partial rotary (q / k rows loaded in
+        # layers.head_order), q / k / v biases, a packed gate_up_proj in the checkpoint (as Phi-3's)
+        ArchSpec(
+            "glm4",
+            ("Glm4ForCausalLM",),
+            features=dict(sandwich_norms=True, rotary_interleaved=True),
+            checkpoint_renames=(  # (in this order: post_attention_layernorm is first renamed away)
+                (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+                (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
+            ),
+            tensor_parallel=False,  # (the packed gate_up_proj, as Phi-3's)
+            **_NO_STACK,
+        ),
         ArchSpec(
             "gemma2",
             ("Gemma2ForCausalLM",),

@@ -14,7 +14,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
 from llmserve.model.gguf_kernels import PACKED, repack
 from llmserve.model.gguf_layers import adopt_gguf
-from llmserve.model.loader.build import Lazy, build_model, check_fits
+from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
 from llmserve.model.loader.gguf import GGUFTensors
 from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
@@ -135,4 +135,6 @@ def load_gguf_model(
     else:
         skip = set()
     rest = {n: None for n in tensors if n not in skip}
-    return build_model(cfg, Lazy(tensors, rest), device, dtype, max_positions, quantization, model)
+    return build_model(
+        cfg, checkpoint_names(cfg, Lazy(tensors, rest)), device, dtype, max_positions, quantization, model
+    )
