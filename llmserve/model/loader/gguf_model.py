@@ -34,7 +34,7 @@ class GGUFPackedBlocks(Mapping):
         self._names = {
             n.removeprefix("model.").removesuffix(".weight"): n
             for n in tensors
-            if n.endswith(".weight") and tensors.qtype(n) in PACKED
+            if n.endswith(".weight") and tensors.qtype(n) in PACKED and tensors.keeps_blocks(n)
         }
 
     def __iter__(self):
@@ -70,7 +70,10 @@ def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[to
     return {
         name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name)
         for name in tensors
-        if name.endswith(".weight") and name not in skip and tensors.qtype(name) not in FLOAT_TYPES
+        if name.endswith(".weight")
+        and name not in skip
+        and tensors.qtype(name) not in FLOAT_TYPES
+        and tensors.keeps_blocks(name)
     }
 
 
