@@ -26,6 +26,18 @@ MIXED = {
     "output": "Q6_K",
 }
 Q8 = {name: "Q8_0" for name in MIXED}
+# the low-bit types of Q2_K / Q3_K_M / IQ4_XS files (llama.cpp's mixes put IQ4_NL where a row is no multiple of 256)
+LOW = {
+    "attn_q": "Q3_K",
+    "attn_k": "Q2_K",
+    "attn_v": "IQ4_NL",
+    "attn_output": "IQ4_XS",
+    "ffn_gate": "Q3_K",
+    "ffn_up": "Q2_K",
+    "ffn_down": "IQ4_XS",
+    "token_embd": "Q3_K",
+    "output": "IQ4_XS",
+}
 
 
 @functools.cache
