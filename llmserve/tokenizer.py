@@ -32,7 +32,13 @@ def _load_hf_tokenizer(path: str, gguf: bool):
     cached = os.path.join(_cache_dir(), key)
     if os.path.exists(os.path.join(cached, "tokenizer.json")):
         return transformers.AutoTokenizer.from_pretrained(cached)
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:  # an architecture transformers' GGUF reader lacks (granite, smollm3, olmo2, glm4): the
+        if "not supported" not in str(e):  # tokenizer.ggml.* fields are the same for every one, read them directly
+            raise
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     try:
         tmp = cached + f".tmp{os.getpid()}"
         tok.save_pretrained(tmp)

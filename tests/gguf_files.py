@@ -26,6 +26,18 @@ MIXED = {
     "output": "Q6_K",
 }
 Q8 = {name: "Q8_0" for name in MIXED}
+# the low-bit types of Q2_K / Q3_K_M / IQ4_XS files (llama.cpp's mixes put IQ4_NL where a row is no multiple of 256)
+LOW = {
+    "attn_q": "Q3_K",
+    "attn_k": "Q2_K",
+    "attn_v": "IQ4_NL",
+    "attn_output": "IQ4_XS",
+    "ffn_gate": "Q3_K",
+    "ffn_up": "Q2_K",
+    "ffn_down": "IQ4_XS",
+    "token_embd": "Q3_K",
+    "output": "IQ4_XS",
+}
 
 
 @functools.cache
@@ -126,7 +138,18 @@ def write_tiny_gguf(
 
 # -- a Hugging Face checkpoint written as llama.cpp's converter writes it ---------------------------------
 # gguf's MODEL_ARCH per GGUF architecture (Mixtral is `llama` with experts)
-_MODEL_ARCH = {"llama": "LLAMA", "phi3": "PHI3", "gemma2": "GEMMA2", "gemma3": "GEMMA3", "qwen3moe": "QWEN3MOE"}
+_MODEL_ARCH = {
+    "llama": "LLAMA",
+    "phi3": "PHI3",
+    "gemma2": "GEMMA2",
+    "gemma3": "GEMMA3",
+    "qwen3moe": "QWEN3MOE",
+    "granite": "GRANITE",
+    "smollm3": "SMOLLM3",
+    "olmo2": "OLMO2",
+    "glm4": "GLM4",
+}
+_PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel lineage: Q / K rows interleaved
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -154,11 +177,21 @@ def _metadata(w, arch: str, cfg: dict) -> None:
 
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
-    if arch in ("gemma2", "gemma3", "qwen3moe"):
+    rotary = int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0))
+    if arch in ("gemma2", "gemma3", "qwen3moe", "olmo2", "glm4"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    else:
-        w.add_rope_dimension_count(head_dim)
+    if arch == "glm4":
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+    elif arch not in ("gemma2", "gemma3", "qwen3moe", "olmo2"):
+        w.add_rope_dimension_count(rotary)
+    if arch == "granite":  # (the converter writes each multiplier only when set)
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
@@ -216,7 +249,7 @@ def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> s
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
         t = t.astype(np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, heads if "q_proj" in name else kv)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1
@@ -226,7 +259,12 @@ def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> s
             merged = names.get_name(".".join(parts[:e] + ["experts", parts[e + 2]]))
             experts.setdefault(merged + ".weight", {})[int(parts[e + 1])] = t
             continue
-        tensors[names.get_name(name.removesuffix(".weight")) + ".weight"] = t
+        stem, _, kind = name.rpartition(".")  # (weight or bias)
+        tensors[f"{names.get_name(stem)}.{kind}"] = t
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # the factors as tensors, as the converter writes them
+        tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
     for merged, per_expert in experts.items():
         tensors[merged] = np.stack([per_expert[i] for i in range(len(per_expert))])
     for name, t in tensors.items():

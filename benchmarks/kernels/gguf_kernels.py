@@ -43,11 +43,11 @@ def copies_of(make, nbytes: int) -> list:
     return [make(i) for i in range(max(1, -(-STREAM_BYTES // nbytes)))]
 
 
-def weights(n: int, k: int) -> dict:
+def weights(n: int, k: int, types: tuple[str, ...] = ("Q4_K", "Q6_K")) -> dict:
     """name -> (bytes of one matrix, [copies], fn(x, weights, many_rows))."""
     gg, cpu = gk.gguf_kernels(), ops.cpu_kernels()
     out = {}
-    for qt in ("Q4_K", "Q6_K"):
+    for qt in types:
         size = gk.row_bytes(qt, k) * n
         out[qt] = (
             size,
@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64,256")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--gguf", help="time one decode token's matmuls on this file instead")
+    ap.add_argument("--types", default="Q4_K,Q6_K", help="the GGUF types timed, e.g. Q2_K,Q3_K,Q4_K,IQ4_NL,IQ4_XS")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -126,7 +127,7 @@ def main() -> None:
     print(f"threads {args.threads}, {args.clock} clock, median of {args.rounds} rounds\n")
     print("| shape | kernel | bits/weight | MB | ms, 1 row | GB/s |\n|---|---|---|---|---|---|")
     for shape, (n, k) in SHAPES.items():
-        w = weights(n, k)
+        w = weights(n, k, tuple(args.types.split(",")))
         x = torch.randn(1, k)
         cases = {name: (lambda i, c=cs, f=fn, x=x: f(x, c[i % len(c)], huge)) for name, (_, cs, fn) in w.items()}
         res = measure(cases, args.rounds, 0.3)
@@ -143,7 +144,7 @@ def main() -> None:
     )
     print("| shape | kernel | " + " | ".join(f"M={m}" for m in rows) + " |\n|---|---|" + "---|" * len(rows))
     for shape, (n, k) in SHAPES.items():
-        w = weights(n, k)
+        w = weights(n, k, tuple(args.types.split(",")))
         table = {}
         for m in rows:
             x = torch.randn(m, k)

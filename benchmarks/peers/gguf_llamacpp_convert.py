@@ -20,10 +20,12 @@ import tempfile
 import torch
 
 from tests.integration.test_architectures import SMALL as TINY  # the bundled 49,152-token vocabulary
+from tests.integration.test_architectures import _longrope
+from tests.integration.test_gguf_architectures import GRANITE
 
 # llama.cpp's converter, run as it is but for one thing: Gemma 2's and Phi-3's converters read a SentencePiece
-# tokenizer.model, which these checkpoints (the bundled BPE tokenizer) lack: they take the BPE path the others
-# take (the tokenizer is not what is checked)
+# tokenizer.model, and GLM-4's looks up GLM's special tokens, which these checkpoints (the bundled BPE tokenizer)
+# lack: they take the BPE path the others take (the tokenizer is not what is checked)
 CONVERT = """
 import sys
 root = sys.argv.pop(1)  # also on PYTHONPATH (main passes it): convert_hf_to_gguf is imported from there
@@ -31,13 +33,15 @@ sys.argv[0] = root + "/convert_hf_to_gguf.py"
 import convert_hf_to_gguf
 from conversion.base import TextModel
 from conversion.gemma import Gemma2Model
+from conversion.glm import Glm4Model
 from conversion.phi import Phi3MiniModel
-Gemma2Model.set_vocab = Phi3MiniModel.set_vocab = TextModel._set_vocab_gpt2
+Gemma2Model.set_vocab = Phi3MiniModel.set_vocab = Glm4Model.set_vocab = TextModel._set_vocab_gpt2
 convert_hf_to_gguf.main()
 """
 # Qwen3-MoE with norm_topk_prob: llama.cpp renormalises Qwen3-MoE's top-k weights always (the converter
 # writes no flag), as the released models do
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
+LONGROPE = _longrope(4, 6)  # (three quarters of each 16-wide head rotated: 6 pairs, the converter checks)
 
 
 def cases():
@@ -52,6 +56,14 @@ def cases():
             dict(num_experts=4, moe_intermediate_size=64, head_dim=16, num_experts_per_tok=2, norm_topk_prob=True),
         ),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+        "phi4-mini": (
+            T.Phi3Config,
+            dict(partial_rotary_factor=0.75, original_max_position_embeddings=4, rope_scaling=LONGROPE),
+        ),
+        "granite": (T.GraniteConfig, dict(GRANITE)),
+        "smollm3": (T.SmolLM3Config, dict(num_hidden_layers=4)),  # (llama.cpp: no rotary on every 4th layer)
+        "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False)),
+        "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)),
     }
 
 

@@ -4,6 +4,8 @@
 // Each type is a struct (its layout in a comment, then how to read it): kValues values in kBytes bytes;
 // quants(block, i) the i-th 32 quants as bytes, in value order; header(block) the scales. A value is
 //   d_g * (q - kZero) + min_g     (g: its group of 16 values for the K-quants, the block otherwise)
+// with q unsigned bytes, or signed ones where kSigned (Q8_0 and the IQ4 types, whose 4-bit indices quants() maps
+// to their int8 values).
 // Half floats ("f16") and all multi-byte fields are little endian.
 #pragma once
 
@@ -19,7 +21,8 @@
 namespace llmserve::gguf {
 
 enum QType : int64_t {   // GGMLQuantizationType's numbers
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
 };
 
 // The compiler may fuse a * b + c into one FMA (one rounding instead of NumPy's two); passing the
@@ -100,6 +103,22 @@ struct TQ8_0 {
   static __m256i quants(const uint8_t* b) { return load32(b + 2); }
 };
 
+// The IQ4 types' 16 values (a non-linear table of int8, the same in every file): 4-bit indices -> int8 within
+// each 128-bit lane (the table in both lanes).
+inline __m256i iq4_values(__m256i indices) {
+  const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), indices);
+}
+
+// IQ4_NL, 18 bytes: f16 d | qs[16], indices into iq4_values in Q4_0's nibble order; d * value (signed quants).
+struct TIQ4_NL {
+  static constexpr int64_t kValues = 32, kBytes = 18;
+  static constexpr int kZero = 0;
+  static constexpr bool kMin = false, kSigned = true;
+  static Scales32 header(const uint8_t* b) { return {f16(b), 0.0f}; }
+  static __m256i quants(const uint8_t* b) { return iq4_values(TQ4_0::nibbles(b + 2)); }
+};
+
 // ---------------------------------------------------------------------------------------------
 // The K-quants: super-blocks of 256 values, an f16 d (and dmin) scaling small integer scales (and mins)
 // of 16- or 32-value groups. header() gives them per 16 values: sc[g], mn[g] (int8), so that value k
@@ -110,6 +129,66 @@ struct ScalesK {
   __m128i sc, mn;   // 16 int8 each, one per 16 values
 };
 
+// Q2_K, 84 bytes: scales[16] | qs[64] | f16 d | f16 dmin. Group g of 16 values: a 4-bit scale (the low nibble of
+// scales[g]) and min (the high one). Sub-block i = 4h + j (32 values): bits 2j, 2j + 1 of qs[32h .. 32h + 31].
+// Value: (d * scale) * q - dmin * min.
+struct TQ2_K {
+  static constexpr int64_t kValues = 256, kBytes = 84;
+  static constexpr int kZero = 0;
+  static constexpr bool kMin = true, kSigned = false;
+  static ScalesK header(const uint8_t* b) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), low = _mm_set1_epi8(0x0F);
+    return {f16(b + 80), f16(b + 82), _mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)};
+  }
+  static __m256i two_bits(const uint8_t* qs, int i) {   // sub-block i's 2-bit fields of 32 bytes qs[32 * (i / 4) ..]
+    return _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (i / 4)), 2 * (i % 4)), _mm256_set1_epi8(3));
+  }
+  static __m256i quants(const uint8_t* b, int i) { return two_bits(b + 16, i); }
+};
+
+// Q3_K, 110 bytes: hmask[32] | qs[64] | scales[12] | f16 d. Sixteen 6-bit scales less 32: group g's low 4 bits are
+// the low (g < 8) or high (g >= 8) nibble of scales[g % 8], its high 2 bits bits 2 (g / 4), + 1 of scales[8 + g % 4].
+// Value l of sub-block i: Q2_K's 2 bits from qs, less 4 where bit i of hmask[l] is clear: q = low | bit << 2, and
+// (d * scale) * (q - 4).
+struct TQ3_K {
+  static constexpr int64_t kValues = 256, kBytes = 110;
+  static constexpr int kZero = 4;
+  static constexpr bool kMin = false, kSigned = false;
+  static ScalesK header(const uint8_t* b) {
+    uint32_t a[3];
+    std::memcpy(a, b + 96, 12);
+    const uint32_t n = 0x0F0F0F0F, h = 0x03030303;
+    const __m128i v = _mm_setr_epi32(static_cast<int>((a[0] & n) | (a[2] & h) << 4),
+                                     static_cast<int>((a[1] & n) | (a[2] >> 2 & h) << 4),
+                                     static_cast<int>((a[0] >> 4 & n) | (a[2] >> 4 & h) << 4),
+                                     static_cast<int>((a[1] >> 4 & n) | (a[2] >> 6 & h) << 4));
+    return {f16(b + 108), 0.0f, _mm_sub_epi8(v, _mm_set1_epi8(32)), _mm_setzero_si128()};
+  }
+  static __m256i quants(const uint8_t* b, int i) {
+    const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(b), i), _mm256_set1_epi8(1));
+    return _mm256_or_si256(TQ2_K::two_bits(b + 32, i), _mm256_slli_epi16(bit, 2));
+  }
+};
+
+// IQ4_XS, 136 bytes: f16 d | uint16 scales_h | scales_l[4] | qs[128]. Eight 32-value sub-blocks, each a 6-bit
+// scale less 32 (low 4 bits: nibble i % 2 of scales_l[i / 2], high 2: bits 2i, 2i + 1 of scales_h); sub-block i:
+// qs[16i .. 16i + 15] as IQ4_NL's. Value: (d * scale) * value (signed quants; one scale per 32 values).
+struct TIQ4_XS {
+  static constexpr int64_t kValues = 256, kBytes = 136;
+  static constexpr int kZero = 0;
+  static constexpr bool kMin = false, kSigned = true;
+  static ScalesK header(const uint8_t* b) {
+    const int hi = b[2] | b[3] << 8;
+    alignas(16) int8_t sc[16];
+    for (int i = 0; i < 8; ++i) {
+      const int low = b[4 + i / 2] >> 4 * (i % 2) & 15, high = hi >> 2 * i & 3;
+      sc[2 * i] = sc[2 * i + 1] = static_cast<int8_t>((low | high << 4) - 32);
+    }
+    return {f16(b), 0.0f, _mm_load_si128(reinterpret_cast<const __m128i*>(sc)), _mm_setzero_si128()};
+  }
+  static __m256i quants(const uint8_t* b, int i) { return iq4_values(TQ4_0::nibbles(b + 8 + 16 * i)); }
+};
+
 // Q4_K, 144 bytes: f16 d | f16 dmin | scales[12] | qs[128]. Eight 32-value sub-blocks, each with a 6-bit
 // scale and min packed in `scales`: for j < 4 the low 6 bits of bytes j (scale) and j + 4 (min); for
 // j >= 4 the scale is (byte j + 4 & 15) | (byte j - 4 >> 6) << 4, the min (byte j + 4 >> 4) | (byte j >> 6)
@@ -118,7 +197,7 @@ struct ScalesK {
 struct TQ4_K {
   static constexpr int64_t kValues = 256, kBytes = 144;
   static constexpr int kZero = 0;
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kSigned = false;
   static ScalesK header(const uint8_t* b) {
     uint32_t u[3];
     std::memcpy(u, b + 4, 12);
@@ -141,7 +220,7 @@ struct TQ4_K {
 struct TQ5_K {
   static constexpr int64_t kValues = 256, kBytes = 176;
   static constexpr int kZero = 0;
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kSigned = false;
   static ScalesK header(const uint8_t* b) { return TQ4_K::header(b); }
   static __m256i quants(const uint8_t* b, int i) {
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(b + 16), i), _mm256_set1_epi8(1));
@@ -157,7 +236,7 @@ struct TQ5_K {
 struct TQ6_K {
   static constexpr int64_t kValues = 256, kBytes = 210;
   static constexpr int kZero = 32;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kSigned = false;
   static ScalesK header(const uint8_t* b) {
     return {f16(b + 208), 0.0f, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), _mm_setzero_si128()};
   }
@@ -182,24 +261,33 @@ bool with_quant_type(int64_t qtype, F&& f) {
     case Q5_0: f(TQ5_0{}); return true;
     case Q5_1: f(TQ5_1{}); return true;
     case Q8_0: f(TQ8_0{}); return true;
+    case IQ4_NL: f(TIQ4_NL{}); return true;
+    case Q2_K: f(TQ2_K{}); return true;
+    case Q3_K: f(TQ3_K{}); return true;
     case Q4_K: f(TQ4_K{}); return true;
     case Q5_K: f(TQ5_K{}); return true;
     case Q6_K: f(TQ6_K{}); return true;
+    case IQ4_XS: f(TIQ4_XS{}); return true;
     default: return false;
   }
 }
 
 // Q4_0, Q4_1 and Q8_0 have llmserve's own kernel family (linear.cpp's q4_linear / q8_linear, on the blocks
 // repacked at load: llmserve/model/gguf_kernels.py's repack): their structs above serve dequantization only.
-// f(T{}) for the types whose integer dots are gguf_dots.cpp's (Q5_0, Q5_1 and the K-quants); false otherwise.
+// f(T{}) for the types whose integer dots are gguf_dots.cpp's (Q5_0, Q5_1, IQ4_NL, the K-quants, IQ4_XS); false
+// otherwise.
 template <typename F>
 bool with_dot_type(int64_t qtype, F&& f) {
   switch (qtype) {
     case Q5_0: f(TQ5_0{}); return true;
     case Q5_1: f(TQ5_1{}); return true;
+    case IQ4_NL: f(TIQ4_NL{}); return true;
+    case Q2_K: f(TQ2_K{}); return true;
+    case Q3_K: f(TQ3_K{}); return true;
     case Q4_K: f(TQ4_K{}); return true;
     case Q5_K: f(TQ5_K{}); return true;
     case Q6_K: f(TQ6_K{}); return true;
+    case IQ4_XS: f(TIQ4_XS{}); return true;
     default: return false;
   }
 }

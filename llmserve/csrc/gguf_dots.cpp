@@ -1,5 +1,5 @@
 // GGUF's integer dots (few rows, and many by default: llama.cpp's arithmetic): x rounded to int8 per 256 values for
-// the K-quants (as llama.cpp's Q8_K) and per 32 for Q5_0 / Q5_1 (as its Q8_0; Q4_0, Q4_1 and Q8_0 run
+// the K-quants and IQ4_XS (as llama.cpp's Q8_K) and per 32 for Q5_0 / Q5_1 / IQ4_NL (as its Q8_0; Q4_0, Q4_1 and Q8_0 run
 // linear.cpp's q4 / q8 dots on their repacked blocks, see gguf_blocks.h's with_dot_type), with the sums of every 16
 // rounded values for the blocks' offsets and mins; each block unpacked once for up to 4 rows of x. The Q4_K / Q6_K
 // dots also in AVX-512 VNNI (use_vnni()).
@@ -72,7 +72,8 @@ struct Acts {
 
 // K-quants. Per super-block and row, in int32: sum_g sc[g] * (sum of q * x over group g), the int16
 // products of two 32-value vectors at a time summed pairwise (maddubs, hadd) and scaled (madd); less
-// kZero * sum_g sc[g] * sum16[g]. Times d * dx; less dmin * dx * sum_g mn[g] * sum16[g].
+// kZero * sum_g sc[g] * sum16[g]. Times d * dx; less dmin * dx * sum_g mn[g] * sum16[g]. IQ4_XS (signed values):
+// per 32-value vector, |q| times x with q's sign (maddubs) and its scale (madd), no pairwise sum.
 template <typename T, int MR>
 void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t S = a.K / 256;
@@ -85,18 +86,31 @@ void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t 
       const ScalesK h = T::header(b);
       __m256i dot[MR];
       for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
-      for (int i = 0; i < 8; i += 2) {   // two 32-value vectors at a time
-        const __m256i q0 = T::quants(b, i), q1 = T::quants(b, i + 1);
-        // hadd of their int16 products leaves groups 2i, 2i + 2 in the low lane, 2i + 1, 2i + 3 in the high
-        // one (4 sums each; at most 4 * 63 * 127 in magnitude, within int16): their scales, as 16 int16
-        const int64_t g = 2 * i, four = 0x01010101;
-        const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-            h.sc, _mm_set_epi64x(four * (g + 3) << 32 | four * (g + 1), four * (g + 2) << 32 | four * g)));
-        for (int m = 0; m < MR; ++m) {
-          const int8_t* xm = a.q.data() + (m0 + m) * a.K + 256 * s + 32 * i;
-          const __m256i p =
-              _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, load32(xm)), _mm256_maddubs_epi16(q1, load32(xm + 32)));
-          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, sc));
+      if constexpr (T::kSigned) {   // IQ4_XS: signed values (|v| <= 127), one scale per 32 values
+        alignas(16) int8_t sc[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc), h.sc);
+        for (int i = 0; i < 8; ++i) {
+          const __m256i q = T::quants(b, i), aq = _mm256_sign_epi8(q, q), s16 = _mm256_set1_epi16(sc[2 * i]);
+          for (int m = 0; m < MR; ++m) {   // |q| * (x with q's sign): pairs within int16 (2 * 127 * 127)
+            const __m256i xm = load32(a.q.data() + (m0 + m) * a.K + 256 * s + 32 * i);
+            const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xm, q));
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, s16));
+          }
+        }
+      } else {
+        for (int i = 0; i < 8; i += 2) {   // two 32-value vectors at a time
+          const __m256i q0 = T::quants(b, i), q1 = T::quants(b, i + 1);
+          // hadd of their int16 products leaves groups 2i, 2i + 2 in the low lane, 2i + 1, 2i + 3 in the high
+          // one (4 sums each; at most 4 * 63 * 127 in magnitude, within int16): their scales, as 16 int16
+          const int64_t g = 2 * i, four = 0x01010101;
+          const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+              h.sc, _mm_set_epi64x(four * (g + 3) << 32 | four * (g + 1), four * (g + 2) << 32 | four * g)));
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xm = a.q.data() + (m0 + m) * a.K + 256 * s + 32 * i;
+            const __m256i p =
+                _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, load32(xm)), _mm256_maddubs_epi16(q1, load32(xm + 32)));
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, sc));
+          }
         }
       }
       const __m256i sc16 = _mm256_cvtepi8_epi16(h.sc), mn16 = _mm256_cvtepi8_epi16(h.mn);
@@ -191,7 +205,7 @@ LLMSERVE_AVX512_VNNI void kquant_dot_avx512(const Acts& a, int64_t m0, const Lay
   }
 }
 
-// Q5_0 / Q5_1. Per block and row: sum q * x in int32, less kZero * sum x; times d * dx; plus m * dx * sum x.
+// Q5_0 / Q5_1 / IQ4_NL. Per block and row: sum q * x in int32, less kZero * sum x; times d * dx; plus m * dx * sum x.
 template <typename T, int MR>
 void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = a.K / 32;
@@ -207,7 +221,11 @@ void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t
       const __m256i q = T::quants(b);
       for (int m = 0; m < MR; ++m) {
         const int64_t blk = (m0 + m) * G + g;
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load32(a.q.data() + 32 * blk)), ones);
+        const __m256i xm = load32(a.q.data() + 32 * blk);
+        // (IQ4_NL's signed values: |q| times x with q's sign)
+        const __m256i p = T::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xm, q))
+                                     : _mm256_maddubs_epi16(q, xm);
+        __m256i dot = _mm256_madd_epi16(p, ones);
         const int32_t xsum = a.sum16[2 * blk] + a.sum16[2 * blk + 1];
         if constexpr (T::kZero != 0)   // (in one lane: the lanes are summed in the end)
           dot = _mm256_sub_epi32(dot, _mm256_setr_epi32(T::kZero * xsum, 0, 0, 0, 0, 0, 0, 0));

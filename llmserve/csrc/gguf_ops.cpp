@@ -55,7 +55,7 @@ void dequant_row(const uint8_t* row, int64_t K, float* out) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(sc), s.sc);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(mn), s.mn);
       for (int i = 0; i < 8; ++i)
-        dequant32<false, T::kMin>(T::quants(b, i), T::kZero, s.d * sc[2 * i], s.d * sc[2 * i + 1],
+        dequant32<T::kSigned, T::kMin>(T::quants(b, i), T::kZero, s.d * sc[2 * i], s.d * sc[2 * i + 1],
                                   -(s.dmin * mn[2 * i]), -(s.dmin * mn[2 * i + 1]), o + 32 * i);
     }
   }
@@ -91,7 +91,8 @@ Layout check_layout(const at::Tensor& raw, int64_t qtype, int64_t K, const char*
   else if (qtype == F16 || qtype == BF16) bytes = 2;
   else if (!with_quant_type(qtype, [&](auto t) { block = decltype(t)::kValues, bytes = decltype(t)::kBytes; }))
     TORCH_CHECK(false, what, ": unsupported GGUF quantization type ", qtype,
-                " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+                " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "
+                "IQ4_XS)");
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2, what,
               ": raw must be a uint8 CPU tensor [N, row_bytes]");
   TORCH_CHECK(K > 0 && K % block == 0, what, ": K = ", K, " is not a multiple of the type's ", block, "-value blocks");

@@ -29,9 +29,12 @@ class ModelConfig:
     hf_config: object = None  # the transformers config, for rope variants
     # per-architecture features (defaults: Llama's)
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # the q / k norms span the whole projection, all heads together (OLMo 2)
     norm_offset: bool = False  # norms scale by (1 + weight) (Gemma: folded into the weight at load)
     embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma), embedding_multiplier (Granite)
-    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3, GLM-4, OLMo 2)
+    pre_norms: bool = True  # norms before attention and the MLP (OLMo 2: none, only the sandwich's post-norms)
+    rotary_interleaved: bool = False  # rotary pairs are adjacent dimensions (2i, 2i + 1) (GLM-4: layers.head_order)
     attn_scale: float | None = None  # None: head_dim ** -0.5; query_pre_attn_scalar ** -0.5 (Gemma), Granite's
     attn_softcap: float | None = None  # attention logits -> tanh(s / cap) * cap (Gemma 2)
     final_softcap: float | None = None  # the same on the output logits (Gemma 2)

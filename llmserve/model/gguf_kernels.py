@@ -15,12 +15,13 @@ in the type's blocks):
 * `linear_f32(x, raw, qtype, K)` -> the same product in float32 throughout (activations never rounded):
   few rows dot each weight row widened in L1, many rows the float32 tiles.
 
-Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (qtype: a GGMLQuantizationType,
-its number or its name).
+Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (qtype: a
+GGMLQuantizationType, its number or its name). IQ4_NL / IQ4_XS hold 4-bit indices into a table of 16 int8
+values; their dots run on those signed values (x rounded per 32 / per 256 as llama.cpp's).
 
 One kernel family per block format: Q4_0 / Q4_1 / Q8_0 are llmserve's own int4 / int8 layouts in other bytes, so
 their integer dots are `q4_linear` / `q8_linear` (csrc/linear.cpp, VNNI GEMMs included) on the blocks repacked
-once (`repack`, `packed_linear`); csrc/gguf_dots.cpp's dots take Q5_0, Q5_1 and the K-quants.
+once (`repack`, `packed_linear`); csrc/gguf_dots.cpp's dots take Q5_0, Q5_1, IQ4_NL, the K-quants and IQ4_XS.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ BLOCKS = {
     6: (32, 22),
     7: (32, 24),
     8: (32, 34),
+    20: (32, 18),
+    10: (256, 84),
+    11: (256, 110),
     12: (256, 144),
     13: (256, 176),
     14: (256, 210),
+    23: (256, 136),
 }
 NAMES = {
     0: "F32",
@@ -57,9 +62,13 @@ NAMES = {
     6: "Q5_0",
     7: "Q5_1",
     8: "Q8_0",
+    20: "IQ4_NL",
+    10: "Q2_K",
+    11: "Q3_K",
     12: "Q4_K",
     13: "Q5_K",
     14: "Q6_K",
+    23: "IQ4_XS",
 }
 PACKED = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0 -> the packed layout their dots read (`repack`)
 
@@ -248,7 +257,20 @@ def from_reader(tensor) -> tuple[torch.Tensor, int, int]:
 
 
 # byte offsets of the float16 scale / min fields in each quantized block
-_HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+_HALF_FIELDS = {
+    2: (0,),
+    3: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    8: (0,),
+    20: (0,),
+    10: (80, 82),
+    11: (108,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+    23: (0,),
+}
 
 
 def random_blocks(qtype, n: int, k: int, seed: int = 0, d_max: float = 0.05) -> torch.Tensor:

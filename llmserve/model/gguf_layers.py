@@ -156,6 +156,7 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
     read from `floats` (a mapping of Hugging Face names to float tensors). Returns the checkpoint names
     (Hugging Face's) the new layers stand for."""
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
+    adapt = getattr(model, "adapt_weight", None)
     consumed: set[str] = set()
 
     def convert(module: nn.Module, prefix: str) -> None:
@@ -166,6 +167,8 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
                 if not all(n in tensors for n in names):
                     continue
                 bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
+                if bias is not None and adapt is not None:  # (the blocks' row order: partial or interleaved rotary)
+                    bias = adapt(path, bias)
                 setattr(module, name, GGUFLinear([tensors[n] for n in names], child.in_features, bias, exact))
             elif type(child) is nn.Embedding:
                 if path not in tensors:

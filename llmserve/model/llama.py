@@ -43,11 +43,13 @@ class DecoderLayer(nn.Module):
         self.sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
         self.nope = bool(cfg.nope_layers) and cfg.nope_layers[index]  # no rotary (SmolLM3)
         window = cfg.sliding_window if self.sliding and cfg.sliding_window < (max_positions or 1 << 62) else None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # OLMo 2 has no norm before attention or the MLP (pre_norms False): only the sandwich's post-norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else None
         self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norms:  # Gemma, GLM-4, OLMo 2: post_attention_layernorm norms the attention's output
+            if cfg.pre_norms:
+                self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
@@ -56,6 +58,12 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (the embeddings when residual is None); residual: the
         running sum of the outputs so far. Returns (this layer's output, the new running sum); the
         residual adds are fused with the norms that follow them."""
+        if self.input_layernorm is None:  # OLMo 2: attention and the MLP read the running sum itself
+            residual = x if residual is None else x + residual
+            residual = residual + self.post_attention_layernorm(
+                self.self_attn(residual, positions, rotary, kv_cache, meta)
+            )
+            return self.post_feedforward_layernorm(self.mlp(residual)), residual
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

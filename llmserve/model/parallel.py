@@ -33,7 +33,7 @@ import torch
 from llmserve.model.config import ModelConfig
 from llmserve.model.layers.linear import PACKED_PROJECTIONS
 from llmserve.model.llama import LlamaModel
-from llmserve.model.loader import build_model
+from llmserve.model.loader import build_model, checkpoint_names
 from llmserve.model.registry import arch_spec
 
 
@@ -154,7 +154,7 @@ def load_sharded_model(
     """This rank's model: local head counts, sliced weights, `all_reduce` after o_proj and down_proj."""
     lcfg = local_config(cfg, shard)
     sliced = shard_hf_state_dict(weights, cfg, shard)
-    model = build_model(lcfg, sliced, device, dtype, max_positions)
+    model = build_model(lcfg, checkpoint_names(cfg, sliced), device, dtype, max_positions)
     del sliced
     model.set_all_reduce(all_reduce)
     return model

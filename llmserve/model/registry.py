@@ -2,9 +2,9 @@
 
 A spec says which Hugging Face architectures (class names) it covers, how their transformers config maps
 onto `ModelConfig` (the fields common to every family are read by `config_from_hf`; the family's own come
-from `features` and `config`), how its GGUF files are named (`GGUFSpec`: the metadata prefix, tensor
-names, the config fields llama.cpp writes), how its checkpoints' tensor names differ from the model's
-(`checkpoint_renames`), whether tensor parallelism shards it, whether the fused decode stack runs its
+from `features` and `config`), how its GGUF files are named (`GGUFSpec`, llmserve.model.gguf_specs: the
+metadata prefix, tensor names, the config fields llama.cpp writes), how its checkpoints' tensor names differ
+from the model's (`checkpoint_renames`), whether tensor parallelism shards it, whether the fused decode stack runs its
 layers, and which model class builds it. A new architecture is one more entry in ARCHITECTURES (see
 docs/contributing.md).
 """
@@ -15,34 +15,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_specs import (
+    GGUF_GEMMA_LAYERS,
+    GGUF_GLM4_LAYERS,
+    GGUF_LLAMA_LAYERS,
+    GGUF_MOE_LAYERS,
+    GGUF_OLMO2_LAYERS,
+    GGUF_QK_NORMS,
+    GGUFSpec,
+    gguf_gemma2,
+    gguf_gemma3,
+    gguf_glm4,
+    gguf_granite,
+    gguf_mixtral,
+    gguf_phi3,
+    gguf_qwen3_moe,
+    gguf_smollm3,
+)
 from llmserve.model.llama import LlamaModel
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
-
-
-@dataclass(frozen=True)
-class GGUFMetadata:
-    """What a GGUFSpec's `config` reads from the file: `get(key, default)` is the `<arch>.<key>` metadata."""
-
-    get: Callable
-    tensor_names: frozenset
-    path: str = ""
-
-
-@dataclass(frozen=True)
-class GGUFSpec:
-    """How a family's GGUF files map onto its transformers config and Hugging Face tensor names."""
-
-    arch: str  # general.architecture (and the metadata keys' prefix)
-    config_class: str  # the transformers config class the metadata becomes
-    layer_names: Mapping  # blk.N.<key>.weight -> model.layers.N.<value>.weight ("{e}": one per expert)
-    names: Mapping = field(default_factory=lambda: dict(GGUF_MODEL_NAMES))  # whole-model tensors -> HF names
-    permute_qk: bool = False  # llama.cpp's converter interleaved the rotary halves of Q and K rows
-    head_dim_key: str | None = None  # metadata key (after "<arch>.") holding the head size, if any
-    norm_offset: bool = False  # the converter stored the (1 + w) norms as 1 + w: read back as w (Gemma)
-    experts: bool = False  # this family's files are `arch` files with `<arch>.expert_count` > 0 (Mixtral: llama)
-    # (GGUFMetadata, the common config fields, rope theta) -> the config fields beyond the common ones
-    config: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -58,41 +50,6 @@ class ArchSpec:
     tensor_parallel: bool = True  # llmserve.model.parallel shards its attention and MLP (False: refused)
     fused_decode: bool = True  # its layers are plain Llama layers, which the fused C++ decode stack runs
     model_class: type = LlamaModel  # builds it: model_class(cfg, max_positions)
-
-
-# -- GGUF tensor names (llama.cpp's) --------------------------------------------------------------
-GGUF_MODEL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_LLAMA_LAYERS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-GGUF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# routed experts: the router, and each merged [n_expert, rows, cols] tensor split into one per expert
-GGUF_MOE_LAYERS = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{e}.up_proj",
-    "ffn_down_exps": "mlp.experts.{e}.down_proj",
-}
-# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, post_attention_norm the one after
-# attention (Hugging Face's post_attention_layernorm), post_ffw_norm the one after the MLP
-GGUF_GEMMA_LAYERS = {
-    **GGUF_LLAMA_LAYERS,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
 
 
 # -- per-family config fields: from a transformers config ----------------------------------------------
@@ -122,6 +79,12 @@ def _smollm3(hf) -> dict:
     return dict(nope_layers=tuple(not use_rope for use_rope in hf.no_rope_layers))  # (1: the layer rotates)
 
 
+def _olmo2(hf) -> dict:
+    if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
+        raise ValueError("model: OLMo 2 with attention_bias is not supported")
+    return {}
+
+
 def _mixtral(hf) -> dict:
     return dict(
         num_experts=hf.num_local_experts,
@@ -142,87 +105,6 @@ def _qwen3_moe(hf) -> dict:
         moe_intermediate_size=hf.moe_intermediate_size,
         moe_layers=sparse,
         norm_topk_prob=bool(hf.norm_topk_prob),
-    )
-
-
-# -- per-family config fields: from GGUF metadata, as llama.cpp reads it --------------------------------
-def _swa_layers(meta: GGUFMetadata, layers: int, every: int) -> list[str]:
-    """Hugging Face's layer_types from `<arch>.attention.sliding_window_pattern` (a bool per layer, or n: every
-    n-th layer is global) or llama.cpp's default n for the architecture."""
-    pattern = meta.get("attention.sliding_window_pattern", every)
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [pattern > 0 and (i + 1) % pattern != 0 for i in range(layers)]
-    return ["sliding_attention" if s else "full_attention" for s in sliding]
-
-
-def _gguf_gemma(meta: GGUFMetadata, kw: dict, big_layers: int, final_softcap: float | None) -> dict:
-    # llama.cpp scales queries by head_dim ** -0.5, but for the 27B models by (hidden / heads) ** -0.5
-    big = kw["num_hidden_layers"] == big_layers
-    return dict(
-        query_pre_attn_scalar=kw["hidden_size"] // kw["num_attention_heads"] if big else kw["head_dim"],
-        final_logit_softcapping=meta.get("final_logit_softcapping", final_softcap),
-        hidden_activation="gelu_pytorch_tanh",
-    )
-
-
-def _gguf_gemma2(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
-    return dict(
-        _gguf_gemma(meta, kw, 46, 30.0),
-        sliding_window=meta.get("attention.sliding_window", 4096),
-        attn_logit_softcapping=meta.get("attn_logit_softcapping", 50.0),  # (llama.cpp's defaults)
-        layer_types=_swa_layers(meta, kw["num_hidden_layers"], 2),
-    )
-
-
-def _gguf_gemma3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
-    layers, window = kw["num_hidden_layers"], meta.get("attention.sliding_window")
-    full = {"rope_type": "default", "rope_theta": theta}
-    scaling_type = meta.get("rope.scaling.type")
-    if scaling_type and scaling_type != "none":
-        full = {"rope_type": scaling_type, "factor": meta.get("rope.scaling.factor", 1.0), "rope_theta": theta}
-    local = {"rope_type": "default", "rope_theta": meta.get("rope.freq_base_swa", 10000.0)}
-    return dict(
-        _gguf_gemma(meta, kw, 62, None),
-        sliding_window=window,
-        layer_types=_swa_layers(meta, layers, 6) if window else ["full_attention"] * layers,
-        rope_parameters={"full_attention": full, "sliding_attention": local},
-    )
-
-
-def _gguf_phi3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
-    extra = {"sliding_window": meta.get("attention.sliding_window") or None}  # (llama.cpp writes 0 for none)
-    rot = meta.get("rope.dimension_count", kw["head_dim"])
-    longrope = any(n.startswith("rope_factors") for n in meta.tensor_names)
-    if rot != kw["head_dim"] or longrope:  # (its blocks would need rows in the model's order: layers.head_order)
-        raise ValueError(
-            f"model: {meta.path or 'the GGUF file'} is a Phi-3 with "
-            f"{'long-context rope factors (longrope)' if longrope else 'partial rotary'}, which llmserve does not "
-            f"read from GGUF yet; give its Hugging Face checkpoint, a short-context Phi-3 (e.g. a -4k- file) or "
-            f"another --model"
-        )
-    return extra
-
-
-def _gguf_mixtral(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
-    return dict(
-        num_experts_per_tok=meta.get("expert_used_count"),
-        num_local_experts=meta.get("expert_count"),
-        intermediate_size=meta.get("expert_feed_forward_length", kw["intermediate_size"]),
-    )
-
-
-def _gguf_qwen3_moe(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
-    layers = kw["num_hidden_layers"]
-    return dict(
-        num_experts_per_tok=meta.get("expert_used_count"),
-        num_experts=meta.get("expert_count"),
-        moe_intermediate_size=meta.get("expert_feed_forward_length", kw["intermediate_size"]),
-        decoder_sparse_step=1,
-        mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in meta.tensor_names],
-        # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise
-        norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
     )
 
 
@@ -262,15 +144,68 @@ ARCHITECTURES = {
                 "phi3",
                 "Phi3Config",
                 {**GGUF_LLAMA_LAYERS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                config=_gguf_phi3,
+                config=gguf_phi3,
             ),
             tensor_parallel=False,  # its checkpoint packs q/k/v and gate/up, which the slicing expects apart
         ),
         # Granite 3.x: Llama layers with multipliers; the residual one is folded into the weights (the fused stack's)
-        ArchSpec("granite", ("GraniteForCausalLM",), config=_granite),
+        ArchSpec(
+            "granite",
+            ("GraniteForCausalLM",),
+            config=_granite,
+            gguf=GGUFSpec(
+                "granite",
+                "GraniteConfig",
+                GGUF_LLAMA_LAYERS,
+                permute_qk=True,
+                head_dim_key="rope.dimension_count",
+                config=gguf_granite,
+            ),
+        ),
         # SmolLM3: Llama layers, every 4th without rotary (the model takes the module path where any is: the
         # fused stack rotates every layer)
-        ArchSpec("smollm3", ("SmolLM3ForCausalLM",), config=_smollm3),
+        ArchSpec(
+            "smollm3",
+            ("SmolLM3ForCausalLM",),
+            config=_smollm3,
+            gguf=GGUFSpec(
+                "smollm3",
+                "SmolLM3Config",
+                GGUF_LLAMA_LAYERS,
+                permute_qk=True,
+                head_dim_key="rope.dimension_count",
+                config=gguf_smollm3,
+            ),
+        ),
+        # OLMo 2: no norm before attention or the MLP, one after each (the sandwich's post-norms), q / k normed over
+        # the whole projection (all heads as one row: not split across tensor-parallel ranks)
+        ArchSpec(
+            "olmo2",
+            ("Olmo2ForCausalLM",),
+            features=dict(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
+            config=_olmo2,
+            gguf=GGUFSpec("olmo2", "Olmo2Config", GGUF_OLMO2_LAYERS, head_dim_key="attention.key_length"),
+            tensor_parallel=False,
+            **_NO_STACK,
+        ),
+        # GLM-4 (0414): Gemma's sandwich norms under other names, interleaved partial rotary (q / k rows loaded in
+        # layers.head_order), q / k / v biases, a packed gate_up_proj in the checkpoint (as Phi-3's)
+        ArchSpec(
+            "glm4",
+            ("Glm4ForCausalLM",),
+            features=dict(sandwich_norms=True, rotary_interleaved=True),
+            # (llama.cpp rotates GLM-4's adjacent pairs too: the converter keeps Hugging Face's rows)
+            gguf=GGUFSpec(
+                "glm4", "Glm4Config", GGUF_GLM4_LAYERS, head_dim_key="attention.key_length", config=gguf_glm4
+            ),
+            checkpoint_renames=(  # (in this order: post_attention_layernorm is first renamed away)
+                (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+                (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
+            ),
+            tensor_parallel=False,  # (the packed gate_up_proj, as Phi-3's)
+            **_NO_STACK,
+        ),
         ArchSpec(
             "gemma2",
             ("Gemma2ForCausalLM",),
@@ -281,7 +216,7 @@ ARCHITECTURES = {
                 GGUF_GEMMA_LAYERS,
                 head_dim_key="attention.key_length",
                 norm_offset=True,
-                config=_gguf_gemma2,
+                config=gguf_gemma2,
             ),
             **_NO_STACK,
         ),
@@ -296,7 +231,7 @@ ARCHITECTURES = {
                 {**GGUF_GEMMA_LAYERS, **GGUF_QK_NORMS},
                 head_dim_key="attention.key_length",
                 norm_offset=True,
-                config=_gguf_gemma3,
+                config=gguf_gemma3,
             ),
             **_NO_STACK,
         ),
@@ -311,7 +246,7 @@ ARCHITECTURES = {
                 permute_qk=True,
                 head_dim_key="rope.dimension_count",
                 experts=True,
-                config=_gguf_mixtral,
+                config=gguf_mixtral,
             ),
             # the model's names are Hugging Face's Llama / Qwen3-MoE ones
             checkpoint_renames=(
@@ -333,7 +268,7 @@ ARCHITECTURES = {
                 "Qwen3MoeConfig",
                 {**GGUF_LLAMA_LAYERS, **GGUF_QK_NORMS, **GGUF_MOE_LAYERS},
                 head_dim_key="attention.key_length",
-                config=_gguf_qwen3_moe,
+                config=gguf_qwen3_moe,
             ),
             tensor_parallel=False,
             **_NO_STACK,

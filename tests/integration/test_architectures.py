@@ -29,7 +29,11 @@ SMALL = dict(
 
 ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
 FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
-ADAPTED = ("phi4-mini", "granite")  # rows whose loaded weights differ from the checkpoint's (LlamaModel.adapt_weight)
+ADAPTED = (
+    "phi4-mini",
+    "granite",
+    "glm4",
+)  # rows whose loaded weights differ from the checkpoint's (LlamaModel.adapt_weight)
 
 
 def _longrope(original: int, pairs: int = 24) -> dict:
@@ -83,6 +87,10 @@ def _configs():
         ),
         # SmolLM3: the second of two layers without rotary (transformers' default: every 4th)
         "smollm3": (T.SmolLM3Config, dict(no_rope_layer_interval=2)),
+        # OLMo 2: post-norms only, q / k norms over the whole projection (their weights random: per-head ones differ)
+        "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False)),
+        # GLM-4: interleaved rotary over half of each head, q / k / v biases, four norms a layer
+        "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
         "qwen3-moe": (
             T.Qwen3MoeConfig,
@@ -162,6 +170,8 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if cls in (transformers.Gemma2Config, transformers.Gemma3TextConfig) else 1.0, 0.3)
+            elif name.endswith(".bias"):  # (and biases away from transformers' zeros)
+                p.normal_(0.0, 0.3)
     d = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(d)
     Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(d)
@@ -206,7 +216,7 @@ def test_greedy_equals_transformers_batched_and_alone(checkpoint):
 def test_quantized_new_layers_run(checkpoint, mode):
     """--quantization through quant.py's interface (norms and MoE routers stay float; the experts are
     quantized): every token comes back; layers whose weights the model adapts are rounded from the adapted ones."""
-    if checkpoint[0] not in ("qwen3", "phi3", *ADAPTED, "mixtral", "gemma2"):
+    if checkpoint[0] not in ("qwen3", "phi3", *ADAPTED, "mixtral", "gemma2", "olmo2", "glm4"):
         pytest.skip("one of each kind of layer is enough")
     llm = LLM(
         model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode, num_threads=2

@@ -1,10 +1,11 @@
-"""Gemma 2, Gemma 3 (text), Phi-3, Qwen3-MoE and Mixtral from GGUF files written as llama.cpp's converter
-writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own tensor names, Gemma's 1 + w norms, Phi-3's
-fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama` with experts), from a tiny random
-transformers checkpoint, in float32 and Q8_0. llmserve's greedy tokens, batched and alone, equal
-transformers' on the same file (`from_pretrained(..., gguf_file=...)`, which dequantizes) where transformers
-reads that architecture's files, else transformers' on the checkpoint holding the file's values (Qwen3-MoE:
-transformers' GGUF config lacks the experts' size; Mixtral: it reads no `llama` experts)."""
+"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2 and GLM-4 from GGUF
+files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own tensor
+names, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama` with
+experts, longrope factors as tensors), from a tiny random transformers checkpoint, in float32 and Q8_0. llmserve's
+greedy tokens, batched and alone, equal transformers' on the same file (`from_pretrained(..., gguf_file=...)`,
+which dequantizes) where transformers reads that architecture's files, else transformers' on the checkpoint
+holding the file's values (Qwen3-MoE: transformers' GGUF config lacks the experts' size; Mixtral: it reads no
+`llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4: it reads none of their files)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.gguf_layers import GGUFLinear
 from tests.gguf_files import round_trip_model, write_checkpoint_gguf
-from tests.integration.test_architectures import SMALL, greedy_batched_and_alone
+from tests.integration.test_architectures import SMALL, _longrope, greedy_batched_and_alone
 
 MAX_TOKENS, VOCAB = 12, 1024
 TINY = {**SMALL, "vocab_size": VOCAB}  # the bundled tokenizer's first 1024 tokens: files parse in milliseconds
@@ -24,7 +25,13 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi4-mini": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
+GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0)
 # query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
 
@@ -44,6 +51,21 @@ def _cases():
             False,
         ),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), "llama", False),
+        # Phi-4-mini: partial rotary (rope.dimension_count) and longrope's factors as tensors (past the original
+        # positions from the start: the long ones), q / k rows of the packed attn_qkv blocks in the model's order
+        "phi4-mini": (
+            T.Phi3Config,
+            dict(partial_rotary_factor=0.75, original_max_position_embeddings=4, rope_scaling=_longrope(4, 6)),
+            "phi3",
+            False,
+        ),
+        # Granite: the four multipliers as llama.cpp's *_scale keys; Q / K rows interleaved (the Llama converter's)
+        "granite": (T.GraniteConfig, dict(GRANITE), "granite", False),
+        # SmolLM3: four layers, the fourth without rotary (llama.cpp's fixed step)
+        "smollm3": (T.SmolLM3Config, dict(num_hidden_layers=4), "smollm3", False),
+        "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False), "olmo2", False),
+        # GLM-4: interleaved partial rotary (rope.dimension_count), q / k / v biases, four norms a layer
+        "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True), "glm4", False),
     }
 
 
@@ -58,6 +80,8 @@ def checkpoint(request, tmp_path_factory):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
     d = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(d)
     return request.param, d, arch, hf_reads_gguf
@@ -111,7 +135,9 @@ def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
     if qtype != "F32":
         assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
         expert = mlp.experts[1] if hasattr(mlp, "experts") else mlp
-        assert isinstance(expert.gate_up_proj, GGUFLinear) and isinstance(expert.down_proj, GGUFLinear)
+        assert isinstance(expert.gate_up_proj, GGUFLinear)
+        # Granite's residual multiplier is folded into o_proj / down_proj: those are read as float32 instead
+        assert isinstance(expert.down_proj, GGUFLinear) == (name != "granite"), name
     batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
     assert batched == want, name
     assert alone == want, name
@@ -133,8 +159,9 @@ def test_config_from_gguf_metadata_is_the_checkpoints(checkpoint):
     b = config_from_hf(transformers.AutoConfig.from_pretrained(d))
     for field in a.__dataclass_fields__:
         if field not in ("hf_config", "rms_norm_eps", "eos_token_ids", "bos_token_id"):
-            assert getattr(a, field) == getattr(b, field), (name, field)
-    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps)  # (stored as float32)
+            want = getattr(b, field)  # (floats: the file stores them as float32)
+            assert getattr(a, field) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), field
+    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps)
     for layer_type in (None, "sliding_attention") if name == "gemma3" else (None,):
         assert torch.equal(Rotary(a, 64, layer_type).cos, Rotary(b, 64, layer_type).cos), (name, layer_type)
 
@@ -166,32 +193,6 @@ def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
         assert torch.equal(getattr(ma, rot).cos, getattr(mb, rot).cos), rot
 
 
-def test_phi3_longrope_gguf_refused(tmp_path):
-    """A Phi-3 file carrying longrope factors (rope_factors_long / _short) is refused, naming the file."""
-    import numpy as np
-    import transformers
-    from gguf import GGUFReader, GGUFWriter
-
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**TINY))
-    model.save_pretrained(tmp_path)
-    src = write_checkpoint_gguf(tmp_path, str(tmp_path / "phi3.gguf"), "phi3")
-    path = str(tmp_path / "phi3-longrope.gguf")
-    reader, w = GGUFReader(src), GGUFWriter(path, "phi3")
-    for key, f in reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="longrope") as e:
-        LLM(model=path, kv_cache_memory=0.05)
-    assert path in str(e.value)
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
     """--quantization on a Q8_0 file: Phi-3's packed attn_qkv / ffn_up and each expert's rows of the merged
@@ -200,8 +201,8 @@ def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
     from llmserve.model.quant import QuantLinear
 
     name, d, arch, _ = checkpoint
-    if name not in ("phi3", "qwen3moe"):
-        pytest.skip("one packed and one experts architecture")
+    if name not in ("phi3", "qwen3moe", "glm4"):
+        pytest.skip("one packed, one experts and one reordered (interleaved partial rotary) architecture")
     path = write_checkpoint_gguf(d, str(d / "Q8_0-flag.gguf"), arch, "Q8_0")
     exact = LLM(model=path, kv_cache_memory=0.05).engine.model  # widened: the file's values as float32
     llm = LLM(model=path, kv_cache_memory=0.05, quantization=mode, max_num_batched_tokens=32)
@@ -210,7 +211,7 @@ def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
     layers += (
         [f"mlp.experts.{e}.{p}" for e in (0, 3) for p in ("gate_up_proj", "down_proj")] if arch == "qwen3moe" else []
     )
-    layers += ["mlp.gate_up_proj", "mlp.down_proj"] if arch == "phi3" else []
+    layers += ["mlp.gate_up_proj", "mlp.down_proj"] if arch in ("phi3", "glm4") else []
     for layer in layers:
         a, b = q.layers[1].get_submodule(layer), exact.layers[1].get_submodule(layer)
         assert isinstance(a, QuantLinear) and a.kind == "int8", layer
@@ -244,7 +245,14 @@ def test_gguf_tensor_names():
     phi3 = ARCHITECTURES["phi3"].gguf
     assert gguf_hf_names("blk.2.attn_qkv.weight", phi3) == [("model.layers.2.self_attn.qkv_proj.weight", None)]
     assert gguf_hf_names("blk.2.ffn_up.weight", phi3) == [("model.layers.2.mlp.gate_up_proj.weight", None)]
-    assert gguf_hf_names("rope_factors_long.weight", phi3) == []
+    assert gguf_hf_names("rope_factors_long.weight", phi3) == []  # (read into the config: longrope)
+    glm4, olmo2 = ARCHITECTURES["glm4"].gguf, ARCHITECTURES["olmo2"].gguf
+    # GLM-4: Hugging Face's GLM names (the spec's checkpoint_renames make them the model's)
+    assert gguf_hf_names("blk.1.ffn_norm.weight", glm4)[0][0] == "model.layers.1.post_attention_layernorm.weight"
+    assert gguf_hf_names("blk.1.post_attention_norm.weight", glm4)[0][0].endswith(".post_self_attn_layernorm.weight")
+    assert gguf_hf_names("blk.1.attn_q.bias", glm4) == [("model.layers.1.self_attn.q_proj.bias", None)]
+    assert gguf_hf_names("blk.0.post_ffw_norm.weight", olmo2)[0][0].endswith(".post_feedforward_layernorm.weight")
+    assert gguf_hf_names("blk.0.attn_norm.weight", olmo2) == []  # (OLMo 2 has none)
     assert (
         gguf_hf_names("blk.0.ffn_gate_exps.weight", ARCHITECTURES["llama"].gguf, 4) == []
     )  # (experts: MIXTRAL's spec)

@@ -14,7 +14,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.gguf_layers import GGUFEmbedding, GGUFLinear
 from llmserve.model.quant import QuantLinear
-from tests.gguf_files import MIXED, Q8, write_tiny_gguf
+from tests.gguf_files import LOW, MIXED, Q8, write_tiny_gguf
 
 MAX_TOKENS = 16
 
@@ -25,6 +25,7 @@ def files(tmp_path_factory):
     return {
         "mixed": write_tiny_gguf(str(d / "mixed" / "tiny.gguf"), MIXED),
         "q8_0": write_tiny_gguf(str(d / "q8" / "tiny.gguf"), Q8, tied=True, seed=1),
+        "low": write_tiny_gguf(str(d / "low" / "tiny.gguf"), LOW, seed=2),
     }
 
 
@@ -37,7 +38,7 @@ def _strip_eos(ids):
     return ids[:-1] if ids and ids[-1] == 2 else ids
 
 
-@pytest.mark.parametrize("kind,keep_blocks", [("mixed", True), ("q8_0", True), ("mixed", False)])
+@pytest.mark.parametrize("kind,keep_blocks", [("mixed", True), ("q8_0", True), ("mixed", False), ("low", True)])
 def test_greedy_matches_transformers_on_the_same_gguf(files, kind, keep_blocks, monkeypatch):
     """Float32-exact from the file's blocks (GGUFLinear: what a big model gets), and widened tensor by tensor
     into plain float32 layers (a model under loader.gguf_model.WIDEN_GGUF_BYTES, as these tiny ones are)."""
@@ -104,11 +105,13 @@ def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
     assert len(out.outputs[0].token_ids) >= 1
 
 
+@pytest.mark.parametrize("kind", ["mixed", "low"])
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
-def test_k_quant_layers_decode_through_the_fused_stack(files, avx512):
+def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     """--quantization int4 on the Q4_K_M-like mix: the K-quant projections (q, k, v of different types in one)
     and the Q8_0 ones decode through the fused stack (all layers in one C++ call), with the module path's
-    logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2)."""
+    logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2). The low-bit
+    mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots."""
     from llmserve import envs
     from llmserve.model import ops
     from llmserve.model.evaluate import sequence_logits
@@ -116,14 +119,16 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512):
     cpu = ops.cpu_kernels()
     if cpu is None:
         pytest.skip("no compiled kernels: no fused stack")
-    llm = LLM(model=files["mixed"], quantization="int4", kv_cache_memory=0.05)
+    llm = LLM(model=files[kind], quantization="int4", kv_cache_memory=0.05)
     model = llm.engine.model
-    assert all(kinds == [16, 8, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF, int8 (Q8_0)
-    # Q8_0 v beside Q4_K q, k and Q4_0 up beside a Q5_K gate: repacked parts on the int8 / int4 kernels
-    assert [lin.layouts for lin in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj)] == [
-        ["gguf", "gguf", "int8"],
-        ["gguf", "int4"],
-    ]
+    layers = [model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj]
+    if kind == "low":
+        assert all(kinds == [16, 16, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF throughout
+        assert [lin.layouts for lin in layers] == [["gguf"] * 3, ["gguf"] * 2]
+    else:
+        assert all(kinds == [16, 8, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF, int8 (Q8_0)
+        # Q8_0 v beside Q4_K q, k and Q4_0 up beside a Q5_K gate: repacked parts on the int8 / int4 kernels
+        assert [lin.layouts for lin in layers] == [["gguf", "gguf", "int8"], ["gguf", "int4"]]
     prompts = _prompts(model.cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     ids = list(range(100, 140))
@@ -176,18 +181,18 @@ def test_unknown_quant_type_refused(tmp_path):
 
     real = gf._weight
 
-    def with_q2k(name, qtype, rows, cols, rng):
-        if qtype == "Q2_K":
-            return np.zeros((rows, cols // 256 * 84), np.uint8)
+    def with_iq2(name, qtype, rows, cols, rng):
+        if qtype == "IQ2_XXS":
+            return np.zeros((rows, cols // 256 * 66), np.uint8)
         return real(name, qtype, rows, cols, rng)
 
-    gf._weight = with_q2k
+    gf._weight = with_iq2
     try:
-        path = gf.write_tiny_gguf(str(tmp_path / "q2k.gguf"), {**Q8, "ffn_up": "Q2_K"})
+        path = gf.write_tiny_gguf(str(tmp_path / "iq2.gguf"), {**Q8, "ffn_up": "IQ2_XXS"})
     finally:
         gf._weight = real
-    assert GGMLQuantizationType.Q2_K.name == "Q2_K"
-    msg = _refused(path, "Q2_K")
+    assert GGMLQuantizationType.IQ2_XXS.name == "IQ2_XXS"
+    msg = _refused(path, "IQ2_XXS")
     assert "blk.0.ffn_up.weight" in msg and "llama-quantize" in msg
 
 

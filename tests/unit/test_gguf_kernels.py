@@ -15,7 +15,7 @@ from llmserve.model import gguf_kernels as gk
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 ALL = [Q.F32, Q.F16, Q.BF16] + QUANTIZED
 
 
@@ -145,7 +145,9 @@ def test_linear_parts_side_by_side(ext, variant, rows):
     k = 512
     tensors, codes, want = [], [], []
     x = torch.randn(rows, k)
-    for q, n in (("Q4_K", 40), ("Q4_K", 9), ("Q8_0", 17), ("Q6_K", 9), ("Q4_0", 64), ("Q5_0", 3)):
+    parts = (("Q4_K", 40), ("Q4_K", 9), ("Q8_0", 17), ("Q6_K", 9), ("Q4_0", 64), ("Q5_0", 3))
+    parts += (("Q3_K", 11), ("Q2_K", 5), ("IQ4_XS", 7), ("IQ4_NL", 6))  # (Q3_K_M / Q2_K / IQ4_XS files' mixes)
+    for q, n in parts:
         raw, num = gk.random_blocks(q, n, k, seed=n), gk.qtype_number(q)
         want.append(gk.linear(x, raw, num, k))
         if num in gk.PACKED:
@@ -182,7 +184,7 @@ def test_linear_plain_types(ext, qtype):
     assert torch.allclose(gk.linear(x, raw, qtype, 40).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q3_K, Q.IQ4_XS], ids=lambda t: t.name)
 def test_linear_strided_inputs(ext, qtype):
     k = 512
     raw = gk.random_blocks(qtype, 11, k)
@@ -234,7 +236,7 @@ def test_bad_arguments_raise(ext):
     raw = gk.random_blocks(Q.Q4_K, 4, 512)
     x = torch.randn(2, 512)
     with pytest.raises(ValueError, match="unsupported"):
-        gk.linear(x, raw, Q.Q2_K, 512)
+        gk.linear(x, raw, Q.IQ2_XXS, 512)
     with pytest.raises(ValueError, match="unsupported"):
         gk.dequantize(raw, "Q7_Z", 512)
     with pytest.raises(ValueError, match="bytes a row"):
@@ -247,7 +249,7 @@ def test_bad_arguments_raise(ext):
         gk.dequantize(raw.float(), Q.Q4_K, 512)
     # the extension checks too, for callers that skip the Python layer
     with pytest.raises(RuntimeError, match="unsupported"):
-        ext.linear(x, raw, 10, 512, 32)
+        ext.linear(x, raw, int(Q.IQ2_XXS), 512, 32)
     with pytest.raises(RuntimeError, match="bytes a row"):
         ext.dequantize(raw, 12, 256)
     with pytest.raises(RuntimeError, match="columns"):

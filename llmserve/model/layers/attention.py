@@ -1,4 +1,5 @@
-"""The attention layer a decoder composes: packed Q/K/V, optional per-head q/k norms, rotary and the KV write
+"""The attention layer a decoder composes: packed Q/K/V, optional q/k norms (per head, or over the whole
+projection: OLMo 2), rotary and the KV write
 (fused where the kernel runs), paged attention over the cache (llmserve.model.attention), o_proj."""
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.attn_scale or self.head_dim**-0.5
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2: one norm across all heads)
+        self.norm_width = None if not cfg.qk_norm else self.q_size if cfg.qk_norm_whole else self.head_dim
+        self.q_norm = RMSNorm(self.norm_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        kv_width = self.kv_size if cfg.qk_norm_whole else self.head_dim
+        self.k_norm = RMSNorm(kv_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window, self.softcap = window, cfg.attn_softcap
         self.all_reduce = None  # tensor parallelism: sums the row-parallel o_proj partials
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:  # each head normed on its own, before rotary
+        if self.q_norm is not None:  # each head normed on its own (or all of them as one row), before rotary
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.kv_size)
+            q = self.q_norm(q.reshape(-1, self.norm_width)).view(T, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0])).view(T, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         written = ops.rotary_write_kv(

@@ -5,7 +5,8 @@ Partial rotary (`partial_rotary_factor` < 1: Phi-4-mini) rotates the first R of 
 rotate-half pairs (i, i + R/2) and passes the rest. The kernels (and the fused decode stack) rotate pairs
 (i, i + D/2) of a [positions, D] table, so the model loads each q and k head's rows in `head_order`: the
 rotated pairs land D/2 apart, the passed dimensions between them with cos 1, sin 0. q . k is the same in
-any order shared by q and k, so nothing else changes (v and the output keep theirs)."""
+any order shared by q and k, so nothing else changes (v and the output keep theirs). Interleaved rotary
+(GLM-4: pairs (2i, 2i + 1), partial) is loaded the same way, each pair's halves D/2 apart."""
 
 from __future__ import annotations
 
@@ -90,16 +91,18 @@ def rotary_dim(cfg: ModelConfig) -> int:
 
 
 def head_order(cfg: ModelConfig) -> torch.Tensor | None:
-    """The order each q and k head's rows are loaded in (see the module's doc), None: the checkpoint's."""
+    """The order each q and k head's rows are loaded in (see the module's doc), None: the checkpoint's.
+    Interleaved rotary (GLM-4: pairs (2i, 2i + 1)) is the same move: the pairs' first halves, half the passed
+    dimensions, their second halves, the other passed half."""
     d, r = cfg.head_dim, rotary_dim(cfg)
-    if r == d:
+    if r == d and not cfg.rotary_interleaved:
         return None
     if r % 2 or (d - r) % 2:
         raise ValueError(f"model: partial rotary over {r} of {d} dimensions (odd) is not supported")
     p = (d - r) // 2
-    half = r // 2
-    parts = [(0, half), (r, r + p), (half, r), (r + p, d)]
-    return torch.cat([torch.arange(a, b, device="cpu") for a, b in parts])
+    step, half = (2, 1) if cfg.rotary_interleaved else (1, r // 2)
+    parts = [(0, half if step == 1 else r), (r, r + p), (half, r), (r + p, d)]
+    return torch.cat([torch.arange(a, b, step if i in (0, 2) else 1, device="cpu") for i, (a, b) in enumerate(parts)])
 
 
 def head_rows(rows: torch.Tensor, order: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -111,16 +111,18 @@ def build_model(
     model: nn.Module | None = None,
 ) -> nn.Module:
     """The model of `cfg` (its family's model class, registry.make_model) holding `weights` (Hugging Face
-    names), on `device` in `dtype`, ready for inference; with `quantization` (int8 | int4) its projections
-    and embedding hold quantized weights. `weights` may be a mapping that reads each tensor when asked.
+    names, after the family's checkpoint_renames), on `device` in `dtype`, ready for inference; with
+    `quantization` (int8 | int4) its projections and embedding hold quantized weights. `weights` may be a
+    mapping that reads each tensor when asked.
     `model`: one already built on the meta device whose quantized layers were made already (a GGUF file's
     blocks, or rounded as read): only its other tensors are made and loaded from `weights`."""
     if model is None:
         with torch.device("meta"):
             model = make_model(cfg, max_positions)
     _materialize(model)
-    # each tensor copied (and widened) into its float32 parameter
-    model.load_hf_state_dict(checkpoint_names(cfg, weights))
+    # each tensor copied (and widened) into its float32 parameter (`weights` under the model's names already:
+    # checkpoint_names, which renaming twice would break where renames chain, GLM-4's norms)
+    model.load_hf_state_dict(weights)
     if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():  # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)

@@ -13,11 +13,11 @@ import torch
 
 from llmserve import envs
 from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_specs import GGUFMetadata, GGUFSpec
+from llmserve.model.layers import head_order, head_rows, qkv_in_head_order
 from llmserve.model.registry import (
     ARCHITECTURES,
     ArchSpec,
-    GGUFMetadata,
-    GGUFSpec,
     config_from_hf,
     gguf_architectures,
     gguf_family,
@@ -75,7 +75,9 @@ def gguf_hf_config(reader, path: str = ""):
     )
     theta = g("rope.freq_base", 10000.0)
     if spec.config is not None:  # the family's own fields, as llama.cpp reads them
-        meta = GGUFMetadata(g, frozenset(t.name for t in reader.tensors), path)
+        by_name = {t.name: t for t in reader.tensors}
+        tensor = lambda n: np.array(by_name[n].data, dtype=np.float32).reshape(-1)  # noqa: E731
+        meta = GGUFMetadata(g, frozenset(by_name), path, tensor)
         kwargs.update(spec.config(meta, kwargs, theta))
     cfg = getattr(transformers, spec.config_class)(**kwargs)
     if "rope_parameters" in kwargs:  # (Gemma 3: a set per layer type, complete)
@@ -241,14 +243,29 @@ class GGUFTensors(Mapping):
         return None
 
     def blocks(self, name: str) -> tuple[torch.Tensor, int]:
-        """(raw uint8 [rows, row_bytes], GGMLQuantizationType number): in place, or a copy whose pages are
-        handed back where the rows had to be reordered."""
+        """(raw uint8 [rows, row_bytes], GGMLQuantizationType number) with its rows in the model's order (the
+        layer takes them as they are): in place, or a copy whose pages are handed back where the rows had to be
+        reordered (llama files' interleaved Q / K rows; partial or interleaved rotary's layers.head_order)."""
         raw, num, _ = self._raw(name)
+        perm = torch.arange(raw.shape[0])
         if (heads := self._permuted_heads(name)) is not None:
-            perm = _unpermute(np.arange(raw.shape[0]), heads)
-            raw = raw[torch.from_numpy(perm)]
+            perm = torch.from_numpy(_unpermute(perm.numpy(), heads))
+        if (order := head_order(self.cfg)) is not None:
+            if name.endswith("self_attn.qkv_proj.weight"):
+                perm = qkv_in_head_order(perm, self.cfg, order)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                perm = head_rows(perm, order, self.cfg.head_dim)
+        if not torch.equal(perm, torch.arange(raw.shape[0])):
+            raw = raw[perm]
             self.release(name)
         return raw, num
+
+    def keeps_blocks(self, name: str) -> bool:
+        """Whether the model may hold `name` as the file's blocks: not where it scales the weights at load
+        (Granite's residual multiplier, folded into o_proj and down_proj: LlamaModel.adapt_weight), which
+        blocks cannot take exactly; those are read as float32 (and rounded under --quantization)."""
+        scaled = self.cfg.residual_multiplier != 1.0 and name.endswith(("o_proj.weight", "down_proj.weight"))
+        return not scaled
 
     def release(self, name: str) -> None:
         """Hand the pages of a tensor that was copied back to the OS (they stay in the page cache): the

@@ -14,7 +14,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
 from llmserve.model.gguf_kernels import PACKED, repack
 from llmserve.model.gguf_layers import adopt_gguf
-from llmserve.model.loader.build import Lazy, build_model, check_fits
+from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
 from llmserve.model.loader.gguf import GGUFTensors
 from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
@@ -34,7 +34,7 @@ class GGUFPackedBlocks(Mapping):
         self._names = {
             n.removeprefix("model.").removesuffix(".weight"): n
             for n in tensors
-            if n.endswith(".weight") and tensors.qtype(n) in PACKED
+            if n.endswith(".weight") and tensors.qtype(n) in PACKED and tensors.keeps_blocks(n)
         }
 
     def __iter__(self):
@@ -70,7 +70,10 @@ def gguf_kept_blocks(tensors: GGUFTensors, skip: set[str]) -> dict[str, tuple[to
     return {
         name.removeprefix("model.").removesuffix(".weight"): tensors.blocks(name)
         for name in tensors
-        if name.endswith(".weight") and name not in skip and tensors.qtype(name) not in FLOAT_TYPES
+        if name.endswith(".weight")
+        and name not in skip
+        and tensors.qtype(name) not in FLOAT_TYPES
+        and tensors.keeps_blocks(name)
     }
 
 
@@ -135,4 +138,6 @@ def load_gguf_model(
     else:
         skip = set()
     rest = {n: None for n in tensors if n not in skip}
-    return build_model(cfg, Lazy(tensors, rest), device, dtype, max_positions, quantization, model)
+    return build_model(
+        cfg, checkpoint_names(cfg, Lazy(tensors, rest)), device, dtype, max_positions, quantization, model
+    )
