@@ -323,7 +323,8 @@ def test_example_overlay_sets_the_common_knobs():
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # the base's parts stay
     settings = yaml.safe_load(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
     assert settings["quantization"] == "int8" and settings["model"].startswith("/models/")
-    assert _named(docs, "PersistentVolumeClaim", "llmserve-models")["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    claim = _named(docs, "PersistentVolumeClaim", "llmserve-models")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
     hpa = _named(docs, "HorizontalPodAutoscaler", "llmserve-server")["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (4, 16)
     assert hpa["metrics"][0]["pods"]["target"]["averageValue"] == "8"
