@@ -49,9 +49,16 @@ compose() {
     LLMSERVE_MEMORY_LIMIT=3g LLMSERVE_OOM_LIMIT="$OOM_LIMIT" \
     podman-compose -p "$PROJECT" -f deploy/docker-compose.yml -f deploy/podman/compose.oom.yml "$@"
 }
+kube_down() {
+  local f
+  for f in "$WORK/kube-router.yaml" "$WORK/kube-servers.yaml"; do
+    [ -f "$f" ] && podman kube down "$f" >/dev/null 2>&1
+  done
+  return 0
+}
 cleanup() {
   set +e
-  if [ -f "$WORK/kube.yaml" ]; then podman kube down "$WORK/kube-servers.yaml" "$WORK/kube-router.yaml" >/dev/null 2>&1; fi
+  kube_down
   podman network rm -f "$KNET" >/dev/null 2>&1
   compose down >/dev/null 2>&1
 }
@@ -85,6 +92,8 @@ user=$(podman run --rm "$IMAGE" id -un)
 log "image: runs as $user; layers: $(podman history --format '{{.Size}}\t{{.CreatedBy}}' "$IMAGE" | awk -F'\t' '$1 !~ /^0/ {printf "%s [%s]  ", $1, substr($2, 1, 40)}')"
 
 # -- helpers -------------------------------------------------------------------------------------
+# since T0 T1: seconds from T0 to T1, one decimal
+since() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 # wait_ready URL SECONDS: until URL answers 200
 wait_ready() {
   local i
@@ -150,8 +159,8 @@ kill_under_load() {
   wait_backends "$url" 2 180 || die "$name: the router did not re-admit $ctr"
   t_back=$(date +%s.%N)
   wait "$bench" || true
-  log "$name: $ctr restarted by its restart policy after $(printf %.1f "$(echo "$t_up - $t_kill" | bc)") s," \
-    "re-admitted by the router after $(printf %.1f "$(echo "$t_back - $t_kill" | bc)") s"
+  log "$name: $ctr restarted by its restart policy after $(since "$t_kill" "$t_up") s," \
+    "re-admitted by the router after $(since "$t_kill" "$t_back") s"
   check_bench "$WORK/$name-kill.json" "$name kill" || die "$name: requests lost while $ctr was killed"
   curl -sf "$url/metrics" | grep -E '^llmserve_router:(retries|ejections|readmissions)_total' | sed 's/^/  /' | tee -a "$LOG"
 }
@@ -186,7 +195,7 @@ if [[ " $PHASES " == *" compose "* ]]; then
   dmesg 2>/dev/null | grep -iE 'memory cgroup out of memory|oom-kill' | tail -2 | sed 's/^/  kernel: /' | tee -a "$LOG" || true
   wait_backends "$ROUTER" 2 180 || die "oom: the router did not re-admit llm2"
   log "oom: llm2 killed by the kernel and restarted (restart count $restarts -> ${oom%% *}), re-admitted" \
-    "$(printf %.1f "$(echo "$(date +%s.%N) - $t" | bc)") s after the burst began"
+    "$(since "$t" "$(date +%s.%N)") s after the burst began"
   check_bench "$WORK/oom.json" "oom burst" || log "oom: requests in flight on llm2 when it died were retried; failures above are the ones no backend could take"
   podman logs "${PROJECT}_router_1" 2>&1 | grep -E 'ejected|re-admitted' | tail -4 | sed 's/^/  router: /' | tee -a "$LOG"
   compose down >"$WORK/compose-down.log" 2>&1
@@ -232,7 +241,7 @@ EOF
   podman exec llmserve-server-pod-0-server ls /models /etc/llmserve >/dev/null || die "kube: volumes not mounted"
   load "$KROUTER" kube
   kill_under_load "$KROUTER" kube llmserve-server-pod-0-server
-  podman kube down "$WORK/kube-servers.yaml" "$WORK/kube-router.yaml" >/dev/null 2>&1
+  kube_down
   log "kube: stopped"
 fi
 log "PASS ($(($(date +%s) - T0)) s)"
