@@ -44,10 +44,15 @@ for tool in podman podman-compose kubectl llmserve; do
   command -v "$tool" >/dev/null || die "$tool is not installed (see the header of $0)"
 done
 
+# compose [-f OVERRIDE] ARGS: podman-compose on deploy/docker-compose.yml, sized for a shared 2-core machine
 compose() {
+  local files=(-f deploy/docker-compose.yml)
+  if [ "$1" = -f ]; then
+    files+=(-f "$2")
+    shift 2
+  fi
   LLMSERVE_IMAGE="$IMAGE" LLMSERVE_PORT="$PORT" LLMSERVE_NUM_THREADS=1 LLMSERVE_KV_CACHE_MEMORY=1 \
-    LLMSERVE_MEMORY_LIMIT=3g LLMSERVE_OOM_LIMIT="$OOM_LIMIT" \
-    podman-compose -p "$PROJECT" -f deploy/docker-compose.yml -f deploy/podman/compose.oom.yml "$@"
+    LLMSERVE_MEMORY_LIMIT=3g LLMSERVE_OOM_LIMIT="$OOM_LIMIT" podman-compose -p "$PROJECT" "${files[@]}" "$@"
 }
 kube_down() {
   local f
@@ -181,9 +186,15 @@ if [[ " $PHASES " == *" compose "* ]]; then
   load "$ROUTER" compose
   kill_under_load "$ROUTER" compose "${PROJECT}_llm1_1"
 
-  # the OOM path: llm2 runs under $OOM_LIMIT (compose.oom.yml); a burst of long prompts writes more
-  # KV blocks than that holds
+  # the OOM path: llm2 recreated under $OOM_LIMIT (compose.oom.yml: above the idle server, below
+  # its KV cache filled); a burst of long prompts writes more KV blocks than that holds
   c="${PROJECT}_llm2_1"
+  log "oom: llm2 idle at $(podman stats --no-stream --format '{{.MemUsage}}' "$c"); recreated with the limit $OOM_LIMIT"
+  podman rm -f "$c" >/dev/null
+  wait_backends "$ROUTER" 1 60 || die "oom: the router did not eject the removed llm2"
+  compose -f deploy/podman/compose.oom.yml up -d llm2 >>"$WORK/compose-up.log" 2>&1 || die "oom: recreating llm2"
+  wait_backends "$ROUTER" 2 300 || die "oom: llm2 never got ready under $OOM_LIMIT"
+  log "oom: llm2 admitted again, at $(podman stats --no-stream --format '{{.MemUsage}}' "$c")"
   restarts=$(podman inspect --format '{{.RestartCount}}' "$c")
   log "oom: llm2 limit $(podman inspect --format '{{.HostConfig.Memory}}' "$c") bytes; burst of 16 long prompts"
   t=$(date +%s.%N)
