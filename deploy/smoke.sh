@@ -94,7 +94,11 @@ size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 log "build: $(($(date +%s) - t)) s, image $((size / 1000000)) MB ($(grep -c 'Using cache' "$WORK/build.log" || true) steps from cache)"
 user=$(podman run --rm "$IMAGE" id -un)
 [ "$user" = llmserve ] || die "the image runs as $user, not llmserve"
-log "image: runs as $user; layers: $(podman history --format '{{.Size}}\t{{.CreatedBy}}' "$IMAGE" | awk -F'\t' '$1 !~ /^0/ {printf "%s [%s]  ", $1, substr($2, 1, 40)}')"
+log "image: runs as $user; layer sizes, newest first: $(podman history --format '{{.Size}}' "$IMAGE" | grep -v '^0 B' | paste -sd, | sed 's/,/, /g')"
+# the kernels compiled at build time are used as they are: a start must not compile them again
+podman run --rm "$IMAGE" python -c "import time; from llmserve.model.cpu_ext import cpu_kernels; t = time.time(); \
+assert cpu_kernels() is not None; assert time.time() - t < 20, 'the kernels were rebuilt'" >/dev/null 2>&1 ||
+  die "the image's compiled kernels are not used at start-up"
 
 # -- helpers -------------------------------------------------------------------------------------
 # since T0 T1: seconds from T0 to T1, one decimal
