@@ -17,7 +17,7 @@
 # Needs: podman, podman-compose, runc, kubectl (for kustomize), debootstrap (for the default base), root,
 # and `llmserve` (the load generator, `llmserve bench`) on PATH. Everything is stopped on exit.
 # Environment: LLMSERVE_PORT (router on the host, 8080), LLMSERVE_BASE, SMOKE_DIR (logs, the base's root),
-# SMOKE_PHASES ("compose kube"), SMOKE_OOM_LIMIT (llm2's memory limit in the OOM phase, 900m).
+# SMOKE_PHASES ("compose kube"), SMOKE_OOM_LIMIT (llm2's memory limit in the OOM phase, 1400m).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -27,7 +27,7 @@ WORK="${SMOKE_DIR:-/var/tmp/llmserve-smoke}"
 BASE="${LLMSERVE_BASE:-localhost/llmserve-base:bookworm}"
 IMAGE="${LLMSERVE_IMAGE:-localhost/llmserve:smoke}"
 PHASES="${SMOKE_PHASES:-compose kube}"
-OOM_LIMIT="${SMOKE_OOM_LIMIT:-900m}"
+OOM_LIMIT="${SMOKE_OOM_LIMIT:-1400m}"
 PROJECT=llmserve-smoke
 KNET=llmserve-kube
 mkdir -p "$WORK"
