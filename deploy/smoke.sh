@@ -209,11 +209,11 @@ if [[ " $PHASES " == *" compose "* ]]; then
   wait_backends "$ROUTER" 2 300 || die "oom: llm2 never got ready under $OOM_LIMIT"
   log "oom: llm2 admitted again, at $(podman stats --no-stream --format '{{.MemUsage}}' "$c")"
   restarts=$(podman inspect --format '{{.RestartCount}}' "$c")
-  log "oom: llm2 limit $(podman inspect --format '{{.HostConfig.Memory}}' "$c") bytes; bursts of 24 prompts of 2,000 tokens"
+  log "oom: llm2 limit $(podman inspect --format '{{.HostConfig.Memory}}' "$c") bytes; bursts of 16 prompts of 2,000 tokens"
   t=$(date +%s.%N)
   for burst in 1 2 3; do
-    llmserve bench --base-url "$ROUTER" --dataset random --input-len 2000 --output-len 16 --concurrency 24 \
-      --num-requests 24 --seed "$burst" --no-progress --extra-body '{"stream": false}' \
+    llmserve bench --base-url "$ROUTER" --dataset random --input-len 2000 --output-len 16 --concurrency 16 \
+      --num-requests 16 --seed "$burst" --timeout 600 --no-progress --extra-body '{"stream": false}' \
       --output-json "$WORK/oom.json" >"$WORK/oom.txt" 2>&1 || true
     [ "$(podman inspect --format '{{.RestartCount}}' "$c")" -gt "$restarts" ] && break
     log "oom: burst $burst did not kill llm2 ($(podman stats --no-stream --format '{{.MemUsage}}' "$c")); again"

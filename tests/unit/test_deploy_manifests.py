@@ -343,3 +343,11 @@ def test_podman_overlay_is_what_smoke_runs():
     assert re.search(r'IMAGE="\$\{LLMSERVE_IMAGE:-' + re.escape(c["image"]) + '}"', smoke)
     settings = yaml.safe_load(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
     assert settings["num-threads"] == 1
+    # podman 4.3 publishes every containerPort on the host: two replicas would collide on :8000
+    for d in docs:
+        if d["kind"] == "Deployment":
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            assert "ports" not in c
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe in c:
+                    assert isinstance(c[probe]["httpGet"]["port"], int)
