@@ -65,7 +65,9 @@ cleanup() {
   set +e
   kube_down
   podman network rm -f "$KNET" >/dev/null 2>&1
+  podman volume rm -f llmserve-models llmserve-config >/dev/null 2>&1 # the claim's and the ConfigMap's
   compose down >/dev/null 2>&1
+  podman network rm -f "${PROJECT}_default" >/dev/null 2>&1
   podman rm -f llmserve-smoke-image >/dev/null 2>&1
 }
 trap cleanup EXIT
