@@ -69,6 +69,9 @@ cleanup() {
   compose down >/dev/null 2>&1
   podman network rm -f "${PROJECT}_default" >/dev/null 2>&1
   podman rm -f llmserve-smoke-image >/dev/null 2>&1
+  # conmon (2.1) leaves an empty `oom` marker in its working directory when the container it watches
+  # is killed: here (kube play) or deploy/ (podman-compose runs from the compose file's folder)
+  rm -f "$ROOT/oom" "$ROOT/deploy/oom"
 }
 trap cleanup EXIT
 
