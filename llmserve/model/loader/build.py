@@ -105,6 +105,8 @@ def build_model(
     and embedding hold quantized weights. `weights` may be a mapping that reads each tensor when asked.
     `model`: one already built on the meta device whose quantized layers were made already (a GGUF file's
     blocks, or rounded as read): only its other tensors are made and loaded from `weights`."""
+    if quantization and cfg.mm_config is not None:
+        raise ValueError("quantization: vision-language models are served unquantized (float32 or bfloat16) for now")
     if model is None:
         with torch.device("meta"):
             model = make_model(cfg, max_positions)
@@ -114,8 +116,9 @@ def build_model(
     if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():  # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
-    else:
-        model = model.to(device=device, dtype=dtype)
+    else:  # (a vision tower stays float32: `keep_float32`)
+        for child in model.children():
+            child.to(device=device, dtype=torch.float32 if getattr(child, "keep_float32", False) else dtype)
     model.make_rotary(max_positions, device)  # float32 tables, whatever the dtype
     model = model.eval().requires_grad_(False)
     if quantization:

@@ -1,0 +1,122 @@
+"""Vision-language models (llmserve.model.vision) on a tiny random checkpoint of each family written by the test
+(tests/vision_files.py, no hub): the prompt's token ids equal transformers' processor's, and llmserve's greedy
+tokens equal transformers' generate with one image and several, batched with text-only prompts and alone, with
+chunked prefill cutting through images and prefix caching on; the prefix cache tells images apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model.vision.processing import prompt_with_images
+from tests.vision_files import pictures, write_idefics3
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+FAMILIES = {"idefics3": write_idefics3}  # model_type -> the writer of its tiny checkpoint
+
+
+def test_every_vision_family_has_a_row():
+    from llmserve.model.registry import ARCHITECTURES
+
+    assert set(FAMILIES) == {t for t, s in ARCHITECTURES.items() if s.images is not None}
+
+
+def _chat(n_images: int, words: str) -> list[dict]:
+    parts = [{"type": "image"}] * n_images + [{"type": "text", "text": words}]
+    return [{"role": "user", "content": parts}]
+
+
+CASES = [(1, "What is in the picture?"), (2, "Compare these two."), (0, "Just text, no image at all.")]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def vlm(request, tmp_path_factory, bundled_gguf):
+    import transformers as T
+
+    d = tmp_path_factory.mktemp(request.param)
+    FAMILIES[request.param](d, bundled_gguf)
+    tok = T.AutoTokenizer.from_pretrained(d)
+    processor = T.Idefics3Processor(
+        image_processor=T.Idefics3ImageProcessorPil.from_pretrained(d), tokenizer=tok, image_seq_len=4
+    )
+    ref = T.Idefics3ForConditionalGeneration.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    cases = []
+    for seed, (n, words) in enumerate(CASES):
+        text = tok.apply_chat_template(_chat(n, words), tokenize=False, add_generation_prompt=True)
+        images = pictures(n, seed=seed)
+        enc = processor(text=[text], images=[images] if images else None, return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode():
+            out = ref.eval().generate(
+                **enc, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+        cases.append((text, images, enc["input_ids"][0].tolist(), out[0, enc["input_ids"].shape[1] :].tolist()))
+    llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2, dtype="float32")
+    return llm, cases
+
+
+def _prompts(llm, cases):
+    eng = llm.engine
+    return [prompt_with_images(eng.tokenizer, eng.image_processing, text, images) for text, images, _, _ in cases]
+
+
+def test_prompt_ids_equal_transformers_processor(vlm):
+    llm, cases = vlm
+    for prompt, (_, images, ids, _) in zip(_prompts(llm, cases), cases):
+        assert list(prompt) == ids
+        assert len(prompt.images) == len(images)
+        assert sum(im.num_tokens for im in prompt.images) == ids.count(llm.engine.image_processing.image_token_id)
+
+
+def test_greedy_equals_transformers_batched_and_alone(vlm):
+    llm, cases = vlm
+    assert llm.engine.config.enable_prefix_caching and llm.engine.max_num_batched_tokens < len(cases[1][2])
+    want = [c[3] for c in cases]
+    batched = [o.outputs[0].token_ids for o in llm.generate(_prompts(llm, cases), GREEDY, use_tqdm=False)]
+    assert batched == want
+    for prompt, expected in zip(_prompts(llm, cases), want):  # alone (the prompts' blocks now cached)
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected
+
+
+def test_prefix_cache_keys_hold_the_image(vlm):
+    """The same picture again hits the cache past its placeholders; another picture of the same size (the same
+    token ids) never does, and its answer is its own (transformers' for that picture)."""
+    llm, cases = vlm
+    text, images, ids, want = cases[0]
+    eng = llm.engine
+    first = llm.generate(
+        [prompt_with_images(eng.tokenizer, eng.image_processing, text, images)], GREEDY, use_tqdm=False
+    )
+    again = llm.generate(
+        [prompt_with_images(eng.tokenizer, eng.image_processing, text, images)], GREEDY, use_tqdm=False
+    )
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids == want
+    image_end = ids.index(eng.image_processing.image_token_id) + 20
+    assert again[0].num_cached_tokens >= image_end // eng.block_size * eng.block_size > 0
+    other = prompt_with_images(eng.tokenizer, eng.image_processing, text, pictures(1, seed=99))
+    assert list(other) == ids  # the same tokens...
+    out = llm.generate([other], GREEDY, use_tqdm=False)[0]
+    first_image_block = other.images[0].start // eng.block_size
+    assert out.num_cached_tokens <= first_image_block * eng.block_size  # ...but no block holding the image hits
+    assert out.outputs[0].token_ids != want
+
+
+def test_image_limits_and_text_only_models(vlm, llm_factory):
+    llm, cases = vlm
+    text, images, _, _ = cases[1]
+    eng = llm.engine
+    prompt = prompt_with_images(eng.tokenizer, eng.image_processing, text, images)
+    eng.config.limit_mm_per_prompt = {"image": 1}
+    try:
+        with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+    finally:
+        eng.config.limit_mm_per_prompt = None
+    with pytest.raises(ValueError, match="placeholders"):  # an image token written as text is not an image
+        prompt_with_images(eng.tokenizer, eng.image_processing, text, images[:1])
+    text_only = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0)
+    with pytest.raises(ValueError, match="text-only"):
+        text_only.generate([prompt], GREEDY, use_tqdm=False)
+    assert text_only.engine.image_processing is None
