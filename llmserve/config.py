@@ -416,6 +416,15 @@ class ServerSettings:
             "comma-separated CORS origins (default: none, CORS closed)", type=str, default="", parse=_comma_list
         ),
     )
+    allowed_media_domains: list[str] = field(  # images by http(s) URL: only from these hosts (none: refused)
+        default_factory=list,
+        metadata=flag(
+            "comma-separated hosts that image URLs (http/https) may name; default: none, only data: URLs",
+            type=str,
+            default="",
+            parse=_comma_list,
+        ),
+    )
     request_timeout: float | None = field(  # seconds; past it a request is aborted
         default=None,
         metadata=flag("seconds after which a request is aborted and answered with a timeout error"),

@@ -64,7 +64,8 @@ def test_responses_items_round_trip_a_tool_call():
     "items,where",
     [
         ([{"role": "wizard", "content": "x"}], "input[0].role"),
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}], "input[0].content[0].image_url"),
+        ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "input[0].content[0]"),
         ([{"type": "function_call", "name": "f"}], "input[0]"),
         ([{"type": "item_reference", "id": "msg_1"}], "input[0]"),
         ([{"type": "web_search_call"}], "input[0].type"),
