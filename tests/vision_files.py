@@ -19,7 +19,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_idefics3(folder, bundled_gguf: str) -> None:
+def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3") -> None:
+    """`family`: Idefics3 or SmolVLM (transformers' class-name prefix: the same model, its own classes)."""
     import transformers as T
 
     from llmserve.tokenizer import Tokenizer
@@ -41,14 +42,14 @@ def write_idefics3(folder, bundled_gguf: str) -> None:
         max_position_embeddings=512,
     )
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
-    cfg = T.Idefics3Config(
+    cfg = getattr(T, f"{family}Config")(
         text_config=text,
         vision_config=dict(vision, patch_size=8),
         scale_factor=2,
         image_token_id=tok.convert_tokens_to_ids("<image>"),
     )
     torch.manual_seed(0)
-    model = T.Idefics3ForConditionalGeneration(cfg)
+    model = getattr(T, f"{family}ForConditionalGeneration")(cfg)
     with torch.no_grad():  # norms away from 1 and a tower loud enough that its output moves the decoder
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -57,7 +58,7 @@ def write_idefics3(folder, bundled_gguf: str) -> None:
                 p.mul_(5)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    T.Idefics3ImageProcessorPil(
+    getattr(T, f"{family}ImageProcessorPil")(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
     ).save_pretrained(folder)
 

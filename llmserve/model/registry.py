@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaModel
 from llmserve.model.vision.idefics3 import Idefics3Model
-from llmserve.model.vision.processing import Idefics3Processing
+from llmserve.model.vision.processing import Idefics3Processing, SmolVLMProcessing
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
@@ -350,6 +350,14 @@ ARCHITECTURES = {
             tensor_parallel=False,
             model_class=Idefics3Model,
             images=Idefics3Processing,
+        ),
+        ArchSpec(  # SmolVLM 2: Idefics3's model and prompt, its own image processor
+            "smolvlm",
+            ("SmolVLMForConditionalGeneration",),
+            checkpoint_renames=(("model.text_model.", "model."),),
+            tensor_parallel=False,
+            model_class=Idefics3Model,
+            images=SmolVLMProcessing,
         ),
     )
 }

@@ -14,7 +14,8 @@ from tests.vision_files import pictures, write_idefics3
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-FAMILIES = {"idefics3": write_idefics3}  # model_type -> the writer of its tiny checkpoint
+# model_type -> transformers' class-name prefix (tests/vision_files.py writes its tiny checkpoint)
+FAMILIES = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}
 
 
 def test_every_vision_family_has_a_row():
@@ -35,13 +36,15 @@ CASES = [(1, "What is in the picture?"), (2, "Compare these two."), (0, "Just te
 def vlm(request, tmp_path_factory, bundled_gguf):
     import transformers as T
 
+    family = FAMILIES[request.param]
     d = tmp_path_factory.mktemp(request.param)
-    FAMILIES[request.param](d, bundled_gguf)
+    write_idefics3(d, bundled_gguf, family)
     tok = T.AutoTokenizer.from_pretrained(d)
-    processor = T.Idefics3Processor(
-        image_processor=T.Idefics3ImageProcessorPil.from_pretrained(d), tokenizer=tok, image_seq_len=4
-    )
-    ref = T.Idefics3ForConditionalGeneration.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    # (SmolVLM's own processor needs num2words for videos; its prompt is Idefics3's, with its image processor)
+    image_processor = getattr(T, f"{family}ImageProcessorPil").from_pretrained(d)
+    processor = T.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4)
+    model_class = getattr(T, f"{family}ForConditionalGeneration")
+    ref = model_class.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
     cases = []
     for seed, (n, words) in enumerate(CASES):
         text = tok.apply_chat_template(_chat(n, words), tokenize=False, add_generation_prompt=True)
@@ -120,3 +123,32 @@ def test_image_limits_and_text_only_models(vlm, llm_factory):
     with pytest.raises(ValueError, match="text-only"):
         text_only.generate([prompt], GREEDY, use_tqdm=False)
     assert text_only.engine.image_processing is None
+
+
+def test_preempted_image_requests_recompute_with_the_kept_tower_output(vlm):
+    """A KV pool too small for every image prompt at once: requests are preempted and recomputed (the tower's
+    output kept on the request, not run again) and still answer transformers' tokens."""
+    llm, cases = vlm
+    small = LLM(model=llm.engine.model_path, num_kv_blocks=7, max_num_batched_tokens=32, num_threads=2, dtype="float32")
+    prompts = _prompts(small, cases)
+    runs = []
+    model = small.engine.model
+    original = model.embed_image
+    model.embed_image = lambda data: runs.append(1) or original(data)  # counts the tower's runs, runs it
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [c[3] for c in cases]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert len(runs) == sum(len(p.images) for p in prompts)
+
+
+def test_tower_stays_float32_and_quantization_is_refused(vlm):
+    llm, cases = vlm
+    path = llm.engine.model_path
+    bf = LLM(model=path, kv_cache_memory=0.05, num_threads=2, dtype="bfloat16")
+    model = bf.engine.model
+    assert {p.dtype for m in (model.vision_model, model.connector) for p in m.parameters()} == {torch.float32}
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    out = bf.generate(_prompts(bf, cases[:1]), GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=path, kv_cache_memory=0.05, num_threads=2, quantization="int8")

@@ -33,12 +33,15 @@ class ImageProcessing:
 class Idefics3Processing(ImageProcessing):
     """Idefics3 / SmolVLM: the picture split into tiles of the tower's size (rows x cols, each tile
     `<fake_token_around_image><row_r_col_c>` and its image tokens, a newline after each row) and the whole
-    picture scaled down as a last `<global-img>` tile, as the checkpoint's preprocessor_config.json says."""
+    picture scaled down as a last `<global-img>` tile, as the checkpoint's preprocessor_config.json says.
+    SmolVLM (`smolvlm`) is the same with its own image processor class."""
+
+    hf_processor_class = "Idefics3ImageProcessorPil"
 
     def __init__(self, path: str, hf) -> None:
-        from transformers import Idefics3ImageProcessorPil
+        import transformers
 
-        self.hf_processor = Idefics3ImageProcessorPil.from_pretrained(path)
+        self.hf_processor = getattr(transformers, self.hf_processor_class).from_pretrained(path)
         vc = hf.vision_config
         self.seq_len = (vc.image_size // vc.patch_size) ** 2 // hf.scale_factor**2  # embedding rows per tile
         self.image_token_id = hf.image_token_id
@@ -56,6 +59,10 @@ class Idefics3Processing(ImageProcessing):
             )
             text += f"\n<fake_token_around_image><global-img>{tile}<fake_token_around_image>"
         return text, {"pixel_values": out["pixel_values"][0]}
+
+
+class SmolVLMProcessing(Idefics3Processing):
+    hf_processor_class = "SmolVLMImageProcessorPil"
 
 
 def prompt_with_images(tokenizer, processing: ImageProcessing, text: str, images: list) -> PromptWithImages:
