@@ -248,6 +248,12 @@ class LLMEngine:
             return
         if self.image_processing is None:
             raise ValueError(f"messages: {self.served_model_name} is a text-only model; it does not take images")
+        run = max((im.num_tokens for im in images if getattr(im, "bidirectional", False)), default=0)
+        if run > self.max_num_batched_tokens:
+            raise ValueError(
+                f"messages: an image takes {run} tokens, which must be computed in one step: more than "
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens})"
+            )
         most = self.config.image_limit()
         if most is not None and len(images) > most:
             raise ValueError(

@@ -207,7 +207,10 @@ class ModelRunner:
                 decode_tables.extend([block_ids] * n)
                 decode_lens.extend(range(c + 1, c + n + 1))
             else:
-                prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
+                both = tuple(
+                    (im.start, im.end) for im in req.images if im.bidirectional and im.start < c + n and im.end > c
+                )
+                prefills.append(PrefillChunk(row, n, c + n, table.to(self.device), both))
             if req.lora is not None:
                 lora_rows.append((req.lora, row, n))
             if req.images:

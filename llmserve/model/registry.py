@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaModel
+from llmserve.model.vision.gemma3 import Gemma3VisionModel
 from llmserve.model.vision.idefics3 import Idefics3Model
-from llmserve.model.vision.processing import Idefics3Processing, SmolVLMProcessing
+from llmserve.model.vision.processing import Gemma3Processing, Idefics3Processing, SmolVLMProcessing
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
@@ -351,6 +352,17 @@ ARCHITECTURES = {
             model_class=Idefics3Model,
             images=Idefics3Processing,
         ),
+        ArchSpec(  # Gemma 3 with its SigLIP tower (pan and scan off): the decoder is gemma3_text's
+            "gemma3",
+            ("Gemma3ForConditionalGeneration",),
+            features=dict(qk_norm=True),
+            config=_gemma,
+            checkpoint_renames=(("language_model.model.", "model."), ("vision_tower.vision_model.", "vision_tower.")),
+            tensor_parallel=False,
+            model_class=Gemma3VisionModel,
+            images=Gemma3Processing,
+            **_NO_STACK,
+        ),
         ArchSpec(  # SmolVLM 2: Idefics3's model and prompt, its own image processor
             "smolvlm",
             ("SmolVLMForConditionalGeneration",),
@@ -454,7 +466,7 @@ def config_from_hf(hf) -> ModelConfig:
     )
     fields.update(spec.features)
     if spec.config is not None:
-        fields.update(spec.config(full))
+        fields.update(spec.config(hf))
     return ModelConfig(**fields)
 
 

@@ -105,8 +105,6 @@ def build_model(
     and embedding hold quantized weights. `weights` may be a mapping that reads each tensor when asked.
     `model`: one already built on the meta device whose quantized layers were made already (a GGUF file's
     blocks, or rounded as read): only its other tensors are made and loaded from `weights`."""
-    if quantization and cfg.mm_config is not None:
-        raise ValueError("quantization: vision-language models are served unquantized (float32 or bfloat16) for now")
     if model is None:
         with torch.device("meta"):
             model = make_model(cfg, max_positions)

@@ -15,6 +15,9 @@ class ImageInput:
     positions: list[int]  # prompt positions (ascending) whose embeddings are the tower's output rows, in order
     data: dict = field(repr=False)  # the tower's inputs (pixel tensors), its family's own keys
     embeds: torch.Tensor | None = field(default=None, repr=False)  # [len(positions), hidden] once computed
+    # its placeholders attend to each other both ways in the decoder (Gemma 3): a prefill chunk never ends inside
+    # them (Scheduler), and the chunk's attention lets them see the whole run (PrefillChunk.bidirectional)
+    bidirectional: bool = False
 
     @property
     def start(self) -> int:
@@ -37,6 +40,17 @@ class PromptWithImages(list):
     def __init__(self, ids, images: list[ImageInput]) -> None:
         super().__init__(ids)
         self.images = list(images)
+
+
+def whole_images(images: list[ImageInput], start: int, num_new: int, budget: int) -> int:
+    """How many of the `num_new` tokens from position `start` to schedule so that no chunk ends inside a
+    bidirectional image's run: cut back to just before a run it would split, or (a chunk that starts at or inside a
+    run) grown to the run's end where `budget` allows; 0: the run does not fit this step."""
+    end = start + num_new
+    for im in images:
+        if im.bidirectional and im.start < end < im.end:
+            end = im.start if im.start > start else (im.end if im.end - start <= budget else start)
+    return end - start
 
 
 def prompt_images(prompt) -> list[ImageInput]:

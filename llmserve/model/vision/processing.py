@@ -23,7 +23,9 @@ class ImageProcessing:
     text a prompt may not hold); `image_token_id`: the token whose embeddings the tower's rows replace."""
 
     placeholder = "<image>"
+    image_token = "<image>"  # the token the tower's rows replace (its id: image_token_id)
     image_token_id: int
+    bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
 
     def prepare(self, image) -> tuple[str, dict]:
         """(the image's placeholder run as prompt text, the tower's inputs)."""
@@ -65,6 +67,27 @@ class SmolVLMProcessing(Idefics3Processing):
     hf_processor_class = "SmolVLMImageProcessorPil"
 
 
+class Gemma3Processing(ImageProcessing):
+    """Gemma 3, pan and scan off: the picture resized to the tower's size; the template's `<start_of_image>`
+    becomes blank lines, `<start_of_image>`, mm_tokens_per_image `<image_soft_token>`s, `<end_of_image>`."""
+
+    placeholder = "<start_of_image>"
+    image_token = "<image_soft_token>"
+    bidirectional = True
+
+    def __init__(self, path: str, hf) -> None:
+        from transformers import Gemma3ImageProcessorPil
+
+        self.hf_processor = Gemma3ImageProcessorPil.from_pretrained(path)
+        self.seq_len = hf.mm_tokens_per_image
+        self.image_token_id = hf.image_token_index
+
+    def prepare(self, image) -> tuple[str, dict]:
+        out = self.hf_processor(images=[image.convert("RGB")], do_pan_and_scan=False, return_tensors="pt")
+        run = f"\n\n{self.placeholder}{self.image_token * self.seq_len}<end_of_image>\n\n"
+        return run, {"pixel_values": out["pixel_values"]}
+
+
 def prompt_with_images(tokenizer, processing: ImageProcessing, text: str, images: list) -> PromptWithImages:
     """`text` (a rendered chat, one `processing.placeholder` per image, in order) with each placeholder
     replaced by its image's run, tokenized (the text holds its special tokens: none are added), and each
@@ -80,8 +103,8 @@ def prompt_with_images(tokenizer, processing: ImageProcessing, text: str, images
     at = [i for i, t in enumerate(ids) if t == processing.image_token_id]
     inputs, k = [], 0
     for (run, data), image in zip(runs, images):
-        n = run.count(processing.placeholder)
-        inputs.append(ImageInput(content_hash(image), at[k : k + n], data))
+        n = run.count(processing.image_token)
+        inputs.append(ImageInput(content_hash(image), at[k : k + n], data, bidirectional=processing.bidirectional))
         k += n
     if k != len(at):
         raise ValueError("messages: content must not contain image tokens")

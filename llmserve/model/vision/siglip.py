@@ -70,8 +70,9 @@ class Encoder(nn.Module):
 
 
 class PatchEmbeddings(nn.Module):
-    def __init__(self, vc) -> None:
+    def __init__(self, vc, fractional: bool = True) -> None:
         super().__init__()
+        self.fractional = fractional  # False: plain SigLIP, tiles of the table's size (patch i at position i)
         self.patch_size = vc.patch_size
         self.per_side = vc.image_size // vc.patch_size  # the position table is per_side x per_side
         self.patch_embedding = nn.Conv2d(vc.num_channels, vc.hidden_size, vc.patch_size, stride=vc.patch_size)
@@ -92,6 +93,8 @@ class PatchEmbeddings(nn.Module):
         x = self.patch_embedding(pixels)  # [tiles, hidden, rows, cols]
         rows, cols = x.shape[2], x.shape[3]
         x = x.flatten(2).transpose(1, 2)
+        if not self.fractional:
+            return x + self.position_embedding.weight[: rows * cols][None]
         return x + self.position_embedding(self.positions(rows, cols, x.device))[None]
 
 
@@ -100,9 +103,9 @@ class SiglipVisionTower(nn.Module):
 
     keep_float32 = True  # llmserve.model.bf16 and the loader leave it in float32
 
-    def __init__(self, vc) -> None:
+    def __init__(self, vc, fractional_positions: bool = True) -> None:
         super().__init__()
-        self.embeddings = PatchEmbeddings(vc)
+        self.embeddings = PatchEmbeddings(vc, fractional_positions)
         self.encoder = Encoder(vc)
         self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
 
