@@ -209,3 +209,38 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server, client, refere
         assert body["error"]["message"] and body["error"]["type"] == "invalid_request_error", (name, body)
     assert _status(server, [_image(_data_url(pictures(1, 0)[0]))] * 2)[0] == 200  # two: within the limit
     assert _chat(client, _data_url(pictures(1, 0)[0])).choices[0].message.content == reference[0][0]
+
+
+def test_web_page_attaches_an_image(server, reference, tmp_path):
+    """The page's "Attach image" (docs/web.md) in a real browser: the picture goes as an image_url part, the
+    greedy answer is transformers' for it, and the user's bubble shows the picture."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.e2e.test_web_page import ARGS, CHROMIUM, _need_browser
+
+    _need_browser()
+    path = tmp_path / "picture.png"
+    path.write_bytes(_png(pictures(1, 0, size=SIZES[0])[0]))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('conn').textContent === 'ready'", timeout=30_000)
+            page.get_by_text("Settings").click()
+            page.get_by_label("Temperature", exact=True).fill("0")
+            page.get_by_label("Max tokens", exact=True).fill(str(MAX_TOKENS))
+            page.get_by_label("Ignore end of text", exact=True).check()
+            page.set_input_files("#attach", str(path))
+            page.wait_for_function("document.getElementById('attached').textContent === '1 image attached'")
+            page.get_by_label("Message", exact=True).fill(QUESTION)
+            page.get_by_label("Message", exact=True).press("Enter")
+            page.locator(".msg.assistant[data-done=finished]").wait_for(timeout=60_000)
+            assert page.locator(".msg.assistant .text").last.text_content() == reference[0][0]
+            assert page.locator(".msg.user img.thumb").count() == 1
+            assert page.locator("#attached").text_content() == ""  # sent: nothing attached for the next one
+            assert not errors, errors
+        finally:
+            browser.close()
