@@ -198,6 +198,15 @@ class EngineConfig:
             type=str,
         ),
     )
+    limit_mm_per_prompt: dict | None = field(
+        default=None,
+        metadata=flag(
+            "vision-language models: the most items per prompt, by modality, as image=N or JSON '{\"image\": N}'"
+            " (default: no limit)",
+            type=str,
+            parse=lambda v: parse_mm_limits(v),
+        ),
+    )
     max_logprobs: int = field(
         default=20,
         metadata=flag(
@@ -308,6 +317,7 @@ class EngineConfig:
             not self.served_model_name or not all(isinstance(n, str) and n for n in self.served_model_name)
         ):
             raise ValueError(f"served_model_name: must be one or more non-empty names, got {self.served_model_name!r}")
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         if self.max_logprobs < -1:
             raise ValueError("max_logprobs: must be >= 0, or -1 for the vocabulary")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -331,6 +341,10 @@ class EngineConfig:
     def num_lookahead_tokens(self) -> int:
         """Speculative tokens a step may verify beyond the next one (positions the rotary tables need)."""
         return self.num_speculative_tokens if self.speculative_model else self.speculative_ngram
+
+    def image_limit(self) -> int | None:
+        """The most images a prompt may carry (--limit-mm-per-prompt), None: no limit."""
+        return (self.limit_mm_per_prompt or {}).get("image")
 
     def resolved_num_threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
@@ -362,6 +376,22 @@ def parse_generation_overrides(value) -> dict:
     if unknown:
         raise ValueError(f"override_generation_config: unknown keys {unknown}; known: {sorted(GENERATION_CONFIG_KEYS)}")
     return value
+
+
+def parse_mm_limits(value) -> dict | None:
+    """--limit-mm-per-prompt: `image=2` (vLLM's key=value form; several comma-separated) or JSON."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        pairs = (
+            json.loads(value) if value.strip().startswith("{") else dict(p.split("=", 1) for p in _comma_list(value))
+        )
+        limits = {str(k).strip(): int(v) for k, v in pairs.items()}
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"limit_mm_per_prompt: expected image=N or JSON, got {value!r}") from e
+    if any(v < 0 for v in limits.values()) or set(limits) - {"image"}:
+        raise ValueError(f"limit_mm_per_prompt: only image=N with N >= 0 is supported, got {value!r}")
+    return limits
 
 
 def _comma_list(value: str | None) -> list[str]:
@@ -397,6 +427,15 @@ class ServerSettings:
         default_factory=list,
         metadata=flag(
             "comma-separated CORS origins (default: none, CORS closed)", type=str, default="", parse=_comma_list
+        ),
+    )
+    allowed_media_domains: list[str] = field(  # images by http(s) URL: only from these hosts (none: refused)
+        default_factory=list,
+        metadata=flag(
+            "comma-separated hosts that image URLs (http/https) may name; default: none, only data: URLs",
+            type=str,
+            default="",
+            parse=_comma_list,
         ),
     )
     request_timeout: float | None = field(  # seconds; past it a request is aborted

@@ -42,6 +42,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # with float32 activations, llmserve/model/bf16.py, and auto picks them). The test suite sets "0": greedy
     # parity is checked in float32 on every machine kind.
     "LLMSERVE_CPU_BF16": lambda: os.environ.get("LLMSERVE_CPU_BF16", "1") != "0",
+    # images in requests (llmserve/server/media.py): seconds to fetch an http(s) image (vLLM's
+    # VLLM_IMAGE_FETCH_TIMEOUT), the most bytes of an encoded image, the most pixels of a decoded one
+    "LLMSERVE_IMAGE_FETCH_TIMEOUT": lambda: float(os.environ.get("LLMSERVE_IMAGE_FETCH_TIMEOUT", "5")),
+    "LLMSERVE_MAX_IMAGE_BYTES": lambda: int(os.environ.get("LLMSERVE_MAX_IMAGE_BYTES", str(20 << 20))),
+    "LLMSERVE_MAX_IMAGE_PIXELS": lambda: int(os.environ.get("LLMSERVE_MAX_IMAGE_PIXELS", str(40_000_000))),
     # where converted GGUF checkpoints and tokenizers are cached (default: $XDG_CACHE_HOME/llmserve, else
     # ~/.cache/llmserve)
     "LLMSERVE_CACHE_DIR": _cache_dir,

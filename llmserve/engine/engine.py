@@ -32,6 +32,8 @@ from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_acti
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
+from llmserve.model.registry import image_processing
+from llmserve.model.vision.inputs import prompt_images
 from llmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
@@ -100,6 +102,8 @@ class LLMEngine:
             config.generation_config, source.path if source.kind == "hf" else None, config.override_generation_config
         )
         self.tokenizer = Tokenizer(source.path, gguf=source.kind == "gguf")
+        # a vision-language model's image processing (llmserve.model.vision.processing); None: text only
+        self.image_processing = image_processing(mc, source.path) if source.kind == "hf" else None
         self.eos_token_ids = set(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -238,6 +242,7 @@ class LLMEngine:
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must not be empty")
+        self.validate_images(prompt_images(prompt_token_ids))
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
@@ -260,6 +265,25 @@ class LLMEngine:
             self.guided.compile(params)  # a bad schema fails here, before anything is queued (cached)
         # Like vLLM's engine, prompt + max_tokens may exceed max_model_len: generation then stops
         # at max_model_len with finish_reason "length". (The server checks the sum, as vLLM's does.)
+
+    def validate_images(self, images: list) -> None:
+        """A prompt's images: only for a vision-language model, at most --limit-mm-per-prompt of them."""
+        if not images:
+            return
+        if self.image_processing is None:
+            raise ValueError(f"messages: {self.served_model_name} is a text-only model; it does not take images")
+        run = max((im.num_tokens for im in images if getattr(im, "bidirectional", False)), default=0)
+        if run > self.max_num_batched_tokens:
+            raise ValueError(
+                f"messages: an image takes {run} tokens, which must be computed in one step: more than "
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens})"
+            )
+        most = self.config.image_limit()
+        if most is not None and len(images) > most:
+            raise ValueError(
+                f"messages: {len(images)} images in one prompt, more than this server's most of {most} "
+                f"(--limit-mm-per-prompt image={most})"
+            )
 
     def add_request(
         self,
@@ -286,6 +310,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.eos_token_ids, priority, arrival_time, text, cache_salt)
         req.guided = self.guided.matcher(params) if params.guided else None  # compiled once, cached
         req.lora = adapter
+        req.images = prompt_images(prompt)
         self.scheduler.add_request(req)
         req.generator = torch.Generator(device=self.device)  # unseeded requests: the next seed of --seed's stream
         req.generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))

@@ -173,6 +173,10 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(tokens) // bs):
             key = (hash(parent) if parent is not None else 0, tuple(tokens[i * bs : (i + 1) * bs])) + extra
+            # the images whose placeholders fall in the block: their content decides its KV, not the tokens
+            key += tuple(
+                ("image", im.content_hash) for im in request.images if im.start < (i + 1) * bs and im.end > i * bs
+            )
             hashes.append(key)
             parent = key
         return hashes

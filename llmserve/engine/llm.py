@@ -14,6 +14,7 @@ from typing import Sequence
 from llmserve.config import EngineConfig
 from llmserve.engine.engine import LLMEngine
 from llmserve.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from llmserve.model.vision.inputs import prompt_images
 
 # A prompt as vLLM's LLM.generate takes it: text, token ids, or a TextPrompt / TokensPrompt dict
 # ({"prompt": "..."} or {"prompt_token_ids": [...]}, either with an optional "cache_salt").
@@ -48,8 +49,8 @@ def _parse_prompt(prompt: Prompt, index: int) -> tuple[str | None, list[int] | N
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompts[{index}]: 'prompt_token_ids' must be a list of token ids")
         return None, list(prompt), salt
-    if isinstance(prompt, (list, tuple)):
-        return None, list(prompt), None
+    if isinstance(prompt, (list, tuple)):  # (ids that carry images stay as they are: model.vision.PromptWithImages)
+        return None, prompt if prompt_images(prompt) else list(prompt), None
     raise ValueError(
         f"prompts[{index}]: a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}"
     )

@@ -73,6 +73,9 @@ class Request:
         self.generator = None  # torch.Generator of a seeded request (set by the engine)
         self.guided = None  # GuidedMatcher (engine/guided.py) of a guided request
         self.lora = None  # LoRAAdapter (model/lora.py) of a request for an adapter
+        # vision-language models: the prompt's images (llmserve.model.vision.ImageInput), in prompt order; their
+        # tower outputs are kept on them until the request ends
+        self.images: list = []
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ yields k + 1.
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
@@ -189,6 +190,7 @@ class ModelRunner:
         pooled: list[tuple[Request, int, int, int]] = []  # pooling requests: (request, first row, rows, start)
         scored: list[tuple[Request, int, int, int]] = []  # prompt logprobs: (request, first row, rows, start)
         lora_rows: list[tuple] = []  # requests for a LoRA adapter: (adapter, first row, rows)
+        image_rows: list[tuple[list[int], torch.Tensor]] = []  # the step's rows at image placeholders, their embeddings
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
@@ -205,9 +207,14 @@ class ModelRunner:
                 decode_tables.extend([block_ids] * n)
                 decode_lens.extend(range(c + 1, c + n + 1))
             else:
-                prefills.append(PrefillChunk(row, n, c + n, table.to(self.device)))
+                both = tuple(
+                    (im.start, im.end) for im in req.images if im.bidirectional and im.start < c + n and im.end > c
+                )
+                prefills.append(PrefillChunk(row, n, c + n, table.to(self.device), both))
             if req.lora is not None:
                 lora_rows.append((req.lora, row, n))
+            if req.images:
+                image_rows.extend(_image_rows(self.model, req, c, n, row))
             if k := prompt_logprobs.rows(req, c, n):  # prompt logprobs: the hidden states of its prompt rows
                 scored.append((req, row, k, c))
             if req.params.pooling is not None:  # embeddings: every row's hidden state, nothing to sample
@@ -241,12 +248,16 @@ class ModelRunner:
         if self.lora is not None:  # the step's adapter index, read by the projections' LoRA hooks
             self.lora.set_step(lora_rows, dev)
         self.pooled = []
+        extra = {}
+        if image_rows:  # the vision tower's rows in place of the placeholders' token embeddings
+            at = torch.tensor([r for rows, _ in image_rows for r in rows], dtype=torch.long, device=dev)
+            extra["embeds"] = (at, torch.cat([e for _, e in image_rows]).to(dev))
         if pooled or scored:
             hidden_rows = torch.tensor(
                 [r for _, first, n, _ in pooled + scored for r in range(first, first + n)], dtype=torch.long, device=dev
             )
             logits, hidden = self.model(
-                input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, hidden_indices=hidden_rows
+                input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, hidden_indices=hidden_rows, **extra
             )
             k = 0
             for req, _, n, c in pooled:
@@ -256,10 +267,27 @@ class ModelRunner:
                 prompt_logprobs.record(self.model, req, c, hidden[k : k + n])
                 k += n
         else:
-            logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax)
+            logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, **extra)
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req
+
+
+def _image_rows(model, req: Request, c: int, n: int, row: int) -> list[tuple[list[int], torch.Tensor]]:
+    """A request's image placeholders among its positions c..c+n-1 (its rows from `row`): (the batch rows, their
+    embeddings). Each image's tower runs once, the first time a chunk reaches it; its output stays on the request
+    for later chunks, a recomputation after preemption, and is sliced wherever a chunk or a cache hit cuts it."""
+    out = []
+    for im in req.images:
+        if im.end <= c or im.start >= c + n:
+            continue
+        if im.embeds is None:
+            im.embeds = model.embed_image(im.data)
+            if im.embeds.shape[0] != im.num_tokens:
+                raise ValueError(f"the vision tower gave {im.embeds.shape[0]} rows for {im.num_tokens} image tokens")
+        lo, hi = bisect.bisect_left(im.positions, c), bisect.bisect_left(im.positions, c + n)
+        out.append(([row + p - c for p in im.positions[lo:hi]], im.embeds[lo:hi]))
+    return out
 
 
 def _sample_requests(logits: torch.Tensor, sampling: list[Request], rows_per_req: list[int]) -> list[SampledTokens]:

@@ -23,6 +23,7 @@ from collections import deque
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import AppendedTokens, SampledTokens, SchedulerOutput, TextStep
 from llmserve.engine.request import Request, RequestStatus, TokenLogprobs
+from llmserve.model.vision.inputs import whole_images
 
 log = logging.getLogger("llmserve.scheduler")
 
@@ -147,6 +148,8 @@ class Scheduler:
             if spec and num_new == 1:
                 num_new += len(spec)
             num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+            if request.images:  # a bidirectional image's run is computed in one chunk
+                num_new = whole_images(request.images, request.num_computed_tokens, num_new, budget)
             if num_new <= 0:
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
@@ -177,6 +180,10 @@ class Scheduler:
             if request.num_computed_tokens == 0 and not full:
                 computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
+            if request.images:
+                num_new = whole_images(request.images, request.num_computed_tokens + num_cached, num_new, budget)
+                if num_new <= 0:
+                    break  # its image's run does not fit the rest of this step's budget
             if self.kv.allocate_slots(request, num_new, computed) is None:
                 if self.policy == "priority" and self._preempt_for(request, out):
                     continue  # freed blocks: try again

@@ -27,6 +27,8 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens of this request in the cache after this step (prefix + chunk)
     block_table: torch.Tensor  # [num_blocks_of_request] int64
+    # position runs [start, end) whose tokens attend to each other both ways (a Gemma 3 image), in this chunk
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -127,8 +129,12 @@ def paged_attention(
         out[g.start : g.end] = _attend(qd, kd, vd, mask, scale, softcap).squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
-        if plain and ops.paged_prefill_attention(
-            out[s : s + n], q[s : s + n], k_cache, v_cache, chunk.block_table, ctx, scale
+        if (
+            plain
+            and not chunk.bidirectional
+            and ops.paged_prefill_attention(
+                out[s : s + n], q[s : s + n], k_cache, v_cache, chunk.block_table, ctx, scale
+            )
         ):
             continue  # read in place from the blocks, prefix and chunk alike (the flash-style CPU kernel)
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -138,7 +144,7 @@ def paged_attention(
         else:
             kp = _gather(k_cache, chunk.block_table, 2, q.dtype)[:, :ctx].unsqueeze(0)
             vp = _gather(v_cache, chunk.block_table, 3, q.dtype)[:, :ctx].unsqueeze(0)
-        if ctx == n and plain:
+        if ctx == n and plain and not chunk.bidirectional:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
@@ -146,6 +152,8 @@ def paged_attention(
             mask = key_pos <= q_pos  # [n, ctx]
             if window is not None:
                 mask = mask & (key_pos > q_pos - window)
+            for a, b in chunk.bidirectional:  # the run sees itself whole
+                mask = mask | ((q_pos >= a) & (q_pos < b) & (key_pos >= a) & (key_pos < b))
             o = _attend(qp, kp, vp, mask, scale, softcap)
         out[s : s + n] = o.squeeze(0).transpose(0, 1)
     return out

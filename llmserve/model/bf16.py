@@ -123,6 +123,8 @@ def to_bf16(model: nn.Module) -> int:
     def convert(module: nn.Module) -> None:
         nonlocal replaced
         for name, child in list(module.named_children()):
+            if getattr(child, "keep_float32", False):  # a vision tower: float32 (llmserve.model.vision)
+                continue
             if isinstance(child, nn.Linear) and child.weight.is_floating_point():
                 setattr(module, name, BF16Linear(child.weight, child.bias))
                 replaced += 1

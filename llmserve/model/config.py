@@ -49,4 +49,5 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    mm_config: object = None  # a vision-language model's whole transformers config (its tower's settings)
     fused_decode: bool = True  # the family's layers are the fused C++ decode stack's (registry.ArchSpec.fused_decode)

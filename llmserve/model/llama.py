@@ -117,15 +117,19 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,
         argmax: bool = False,
         hidden_indices: torch.Tensor | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         """Flat batch in, logits of the rows in `logits_indices` out ([len(logits_indices), vocab]);
         with `argmax`, those rows' greedy tokens instead ([len(logits_indices)], the same tokens as
         the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax).
         With `hidden_indices` (pooling requests: embeddings), (that, the final-normed hidden states of
-        those rows)."""
+        those rows). `embeds` (rows, values): those rows' input embeddings replaced (a vision tower's output at
+        an image's placeholder tokens, llmserve.model.vision)."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         residual = None
         stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
         if stack is not None:  # decode rows only: all layers in one call into the CPU kernels

@@ -33,6 +33,9 @@ from llmserve.model.gguf_specs import (
     gguf_smollm3,
 )
 from llmserve.model.llama import LlamaModel
+from llmserve.model.vision.gemma3 import Gemma3VisionModel
+from llmserve.model.vision.idefics3 import Idefics3Model
+from llmserve.model.vision.processing import Gemma3Processing, Idefics3Processing, SmolVLMProcessing
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
@@ -50,6 +53,8 @@ class ArchSpec:
     tensor_parallel: bool = True  # llmserve.model.parallel shards its attention and MLP (False: refused)
     fused_decode: bool = True  # its layers are plain Llama layers, which the fused C++ decode stack runs
     model_class: type = LlamaModel  # builds it: model_class(cfg, max_positions)
+    # a vision-language model: (folder, transformers config) -> its vision.processing.ImageProcessing
+    images: Callable | None = None
 
 
 # -- per-family config fields: from a transformers config ----------------------------------------------
@@ -273,6 +278,34 @@ ARCHITECTURES = {
             tensor_parallel=False,
             **_NO_STACK,
         ),
+        # Idefics3 / SmolVLM: a Llama decoder, a SigLIP tower and its connector (llmserve.model.vision)
+        ArchSpec(
+            "idefics3",
+            ("Idefics3ForConditionalGeneration",),
+            checkpoint_renames=(("model.text_model.", "model."),),
+            tensor_parallel=False,
+            model_class=Idefics3Model,
+            images=Idefics3Processing,
+        ),
+        ArchSpec(  # Gemma 3 with its SigLIP tower (pan and scan off): the decoder is gemma3_text's
+            "gemma3",
+            ("Gemma3ForConditionalGeneration",),
+            features=dict(qk_norm=True),
+            config=_gemma,
+            checkpoint_renames=(("language_model.model.", "model."), ("vision_tower.vision_model.", "vision_tower.")),
+            tensor_parallel=False,
+            model_class=Gemma3VisionModel,
+            images=Gemma3Processing,
+            **_NO_STACK,
+        ),
+        ArchSpec(  # SmolVLM 2: Idefics3's model and prompt, its own image processor
+            "smolvlm",
+            ("SmolVLMForConditionalGeneration",),
+            checkpoint_renames=(("model.text_model.", "model."),),
+            tensor_parallel=False,
+            model_class=Idefics3Model,
+            images=SmolVLMProcessing,
+        ),
     )
 }
 _BY_CLASS = {a: s for s in ARCHITECTURES.values() for a in s.hf_architectures}
@@ -313,6 +346,13 @@ def make_model(cfg: ModelConfig, max_positions: int | None = None):
     return arch_spec(cfg.architecture).model_class(cfg, max_positions)
 
 
+def image_processing(cfg: ModelConfig, path: str):
+    """A vision-language model's image processing (vision.processing.ImageProcessing) read from its folder;
+    None for a text-only model."""
+    spec = arch_spec(cfg.architecture)
+    return None if spec.images is None or cfg.mm_config is None else spec.images(path, cfg.mm_config)
+
+
 # -- transformers config -> ModelConfig ------------------------------------------------------------
 def config_from_hf(hf) -> ModelConfig:
     """A ModelConfig from a transformers config: the fields every family has, then the family's own
@@ -328,6 +368,7 @@ def config_from_hf(hf) -> ModelConfig:
             f"llmserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     spec = _BY_CLASS[arch]
+    full, hf = hf, hf.get_text_config()  # a vision-language model's decoder is its text config's
     heads = hf.num_attention_heads
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see layers.Rotary)
@@ -355,6 +396,7 @@ def config_from_hf(hf) -> ModelConfig:
         eos_token_ids=eos,
         hf_config=hf,
         fused_decode=spec.fused_decode,
+        mm_config=full if spec.images is not None else None,
         **_common_features(hf, arch),
     )
     fields.update(spec.features)

@@ -16,6 +16,7 @@ backend sees its client go and aborts the request. Errors are in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -89,9 +90,33 @@ def _flatten_content(content) -> str:
     return "" if content is None else str(content)
 
 
+def _image_tag(data: str) -> str:
+    """An image as prompt text for the policies: a short hash of its URL (a data: URL holds the encoded picture),
+    so that the same picture keys the same prefix (and backend) and another picture never does."""
+    return f"<image {hashlib.sha256(data.encode()).hexdigest()[:16]}>"
+
+
+def _image_ref(p: dict) -> str | None:
+    """An image part's URL (chat image_url, Responses input_image) or source (Anthropic image), else None."""
+    url = p.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if isinstance(url, str):
+        return url
+    source = p.get("source")
+    if p.get("type") == "image" and isinstance(source, dict):
+        return str(source.get("data") or source.get("url") or "")
+    return None
+
+
 def _part_text(p) -> str:
     if not isinstance(p, dict):
         return str(p)
+    image = _image_ref(p)
+    if image is not None:
+        return _image_tag(image)
+    if isinstance(p.get("images"), list):  # Ollama: a message's base64 images beside its content
+        return "".join(_image_tag(str(i)) for i in p["images"]) + _flatten_content(p.get("content"))
     for key in ("text", "thinking", "output", "arguments"):
         if isinstance(p.get(key), str):
             return p[key]

@@ -11,6 +11,8 @@ import asyncio
 from llmserve.engine.async_engine import AsyncEngine, EngineDeadError
 from llmserve.engine.request import SamplingParams
 from llmserve.engine.scheduler import QueueFullError
+from llmserve.model.vision.processing import prompt_with_images
+from llmserve.server import media
 from llmserve.server import protocol as P
 from llmserve.server import tool_parsers as tools_mod
 from llmserve.server.errors import APIError, from_value_error
@@ -18,7 +20,12 @@ from llmserve.server.serving import to_api_error
 from llmserve.server.state import ServerSettings
 
 
-def encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs, tool_plan=None) -> list[int]:
+def encode_chat(
+    tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs, tool_plan=None, images=None
+) -> list[int]:
+    """The chat's prompt token ids. `images` (a vision-language model's: (its ImageProcessing, the decoded
+    images of the messages' image parts in order)): content goes to the template as parts, an image part as
+    {"type": "image"}, and the ids carry the images (llmserve.model.vision.PromptWithImages)."""
     msgs = []
     specials = _special_strings(tok)
     for m in messages:
@@ -31,7 +38,7 @@ def encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool,
                     param="messages",
                     code="invalid_value",
                 )
-        d = {"role": m.role, "content": m.text()}
+        d = {"role": m.role, "content": m.text() if images is None or m.content is None else _parts(m)}
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -45,11 +52,47 @@ def encode_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool,
         if tools:
             kwargs = dict(kwargs or {}, tools=tools)
     try:
+        if images is not None:
+            if tool_plan is not None or any(m.get("tool_calls") for m in msgs):
+                raise APIError(400, "messages: images with tools are not supported yet", param="messages")
+            text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+            return prompt_with_images(tok, images[0], text, images[1])
         return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+    except APIError:
+        raise
     except ValueError as e:
         raise from_value_error(e) from e
     except Exception as e:  # noqa: BLE001 - a template that raises is the request's fault
         raise APIError(400, f"messages: the chat template could not render them: {e}", param="messages") from e
+
+
+def _parts(m: P.ChatMessage) -> list[dict]:
+    """A message's content as a vision-language model's template takes it: text and image parts in order."""
+    if isinstance(m.content, str):
+        return [{"type": "text", "text": m.content}]
+    return [{"type": "text", "text": p.text} if isinstance(p, P.TextPart) else {"type": "image"} for p in m.content]
+
+
+async def chat_images(
+    eng: AsyncEngine, settings: ServerSettings, messages: list[P.ChatMessage], param: str = "messages"
+):
+    """(the model's ImageProcessing, the messages' images decoded) for a vision-language model, None for a
+    text-only one; a 400 for an image to a text-only model, too many images, or one that cannot be read."""
+    processing = eng.engine.image_processing
+    parts = [
+        (p.image_url.url, f"{param}[{i}].content[{k}]")
+        for i, m in enumerate(messages)
+        if isinstance(m.content, list)
+        for k, p in enumerate(m.content)
+        if isinstance(p, P.ImagePart)
+    ]
+    if processing is None and not parts:
+        return None
+    try:
+        eng.engine.validate_images(parts)  # a text-only model, or more than --limit-mm-per-prompt
+    except ValueError as e:
+        raise from_value_error(e) from e
+    return processing, await media.load_images(parts, settings.allowed_media_domains)
 
 
 def _special_strings(tok) -> tuple[str, ...]:
@@ -107,8 +150,9 @@ async def chat_runs(
     """A chat-shaped request's runs (serving.Run), checked and admitted: the messages rendered and tokenized,
     the sampling parameters of `body` (its fields as the chat API names them), the grammar compiled.
     `context`: a context window below the model's (Ollama's num_ctx)."""
+    images = await chat_images(eng, settings, messages, prompt_param)
     ids = await asyncio.to_thread(
-        encode_chat, eng.tokenizer, messages, add_generation_prompt, template_kwargs, tool_plan
+        encode_chat, eng.tokenizer, messages, add_generation_prompt, template_kwargs, tool_plan, images
     )
     params = sampling_params(
         body,

@@ -36,9 +36,19 @@ class TextPart(APIModel):
     text: str
 
 
+class ImageURL(APIModel):
+    url: str  # a data: URL, or http(s) from a host in --allowed-media-domains (llmserve/server/media.py)
+    detail: str | None = None
+
+
+class ImagePart(APIModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+
+
 class ChatMessage(APIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -48,7 +58,7 @@ class ChatMessage(APIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class EngineExtras(APIModel):

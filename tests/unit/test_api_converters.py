@@ -64,7 +64,8 @@ def test_responses_items_round_trip_a_tool_call():
     "items,where",
     [
         ([{"role": "wizard", "content": "x"}], "input[0].role"),
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}], "input[0].content[0].image_url"),
+        ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "input[0].content[0]"),
         ([{"type": "function_call", "name": "f"}], "input[0]"),
         ([{"type": "item_reference", "id": "msg_1"}], "input[0]"),
         ([{"type": "web_search_call"}], "input[0].type"),
@@ -447,3 +448,36 @@ def test_router_reads_responses_and_messages_bodies():
     emb = route_request({"input": [[1, 2, 3], [4]]}, Headers({}), cfg)
     assert emb.prompt_text == "1 2 3\n4"
     assert route_request({"input": [5, 6]}, Headers({}), cfg).prompt_tokens == 2
+
+
+def test_router_keys_image_parts_by_their_content():
+    """Chat image_url parts, Responses input_image, Anthropic image blocks and Ollama's images: each picture is a
+    short hash in the prompt text the policies key on (the same picture, the same key; another, another)."""
+    from starlette.datastructures import Headers
+
+    from llmserve.router.proxy import route_request
+    from llmserve.router.state import RouterConfig
+
+    cfg = RouterConfig()
+
+    def chat(url):
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        return route_request({"messages": [{"role": "user", "content": parts}]}, Headers({}), cfg).prompt_text
+
+    def responses(url):
+        parts = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is it?"}]
+        return route_request({"input": [{"role": "user", "content": parts}]}, Headers({}), cfg).prompt_text
+
+    def anthropic(data):
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+        return route_request({"messages": [{"role": "user", "content": [block]}]}, Headers({}), cfg).prompt_text
+
+    def ollama(data):
+        msg = {"role": "user", "content": "What is it?", "images": [data]}
+        return route_request({"messages": [msg]}, Headers({}), cfg, "/api/chat").prompt_text
+
+    a, b = "data:image/png;base64,AAAA", "data:image/png;base64,BBBB"
+    for read in (chat, responses, anthropic, ollama):
+        assert read(a) == read(a) != read(b), read.__name__
+        assert "<image " in read(a) and "AAAA" not in read(a)
+    assert chat(a).endswith("What is it?\n") and len(chat(a)) < 64

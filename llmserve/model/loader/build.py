@@ -126,8 +126,9 @@ def build_model(
     if any(is_quantized(m) for m in model.modules()):
         for p in model.parameters():  # (CPU) the float layers only: the adopted ones keep their formats
             p.data = p.data.to(dtype)
-    else:
-        model = model.to(device=device, dtype=dtype)
+    else:  # (a vision tower stays float32: `keep_float32`)
+        for child in model.children():
+            child.to(device=device, dtype=torch.float32 if getattr(child, "keep_float32", False) else dtype)
     model.make_rotary(max_positions, device)  # float32 tables, whatever the dtype
     model = model.eval().requires_grad_(False)
     if quantization:

@@ -41,6 +41,8 @@ def load_model(
     """The model of `source`: a GGUF file (`reader`, from load_model_config) through load_gguf_model, a
     Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
     that will not fit with it before allocating."""
+    if quantization and cfg.mm_config is not None:
+        raise ValueError("quantization: vision-language models are served unquantized (float32 or bfloat16) for now")
     if reader is not None:
         model = load_gguf_model(source.path, reader, cfg, device, dtype, max_positions, quantization, kv_bytes)
     else:

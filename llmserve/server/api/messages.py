@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field, field_validator
 from llmserve.errors import anthropic_error_body
 from llmserve.server import protocol as P
 from llmserve.server.errors import APIError, from_value_error
-from llmserve.server.prepare import chat_runs, encode_chat
+from llmserve.server.prepare import chat_images, chat_runs, encode_chat
 from llmserve.server.reasoning import ReasoningParser
 from llmserve.server.rendering import ChoiceText, Rendering, sse_event
 from llmserve.server.serving import Generation
@@ -150,6 +150,17 @@ def _block_text(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, or the url source's URL."""
+    if isinstance(source, dict) and source.get("type") == "base64":
+        if not isinstance(source.get("data"), str) or not isinstance(source.get("media_type"), str):
+            raise ValueError(f"{where}: an image's base64 source needs media_type and data")
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValueError(f"{where}: an image's source must be a base64 or url source")
+
+
 def chat_messages(body: _MessagesFields) -> list[P.ChatMessage]:
     """`system` and `messages` as chat messages; a bad block is a ValueError naming it (messages[1].content[0])."""
     msgs: list[dict] = []
@@ -158,13 +169,16 @@ def chat_messages(body: _MessagesFields) -> list[P.ChatMessage]:
         msgs.append({"role": "system", "content": system})
     for n, m in enumerate(body.messages):
         where = f"messages[{n}].content"
-        text, calls, results = [], [], []
+        text, calls, results, parts = [], [], [], []  # parts: text and images in order, where it has images
         for k, b in enumerate(_blocks(m.content, where)):
             kind = b["type"]
             if kind == "text":
                 if not isinstance(b.get("text"), str):
                     raise ValueError(f"{where}[{k}].text: must be a string")
                 text.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m.role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), f"{where}[{k}]")}})
             elif kind == "tool_use" and m.role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise ValueError(f"{where}[{k}]: a tool_use block needs an id and a name")
@@ -194,8 +208,10 @@ def chat_messages(body: _MessagesFields) -> list[P.ChatMessage]:
             else:
                 raise ValueError(f"{where}[{k}]: blocks of type {kind!r} are not supported in a {m.role} message")
         msgs.extend(results)
-        if text or calls or not results:
+        if text or calls or parts or not results:
             msg = {"role": m.role, "content": "".join(text) if text or not calls else None}
+            if len(parts) > len(text):
+                msg["content"] = parts
             if calls:
                 msg["tool_calls"] = calls
             msgs.append(msg)
@@ -419,5 +435,6 @@ async def count_tokens(body: CountTokensRequest, state: State):
     eng = state.engine_or_503()
     state.check_model(body.model)
     msgs, tool_plan = _chat(body, state)
-    ids = await asyncio.to_thread(encode_chat, eng.tokenizer, msgs, True, body.template_kwargs(), tool_plan)
+    images = await chat_images(eng, state.settings, msgs)  # (image tokens count)
+    ids = await asyncio.to_thread(encode_chat, eng.tokenizer, msgs, True, body.template_kwargs(), tool_plan, images)
     return CountTokensResponse(input_tokens=len(ids))

@@ -108,24 +108,31 @@ def check_stateless(body: ResponsesRequest) -> None:
         )
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's or a tool output's text: a string, or text parts (input_text, output_text, text, refusal)."""
+def _text(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """A message's or a tool output's text: a string, or text parts (input_text, output_text, text, refusal);
+    with `images` (a message's content), input_image parts too: then chat parts (text and image_url)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise ValueError(f"{where}: must be a string or a list of content parts")
-    out = []
+    out: list[dict] = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}[{k}].text: must be a string")
-            out.append(part["text"])
+            out.append({"type": "text", "text": part["text"]})
         elif kind == "refusal":
-            out.append(str(part.get("refusal") or ""))
+            out.append({"type": "text", "text": str(part.get("refusal") or "")})
+        elif kind == "input_image" and images:
+            if not isinstance(part.get("image_url"), str):
+                raise ValueError(f"{where}[{k}].image_url: must be a URL (file_id needs stored files)")
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail")}})
         else:
-            raise ValueError(f"{where}[{k}]: content parts of type {kind!r} are not supported (text only)")
-    return "".join(out)
+            raise ValueError(f"{where}[{k}]: content parts of type {kind!r} are not supported (text and images)")
+    if any(p["type"] == "image_url" for p in out):
+        return out
+    return "".join(p["text"] for p in out)
 
 
 def chat_messages(body: ResponsesRequest) -> list[P.ChatMessage]:
@@ -143,7 +150,7 @@ def chat_messages(body: ResponsesRequest) -> list[P.ChatMessage]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"{where}.role: must be user, assistant, system or developer, got {role!r}")
-            msgs.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            msgs.append({"role": role, "content": _text(item.get("content"), f"{where}.content", images=True)})
         elif kind == "function_call":
             call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):

@@ -11,7 +11,7 @@ from pydantic import BaseModel, model_validator
 
 from llmserve.server import protocol as P
 from llmserve.server.errors import APIError
-from llmserve.server.prepare import encode_chat
+from llmserve.server.prepare import chat_images, encode_chat
 from llmserve.server.state import State
 
 router = APIRouter()
@@ -52,7 +52,9 @@ async def tokenize(body: TokenizeRequest, state: State):
     state.check_model(body.model)
     tok = eng.tokenizer
     if body.messages is not None:
-        ids = await asyncio.to_thread(encode_chat, tok, body.messages, body.add_generation_prompt, None)
+        images = await chat_images(eng, state.settings, body.messages)  # (its image tokens are counted)
+        ids = await asyncio.to_thread(encode_chat, tok, body.messages, body.add_generation_prompt, None, None, images)
+        ids = list(ids)
     else:
         ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=eng.engine.max_model_len)

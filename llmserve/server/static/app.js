@@ -3,7 +3,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { messages: [], controller: null, busy: false, modelsTimer: null };
+// images: the data: URLs attached for the next message (a vision-language model's image_url parts)
+const state = { messages: [], controller: null, busy: false, modelsTimer: null, images: [] };
 
 // -- models and key ----------------------------------------------------------------------------
 async function loadModels() {
@@ -84,10 +85,40 @@ function num(id, parse) {
   return Number.isFinite(v) ? v : undefined;
 }
 
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    const fr = new FileReader();
+    fr.onload = () => resolve(fr.result);
+    fr.onerror = () => reject(fr.error);
+    fr.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  for (const f of files) state.images.push(await readImage(f));
+  showAttached();
+}
+
+function showAttached() {
+  const n = state.images.length;
+  $("attached").textContent = n ? `${n} image${n > 1 ? "s" : ""} attached` : "";
+}
+
 async function send(text) {
   if (state.busy || !text.trim()) return;
-  state.messages.push({ role: "user", content: text });
-  addBubble("user", text);
+  const images = state.images;
+  state.images = [];
+  showAttached();
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  state.messages.push({ role: "user", content: images.length ? [...parts, { type: "text", text }] : text });
+  const mine = addBubble("user", text);
+  for (const url of images) {
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "attached image";
+    img.className = "thumb";
+    mine.appendChild(img);
+  }
   const bubble = addBubble("assistant", "");
   bubble.classList.add("streaming");
   const body = bubble.querySelector(".text");
@@ -187,7 +218,11 @@ async function send(text) {
     }
   } catch (e) {
     if (e.name === "AbortError") stopped = true;
-    else { const err = addBubble("error", String(e.message || e)); err.setAttribute("role", "alert"); }
+    else {
+      const err = addBubble("error", String(e.message || e));
+      err.setAttribute("role", "alert");
+      if (images.length && !text_) state.messages.pop();   // a refused image is not sent again
+    }
   } finally {
     bubble.classList.remove("streaming");
     bubble.dataset.done = stopped ? "stopped" : "finished";
@@ -281,7 +316,10 @@ function init() {
     if (e.key === "Escape" && state.busy && !$("key-dialog").open) stop();
   });
   $("stop").addEventListener("click", stop);
-  $("clear").addEventListener("click", () => { state.messages = []; $("log").innerHTML = ""; });
+  $("attach").addEventListener("change", async (e) => { await attach([...e.target.files]); e.target.value = ""; });
+  $("clear").addEventListener("click", () => {
+    state.messages = []; state.images = []; showAttached(); $("log").innerHTML = "";
+  });
   $("key-button").addEventListener("click", async () => { if (await askKey()) loadModels(); });
   loadModels();
   if (!routerPage) { poll(); setInterval(poll, 1000); }
