@@ -1,4 +1,4 @@
-"""--kv-cache-dtype float16 against the default float32 KV cache, side by side in one run.
+"""--kv-cache-dtype float16 against the default float32 KV cache, side by side in one run (and int8 vs float16).
 
 1. `llmserve serve --quantization int4 --kv-cache-memory 1`, 64 chat prompts x 128 tokens at 16
    concurrent (as `benchmarks.peers.compare bars`): throughput and resident memory after the load. The RSS that
@@ -7,7 +7,11 @@
 2. Offline float32 model, single stream, decode speed at a long context (the attention reads the
    whole context every token): each KV type in turn, rounds alternated.
 
+3. With `--int8`, only: `llmserve serve --quantization int8 --kv-cache-memory 1`, 64 chat prompts x 128
+   tokens at 64 concurrent, float16 KV then int8 KV (one run each): throughput, RSS, and the pool's blocks.
+
     python -m benchmarks.engine.kv_dtype [--llama-server PATH] [--context 2000] [--rounds 3]
+    python -m benchmarks.engine.kv_dtype --int8 [--concurrency 64]
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+
+import torch
 
 from benchmarks.common import chat_prompts, write_section
 from benchmarks.peers.engines import llama_numbers, serve_numbers
@@ -42,6 +48,41 @@ def long_context_decode(context: int, rounds: int, new_tokens: int = 64) -> dict
     return speeds
 
 
+def int8_vs_float16(threads: int, concurrency: int, write: bool) -> None:
+    """Part 3: the server at `concurrency` with float16 and int8 KV in turn; the section 'KV cache dtype (int8)'."""
+    from llmserve.engine.runner import kv_bytes_per_block
+    from llmserve.model.loader import load_model_config, resolve_model
+
+    prompts = chat_prompts(64)
+    srv = {
+        d: serve_numbers(
+            ["--quantization", "int8", "--kv-cache-dtype", d], threads, prompts, 128, concurrency=concurrency
+        )
+        for d in ("float16", "int8")
+    }
+    mc = load_model_config(resolve_model(None))[0]
+    blocks = {d: (1 << 30) // kv_bytes_per_block(mc, 16, torch.int8 if d == "int8" else torch.float16) for d in srv}
+    key = f"c{concurrency}"
+    rows = [f"| KV cache | server int8, {concurrency} concurrent tok/s | RSS after the load | blocks in 1 GiB |"]
+    rows.append("|---|---|---|---|")
+    rows += [f"| {d} | {r[key]:.1f} | {r['rss_mib']:.0f} MiB | {blocks[d]} |" for d, r in srv.items()]
+    body = "\n".join(
+        [
+            f"`python -m benchmarks.engine.kv_dtype --int8 --concurrency {concurrency}`: `llmserve serve "
+            f"--quantization int8 --kv-cache-memory 1`, 64 chat prompts x 128 tokens at {concurrency} concurrent, "
+            "float16 then int8 KV, one run each (the machine was shared with other jobs: the ratio, not the figures).",
+            "",
+            *rows,
+            "",
+            f"- int8 KV throughput = {srv['int8'][key] / srv['float16'][key]:.2f}x float16 KV's; the same GiB holds "
+            f"{blocks['int8'] / blocks['float16']:.2f}x the blocks (each token's head row carries a 4-byte scale).",
+        ]
+    )
+    print(body)
+    if write:
+        write_section("KV cache dtype (int8 vs float16)", body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary (optional)")
@@ -49,7 +90,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--int8", action="store_true", help="only int8 vs float16 KV at --concurrency")
+    ap.add_argument("--concurrency", type=int, default=64)
     args = ap.parse_args()
+    if args.int8:
+        return int8_vs_float16(args.threads, args.concurrency, not args.no_write)
     prompts = chat_prompts(64)
 
     srv = {

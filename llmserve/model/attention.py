@@ -93,7 +93,7 @@ def _stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """New keys or values [T, Hkv, D] as `cache` stores them (as bytes for float8: index_copy_ has no float8)."""
     if cache.dtype is torch.int8:
         return quantize_kv(x)
-    if cache.element_size() == 1:  # float8_e4m3fn: saturated, not NaN, beyond its range
+    if cache.is_floating_point() and cache.element_size() == 1:  # float8_e4m3fn: saturated, not NaN
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype).view(torch.uint8)
     return x.to(cache.dtype)
 
@@ -128,7 +128,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int, dtype: to
 
     One index_select of whole blocks (each a contiguous run of block_size * heads * dim values),
     several times faster on CPU than advanced indexing with a 2-D index."""
-    if cache.element_size() == 1 and cache.dtype is not torch.int8:  # float8: moved as bytes
+    if cache.is_floating_point() and cache.element_size() == 1:  # float8: moved as bytes
         return _gather(cache.view(torch.uint8), block_table, slot, torch.uint8).view(cache.dtype).to(dtype)
     nb, bs, nkv, d = cache.shape
     idx = block_table.reshape(-1)

@@ -150,16 +150,20 @@ def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
         ext.paged_prefill_attention_(out, q, kc, vc, table[:-1], ctx, 0.125)
 
 
-def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype):
     """attention.paged_attention on a step of decode rows and two prefill chunks (one fresh, one after a
     cached prefix): the in-place prefill kernel and the SDPA path (KernelConfig(in_place_prefill=False)) give
-    the same rows; head sizes the kernel lacks fall back by themselves."""
+    the same rows; head sizes the kernel lacks fall back by themselves. An int8 cache: the Python writer and
+    dequantizer (write_kv, the gather) and the kernels read the same stored values; only the fresh chunk, which
+    the SDPA path attends with its own unrounded keys, differs by the rounding."""
     from llmserve.config import KernelConfig
-    from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention, write_kv
+    from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape, paged_attention
+    from llmserve.model.attention import write_kv
 
     torch.manual_seed(1)
     H, Hk, D, NB, BS = 6, 2, 64, 32, 16
-    kv = torch.zeros(2, NB, BS, Hk, D)
+    kv = torch.zeros(kv_cache_shape(NB, BS, Hk, D, cache_dtype), dtype=cache_dtype)
     tables = [torch.randperm(NB)[:6], torch.randperm(NB)[:6]]
     # request 0: 40 cached tokens, a 9-token chunk; request 1: a fresh 21-token prompt; then one decode row
     prefix = torch.randn(40, Hk, D), torch.randn(40, Hk, D)
@@ -184,6 +188,39 @@ def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext):
         ops.configure(saved)
     with torch.inference_mode():
         fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True)
-    assert close(fast, slow, 1e-5)
+    assert close(fast[:10], slow[:10], 1e-5)  # the decode row and the chunk after the prefix
+    assert close(fast[10:], slow[10:], 1e-5 if cache_dtype is torch.float32 else 0.05)
     out = torch.empty(5, H, 96)
     assert not ops.paged_prefill_attention(out, torch.randn(5, H, 96), kv[0], kv[1], tables[1], 5, 0.1)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_8_bit_caches_written_and_gathered_by_the_pytorch_path(cache_dtype):
+    """The PyTorch side of the 8-bit caches (the path of CUDA and of shapes the kernels lack): write_kv stores
+    int8 rows within half a step of their scale (max |x| / 127 per token and head; zeros stay zeros) and fp8
+    values saturated at +-448 instead of NaN; the gather reads back exactly what was stored."""
+    from llmserve.model.attention import FP8_MAX, _gather, kv_cache_shape, write_kv
+
+    torch.manual_seed(3)
+    NB, BS, Hk, D = 6, 16, 2, 64
+    kv = torch.zeros(kv_cache_shape(NB, BS, Hk, D, cache_dtype), dtype=cache_dtype)
+    k = torch.randn(20, Hk, D) * torch.rand(20, Hk, 1) * 8
+    v = torch.randn(20, Hk, D)
+    k[3, 1] = 0.0
+    k[4, 0, 5] = 1000.0  # beyond float8's range
+    table = torch.tensor([4, 1])
+    slots = table[torch.arange(20) // BS] * BS + torch.arange(20) % BS
+    write_kv(kv[0], kv[1], k, v, slots)
+    with torch.inference_mode():
+        gk = _gather(kv[0], table, 0, torch.float32)[:, :20].transpose(0, 1)  # [20, Hk, D]
+        gv = _gather(kv[1], table, 1, torch.float32)[:, :20].transpose(0, 1)
+    if cache_dtype is torch.int8:
+        step = k.abs().amax(-1, keepdim=True) / 127
+        assert ((gk - k).abs() <= step / 2 + 1e-6).all()
+        assert torch.equal(gk, dequantize_kv(quantize_kv(k), torch.float32))
+        assert torch.equal(gv, dequantize_kv(quantize_kv(v), torch.float32))
+        assert (gk[3, 1] == 0).all()
+    else:
+        assert torch.isfinite(gk).all() and gk[4, 0, 5] == FP8_MAX
+        assert torch.equal(gv, v.to(cache_dtype).float())
+        assert ((gk - k).abs() <= k.abs() / 16 + 1e-2)[k.abs() < FP8_MAX].all()  # e4m3: 3 mantissa bits
