@@ -158,8 +158,14 @@ def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype):
     dequantizer (write_kv, the gather) and the kernels read the same stored values; only the fresh chunk, which
     the SDPA path attends with its own unrounded keys, differs by the rounding."""
     from llmserve.config import KernelConfig
-    from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape, paged_attention
-    from llmserve.model.attention import write_kv
+    from llmserve.model.attention import (
+        AttentionMetadata,
+        DecodeGroup,
+        PrefillChunk,
+        kv_cache_shape,
+        paged_attention,
+        write_kv,
+    )
 
     torch.manual_seed(1)
     H, Hk, D, NB, BS = 6, 2, 64, 32, 16
