@@ -11,7 +11,9 @@
    tokens at 64 concurrent, float16 KV then int8 KV (one run each): throughput, RSS, and the pool's blocks.
 
     python -m benchmarks.engine.kv_dtype [--llama-server PATH] [--context 2000] [--rounds 3]
-    python -m benchmarks.engine.kv_dtype --int8 [--concurrency 64]
+    python -m benchmarks.engine.kv_dtype --int8 [--concurrency 64] [--offline]
+
+   `--offline`: the engine (LLM.generate, default weights), the prompts x 32 tokens, prefill included, instead.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ def long_context_decode(context: int, rounds: int, new_tokens: int = 64) -> dict
             m = out.metrics  # decode only: from the first token to the last
             speeds[d].append(new_tokens / (m.last_token_time - m.first_token_time))
     return speeds
+
+
+def int8_offline(concurrency: int) -> dict[str, float]:
+    """The engine offline (default weights): `concurrency` chat prompts x 32 tokens (EOS ignored), prefill
+    included, float16 then int8 KV, one run each: output tok/s per KV type."""
+    import time
+
+    from llmserve import LLM, SamplingParams
+
+    engines = {d: LLM(kv_cache_memory=1.0, kv_cache_dtype=d) for d in ("float16", "int8")}
+    tok = engines["int8"].get_tokenizer()
+    ids = [tok.encode_chat(m) for m in chat_prompts(concurrency)]
+    for e in engines.values():  # warm-up
+        e.generate(ids[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    out = {}
+    for d, e in engines.items():
+        t = time.perf_counter()
+        res = e.generate(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        out[d] = sum(len(o.outputs[0].token_ids) for o in res) / (time.perf_counter() - t)
+        print(f"offline, {concurrency} prompts, {d} KV: {out[d]:.1f} tok/s", flush=True)
+    return out
 
 
 def int8_vs_float16(threads: int, concurrency: int, write: bool) -> None:
@@ -92,7 +115,10 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--int8", action="store_true", help="only int8 vs float16 KV at --concurrency")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--offline", action="store_true", help="with --int8: the engine offline instead of the server")
     args = ap.parse_args()
+    if args.int8 and args.offline:
+        return int8_offline(args.concurrency)
     if args.int8:
         return int8_vs_float16(args.threads, args.concurrency, not args.no_write)
     prompts = chat_prompts(64)
