@@ -140,16 +140,16 @@ async def _load(url: str, model: str, prompts, concurrency: int, max_tokens: int
         return n / (time.perf_counter() - t)
 
 
-def serve_numbers(flags: list[str], threads, prompts, max_tokens, load: bool = True) -> dict:
-    """`llmserve serve FLAGS`: tok/s at 16 concurrent and the server's RSS after that load."""
+def serve_numbers(flags: list[str], threads, prompts, max_tokens, load: bool = True, concurrency: int = 16) -> dict:
+    """`llmserve serve FLAGS`: tok/s at `concurrency` (key c16 for 16) and the server's RSS after that load."""
     srv = ServerProcess("--num-threads", str(threads), "--log-level", "warning", "--kv-cache-memory", "1", *flags)
     try:
         srv.wait_ready(timeout=600)
-        c16 = asyncio.run(_load(srv.url, MODEL, prompts if load else prompts[:2], 16, max_tokens))
+        tok_s = asyncio.run(_load(srv.url, MODEL, prompts if load else prompts[:2], concurrency, max_tokens))
         rss = psutil.Process(srv.proc.pid).memory_info().rss
     finally:
         srv.terminate()
-    res = dict(c16=c16 if load else None, rss_mib=rss / 2**20)
+    res = {f"c{concurrency}": tok_s if load else None, "rss_mib": rss / 2**20}
     print(f"llmserve serve {' '.join(flags)}: {res}", flush=True)
     return res
 

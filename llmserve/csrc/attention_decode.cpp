@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -23,6 +24,11 @@ namespace {
 // The key and value rows 16 positions ahead are prefetched while 8 keys are scored: the blocks lie anywhere, so
 // the hardware's prefetchers lose the stream at every block; 30 layers x 64 rows x 320 positions of a float32
 // cache (SmolLM2's 3 KV heads) 64 -> 47 ms a step, float16 59 -> 35 ms (from DRAM: ~1 GB a step).
+// An int8 cache (C = int8_t) is read as its integers; each key's scale multiplies its scores, each value's its
+// probability (the scale sits after the row's D values, vec.h).
+
+template <typename C>
+constexpr bool kScaled = std::is_same_v<C, int8_t>;
 
 template <int D, typename C>
 void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const int64_t* off, int64_t len,
@@ -31,15 +37,20 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
   const __m256 scv = _mm256_set1_ps(sc);
   int64_t j0 = 0;
   constexpr int64_t kAhead = 16;   // positions: their key and value rows are fetched while these 8 are scored
-  constexpr int64_t kLine = 64 / sizeof(C);
+  constexpr int64_t kLine = 64 / sizeof(C), kRow = D + (kScaled<C> ? kKVScale : 0);
   for (; j0 + 8 <= len; j0 += 8) {   // 8 keys at a time: their 8 dot products summed across lanes together
     const C* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = kp + off[j0 + i];
     for (int64_t i = j0 + kAhead; i < std::min(len, j0 + kAhead + 8); ++i)
-      for (int64_t c = 0; c < D; c += kLine) {
+      for (int64_t c = 0; c < kRow; c += kLine) {
         _mm_prefetch(reinterpret_cast<const char*>(kp + off[i] + c), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vp + off[i] + c), _MM_HINT_T1);
       }
+    __m256 ksc = scv;   // the softmax scale, times each key's own for an int8 cache
+    if constexpr (kScaled<C>)
+      ksc = _mm256_mul_ps(scv, _mm256_setr_ps(kv_scale(kr[0], D), kv_scale(kr[1], D), kv_scale(kr[2], D),
+                                              kv_scale(kr[3], D), kv_scale(kr[4], D), kv_scale(kr[5], D),
+                                              kv_scale(kr[6], D), kv_scale(kr[7], D)));
     for (int64_t g = 0; g < G; ++g) {
       const float* qh = q0 + g * D;
       __m256 a[8];
@@ -48,11 +59,13 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
         const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
         for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(kr[i] + 8 * r), a[i]);
       }
-      _mm256_storeu_ps(scores + g * len + j0, _mm256_mul_ps(hsum8(a), scv));
+      _mm256_storeu_ps(scores + g * len + j0, _mm256_mul_ps(hsum8(a), ksc));
     }
   }
   for (int64_t j = j0; j < len; ++j) {
     const C* k = kp + off[j];
+    float ks = sc;
+    if constexpr (kScaled<C>) ks *= kv_scale(k, D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qh = q0 + g * D;
       __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k));
@@ -61,7 +74,7 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
         s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), load8(k + 8 * r), s0);
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r + 8), load8(k + 8 * r + 8), s1);
       }
-      scores[g * len + j] = hsum(_mm256_add_ps(s0, s1)) * sc;
+      scores[g * len + j] = hsum(_mm256_add_ps(s0, s1)) * ks;
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -85,7 +98,9 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (j = 0; j < len; ++j) {
       const C* v = vp + off[j];
-      const __m256 p = _mm256_set1_ps(sg[j]);
+      float pj = sg[j];
+      if constexpr (kScaled<C>) pj *= kv_scale(v, D);
+      const __m256 p = _mm256_set1_ps(pj);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, load8(v + 8 * r), acc[r]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
@@ -104,15 +119,17 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 tables");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "paged_decode_attention: float32 or float16 caches of one shape");
+              kv_cache_type(k_cache.scalar_type()),
+              "paged_decode_attention: float32, float16 or int8 caches of one shape");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D &&
-              (D == 64 || D == 128) && H % Hkv == 0 && k_cache.size(3) == D, "paged_decode_attention: layout");
+              (D == 64 || D == 128) && H % Hkv == 0 && k_cache.size(3) == kv_row(k_cache.scalar_type(), D),
+              "paged_decode_attention: layout");
   const int64_t G = H / Hkv, qld = q.stride(0), old = out.stride(0), num_blocks = k_cache.size(0);
+  const int64_t W = k_cache.size(3);   // a row's elements: D, or D + the scale's 4 bytes for int8
   const float* qp = q.data_ptr<float>();
-  const bool half_cache = k_cache.scalar_type() == at::kHalf;
+  const at::ScalarType type = k_cache.scalar_type();
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -131,8 +148,8 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
       off.resize(len);
       const int64_t* table = tables + b * maxb;
       for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {   // the cache offset of each position
-        const int64_t base = (table[blk] * bs * Hkv + kvh) * D;
-        for (int64_t i = 0; i < std::min(bs, len - j0); ++i) off[j0 + i] = base + i * Hkv * D;
+        const int64_t base = (table[blk] * bs * Hkv + kvh) * W;
+        for (int64_t i = 0; i < std::min(bs, len - j0); ++i) off[j0 + i] = base + i * Hkv * W;
       }
       const float* q0 = qp + b * qld + kvh * G * D;
       float* o0 = op + b * old + kvh * G * D;
@@ -140,7 +157,8 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
         if (D == 64) attend_group<64>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
         else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
       };
-      if (half_cache) attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      if (type == at::kHalf) attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      else if (type == at::kChar) attend(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
       else attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     }
   });

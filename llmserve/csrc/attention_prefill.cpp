@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -24,7 +25,8 @@ namespace {
 // product of a broadcast key (value) element with row vectors, and the online softmax (a running max and
 // sum per row; the output rescaled when the max moves) needs no horizontal sums. Per tile of kPrefillK
 // keys: S^T = K Q^T, P = exp(S - max), O^T = alpha O^T + V^T P^T, register-blocked (keys x row vectors,
-// columns x row vectors). float32 keys are read straight from the blocks, float16 ones widened per tile.
+// columns x row vectors). float32 keys are read straight from the blocks, float16 ones widened per tile, int8
+// ones widened and multiplied by their row's scale per tile.
 // Key tiles past a task's last query are skipped; on the diagonal a row's later keys get probability 0.
 
 constexpr int kPrefillK = 32;   // keys per tile
@@ -206,10 +208,11 @@ struct PrefillScratch {   // one thread's: Mp rows (a multiple of 16) of head si
 };
 
 // One task: KV head kvh, the chunk's queries [i0, i1) (query i at position ctx - n + i; its G heads are
-// rows (i - i0) * G + g). q / out rows: qld / old apart, heads D apart. Caches [blocks, bs, Hkv, D].
+// rows (i - i0) * G + g). q / out rows: qld / old apart, heads D apart. Caches [blocks, bs, Hkv, W]: W = D, or
+// D + 4 for int8 (the scale after the values).
 template <typename Kern, typename C>
 void prefill_task(const float* qp, int64_t qld, float* op, int64_t old, const C* kc, const C* vc,
-                  const int64_t* table, int64_t bs, int64_t Hkv, int64_t D, int64_t kvh, int64_t G, int64_t ctx,
+                  const int64_t* table, int64_t bs, int64_t Hkv, int64_t D, int64_t W, int64_t kvh, int64_t G, int64_t ctx,
                   int64_t n, int64_t i0, int64_t i1, float scale, PrefillScratch& w) {
   const int64_t M = (i1 - i0) * G, Mp = (M + 15) / 16 * 16, first = ctx - n;
   float *Qt = w.qt.data(), *Ot = w.ot.data(), *St = w.st.data();
@@ -230,15 +233,20 @@ void prefill_task(const float* qp, int64_t qld, float* op, int64_t old, const C*
         w.kr[j] = w.vr[j] = w.zero.data();
         continue;
       }
-      const int64_t pos = k0 + j, off = ((table[pos / bs] * bs + pos % bs) * Hkv + kvh) * D;
+      const int64_t pos = k0 + j, off = ((table[pos / bs] * bs + pos % bs) * Hkv + kvh) * W;
       if constexpr (std::is_same_v<C, float>) {
         w.kr[j] = kc + off;
         w.vr[j] = vc + off;
       } else {   // widened once per tile
         float *kd = w.kw.data() + j * D, *vd = w.vw.data() + j * D;
+        __m256 ks = _mm256_set1_ps(1.0f), vs = ks;
+        if constexpr (std::is_same_v<C, int8_t>) {
+          ks = _mm256_set1_ps(kv_scale(kc + off, D));
+          vs = _mm256_set1_ps(kv_scale(vc + off, D));
+        }
         for (int64_t d = 0; d < D; d += 8) {
-          _mm256_storeu_ps(kd + d, load8(kc + off + d));
-          _mm256_storeu_ps(vd + d, load8(vc + off + d));
+          _mm256_storeu_ps(kd + d, _mm256_mul_ps(load8(kc + off + d), ks));
+          _mm256_storeu_ps(vd + d, _mm256_mul_ps(load8(vc + off + d), vs));
         }
         w.kr[j] = kd;
         w.vr[j] = vd;
@@ -271,13 +279,14 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
               block_table.dim() == 1 && block_table.scalar_type() == at::kLong,
               "paged_prefill_attention: contiguous caches, an int64 block table");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) && k_cache.dim() == 4,
-              "paged_prefill_attention: float32 or float16 caches of one shape");
+              kv_cache_type(k_cache.scalar_type()) && k_cache.dim() == 4,
+              "paged_prefill_attention: float32, float16 or int8 caches of one shape");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_prefill_attention: q and out [n, H, D]");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), ctx = context_len;
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), num_blocks = k_cache.size(0);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D &&
-              (D == 64 || D == 128) && H % Hkv == 0 && k_cache.size(3) == D, "paged_prefill_attention: layout");
+              (D == 64 || D == 128) && H % Hkv == 0 && k_cache.size(3) == kv_row(k_cache.scalar_type(), D),
+              "paged_prefill_attention: layout");
   TORCH_CHECK(n <= ctx && ctx < (1LL << 31) && (ctx + bs - 1) / bs <= block_table.numel(),
               "paged_prefill_attention: context length");
   if (n == 0) return;
@@ -288,7 +297,9 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = (float)scale;
-  const bool half_cache = k_cache.scalar_type() == at::kHalf, wide = use_avx512();
+  const at::ScalarType type = k_cache.scalar_type();
+  const int64_t W = k_cache.size(3);
+  const bool wide = use_avx512();
   at::parallel_for(0, tiles * Hkv, 1, [&](int64_t t0, int64_t t1) {
     PrefillScratch w((kPrefillQ * G + 15) / 16 * 16, D);
     for (int64_t t = t0; t < t1; ++t) {
@@ -296,10 +307,14 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       const int64_t tile = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
       const int64_t i0 = tile * kPrefillQ, i1 = std::min(n, i0 + kPrefillQ);
       auto run = [&](auto kern, const auto* kc, const auto* vc) {
-        prefill_task<decltype(kern)>(qp, qld, op, old, kc, vc, table, bs, Hkv, D, kvh, G, ctx, n, i0, i1, sc, w);
+        prefill_task<decltype(kern)>(qp, qld, op, old, kc, vc, table, bs, Hkv, D, W, kvh, G, ctx, n, i0, i1, sc, w);
       };
-      if (half_cache) {
+      if (type == at::kHalf) {
         const at::Half *kc = k_cache.data_ptr<at::Half>(), *vc = v_cache.data_ptr<at::Half>();
+        if (wide) run(PrefillAvx512{}, kc, vc);
+        else run(PrefillAvx2{}, kc, vc);
+      } else if (type == at::kChar) {
+        const int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
         if (wide) run(PrefillAvx512{}, kc, vc);
         else run(PrefillAvx2{}, kc, vc);
       } else {

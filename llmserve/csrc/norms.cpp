@@ -65,7 +65,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
 // ---------------------------------------------------------------------------------------------
 // Rotary (neox halves) in place on heads [0, H + Hkv) of each row of qkv [T, (H + 2 Hkv) D], then
 // the row's K and V heads copied into the paged cache at slot_mapping[t] (caches
-// [num_blocks, block, Hkv, D]). cos/sin: [max_positions, D] tables (first half equal to the second).
+// [num_blocks, block, Hkv, D] float32 or float16, or [..., D + 4] int8: each head quantized, vec.h). cos/sin: [max_positions, D] tables (first half equal to the second).
 void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                       int64_t num_heads, int64_t num_kv_heads, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
                       const at::Tensor& slot_mapping) {
@@ -75,17 +75,19 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong && D % 16 == 0 &&
               positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0), "rotary: int64 positions, slots");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == num_kv_heads &&
-              k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf), "rotary: cache layout");
+              kv_cache_type(k_cache.scalar_type()) && k_cache.size(3) == kv_row(k_cache.scalar_type(), D) &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "rotary: cache layout");
   const int64_t T = qkv.size(0), ld = qkv.stride(0), half = D / 2, P = cos.size(0);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv = num_kv_heads * D;
+  const int64_t slot_width = num_kv_heads * k_cache.size(3);   // an int8 cache's rows carry their scales
   float* p = qkv.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < P && slots[t] >= 0 && slots[t] < num_slots, "rotary: position or slot out of range");
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const bool half_cache = k_cache.scalar_type() == at::kHalf;
+  const at::ScalarType type = k_cache.scalar_type();
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pos[t] * D;
@@ -102,13 +104,13 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
         }
       }
       const float* knew = row + num_heads * D;
-      if (half_cache) {
-        store_kv(knew, kv, k_cache.data_ptr<at::Half>() + slots[t] * kv);
-        store_kv(knew + kv, kv, v_cache.data_ptr<at::Half>() + slots[t] * kv);
-      } else {
-        store_kv(knew, kv, k_cache.data_ptr<float>() + slots[t] * kv);
-        store_kv(knew + kv, kv, v_cache.data_ptr<float>() + slots[t] * kv);
-      }
+      auto store = [&](auto* kc, auto* vc) {
+        store_kv_heads(knew, num_kv_heads, D, kc + slots[t] * slot_width);
+        store_kv_heads(knew + kv, num_kv_heads, D, vc + slots[t] * slot_width);
+      };
+      if (type == at::kHalf) store(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      else if (type == at::kChar) store(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+      else store(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     }
   });
 }

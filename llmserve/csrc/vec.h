@@ -90,6 +90,48 @@ inline void store_kv(const float* src, int64_t n, at::Half* dst) {   // n % 8 ==
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// int8 KV rows (--kv-cache-dtype int8, llmserve.model.attention.quantize_kv): a head's D values rounded to int8,
+// then their scale (max |x| / 127) as a float32 in the next 4 bytes; a row is D + kKVScale elements wide.
+constexpr int64_t kKVScale = 4;
+inline __m256 load8(const int8_t* p) {   // 8 int8 values as floats (the row's scale not applied)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float kv_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(float));
+  return s;
+}
+// One head's D floats (D % 8 == 0) into an int8 row: the same bits as quantize_kv (x / s rounded to nearest
+// even, s = amax / 127 in float32; s = 0 and zeros for a row of zeros).
+inline void quantize_kv_row(const float* src, int64_t D, int8_t* dst) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(src + i), abs_mask));
+  const float scale = hmax(m) / 127.0f;
+  const __m256 div = _mm256_set1_ps(scale > 0.0f ? scale : 1.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (int64_t i = 0; i < D; i += 8) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(src + i), div));   // MXCSR: nearest even
+    q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w, w));
+  }
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+// Keys or values of one token (heads x D floats) into a cache row of each type: `heads` rows of D (+ the scale)
+inline void store_kv_heads(const float* src, int64_t heads, int64_t D, float* dst) { store_kv(src, heads * D, dst); }
+inline void store_kv_heads(const float* src, int64_t heads, int64_t D, at::Half* dst) {
+  store_kv(src, heads * D, dst);
+}
+inline void store_kv_heads(const float* src, int64_t heads, int64_t D, int8_t* dst) {
+  for (int64_t h = 0; h < heads; ++h) quantize_kv_row(src + h * D, D, dst + h * (D + kKVScale));
+}
+// the row width of a cache of `type` for heads of D values
+inline int64_t kv_row(at::ScalarType type, int64_t D) { return type == at::kChar ? D + kKVScale : D; }
+inline bool kv_cache_type(at::ScalarType type) {
+  return type == at::kFloat || type == at::kHalf || type == at::kChar;
+}
+
 // a little-endian float16 at p (GGUF's fields: any alignment)
 inline float f16(const uint8_t* p) {
   uint16_t h;

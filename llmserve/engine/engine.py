@@ -77,8 +77,8 @@ class LLMEngine:
         plain = not config.quantization and not config.enable_lora and config.tensor_parallel_size == 1
         self.dtype = resolve_dtype(config.dtype, self.device, plain)  # the weights'
         self.act_dtype = activation_dtype(self.dtype, self.device)  # float32 around bfloat16 weights on CPU
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.act_dtype)
-        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, ...
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.act_dtype, self.device)
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, int8, ...
         t0 = time.time()
 
         source = resolve_model(config.model)

@@ -19,7 +19,7 @@ from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
 from llmserve.model import ops, rejection
-from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape, kv_row_width
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaModel
 from llmserve.model.sampler import SamplingRow, _top_logprobs, sample
@@ -28,8 +28,9 @@ log = logging.getLogger("llmserve.runner")
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """One block of every layer's keys and values (an int8 cache's rows with their scales)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * kv_row_width(cfg.head_dim, dtype) * elem
 
 
 GiB = 1 << 30
@@ -68,7 +69,8 @@ def profile_activations(model, n: int, block_size: int, kv_dtype: torch.dtype, d
     torch.cuda.reset_peak_memory_stats()
     mc = model.cfg  # this rank's head counts under tensor parallelism
     nb = (n + block_size - 1) // block_size
-    cache = torch.zeros(2, nb, block_size, mc.num_kv_heads, mc.head_dim, dtype=kv_dtype, device=device)
+    shape = kv_cache_shape(nb, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     ids = torch.zeros(n, dtype=torch.long, device=device)
     pos = torch.arange(n, device=device)
     meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb, device=device))])
@@ -122,7 +124,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         kv_dtype = kv_dtype or dtype
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         # On CPU each layer's cache is an anonymous mapping: zero pages that become resident only as
         # blocks are written, so memory grows with use up to the budget. (torch.empty is not enough:
         # after large frees malloc recycles old memory, and a NaN bit pattern in a masked-out slot

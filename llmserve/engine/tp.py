@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from llmserve import envs
 from llmserve.model import ops
+from llmserve.model.attention import kv_row_width
 from llmserve.model.config import ModelConfig
 from llmserve.model.parallel import load_sharded_model, local_config, plan_heads
 
@@ -204,7 +205,8 @@ class TensorParallel:
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Per rank: the largest share (ranks hold different numbers of KV heads when they split unevenly)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return self.mc.num_layers * 2 * block_size * max(s.num_kv_heads for s in self.shards) * self.mc.head_dim * elem
+        row = kv_row_width(self.mc.head_dim, dtype)  # an int8 cache's rows carry their scales
+        return self.mc.num_layers * 2 * block_size * max(s.num_kv_heads for s in self.shards) * row * elem
 
     def load_model(self, source, reader, dtype: torch.dtype, max_positions: int, kv_bytes: int = 0):
         """Rank 0's shard (its weights read from `source`'s files; each worker reads its own)."""
@@ -346,7 +348,7 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
         return 0
     _, num_blocks, block_size = msg
     act = activation_dtype(dtype, device)
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, act)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, act, device)
     runner = ModelRunner(model, model.cfg, num_blocks, block_size, device, act, kv_dtype)
     dist.all_reduce(torch.zeros(1), group=ctrl)  # "loaded" barrier
     with torch.inference_mode():

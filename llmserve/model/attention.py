@@ -2,7 +2,10 @@
 
 The KV cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and the same
 for values. A request's keys live in the blocks its block table names; a token at position `p` sits in
-slot `block_table[p // block_size] * block_size + p % block_size`.
+slot `block_table[p // block_size] * block_size + p % block_size`. An int8 cache (--kv-cache-dtype int8)
+is `[..., num_kv_heads, head_dim + 4]`: each token's head row is its values rounded to int8 with one
+scale (max |x| / 127, symmetric), whose float32 bytes follow the values (`quantize_kv`): a block stays
+one self-contained run of bytes, and the kernels read the scale beside the row they dequantize.
 
 One flat batch holds decode tokens first (one query each, batched together) and then prefill chunks
 (several queries each, attended one chunk at a time, against the cached prefix plus themselves). On CPU
@@ -58,12 +61,53 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+KV_SCALE_BYTES = 4  # an int8 cache row's float32 scale, after its head_dim values
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (stored unscaled, as vLLM's uncalibrated fp8 KV)
+
+
+def kv_row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Elements of one token's head in a cache of `kv_dtype` (its last dimension)."""
+    return head_dim + KV_SCALE_BYTES if kv_dtype is torch.int8 else head_dim
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype):
+    """One layer's cache: keys and values, [2, num_blocks, block_size, num_kv_heads, row width]."""
+    return (2, num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, kv_dtype))
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] floats -> int8 rows [..., D + 4]: round(x / s) with s = max|x| / 127 per row (0 for a row of
+    zeros), then s's float32 bytes. The C++ writer (csrc quantize_kv_row) computes the same bits."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(xf / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., D + 4] (quantize_kv) -> [..., D] in `dtype`: each value times its row's scale."""
+    d = rows.shape[-1] - KV_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return (rows[..., :d].float() * scale).to(dtype)
+
+
+def _stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New keys or values [T, Hkv, D] as `cache` stores them (as bytes for float8: index_copy_ has no float8)."""
+    if cache.dtype is torch.int8:
+        return quantize_kv(x)
+    if cache.is_floating_point() and cache.element_size() == 1:  # float8_e4m3fn: saturated, not NaN
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype).view(torch.uint8)
+    return x.to(cache.dtype)
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    nkv, d = k_cache.shape[-2:]
-    k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    nkv, w = k_cache.shape[-2:]
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = _stored(x, cache)
+        flat = cache.view(-1, nkv, w) if rows.dtype == cache.dtype else cache.view(rows.dtype).view(-1, nkv, w)
+        flat.index_copy_(0, slot_mapping, rows)
 
 
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
@@ -82,15 +126,19 @@ def _buffer(slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
     """[..., max_blocks] block ids -> [..., num_kv_heads, max_blocks * block_size, head_dim], in `dtype`
-    (the queries'; a cache stored narrower, --kv-cache-dtype, is widened here).
+    (the queries'; a cache stored narrower, --kv-cache-dtype, is widened here, an int8 one dequantized).
 
     One index_select of whole blocks (each a contiguous run of block_size * heads * dim values),
     several times faster on CPU than advanced indexing with a 2-D index."""
+    if cache.is_floating_point() and cache.element_size() == 1:  # float8: moved as bytes
+        return _gather(cache.view(torch.uint8), block_table, slot, torch.uint8).view(cache.dtype).to(dtype)
     nb, bs, nkv, d = cache.shape
     idx = block_table.reshape(-1)
     out = _buffer(slot, idx.numel() * bs * nkv * d, cache).view(idx.numel(), bs * nkv * d)
     torch.index_select(cache.view(nb, bs * nkv * d), 0, idx, out=out)
     g = out.view(*block_table.shape[:-1], block_table.shape[-1] * bs, nkv, d)
+    if cache.dtype is torch.int8 and dtype is not torch.int8:
+        return dequantize_kv(g, dtype).transpose(-3, -2)
     return g.transpose(-3, -2).to(dtype)
 
 

@@ -40,6 +40,25 @@ def test_every_flagged_field_has_its_flag_and_the_rest_have_none():
     assert dests["kv_cache_memory"].type is float and dests["max_num_seqs"].type is int
 
 
+def test_kv_cache_dtype_choices_and_the_8_bit_types():
+    """--kv-cache-dtype: the dtypes, int8 and vLLM's fp8 names; an unknown type refused naming the field; fp8
+    only where the hardware has FP8 (never on a CPU), with a message pointing at int8."""
+    import torch
+
+    from llmserve.model.loader import resolve_kv_dtype
+
+    assert engine_config_from_args(parse(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parse(["--kv-cache-dtype", "int4"])
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown"):
+        EngineConfig(kv_cache_dtype="int4")
+    assert resolve_kv_dtype("int8", torch.float32, torch.device("cpu")) is torch.int8
+    assert resolve_kv_dtype("fp16", torch.float32) is torch.float16
+    for name in ("fp8", "fp8_e4m3"):
+        with pytest.raises(ValueError, match="fp8 needs FP8 hardware.*int8"):
+            resolve_kv_dtype(name, torch.float32, torch.device("cpu"))
+
+
 def test_flags_and_aliases_reach_the_config():
     cfg = engine_config_from_args(
         parse(

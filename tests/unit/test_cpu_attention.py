@@ -9,11 +9,24 @@ import torch.nn.functional as F
 
 from llmserve import envs
 from llmserve.model import ops
+from llmserve.model.attention import dequantize_kv, kv_row_width, quantize_kv
 from llmserve.model.layers.rotary import _rotate
+
+CACHE_DTYPES = [torch.float32, torch.float16, torch.int8]
 
 
 def close(a, b, rel=1e-5):
     return (a - b).abs().max().item() <= rel * max(b.abs().max().item(), 1e-6)
+
+
+def _stored(x, dtype):
+    """Keys or values [..., D] as a cache of `dtype` holds them (int8: rows with their scale)."""
+    return quantize_kv(x) if dtype is torch.int8 else x.to(dtype)
+
+
+def _widened(cache):
+    """A cache's stored values as float32 [..., D]: what the kernels must read."""
+    return dequantize_kv(cache, torch.float32) if cache.dtype is torch.int8 else cache.float()
 
 
 def test_norms(ext):
@@ -32,7 +45,7 @@ def test_silu_and_mul(ext):
     assert close(ext.silu_and_mul(gu), F.silu(g) * u, 1e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
     T, H, Hk, D = 5, 4, 2, head_dim
@@ -44,38 +57,42 @@ def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
     q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + Hk) * D].view(T, Hk, D)
     rq, rk = _rotate(q, cos[pos][:, None], sin[pos][:, None]), _rotate(k, cos[pos][:, None], sin[pos][:, None])
     v = qkv[:, (H + Hk) * D :].clone()
-    kc, vc = torch.zeros(3, 16, Hk, D, dtype=cache_dtype), torch.zeros(3, 16, Hk, D, dtype=cache_dtype)
+    W = kv_row_width(D, cache_dtype)
+    kc, vc = torch.zeros(3, 16, Hk, W, dtype=cache_dtype), torch.zeros(3, 16, Hk, W, dtype=cache_dtype)
     ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, slots)
     assert close(qkv[:, : H * D].view(T, H, D), rq) and close(qkv[:, H * D : (H + Hk) * D].view(T, Hk, D), rk)
     assert torch.equal(qkv[:, (H + Hk) * D :], v)
     # the cache holds the rotated keys and the values, rounded as torch rounds to its dtype (float16:
-    # to nearest, ties to even)
-    written_k = qkv[:, H * D : (H + Hk) * D].view(T, Hk, D).to(cache_dtype)
-    assert torch.equal(kc.view(-1, Hk, D)[slots], written_k)
-    assert torch.equal(vc.view(-1, Hk, D)[slots], v.view(T, Hk, D).to(cache_dtype))
+    # to nearest, ties to even; int8: the same bits as attention.quantize_kv, scales included)
+    written_k = _stored(qkv[:, H * D : (H + Hk) * D].view(T, Hk, D), cache_dtype)
+    assert torch.equal(kc.view(-1, Hk, W)[slots], written_k)
+    assert torch.equal(vc.view(-1, Hk, W)[slots], _stored(v.view(T, Hk, D), cache_dtype))
     untouched = torch.ones(48, dtype=torch.bool)
     untouched[slots] = False
-    assert kc.view(-1, Hk, D)[untouched].abs().sum() == 0
+    assert kc.view(-1, Hk, W)[untouched].abs().sum() == 0
     with pytest.raises(RuntimeError):  # a slot outside the cache is refused, not written
         ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, torch.tensor([7, 0, 48, 12, 5]))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_decode_attention(ext, head_dim, cache_dtype):
     torch.manual_seed(0)
     B, H, Hk, D, NB, BS = 4, 6, 2, head_dim, 40, 16
-    kc, vc = torch.randn(NB, BS, Hk, D).to(cache_dtype), torch.randn(NB, BS, Hk, D).to(cache_dtype)
+    kc, vc = _stored(torch.randn(NB, BS, Hk, D), cache_dtype), _stored(torch.randn(NB, BS, Hk, D), cache_dtype)
     lens = torch.tensor([1, 17, 100, 33])
     tables = torch.stack([torch.randperm(NB)[:7] for _ in range(B)])
+    if cache_dtype is torch.int8:  # rows of many scales, a key and a value of zeros (scale 0) that are read
+        kc = _stored(torch.randn(NB, BS, Hk, D) * torch.rand(NB, BS, Hk, 1) * 4, cache_dtype)
+        kc[tables[2, 1], 5, 1] = vc[tables[2, 3], 0, 0] = quantize_kv(torch.zeros(D))
     qkv = torch.randn(B, (H + 2) * D)  # strided query rows, as the model passes them
     q = qkv[:, : H * D].view(B, H, D)
     out = torch.zeros(B, H, D)
     ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.1)
     for b in range(B):
         n = int(lens[b])
-        k = kc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()  # the stored values, widened
-        v = vc[tables[b]].reshape(-1, Hk, D)[:n].transpose(0, 1)[None].float()
+        k = _widened(kc[tables[b]]).reshape(-1, Hk, D)[:n].transpose(0, 1)[None]  # the stored values, widened
+        v = _widened(vc[tables[b]]).reshape(-1, Hk, D)[:n].transpose(0, 1)[None]
         ref = F.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.1, enable_gqa=True)[0, :, 0]
         assert close(out[b], ref, 1e-5)
     bad = tables.clone()
@@ -90,15 +107,15 @@ def _prefill_reference(q, kc, vc, table, ctx, scale):
     """float64 causal SDPA of q [n, H, D] (positions ctx - n .. ctx - 1) over the first ctx stored keys."""
     n, _, d = q.shape
     hk = kc.shape[2]
-    k = kc[table].reshape(-1, hk, d)[:ctx].double().transpose(0, 1)[None]
-    v = vc[table].reshape(-1, hk, d)[:ctx].double().transpose(0, 1)[None]
+    k = _widened(kc[table]).reshape(-1, hk, d)[:ctx].double().transpose(0, 1)[None]
+    v = _widened(vc[table]).reshape(-1, hk, d)[:ctx].double().transpose(0, 1)[None]
     mask = torch.arange(ctx)[None] <= torch.arange(ctx - n, ctx)[:, None]
     qd = q.double().transpose(0, 1)[None]
     return F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
 @pytest.mark.parametrize("avx512", [True, False])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("groups", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
@@ -110,8 +127,8 @@ def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
     torch.manual_seed(head_dim + groups)
     Hk, D, NB, BS = 2, head_dim, 48, 16
     H = Hk * groups
-    kc = torch.randn(NB, BS, Hk, D).to(cache_dtype)
-    vc = torch.randn(NB, BS, Hk, D).to(cache_dtype)
+    kc = _stored(torch.randn(NB, BS, Hk, D), cache_dtype)
+    vc = _stored(torch.randn(NB, BS, Hk, D), cache_dtype)
     ext.set_avx512(avx512)
     try:
         for prefix, n in [(0, 1), (0, 7), (0, 64), (0, 300), (5, 1), (13, 7), (16, 64), (50, 300), (100, 33)]:
@@ -133,16 +150,26 @@ def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
         ext.paged_prefill_attention_(out, q, kc, vc, table[:-1], ctx, 0.125)
 
 
-def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype):
     """attention.paged_attention on a step of decode rows and two prefill chunks (one fresh, one after a
     cached prefix): the in-place prefill kernel and the SDPA path (KernelConfig(in_place_prefill=False)) give
-    the same rows; head sizes the kernel lacks fall back by themselves."""
+    the same rows; head sizes the kernel lacks fall back by themselves. An int8 cache: the Python writer and
+    dequantizer (write_kv, the gather) and the kernels read the same stored values; only the fresh chunk, which
+    the SDPA path attends with its own unrounded keys, differs by the rounding."""
     from llmserve.config import KernelConfig
-    from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention, write_kv
+    from llmserve.model.attention import (
+        AttentionMetadata,
+        DecodeGroup,
+        PrefillChunk,
+        kv_cache_shape,
+        paged_attention,
+        write_kv,
+    )
 
     torch.manual_seed(1)
     H, Hk, D, NB, BS = 6, 2, 64, 32, 16
-    kv = torch.zeros(2, NB, BS, Hk, D)
+    kv = torch.zeros(kv_cache_shape(NB, BS, Hk, D, cache_dtype), dtype=cache_dtype)
     tables = [torch.randperm(NB)[:6], torch.randperm(NB)[:6]]
     # request 0: 40 cached tokens, a 9-token chunk; request 1: a fresh 21-token prompt; then one decode row
     prefix = torch.randn(40, Hk, D), torch.randn(40, Hk, D)
@@ -167,6 +194,39 @@ def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext):
         ops.configure(saved)
     with torch.inference_mode():
         fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True)
-    assert close(fast, slow, 1e-5)
+    assert close(fast[:10], slow[:10], 1e-5)  # the decode row and the chunk after the prefix
+    assert close(fast[10:], slow[10:], 1e-5 if cache_dtype is torch.float32 else 0.05)
     out = torch.empty(5, H, 96)
     assert not ops.paged_prefill_attention(out, torch.randn(5, H, 96), kv[0], kv[1], tables[1], 5, 0.1)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_8_bit_caches_written_and_gathered_by_the_pytorch_path(cache_dtype):
+    """The PyTorch side of the 8-bit caches (the path of CUDA and of shapes the kernels lack): write_kv stores
+    int8 rows within half a step of their scale (max |x| / 127 per token and head; zeros stay zeros) and fp8
+    values saturated at +-448 instead of NaN; the gather reads back exactly what was stored."""
+    from llmserve.model.attention import FP8_MAX, _gather, kv_cache_shape, write_kv
+
+    torch.manual_seed(3)
+    NB, BS, Hk, D = 6, 16, 2, 64
+    kv = torch.zeros(kv_cache_shape(NB, BS, Hk, D, cache_dtype), dtype=cache_dtype)
+    k = torch.randn(20, Hk, D) * torch.rand(20, Hk, 1) * 8
+    v = torch.randn(20, Hk, D)
+    k[3, 1] = 0.0
+    k[4, 0, 5] = 1000.0  # beyond float8's range
+    table = torch.tensor([4, 1])
+    slots = table[torch.arange(20) // BS] * BS + torch.arange(20) % BS
+    write_kv(kv[0], kv[1], k, v, slots)
+    with torch.inference_mode():
+        gk = _gather(kv[0], table, 0, torch.float32)[:, :20].transpose(0, 1)  # [20, Hk, D]
+        gv = _gather(kv[1], table, 1, torch.float32)[:, :20].transpose(0, 1)
+    if cache_dtype is torch.int8:
+        step = k.abs().amax(-1, keepdim=True) / 127
+        assert ((gk - k).abs() <= step / 2 + 1e-6).all()
+        assert torch.equal(gk, dequantize_kv(quantize_kv(k), torch.float32))
+        assert torch.equal(gv, dequantize_kv(quantize_kv(v), torch.float32))
+        assert (gk[3, 1] == 0).all()
+    else:
+        assert torch.isfinite(gk).all() and gk[4, 0, 5] == FP8_MAX
+        assert torch.equal(gv, v.to(cache_dtype).float())
+        assert ((gk - k).abs() <= k.abs() / 16 + 1e-2)[k.abs() < FP8_MAX].all()  # e4m3: 3 mantissa bits

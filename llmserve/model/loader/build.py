@@ -94,10 +94,23 @@ def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if bf16.native(dtype, device) else dtype
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: `auto` stores keys and values in the activations' dtype."""
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The KV cache's element type: `auto` stores keys and values in the activations' dtype; int8 rows
+    carry their scale (llmserve.model.attention.quantize_kv). fp8 (float8 e4m3) only where the hardware has
+    FP8 arithmetic, a CUDA GPU of compute capability 8.9+ (Ada, Hopper): no CPU llmserve runs on has it (its
+    conversions would be emulated in software), so there int8 is the 8-bit cache."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        if device is None or device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            where = "this CPU" if device is None or device.type != "cuda" else "this GPU"
+            raise ValueError(
+                f"kv_cache_dtype: fp8 needs FP8 hardware (a CUDA GPU of compute capability 8.9+); {where} has "
+                "none: use --kv-cache-dtype int8 (a scale per token and head)"
+            )
+        return torch.float8_e4m3fn
+    if kv_cache_dtype == "int8":
+        return torch.int8
     return TORCH_DTYPES[DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)]
 
 
