@@ -36,16 +36,20 @@ def chain_extra(cache_salt: str | None = None, lora_name: str | None = None) -> 
 
 
 def chain_digests(
-    tokens: list[int], block_size: int, extra: bytes = b"", known: list[bytes] | None = None
+    tokens: list[int], block_size: int, extra: bytes = b"", known: list[bytes] | None = None, images=()
 ) -> list[bytes]:
     """The names of the full blocks of `tokens`: `known` (the names already computed, extended in place) plus
-    those of the following full blocks."""
+    those of the following full blocks. `images` (a vision request's: start, end, content_hash): a block holding
+    an image's placeholders is named by the picture too, as the RAM prefix cache keys it (KVCacheManager)."""
     out = known if known is not None else []
     parent = out[-1] if out else b""
     for i in range(len(out), len(tokens) // block_size):
         h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
         h.update(array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes())
         h.update(extra)
+        for im in images:
+            if im.start < (i + 1) * block_size and im.end > i * block_size:
+                h.update(b"image\0" + im.content_hash.encode() + b"\0")
         parent = h.digest()
         out.append(parent)
     return out
@@ -56,7 +60,8 @@ def request_digests(request, block_size: int, upto: int) -> list[bytes]:
     if len(request.block_digests) < upto:
         lora = request.lora.name if request.lora is not None else None
         extra = chain_extra(request.cache_salt, lora)
-        chain_digests(request.all_token_ids[: upto * block_size], block_size, extra, request.block_digests)
+        tokens = request.all_token_ids[: upto * block_size]
+        chain_digests(tokens, block_size, extra, request.block_digests, request.images)
     return request.block_digests[:upto]
 
 
