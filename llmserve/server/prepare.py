@@ -53,7 +53,8 @@ def encode_chat(
             kwargs = dict(kwargs or {}, tools=tools)
     try:
         if images is not None:
-            if tool_plan is not None or any(m.get("tool_calls") for m in msgs):
+            # a plan without tools (the server's parser, read on every answer) is not tools
+            if (tool_plan is not None and tool_plan.tools) or any(m.get("tool_calls") for m in msgs):
                 raise APIError(400, "messages: images with tools are not supported yet", param="messages")
             text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
             return prompt_with_images(tok, images[0], text, images[1])
