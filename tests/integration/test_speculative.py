@@ -60,7 +60,9 @@ def test_limits_and_stops_unchanged(llm, spec_llm):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), p
         if p.logprobs:
             assert [lp.token_id for lp in b.logprobs] == b.token_ids
-            assert [round(lp.logprob, 3) for lp in b.logprobs] == [round(lp.logprob, 3) for lp in a.logprobs]
+            # The verify pass scores several tokens in one forward, so float sums differ in the last bits:
+            # equal to a tolerance, not to a rounding (round(x, 3) splits values that straddle a boundary).
+            assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=2e-3)
 
 
 def _mean_logprob(outputs) -> torch.Tensor:
