@@ -78,7 +78,9 @@ class KernelConfig:
     int8_dot_rows: int = 16
     # int8 layers with one scale per output channel: an integer GEMM (torch's _int_mm,
     # oneDNN's int8 matmul, VNNI here), each row of activations rounded per token to two int8 levels (~15
-    # bits); no float16 copies kept. False: fbgemm's float16 GEMM on float16 copies (the older path)
+    # bits); no float16 copies kept. False: fbgemm's float16 GEMM on float16 copies (the older path). Only where
+    # the CPU sums int8 products itself (VNNI / AMX: ops.cpu_has_int8_dots): elsewhere _int_mm is a fallback 13-40x
+    # slower than float32 (a Zen 2), and many rows take the float32 tiles, the weights staying int8
     int8_gemm: bool = True
     # ... from this many rows (integer dots below): the integer GEMM is faster from 6-12 rows on SmolLM2's and a
     # 1B model's shapes (one thread: 8 rows 0.088 vs 0.144 ms on 576 x 1536, 64 rows 0.40 vs 0.90; 2048 x

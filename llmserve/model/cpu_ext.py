@@ -7,6 +7,7 @@ extension through `cpu_kernels()` here, and neither imports the other's loader.
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -24,6 +25,22 @@ _TRIED = False
 _KERNELS = KernelConfig()
 
 
+@functools.cache
+def cpu_has_int8_dots() -> bool:
+    """Whether this CPU sums int8 products into int32 directly (AVX512-VNNI, AVX-VNNI or AMX). Without them oneDNN's
+    u8 x s8 matmul (the packed int8 weights' path) adds pairs of products in int16 with saturation (vpmaddubsw):
+    activations shifted to u8 overflow it and the sums come out wrong (seen on a Zen 2, 1 row: -2.11 for -3.80), so
+    there the plain weights stay on the integer dots, which sum exactly. Nor does torch's _int_mm run fast there:
+    its fallback took 9.1 ms for 16 rows x 576 x 1536 against float32's 0.7 ms on that Zen 2 (36 ms vs 1.5 at 64
+    rows), so many rows take the float32 tiles instead (KernelConfig.int8_gemm)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
 def configure(kernels: KernelConfig) -> KernelConfig:
     """Use `kernels`' settings from now on (process-wide); returns the previous ones. Quantized layers
     take their row limits when built: configure before loading a model (the engine does)."""
@@ -34,7 +51,7 @@ def configure(kernels: KernelConfig) -> KernelConfig:
     if _EXT is not None and kernels.gemm != previous.gemm:
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
     if _EXT is not None:
-        _EXT.set_q8_int_gemm(kernels.int8_gemm)
+        _EXT.set_q8_int_gemm(kernels.int8_gemm and cpu_has_int8_dots())
         _EXT.set_q4_vnni(kernels.int4_vnni)
     return previous
 
@@ -68,7 +85,7 @@ def cpu_kernels():
         )
         _EXT.set_avx512(envs.LLMSERVE_AVX512)
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
-        _EXT.set_q8_int_gemm(_KERNELS.int8_gemm)
+        _EXT.set_q8_int_gemm(_KERNELS.int8_gemm and cpu_has_int8_dots())
         _EXT.set_q4_vnni(_KERNELS.int4_vnni)
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/*.cpp (%s); using PyTorch ops", e)

@@ -13,7 +13,6 @@ applies an engine's (EngineConfig.kernels) at start-up, for the whole process.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from llmserve.model import gguf_kernels
 from llmserve.model.cpu_ext import calibrate_gemv as calibrate_gemv
 from llmserve.model.cpu_ext import configure as configure
+from llmserve.model.cpu_ext import cpu_has_int8_dots as cpu_has_int8_dots
 from llmserve.model.cpu_ext import cpu_kernels, gemm_engine, gemm_rows, kernel_config
 from llmserve.model.cpu_ext import fast as _fast
 from llmserve.model.kinds import ProjectionKind
@@ -90,20 +90,6 @@ def vnni_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
         return None
     q = qweight.detach()
     return q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(), q.sum(1, dtype=torch.int32)
-
-
-@functools.cache
-def cpu_has_int8_dots() -> bool:
-    """Whether this CPU sums int8 products into int32 directly (AVX512-VNNI, AVX-VNNI or AMX). Without them oneDNN's
-    u8 x s8 matmul (the packed int8 weights' path) adds pairs of products in int16 with saturation (vpmaddubsw):
-    activations shifted to u8 overflow it and the sums come out wrong (seen on a Zen 2, 1 row: -2.11 for -3.80), so
-    there the plain weights stay on _int_mm and the integer dots, which sum exactly."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
 def pack_int8_weight(qweight: torch.Tensor) -> tuple[torch.Tensor | None, bool]:

@@ -144,6 +144,7 @@ class QuantLinear(nn.Module):
             and self.scale.shape[1] == 1
             and self._packed is None
             and k.int8_gemm
+            and ops.cpu_has_int8_dots()  # torch's _int_mm is a slow fallback without VNNI / AMX
             and self.act_bits > 8
         ):
             many = self.stack_many_rows = k.int8_gemm_rows
