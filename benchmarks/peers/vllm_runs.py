@@ -85,8 +85,13 @@ class Served:
             args = ["--served-model-name", NAME, "--num-threads", str(self.a.threads)]
             if flags:
                 args += ["--model", flags]
-            for part in self.kind.split("-")[1:]:  # llmserve-int8, llmserve-int8-kv16, llmserve-kv16, ...
-                args += ["--kv-cache-dtype", "float16"] if part == "kv16" else ["--quantization", part]
+            for part in self.kind.split("-")[1:]:  # llmserve-int8, llmserve-int8-kv16, llmserve-mbt2048, ...
+                if part == "kv16":
+                    args += ["--kv-cache-dtype", "float16"]
+                elif part.startswith("mbt"):  # a chunked-prefill token budget: --max-num-batched-tokens N
+                    args += ["--max-num-batched-tokens", part[3:]]
+                else:
+                    args += ["--quantization", part]
             self.proc = ServerProcess(*args)
             self.proc.wait_ready(timeout=1200)
             self.url = self.proc.url
@@ -146,7 +151,9 @@ def vllm_bench(url: str, tokenizer: str, d: str, *, n: int, c: int, isl: int, os
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=d, env={**os.environ, **OFFLINE})
     try:
         res = parse_result("vllm-completions", d)
-        res["ttfts"] = [t for t in json.load(open(os.path.join(d, "result.json"))).get("ttfts", [])]
+        raw = json.load(open(os.path.join(d, "result.json")))
+        res["ttfts"] = list(raw.get("ttfts", []))
+        res["p99_itl_ms"] = raw.get("p99_itl_ms")
     except Exception as e:  # noqa: BLE001 - a crashed client leaves no result: say so in the table
         res = dict(ok=0, failed=n, out_tok_s=None, ttft_ms=None, errors=[f"{type(e).__name__}: {e}"], ttfts=[])
     return res
@@ -246,7 +253,7 @@ def measure(model: str, kind: str, a) -> dict:
 def table(results: list[dict], a) -> str:
     rows = [
         "| model | server | "
-        + " | ".join(f"{c} concurrent tok/s (x vLLM)" for c in a.concurrency)
+        + " | ".join(f"{c} concurrent tok/s (x vLLM), p99 ITL" for c in a.concurrency)
         + f" | TTFT {a.ttft_len} tok cold / cached ms | load |",
         "|---|---|" + "---|" * len(a.concurrency) + "---|---|",
     ]
@@ -260,6 +267,8 @@ def table(results: list[dict], a) -> str:
                 v = run.get("out_tok_s")
                 base = ((ref or {}).get("runs", {}).get(c) or {}).get("out_tok_s")
                 cell = "-" if v is None else f"{v:.1f}" + (f" ({v / base:.2f}x)" if base and r is not ref else "")
+                if run.get("p99_itl_ms"):
+                    cell += f", p99 ITL {run['p99_itl_ms']:.0f} ms"
                 if run.get("failed"):
                     cell += f", {run['failed']} failed"
                 cells.append(cell)
