@@ -24,6 +24,7 @@ from llmserve.bench.scrape import metric_sum
 from llmserve.cli import main
 from llmserve.testing.launcher import ServerProcess, router_thread, wait_until
 from llmserve.testing.lora import write_random_adapter
+from tests.checkpoints import tiny_llama
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -31,27 +32,7 @@ PROMPT = [{"role": "user", "content": "Name three colors."}]
 
 
 def _tiny_folder(path: str, bundled_gguf: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from llmserve.tokenizer import Tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(path)
+    tiny_llama(path, bundled_gguf, head_dim=32)
 
 
 @pytest.fixture(scope="module")

@@ -12,34 +12,24 @@ import signal
 import pytest
 import torch
 
+from tests.checkpoints import tiny_llama
+
 MAX_TOKENS = 8
 BS = 16
 
 
 def _checkpoint(path, seed, bundled_gguf):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from llmserve.tokenizer import Tokenizer
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=49152,
+    return tiny_llama(
+        path,
+        bundled_gguf,
+        seed=seed,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
         rope_theta=10000.0,
         initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(path)
-    Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(path)
-    return model
 
 
 def _hf_greedy(model, ids):

@@ -11,6 +11,8 @@ import weakref
 import pytest
 import torch
 
+from tests.checkpoints import tiny_llama
+
 pytest.importorskip("peft")
 
 MAX_TOKENS = 12
@@ -20,30 +22,23 @@ MAX_TOKENS = 12
 def lora_setup(tmp_path_factory, bundled_gguf):
     """A tiny random Llama checkpoint, two random PEFT adapters of it, and PEFT's greedy references."""
     from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from llmserve.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("lora")
     base_dir = root / "base"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
+    tiny_llama(
+        base_dir,
+        bundled_gguf,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,  # head_dim 64: decode steps run in the fused C++ decode stack
-        num_key_value_heads=1,
+        num_hidden_layers=3,  # head_dim 64: decode steps run in the fused C++ decode stack
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
         rope_theta=10000.0,
         initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    LlamaForCausalLM(cfg).eval().save_pretrained(base_dir)
     tok = Tokenizer(bundled_gguf, gguf=True)
-    tok.hf.save_pretrained(base_dir)
     adapters = {
         "all7": LoraConfig(
             r=8,

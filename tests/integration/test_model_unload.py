@@ -11,17 +11,13 @@ import psutil
 
 from llmserve.config import EngineConfig, ServerSettings
 from llmserve.server.state import ServerState
+from tests.checkpoints import tiny_llama
 
 
 def _tiny(path: str, bundled_gguf: str) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from llmserve.tokenizer import Tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
+    tiny_llama(
+        path,
+        bundled_gguf,
         hidden_size=256,
         intermediate_size=1024,
         num_hidden_layers=4,
@@ -29,8 +25,6 @@ def _tiny(path: str, bundled_gguf: str) -> str:
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(path)
     return path
 
 

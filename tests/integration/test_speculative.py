@@ -11,6 +11,7 @@ import torch
 
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.request import SamplingParams
+from tests.checkpoints import tiny_llama
 from tests.integration.prompts import chat_messages, long_document
 
 
@@ -108,27 +109,8 @@ def test_sampled_requests_are_speculated_and_keep_the_distribution(llm, spec_llm
 def tiny_draft(tmp_path_factory, bundled_gguf):
     """A random 2-layer Llama with the bundled model's vocabulary: a poor draft, which verification must
     correct (greedy output unchanged, sampled output distributed as the model's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from llmserve.tokenizer import Tokenizer
-
     d = str(tmp_path_factory.mktemp("draft"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(cfg).eval().save_pretrained(d)
-    Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(d)
+    tiny_llama(d, bundled_gguf, head_dim=32, max_position_embeddings=8192)
     return d
 
 
