@@ -4,7 +4,7 @@ bundled tokenizer is converted by llama.cpp's convert_hf_to_gguf.py (--outtype f
 llmserve's greedy tokens, batched and alone, must equal transformers' on the checkpoint (for q8_0: with the
 file's Q8_0 values, gguf's own quantize / dequantize, the algorithm llama.cpp's converter runs).
 
-    python -m benchmarks.peers.gguf_llamacpp_convert [--llama-cpp ~/.cache/llmserve-peers/llama.cpp] [--keep DIR]
+    python -m benchmarks.peers.gguf_llamacpp_convert [--llama-cpp ~/.cache/llmserve-peers/llama.cpp] [--keep DIR] [--only a,b]
 
 Prints one line per architecture and type; exits 1 if any differs.
 """
@@ -76,6 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-cpp", default=os.path.expanduser("~/.cache/llmserve-peers/llama.cpp"))
     ap.add_argument("--keep", default=None, help="write the checkpoints and files here (default: a temp dir)")
+    ap.add_argument("--only", default=None, help="comma-separated case names (default: all)")
     args = ap.parse_args()
     import transformers
 
@@ -90,6 +91,8 @@ def main() -> int:
     tok = Tokenizer(bundled_model_path(), gguf=True).hf
     failed, widen = 0, gguf_model.WIDEN_GGUF_BYTES
     for name, (cls, extra) in cases().items():
+        if args.only and name not in args.only.split(","):
+            continue
         folder = os.path.join(root, name)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cls(**{**TINY, **extra}))
