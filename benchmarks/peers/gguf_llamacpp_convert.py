@@ -4,7 +4,8 @@ bundled tokenizer is converted by llama.cpp's convert_hf_to_gguf.py (--outtype f
 llmserve's greedy tokens, batched and alone, must equal transformers' on the checkpoint (for q8_0: with the
 file's Q8_0 values, gguf's own quantize / dequantize, the algorithm llama.cpp's converter runs).
 
-    python -m benchmarks.peers.gguf_llamacpp_convert [--llama-cpp ~/.cache/llmserve-peers/llama.cpp] [--keep DIR] [--only a,b]
+    python -m benchmarks.peers.gguf_llamacpp_convert [--llama-cpp ~/.cache/llmserve-peers/llama.cpp] [--keep DIR]
+        [--only a,b]
 
 Prints one line per architecture and type; exits 1 if any differs.
 """
