@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 
-from llmserve.config import add_serve_arguments
+from llmserve.serve_config import add_serve_arguments
 
 log = logging.getLogger("llmserve.launch")
 

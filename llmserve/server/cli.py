@@ -9,8 +9,9 @@ import sys
 
 import yaml
 
-from llmserve.config import add_serve_arguments as add_arguments  # noqa: F401 (the subcommand's flags)
-from llmserve.config import flag_dests, serve_settings_from_args
+from llmserve.config import flag_dests
+from llmserve.serve_config import add_serve_arguments as add_arguments  # noqa: F401 (the subcommand's flags)
+from llmserve.serve_config import serve_settings_from_args
 
 
 def _apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:

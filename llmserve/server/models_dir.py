@@ -23,9 +23,10 @@ import re
 import time
 from dataclasses import replace
 
-from llmserve.config import EngineConfig, ServerSettings
+from llmserve.config import EngineConfig
 from llmserve.model.loader.build import DoesNotFit
 from llmserve.models_config import ModelEntry, scan_models_dir
+from llmserve.serve_config import ServerSettings
 from llmserve.server.errors import APIError
 from llmserve.server.state import ServerState
 

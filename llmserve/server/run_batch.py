@@ -24,7 +24,8 @@ import logging
 import os
 import sys
 
-from llmserve.config import add_serve_arguments, flag_dests, serve_settings_from_args
+from llmserve.config import flag_dests
+from llmserve.serve_config import add_serve_arguments, serve_settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

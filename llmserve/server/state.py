@@ -15,10 +15,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from llmserve import envs
-from llmserve.config import ServerSettings
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.request import RequestOutput
 from llmserve.model.loader.build import release_freed_memory
+from llmserve.serve_config import ServerSettings
 from llmserve.server import tool_parsers
 from llmserve.server.batch_store import BatchStore
 from llmserve.server.errors import APIError

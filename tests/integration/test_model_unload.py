@@ -9,7 +9,8 @@ import weakref
 
 import psutil
 
-from llmserve.config import EngineConfig, ServerSettings
+from llmserve.config import EngineConfig
+from llmserve.serve_config import ServerSettings
 from llmserve.server.state import ServerState
 from tests.checkpoints import tiny_llama
 

@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from llmserve.config import ServerSettings, add_serve_arguments, serve_settings_from_args
 from llmserve.router import cli as route_cli
 from llmserve.security import key_ok, read_key_file, resolve_api_keys, uvicorn_ssl
+from llmserve.serve_config import ServerSettings, add_serve_arguments, serve_settings_from_args
 
 
 def serve_settings(*argv: str) -> ServerSettings:

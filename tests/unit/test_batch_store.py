@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from llmserve.config import ServerSettings
+from llmserve.serve_config import ServerSettings
 from llmserve.server.api.files import parse_multipart
 from llmserve.server.app import build_app
 from llmserve.server.batch_store import BatchStore, _page

@@ -54,10 +54,10 @@ def _settings_fields(obj, skip=("engine",)) -> dict:
 
 
 def current() -> dict:
-    from llmserve.config import serve_settings_from_args
     from llmserve.router import cli as route_cli
     from llmserve.router import launch
     from llmserve.router.app import RouterConfig
+    from llmserve.serve_config import serve_settings_from_args
     from llmserve.server import cli as serve_cli
     from llmserve.server import run_batch
 
@@ -92,7 +92,7 @@ def test_flags_and_their_settings_match_the_snapshot(monkeypatch):
 
 
 def test_the_api_key_falls_back_to_its_variable(monkeypatch):
-    from llmserve.config import serve_settings_from_args
+    from llmserve.serve_config import serve_settings_from_args
     from llmserve.server import cli as serve_cli
 
     p = argparse.ArgumentParser()

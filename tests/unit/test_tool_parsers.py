@@ -178,7 +178,7 @@ def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
 
 
 def test_server_settings_pick_the_parser_and_refuse_auto_without_the_flag():
-    from llmserve.config import ServerSettings
+    from llmserve.serve_config import ServerSettings
     from llmserve.server.state import ServerState
 
     state = ServerState(ServerSettings(tool_call_parser="pythonic"))
@@ -277,7 +277,7 @@ def test_history_calls_without_tools_are_written_in_the_parsers_format():
 def test_openai_harmony_is_read_without_tools():
     """gpt-oss writes harmony channels whether or not the request has tools: analysis is reasoning, final is
     content, streamed or whole (the output decoded with its special tokens)."""
-    from llmserve.config import ServerSettings
+    from llmserve.serve_config import ServerSettings
     from llmserve.server.api.chat import ChatRendering
     from llmserve.server.rendering import ChoiceText
     from llmserve.server.state import ServerState

@@ -12,8 +12,8 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from llmserve.config import add_serve_arguments, serve_settings_from_args  # noqa: E402
 from llmserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams  # noqa: E402
+from llmserve.serve_config import add_serve_arguments, serve_settings_from_args  # noqa: E402
 from llmserve.server.tracing import RequestTracer  # noqa: E402
 
 
