@@ -1,14 +1,16 @@
 """Images in, text out, through a real `llmserve serve` of a tiny random Idefics3 (SmolVLM) checkpoint written by
 the test (tests/vision_files.py): the official openai client's chat `image_url` parts (a data: URL, and an http URL
 from an allowed host) and Responses `input_image`, the anthropic client's base64 `image` blocks; greedy answers
-equal transformers' generate on the same picture; /tokenize and count_tokens count the image tokens; and every
-bad image (undecodable, too large, too many, an unreachable or disallowed URL, not an image at all) is a 400
-that leaves the server serving. (An image to a text-only model: tests/e2e/test_hostile.py's image_part rows.)"""
+equal transformers' generate on the same picture; /tokenize and count_tokens count the image tokens; an image
+beside tools (a forced call parsed); and every bad image (undecodable, too large, too many, an unreachable or
+disallowed URL, not an image at all) is a 400 that leaves the server serving. (An image to a text-only model:
+tests/e2e/test_hostile.py's image_part rows.)"""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -176,6 +178,50 @@ def test_tokenize_counts_image_tokens(server, reference):
     assert r.json()["count"] == reference[0][1]
     plain = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": QUESTION}]}).json()
     assert plain["count"] < reference[0][1] - 20  # the picture's 20 image tokens and their markers
+
+
+PICTURE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "describe_picture",
+        "description": "Say the main colour of the picture",
+        "parameters": {
+            "type": "object",
+            "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+            "required": ["colour"],
+        },
+    },
+}
+
+
+def test_image_with_tools_and_a_forced_call(server, client, reference):
+    """An image beside tools: accepted, the image's tokens counted in usage (the same number as without tools), and
+    a forced tool_choice answered with a parsed call; the call and its result go back with the image (a second turn)."""
+    forced = {"type": "function", "function": {"name": "describe_picture"}}
+    question = {"type": "text", "text": QUESTION}
+
+    def ask(messages, **extra):
+        return client.chat.completions.create(
+            model="vlm", messages=messages, tools=[PICTURE_TOOL], max_tokens=60, temperature=0, **extra
+        )
+
+    turn = [{"role": "user", "content": [_image(_data_url(pictures(1, 0, size=SIZES[0])[0])), question]}]
+    r = ask(turn, tool_choice=forced)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "describe_picture" and call.id
+    assert json.loads(call.function.arguments)["colour"] in ("red", "green", "blue")
+    without = ask([{"role": "user", "content": [question]}], tool_choice=forced)
+    plain = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": [question]}]}).json()
+    image_tokens = reference[0][1] - plain["count"]  # the picture's run, as transformers' processor writes it
+    assert image_tokens > 20 and r.usage.prompt_tokens - without.usage.prompt_tokens == image_tokens
+    history = turn + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"ok": True})},
+    ]
+    again = ask(history, extra_body={"ignore_eos": True})  # tool_choice auto: an answer or a call, parsed
+    assert again.choices[0].message.content or again.choices[0].message.tool_calls
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
 
 
 def _status(server, parts) -> tuple[int, dict]:
