@@ -80,7 +80,7 @@ async def chat_images(
     text-only one; a 400 for an image to a text-only model, too many images, or one that cannot be read."""
     processing = eng.engine.image_processing
     parts = [
-        (p.image_url.url, f"{param}[{i}].content[{k}]")
+        (p.image_url.url, p._where or f"{param}[{i}].content[{k}]")
         for i, m in enumerate(messages)
         if isinstance(m.content, list)
         for k, p in enumerate(m.content)

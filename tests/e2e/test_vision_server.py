@@ -1,10 +1,10 @@
 """Images in, text out, through a real `llmserve serve` of a tiny random Idefics3 (SmolVLM) checkpoint written by
 the test (tests/vision_files.py): the official openai client's chat `image_url` parts (a data: URL, and an http URL
-from an allowed host) and Responses `input_image`, the anthropic client's base64 `image` blocks; greedy answers
-equal transformers' generate on the same picture; /tokenize and count_tokens count the image tokens; an image
-beside tools (a forced call parsed); and every bad image (undecodable, too large, too many, an unreachable or
-disallowed URL, not an image at all) is a 400 that leaves the server serving. (An image to a text-only model:
-tests/e2e/test_hostile.py's image_part rows.)"""
+from an allowed host) and Responses `input_image`, the anthropic client's base64 `image` blocks, the ollama
+client's `images`; greedy answers equal transformers' generate on the same picture; /tokenize and count_tokens
+count the image tokens; an image beside tools (a forced call parsed); and every bad image (undecodable, too
+large, too many, an unreachable or disallowed URL, not an image at all) is a 400 that leaves the server serving.
+(An image to a text-only model: tests/e2e/test_hostile.py's image_part rows, test_ollama.py's.)"""
 
 from __future__ import annotations
 
@@ -222,6 +222,37 @@ def test_image_with_tools_and_a_forced_call(server, client, reference):
     again = ask(history, extra_body={"ignore_eos": True})  # tool_choice auto: an answer or a call, parsed
     assert again.choices[0].message.content or again.choices[0].message.tool_calls
     assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_ollama_client_sends_images(server, client, reference):
+    """The official ollama client's `images` (bytes, sent as bare base64) on /api/chat and /api/generate: Ollama
+    puts them before the text, so the prompt is transformers' [picture, QUESTION] and the greedy answer the openai
+    client's for the same picture; /api/show says "vision"; a bad image is a 400 in Ollama's shape naming it."""
+    import ollama
+
+    picture = pictures(1, 0, size=SIZES[0])[0]
+    oc = ollama.Client(host=server.url, timeout=120)
+    opts = {"temperature": 0, "num_predict": MAX_TOKENS}
+    r = oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION, "images": [_png(picture)]}], options=opts)
+    parts = [_image(_data_url(picture)), {"type": "text", "text": QUESTION}]
+    same = client.chat.completions.create(
+        model="vlm", messages=[{"role": "user", "content": parts}], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert r.message.content == same.choices[0].message.content and r.prompt_eval_count == reference[0][1]
+    g = oc.generate(model="vlm", prompt=QUESTION, images=[_png(picture)], options=opts)
+    assert g.response == r.message.content and g.prompt_eval_count == reference[0][1]
+    assert "vision" in oc.show("vlm").capabilities
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION, "images": [b"not an image"]}])
+    assert e.value.status_code == 400 and e.value.error.startswith("messages[0].images[0]: "), e.value.error
+    for bad in ("%%%", _data_url(picture), base64.b64encode(b"not an image").decode()):  # (no data: prefix)
+        body = {"model": "vlm", "prompt": QUESTION, "images": [bad], "stream": False}
+        r = httpx.post(server.url + "/api/generate", json=body, timeout=60)
+        assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+        assert r.json()["error"].startswith("images[0]: "), r.text
+    r = httpx.post(server.url + "/api/generate", json={**body, "raw": True}, timeout=60)
+    assert r.status_code == 400 and "raw" in r.json()["error"]
+    assert oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION}], options=opts).message.content
 
 
 def _status(server, parts) -> tuple[int, dict]:
