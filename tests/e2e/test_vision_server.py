@@ -1,10 +1,11 @@
 """Images in, text out, through a real `llmserve serve` of a tiny random Idefics3 (SmolVLM) checkpoint written by
 the test (tests/vision_files.py): the official openai client's chat `image_url` parts (a data: URL, and an http URL
 from an allowed host) and Responses `input_image`, the anthropic client's base64 `image` blocks, the ollama
-client's `images`; greedy answers equal transformers' generate on the same picture; /tokenize and count_tokens
-count the image tokens; an image beside tools (a forced call parsed); and every bad image (undecodable, too
-large, too many, an unreachable or disallowed URL, not an image at all) is a 400 that leaves the server serving.
-(An image to a text-only model: tests/e2e/test_hostile.py's image_part rows, test_ollama.py's.)"""
+client's `images`; greedy answers equal transformers' generate on the same picture, from the checkpoint folder and
+from the same checkpoint as a GGUF pair (`--mmproj`); /tokenize and count_tokens count the image tokens; an image
+beside tools (a forced call parsed); and every bad image (undecodable, too large, too many, an unreachable or
+disallowed URL, not an image at all) is a 400 that leaves the server serving. (An image to a text-only model:
+tests/e2e/test_hostile.py's image_part rows, test_ollama.py's.)"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from llmserve.testing.launcher import ServerProcess, free_port
-from tests.vision_files import pictures, write_idefics3
+from tests.vision_files import pictures, write_idefics3, write_vlm_ggufs
 
 MAX_TOKENS = 8
 SIZES = {0: (40, 50), 1: (24, 64)}  # the two pictures: 2x2 tiles and 1x2 tiles (and the whole picture each)
@@ -286,6 +287,22 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server, client, refere
         assert body["error"]["message"] and body["error"]["type"] == "invalid_request_error", (name, body)
     assert _status(server, [_image(_data_url(pictures(1, 0)[0]))] * 2)[0] == 200  # two: within the limit
     assert _chat(client, _data_url(pictures(1, 0)[0])).choices[0].message.content == reference[0][0]
+
+
+def test_gguf_pair_with_mmproj_serves_the_same_answers(checkpoint, reference):
+    """`llmserve serve --model text.gguf --mmproj mmproj.gguf`: the same checkpoint written as llama.cpp's converter
+    writes a vision-language model (tests/vision_files.py) answers transformers' greedy text with the same count."""
+    (checkpoint / "gguf").mkdir()  # (no tokenizer files beside the GGUF files, as a download has none)
+    text, mmproj = write_vlm_ggufs(
+        checkpoint, str(checkpoint / "gguf" / "text.gguf"), str(checkpoint / "gguf" / "mmproj.gguf")
+    )
+    flags = ("--model", text, "--mmproj", mmproj, "--served-model-name", "vlm", "--num-threads", "1")
+    with ServerProcess(*flags, "--kv-cache-memory", "0.05") as srv:
+        srv.wait_ready()
+        gguf = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for seed in (0, 1):
+            r = _chat(gguf, _data_url(pictures(1, seed, size=SIZES[seed])[0]))
+            assert (r.choices[0].message.content, r.usage.prompt_tokens) == reference[seed]
 
 
 def test_web_page_attaches_an_image(server, reference, tmp_path):
