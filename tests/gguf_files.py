@@ -235,19 +235,29 @@ def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> s
     import json
     import os
 
-    from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFValueType, GGUFWriter, get_tensor_name_map, quants
     from safetensors.numpy import load_file
 
     cfg = json.load(open(os.path.join(folder, "config.json")))
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    return write_gguf(path, arch, cfg, weights, small_tokenizer_fields(cfg["vocab_size"]), qtype)
+
+
+def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, qtype: str = "F32", extra=None) -> str:
+    """write_checkpoint_gguf's file of a config (a transformers config as a dict), Hugging Face weights (numpy, by
+    name) and tokenizer fields (as small_tokenizer_fields gives them); `extra(writer)` adds more metadata."""
+    from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFValueType, GGUFWriter, get_tensor_name_map, quants
+
     w = GGUFWriter(path, arch)
     _metadata(w, arch, cfg)
-    for key, (value, vtypes) in small_tokenizer_fields(cfg["vocab_size"]).items():
+    if extra is not None:
+        extra(w)
+    for key, (value, vtypes) in tokenizer.items():
         w.add_key_value(key, value, vtypes[0], sub_type=vtypes[1] if vtypes[0] == GGUFValueType.ARRAY else None)
     names = get_tensor_name_map(MODEL_ARCH[_MODEL_ARCH[arch]], cfg["num_hidden_layers"])
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
-    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+    for name, t in weights.items():
         t = t.astype(np.float32)
         if arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, heads if "q_proj" in name else kv)

@@ -64,9 +64,10 @@ def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3") -> None:
     ).save_pretrained(folder)
 
 
-def write_gemma3(folder, bundled_gguf: str) -> None:
+def write_gemma3(folder, bundled_gguf: str, query_pre_attn_scalar: int = 24) -> None:
     """Gemma 3 with a SigLIP tower of 32x32 pictures (16 patches pooled to 4 soft tokens), a sliding layer whose
-    window is shorter than the prompts and a global one."""
+    window is shorter than the prompts and a global one. (`query_pre_attn_scalar`: 16, the head size, is what a
+    GGUF file of it gives: llama.cpp stores none and scales by the head size.)"""
     import json
 
     import transformers as T
@@ -90,7 +91,7 @@ def write_gemma3(folder, bundled_gguf: str) -> None:
             num_key_value_heads=2,
             head_dim=16,
             sliding_window=24,
-            query_pre_attn_scalar=24,
+            query_pre_attn_scalar=query_pre_attn_scalar,
             layer_types=["sliding_attention", "full_attention"],
             max_position_embeddings=512,
             bos_token_id=1,
@@ -127,3 +128,101 @@ def pictures(n: int, seed: int = 0, size: tuple[int, int] = (40, 50)) -> list:
 
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+# checkpoint names of the decoder -> a plain text model's (llama.cpp's converter writes the decoder alone)
+_TEXT_NAMES = (
+    ("model.text_model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def write_vlm_ggufs(folder, text_path: str, mmproj_path: str) -> tuple[str, str]:
+    """The tiny checkpoint in `folder` (write_idefics3 / write_gemma3) as llama.cpp's converter writes a
+    vision-language model, independently of llmserve's reading of it: a text GGUF (the decoder, tests/gguf_files.py's
+    writer; the bundled tokenizer with the checkpoint's added tokens as control tokens, and its chat template) and a
+    projector GGUF (`--mmproj`: general.architecture clip, the tower and projector under gguf's TensorNameMap names,
+    clip.* settings from the config and preprocessor_config.json, Gemma 3's soft_emb_norm as 1 + w). Float32."""
+    import json
+    import os
+
+    import transformers as T
+    from gguf import MODEL_ARCH, GGUFValueType, GGUFWriter, get_tensor_name_map
+    from safetensors.numpy import load_file
+
+    from tests.gguf_files import small_tokenizer_fields, write_gguf
+
+    full = T.AutoConfig.from_pretrained(folder)
+    gemma = full.model_type == "gemma3"
+    text_cfg, vc = full.get_text_config().to_dict(), full.vision_config
+    text, vision = {}, {}
+    for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+        plain = name
+        for old, new in _TEXT_NAMES:
+            plain = plain.replace(old, new)
+        if plain.startswith("model.layers.") or plain in (
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ):
+            text[plain] = t
+        else:
+            vision[name.removeprefix("model.")] = t
+    tok = T.AutoTokenizer.from_pretrained(folder)
+    fields = small_tokenizer_fields(text_cfg["vocab_size"])
+    (tokens, ttypes), (kinds, ktypes) = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    added = tok.convert_ids_to_tokens(list(range(len(tokens), len(tok))))
+    fields["tokenizer.ggml.tokens"] = (list(tokens) + added, ttypes)
+    fields["tokenizer.ggml.token_type"] = (list(kinds) + [3] * len(added), ktypes)  # 3: CONTROL
+    fields["tokenizer.chat_template"] = (tok.chat_template, [GGUFValueType.STRING])
+
+    def layer_pattern(w) -> None:  # Gemma 3: which layers slide (llama.cpp's default is five of every six)
+        pattern = [t == "sliding_attention" for t in text_cfg["layer_types"]]
+        w.add_key_value("gemma3.attention.sliding_window_pattern", pattern, GGUFValueType.ARRAY, GGUFValueType.BOOL)
+
+    write_gguf(
+        text_path, "gemma3" if gemma else "llama", text_cfg, text, fields, extra=layer_pattern if gemma else None
+    )
+
+    pre = json.load(open(os.path.join(folder, "preprocessor_config.json")))
+    w = GGUFWriter(mmproj_path, "clip")
+    w.add_type("mmproj")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("gemma3" if gemma else "idefics3")
+    w.add_vision_projection_dim(text_cfg["hidden_size"])
+    w.add_vision_image_size(vc.image_size)
+    w.add_vision_patch_size(vc.patch_size)
+    w.add_vision_embedding_length(vc.hidden_size)
+    w.add_vision_feed_forward_length(vc.intermediate_size)
+    w.add_vision_block_count(vc.num_hidden_layers)
+    w.add_vision_head_count(vc.num_attention_heads)
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    w.add_vision_attention_layernorm_eps(vc.layer_norm_eps)
+    w.add_vision_use_gelu(True)
+    if gemma:  # patches pooled into one soft token, a side (written where it is not llama.cpp's default 4)
+        w.add_vision_projector_scale_factor(vc.image_size // vc.patch_size // int(round(full.mm_tokens_per_image**0.5)))
+    else:
+        w.add_vision_projector_scale_factor(full.scale_factor)
+        w.add_vision_preproc_image_size(pre["size"]["longest_edge"])
+    names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vc.num_hidden_layers)
+    for name, t in vision.items():
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)  # (the hub checkpoints' names)
+        if ".vision_model.head." in name:  # SigLIP's pooling head: unused, the converter skips it
+            continue
+        if name.endswith("_weight"):  # Gemma 3's mm_input_projection_weight, as the converter renames it
+            name = name.removesuffix("_weight") + ".weight"
+        if "soft_emb_norm" in name:  # Gemma's 1 + w, stored as llama.cpp computes with it
+            t = t + 1
+        suffixes = (".weight", ".bias")
+        new = names.get_name(name, try_suffixes=suffixes) or names.get_name("model." + name, try_suffixes=suffixes)
+        assert new is not None, name
+        w.add_tensor(new, t.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return text_path, mmproj_path

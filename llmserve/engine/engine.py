@@ -81,7 +81,7 @@ class LLMEngine:
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, int8, ...
         t0 = time.time()
 
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.mmproj)
         self.model_path = source.path
         self.source = source
         log.info("loading %s (%s) ...", source.name, source.path)
@@ -103,7 +103,7 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer(source.path, gguf=source.kind == "gguf")
         # a vision-language model's image processing (llmserve.model.vision.processing); None: text only
-        self.image_processing = image_processing(mc, source.path) if source.kind == "hf" else None
+        self.image_processing = image_processing(mc, source.path)
         self.eos_token_ids = set(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )

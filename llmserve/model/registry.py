@@ -53,7 +53,8 @@ class ArchSpec:
     tensor_parallel: bool = True  # llmserve.model.parallel shards its attention and MLP (False: refused)
     fused_decode: bool = True  # its layers are plain Llama layers, which the fused C++ decode stack runs
     model_class: type = LlamaModel  # builds it: model_class(cfg, max_positions)
-    # a vision-language model: (folder, transformers config) -> its vision.processing.ImageProcessing
+    # a vision-language model: (folder, or a --mmproj file's processor settings; transformers config) -> its
+    # vision.processing.ImageProcessing (GGUF projector files: loader.mmproj)
     images: Callable | None = None
 
 
@@ -347,10 +348,12 @@ def make_model(cfg: ModelConfig, max_positions: int | None = None):
 
 
 def image_processing(cfg: ModelConfig, path: str):
-    """A vision-language model's image processing (vision.processing.ImageProcessing) read from its folder;
-    None for a text-only model."""
+    """A vision-language model's image processing (vision.processing.ImageProcessing) read from its folder, or
+    from the settings its --mmproj file holds (loader.mmproj.vlm_config); None for a text-only model."""
     spec = arch_spec(cfg.architecture)
-    return None if spec.images is None or cfg.mm_config is None else spec.images(path, cfg.mm_config)
+    if spec.images is None or cfg.mm_config is None:
+        return None
+    return spec.images(getattr(cfg.mm_config, "mmproj_processor", None) or path, cfg.mm_config)
 
 
 # -- transformers config -> ModelConfig ------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Images in requests: each image part's URL read (a data: URL; an http(s) URL only from a host in
 --allowed-media-domains, fetched with a time bound (LLMSERVE_IMAGE_FETCH_TIMEOUT), no redirects and at most
 LLMSERVE_MAX_IMAGE_BYTES) and decoded with Pillow (PNG, JPEG, WebP, GIF's first frame; at most
-LLMSERVE_MAX_IMAGE_PIXELS). Every failure is a 400 naming the part: an undecodable, too large or unreachable
-image never reaches the engine."""
+LLMSERVE_MAX_IMAGE_PIXELS); images given as bare base64 (Ollama's `images`) become data: URL parts. Every
+failure is a 400 naming the part: an undecodable, too large or unreachable image never reaches the engine."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from llmserve import envs
 from llmserve.server.errors import APIError
+from llmserve.server.protocol import ImagePart
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
@@ -26,12 +27,31 @@ def _data_url(url: str, where: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
         raise _bad(where, "a data: URL must be base64 (data:image/png;base64,...)")
+    return _base64(payload, where, "the data: URL")
+
+
+def _base64(payload: str, where: str, what: str) -> bytes:
     if len(payload) * 3 // 4 > envs.LLMSERVE_MAX_IMAGE_BYTES:
         raise _bad(where, f"the image is larger than {envs.LLMSERVE_MAX_IMAGE_BYTES} bytes", "image_too_large")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise _bad(where, f"the data: URL is not valid base64 ({e})") from e
+        raise _bad(where, f"{what} is not valid base64 ({e})") from e
+
+
+def base64_image_parts(images: list[str], where: str) -> list[ImagePart]:
+    """Images given as bare base64 (Ollama's `images`: no data: prefix) as image parts with data: URLs, which
+    `load_image` reads as any other; each checked here, a 400 naming `where`[j] when it is not base64 (or too
+    large), and later errors (undecodable) name it there too."""
+    parts = []
+    for j, payload in enumerate(images):
+        at = f"{where}[{j}]"
+        if not isinstance(payload, str) or not payload:
+            raise _bad(at, "an image must be a base64 string")
+        payload = payload.replace("\n", "").replace("\r", "")  # (line-wrapped base64, as Go's decoder takes it)
+        _base64(payload, at, "the image")
+        parts.append(ImagePart.named("data:image;base64," + payload, at))
+    return parts
 
 
 async def _fetch(url: str, where: str, allowed: list[str]) -> bytes:

@@ -38,7 +38,7 @@ def encode_chat(
                     param="messages",
                     code="invalid_value",
                 )
-        d = {"role": m.role, "content": m.text() if images is None or m.content is None else _parts(m)}
+        d = {"role": m.role, "content": m.text() if images is None else _parts(m)}
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -52,10 +52,7 @@ def encode_chat(
         if tools:
             kwargs = dict(kwargs or {}, tools=tools)
     try:
-        if images is not None:
-            # a plan without tools (the server's parser, read on every answer) is not tools
-            if (tool_plan is not None and tool_plan.tools) or any(m.get("tool_calls") for m in msgs):
-                raise APIError(400, "messages: images with tools are not supported yet", param="messages")
+        if images is not None:  # (the tools prompt, or the template's tools, and the calls are in `msgs` as text)
             text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
             return prompt_with_images(tok, images[0], text, images[1])
         return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
@@ -69,6 +66,8 @@ def encode_chat(
 
 def _parts(m: P.ChatMessage) -> list[dict]:
     """A message's content as a vision-language model's template takes it: text and image parts in order."""
+    if m.content is None:  # (an assistant's tool calls: render_messages adds them as a text part)
+        return []
     if isinstance(m.content, str):
         return [{"type": "text", "text": m.content}]
     return [{"type": "text", "text": p.text} if isinstance(p, P.TextPart) else {"type": "image"} for p in m.content]
@@ -81,7 +80,7 @@ async def chat_images(
     text-only one; a 400 for an image to a text-only model, too many images, or one that cannot be read."""
     processing = eng.engine.image_processing
     parts = [
-        (p.image_url.url, f"{param}[{i}].content[{k}]")
+        (p.image_url.url, p._where or f"{param}[{i}].content[{k}]")
         for i, m in enumerate(messages)
         if isinstance(m.content, list)
         for k, p in enumerate(m.content)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 MAX_N = 16
 MAX_STOP = 8
@@ -44,6 +44,14 @@ class ImageURL(APIModel):
 class ImagePart(APIModel):
     type: Literal["image_url"] = "image_url"
     image_url: ImageURL
+    # where a 400 about it points, when an API names it otherwise than its content part (Ollama's images[j])
+    _where: str | None = PrivateAttr(default=None)
+
+    @classmethod
+    def named(cls, url: str, where: str) -> ImagePart:
+        part = cls(image_url=ImageURL(url=url))
+        part._where = where
+        return part
 
 
 class ChatMessage(APIModel):

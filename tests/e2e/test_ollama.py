@@ -6,11 +6,14 @@ equals /v1/chat/completions'."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import httpx
 import jsonschema
 import pytest
+from PIL import Image
 
 NAME = "smol"
 Q = [{"role": "user", "content": "Write a long story about a cat."}]
@@ -130,6 +133,15 @@ def test_errors_in_ollamas_shape(http):
     assert r.status_code == 400 and "options.temperature" in r.json()["error"]
     r = http.post("/api/chat", json={"model": NAME, "messages": Q, "think": True})
     assert r.status_code == 400 and "thinking" in r.json()["error"]
+    png = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(png, format="PNG")
+    picture = base64.b64encode(png.getvalue()).decode()
+    for path, body in (
+        ("/api/chat", {"messages": [{"role": "user", "content": "What is it?", "images": [picture]}]}),
+        ("/api/generate", {"prompt": "What is it?", "images": [picture]}),
+    ):  # an image to a text-only model (images to a vision-language model: tests/e2e/test_vision_server.py)
+        r = http.post(path, json={"model": NAME, "stream": False, **body})
+        assert r.status_code == 400 and set(r.json()) == {"error"} and "text-only" in r.json()["error"], r.text
     r = http.post("/api/pull", json={"model": "llama3.2"})
     assert r.status_code == 404 and "hub" in r.json()["error"]
     assert http.post("/api/pull", json={"model": NAME, "stream": False}).json() == {"status": "success"}

@@ -1,14 +1,17 @@
 """Images in, text out, through a real `llmserve serve` of a tiny random Idefics3 (SmolVLM) checkpoint written by
 the test (tests/vision_files.py): the official openai client's chat `image_url` parts (a data: URL, and an http URL
-from an allowed host) and Responses `input_image`, the anthropic client's base64 `image` blocks; greedy answers
-equal transformers' generate on the same picture; /tokenize and count_tokens count the image tokens; and every
-bad image (undecodable, too large, too many, an unreachable or disallowed URL, not an image at all) is a 400
-that leaves the server serving. (An image to a text-only model: tests/e2e/test_hostile.py's image_part rows.)"""
+from an allowed host) and Responses `input_image`, the anthropic client's base64 `image` blocks, the ollama
+client's `images`; greedy answers equal transformers' generate on the same picture, from the checkpoint folder and
+from the same checkpoint as a GGUF pair (`--mmproj`); /tokenize and count_tokens count the image tokens; an image
+beside tools (a forced call parsed); and every bad image (undecodable, too large, too many, an unreachable or
+disallowed URL, not an image at all) is a 400 that leaves the server serving. (An image to a text-only model:
+tests/e2e/test_hostile.py's image_part rows, test_ollama.py's.)"""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -19,7 +22,7 @@ import pytest
 import torch
 
 from llmserve.testing.launcher import ServerProcess, free_port
-from tests.vision_files import pictures, write_idefics3
+from tests.vision_files import pictures, write_idefics3, write_vlm_ggufs
 
 MAX_TOKENS = 8
 SIZES = {0: (40, 50), 1: (24, 64)}  # the two pictures: 2x2 tiles and 1x2 tiles (and the whole picture each)
@@ -178,6 +181,81 @@ def test_tokenize_counts_image_tokens(server, reference):
     assert plain["count"] < reference[0][1] - 20  # the picture's 20 image tokens and their markers
 
 
+PICTURE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "describe_picture",
+        "description": "Say the main colour of the picture",
+        "parameters": {
+            "type": "object",
+            "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+            "required": ["colour"],
+        },
+    },
+}
+
+
+def test_image_with_tools_and_a_forced_call(server, client, reference):
+    """An image beside tools: accepted, the image's tokens counted in usage (the same number as without tools), and
+    a forced tool_choice answered with a parsed call; the call and its result go back with the image (a second turn)."""
+    forced = {"type": "function", "function": {"name": "describe_picture"}}
+    question = {"type": "text", "text": QUESTION}
+
+    def ask(messages, **extra):
+        return client.chat.completions.create(
+            model="vlm", messages=messages, tools=[PICTURE_TOOL], max_tokens=60, temperature=0, **extra
+        )
+
+    turn = [{"role": "user", "content": [_image(_data_url(pictures(1, 0, size=SIZES[0])[0])), question]}]
+    r = ask(turn, tool_choice=forced)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "describe_picture" and call.id
+    assert json.loads(call.function.arguments)["colour"] in ("red", "green", "blue")
+    without = ask([{"role": "user", "content": [question]}], tool_choice=forced)
+    plain = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": [question]}]}).json()
+    image_tokens = reference[0][1] - plain["count"]  # the picture's run, as transformers' processor writes it
+    assert image_tokens > 20 and r.usage.prompt_tokens - without.usage.prompt_tokens == image_tokens
+    history = turn + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"ok": True})},
+    ]
+    again = ask(history, extra_body={"ignore_eos": True})  # tool_choice auto: an answer or a call, parsed
+    assert again.choices[0].message.content or again.choices[0].message.tool_calls
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_ollama_client_sends_images(server, client, reference):
+    """The official ollama client's `images` (bytes, sent as bare base64) on /api/chat and /api/generate: Ollama
+    puts them before the text, so the prompt is transformers' [picture, QUESTION] and the greedy answer the openai
+    client's for the same picture; /api/show says "vision"; a bad image is a 400 in Ollama's shape naming it."""
+    import ollama
+
+    picture = pictures(1, 0, size=SIZES[0])[0]
+    oc = ollama.Client(host=server.url, timeout=120)
+    opts = {"temperature": 0, "num_predict": MAX_TOKENS}
+    r = oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION, "images": [_png(picture)]}], options=opts)
+    parts = [_image(_data_url(picture)), {"type": "text", "text": QUESTION}]
+    same = client.chat.completions.create(
+        model="vlm", messages=[{"role": "user", "content": parts}], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert r.message.content == same.choices[0].message.content and r.prompt_eval_count == reference[0][1]
+    g = oc.generate(model="vlm", prompt=QUESTION, images=[_png(picture)], options=opts)
+    assert g.response == r.message.content and g.prompt_eval_count == reference[0][1]
+    assert "vision" in oc.show("vlm").capabilities
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION, "images": [b"not an image"]}])
+    assert e.value.status_code == 400 and e.value.error.startswith("messages[0].images[0]: "), e.value.error
+    for bad in ("%%%", _data_url(picture), base64.b64encode(b"not an image").decode()):  # (no data: prefix)
+        body = {"model": "vlm", "prompt": QUESTION, "images": [bad], "stream": False}
+        r = httpx.post(server.url + "/api/generate", json=body, timeout=60)
+        assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+        assert r.json()["error"].startswith("images[0]: "), r.text
+    r = httpx.post(server.url + "/api/generate", json={**body, "raw": True}, timeout=60)
+    assert r.status_code == 400 and "raw" in r.json()["error"]
+    assert oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION}], options=opts).message.content
+
+
 def _status(server, parts) -> tuple[int, dict]:
     body = {"model": "vlm", "max_tokens": 4, "messages": [{"role": "user", "content": parts}]}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
@@ -209,6 +287,22 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server, client, refere
         assert body["error"]["message"] and body["error"]["type"] == "invalid_request_error", (name, body)
     assert _status(server, [_image(_data_url(pictures(1, 0)[0]))] * 2)[0] == 200  # two: within the limit
     assert _chat(client, _data_url(pictures(1, 0)[0])).choices[0].message.content == reference[0][0]
+
+
+def test_gguf_pair_with_mmproj_serves_the_same_answers(checkpoint, reference):
+    """`llmserve serve --model text.gguf --mmproj mmproj.gguf`: the same checkpoint written as llama.cpp's converter
+    writes a vision-language model (tests/vision_files.py) answers transformers' greedy text with the same count."""
+    (checkpoint / "gguf").mkdir()  # (no tokenizer files beside the GGUF files, as a download has none)
+    text, mmproj = write_vlm_ggufs(
+        checkpoint, str(checkpoint / "gguf" / "text.gguf"), str(checkpoint / "gguf" / "mmproj.gguf")
+    )
+    flags = ("--model", text, "--mmproj", mmproj, "--served-model-name", "vlm", "--num-threads", "1")
+    with ServerProcess(*flags, "--kv-cache-memory", "0.05") as srv:
+        srv.wait_ready()
+        gguf = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for seed in (0, 1):
+            r = _chat(gguf, _data_url(pictures(1, seed, size=SIZES[seed])[0]))
+            assert (r.choices[0].message.content, r.usage.prompt_tokens) == reference[seed]
 
 
 def test_web_page_attaches_an_image(server, reference, tmp_path):

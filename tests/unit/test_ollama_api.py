@@ -72,9 +72,14 @@ def test_messages_and_tool_calls_become_the_chats():
     assert [m.role for m in msgs] == ["user", "assistant", "tool"]
     assert msgs[1].tool_calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert msgs[2].name == "f"
-    with pytest.raises(APIError) as e:
-        O.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk="])])
-    assert e.value.status == 400 and "images" in e.value.message
+    # images (bare base64) become image parts before the text, named where a 400 points at them
+    (m,) = O.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk=", "aGk=\n"])])
+    assert [type(p).__name__ for p in m.content] == ["ImagePart", "ImagePart", "TextPart"] and m.text() == "x"
+    assert m.content[1].image_url.url == "data:image;base64,aGk=" and m.content[1]._where == "messages[0].images[1]"
+    for bad in ("%%%", "data:image/png;base64,aGk=", ""):
+        with pytest.raises(APIError) as e:
+            O.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk=", bad])])
+        assert e.value.status == 400 and e.value.message.startswith("messages[0].images[1]: "), e.value.message
 
 
 def test_names_and_error_shape():

@@ -266,6 +266,30 @@ def test_the_default_tools_prompt_asks_for_the_parsers_format(name):
     assert "tool_calls" not in msgs[2]
 
 
+def test_the_tools_prompt_and_calls_go_into_parts_content():
+    """A vision-language model's chat has contents as parts (text and images): the tools prompt and the history's
+    calls are added as text parts, the image parts stay where they were, and an added system message is parts."""
+    p = tp.plan(TOOLS, "auto", tp.PARSERS["hermes"])
+    image = {"type": "image"}
+    call = {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": [image, {"type": "text", "text": "Time?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": None, "tool_call_id": "a"},
+    ]
+    msgs, _ = tp.render_messages(history, p, native=False)
+    assert msgs[0]["role"] == "system" and [q["type"] for q in msgs[0]["content"]] == ["text"]
+    assert '"get_weather"' in msgs[0]["content"][0]["text"]
+    assert msgs[1] == history[0]
+    written = tp.PARSERS["hermes"]([]).format_calls([("get_time", {})])
+    assert msgs[2] == {"role": "assistant", "content": [{"type": "text", "text": written}]}
+    assert msgs[3]["content"] == []  # (no content: no parts, never a string among parts)
+    system = [{"type": "text", "text": "Be brief."}]
+    msgs, _ = tp.render_messages([{"role": "system", "content": system}, history[0]], p, native=False)
+    assert msgs[0]["content"][0] == system[0] and msgs[0]["content"][1]["text"].startswith("\n\nYou are a function")
+    assert system == [{"type": "text", "text": "Be brief."}]  # the request's own message is left as it was
+
+
 def test_history_calls_without_tools_are_written_in_the_parsers_format():
     p = tp.plan(None, None, tp.PARSERS["mistral"])
     assert p is not None and not p.parse and not p.tools

@@ -5,6 +5,7 @@ takes in memory."""
 from __future__ import annotations
 
 import logging
+from collections import ChainMap
 from collections.abc import Mapping
 
 import torch
@@ -16,6 +17,7 @@ from llmserve.model.gguf_kernels import PACKED, repack
 from llmserve.model.gguf_layers import adopt_gguf
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
 from llmserve.model.loader.gguf import GGUFTensors
+from llmserve.model.loader.mmproj import MmprojTensors
 from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
 
@@ -114,6 +116,10 @@ def load_gguf_model(
     GGUFLinear's, served by the fused float32 decode kernels (the bundled model: the fast default)."""
     tensors = GGUFTensors(path, reader, cfg)
     float_bytes = sum(tensors.numel(n) for n in tensors) * torch.finfo(dtype).bits // 8
+    tower = None  # a vision-language model's tower and projector, from its --mmproj file (float32, always)
+    if getattr(cfg.mm_config, "mmproj_path", None):
+        tower = MmprojTensors(cfg.mm_config.mmproj_path)
+        float_bytes += sum(tower.numel(n) for n in tower) * 4
     widen = device.type != "cpu" or (not quantization and float_bytes <= WIDEN_GGUF_BYTES)
     check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
     with torch.device("meta"):
@@ -137,7 +143,7 @@ def load_gguf_model(
         skip |= adopt_gguf(model, kept, exact=quantization is None, floats=tensors)
     else:
         skip = set()
-    rest = {n: None for n in tensors if n not in skip}
-    return build_model(
-        cfg, checkpoint_names(cfg, Lazy(tensors, rest)), device, dtype, max_positions, quantization, model
-    )
+    weights = Lazy(tensors, {n: None for n in tensors if n not in skip})
+    if tower is not None:
+        weights = ChainMap(weights, tower)
+    return build_model(cfg, checkpoint_names(cfg, weights), device, dtype, max_positions, quantization, model)

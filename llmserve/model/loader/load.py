@@ -1,4 +1,5 @@
-"""The entry point: a model's config and the model itself, from a GGUF file or a Hugging Face folder."""
+"""The entry point: a model's config and the model itself, from a GGUF file (and its --mmproj projector file) or
+a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from llmserve.model.loader.build import release_freed_memory
 from llmserve.model.loader.gguf import gguf_hf_config, open_gguf
 from llmserve.model.loader.gguf_model import load_gguf_model
 from llmserve.model.loader.lookup import ModelSource
+from llmserve.model.loader.mmproj import vlm_config
 from llmserve.model.loader.safetensors import load_hf_model
 from llmserve.model.registry import config_from_hf
 
@@ -18,7 +20,12 @@ def load_model_config(source: ModelSource):
     """(ModelConfig, gguf reader or None)."""
     if source.kind == "gguf":
         reader = open_gguf(source.path)
-        return config_from_hf(gguf_hf_config(reader, source.path)), reader
+        hf = gguf_hf_config(reader, source.path)
+        if source.mmproj:  # a vision-language model: the text file and llama.cpp's projector file
+            hf = vlm_config(hf, reader, source.mmproj)
+        return config_from_hf(hf), reader
+    if source.mmproj:
+        raise ValueError("mmproj: a projector file goes with a GGUF --model (a checkpoint folder has its tower)")
     import transformers
 
     try:

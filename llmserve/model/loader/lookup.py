@@ -35,9 +35,20 @@ class ModelSource:
     kind: str  # "gguf" | "hf"
     name: str  # the default served model name
     gguf_file: str | None = None
+    mmproj: str | None = None  # llama.cpp's vision projector file beside a GGUF model (--mmproj)
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, mmproj: str | None = None) -> ModelSource:
+    source = _resolve(model)
+    if mmproj is not None:
+        path = os.path.expanduser(mmproj)
+        if not (os.path.isfile(path) and path.endswith(".gguf")):
+            raise ValueError(f"mmproj: {mmproj!r} is not a .gguf file")
+        source.mmproj = path
+    return source
+
+
+def _resolve(model: str | None) -> ModelSource:
     if model is None:
         return ModelSource(bundled_model_path(), "gguf", BUNDLED_NAME)
     path = os.path.expanduser(model)

@@ -32,6 +32,15 @@ class ImageProcessing:
         raise NotImplementedError
 
 
+def _hf_processor(name: str, source):
+    """transformers' image processor `name`, from a checkpoint folder's preprocessor_config.json or (a dict) the
+    settings a GGUF projector file holds."""
+    import transformers
+
+    cls = getattr(transformers, name)
+    return cls(**source) if isinstance(source, dict) else cls.from_pretrained(source)
+
+
 class Idefics3Processing(ImageProcessing):
     """Idefics3 / SmolVLM: the picture split into tiles of the tower's size (rows x cols, each tile
     `<fake_token_around_image><row_r_col_c>` and its image tokens, a newline after each row) and the whole
@@ -40,10 +49,8 @@ class Idefics3Processing(ImageProcessing):
 
     hf_processor_class = "Idefics3ImageProcessorPil"
 
-    def __init__(self, path: str, hf) -> None:
-        import transformers
-
-        self.hf_processor = getattr(transformers, self.hf_processor_class).from_pretrained(path)
+    def __init__(self, source, hf) -> None:
+        self.hf_processor = _hf_processor(self.hf_processor_class, source)
         vc = hf.vision_config
         self.seq_len = (vc.image_size // vc.patch_size) ** 2 // hf.scale_factor**2  # embedding rows per tile
         self.image_token_id = hf.image_token_id
@@ -75,10 +82,8 @@ class Gemma3Processing(ImageProcessing):
     image_token = "<image_soft_token>"
     bidirectional = True
 
-    def __init__(self, path: str, hf) -> None:
-        from transformers import Gemma3ImageProcessorPil
-
-        self.hf_processor = Gemma3ImageProcessorPil.from_pretrained(path)
+    def __init__(self, source, hf) -> None:
+        self.hf_processor = _hf_processor("Gemma3ImageProcessorPil", source)
         self.seq_len = hf.mm_tokens_per_image
         self.image_token_id = hf.image_token_index
 

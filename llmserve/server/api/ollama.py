@@ -10,10 +10,10 @@ Names are Ollama's `name:tag`: the served model is `NAME:latest` (NAME alone wor
 sampling (num_predict, temperature, top_k, top_p, min_p, stop, seed, num_ctx, repeat_penalty,
 presence_penalty, frequency_penalty; others such as num_gpu or num_thread are ignored); `format` ("json" or a
 JSON schema) is the structured-output path; `tools` are the chat API's (server/tool_parsers/), the calls come
-back with `arguments` as an object; `think` sets the template's enable_thinking and, with
---reasoning-parser, the reasoning comes back in `thinking`; `logprobs` (with `top_logprobs`) puts each generated
-token's logprob in the answer's `logprobs` (ollama_render.py). Everything runs through the chat machinery
-(prepare.chat_runs, serving.Generation). Errors are Ollama's `{"error": "..."}` (llmserve/errors.py).
+back with `arguments` as an object; `images` (base64) go to a vision-language model as image parts; `think` sets
+the template's enable_thinking and, with --reasoning-parser, the reasoning comes back in `thinking`; `logprobs`
+(with `top_logprobs`) puts each generated token's logprob in the answer's `logprobs` (ollama_render.py). All of it
+runs through the chat machinery (prepare.chat_runs, serving.Generation); errors are Ollama's `{"error": "..."}`.
 `keep_alive` (seconds, a duration such as "5m", 0: unload once answered, -1: keep) sets how long the model
 stays loaded once idle with --models-dir (server/models_dir.py), where /api/tags lists every model of the
 folder, /api/ps the loaded ones with their `expires_at`, and /api/pull loads one; with --model, one model is
@@ -32,6 +32,7 @@ from fastapi.routing import APIRoute
 from pydantic import Field, ValidationError
 
 from llmserve import __version__
+from llmserve.server import media
 from llmserve.server import protocol as P
 from llmserve.server.api import embeddings as E
 from llmserve.server.api.ollama_render import (
@@ -199,15 +200,14 @@ def sampling_fields(body: _Generating) -> tuple[P.SamplingFields, int | None, in
     return sf, (predict if predict is not None and predict > 0 else None), (ctx if ctx and ctx > 0 else None)
 
 
-def _no_images(images, where: str) -> None:
-    if images:
-        raise APIError(400, f"{where}: images are not supported: the served model reads text only", param=where)
+def with_images(text: str, images: list[str] | None, where: str) -> str | list:
+    """A content with Ollama's `images` (bare base64) as image parts before its text, where Ollama puts them."""
+    return [*media.base64_image_parts(images, where), P.TextPart(text=text)] if images else text
 
 
 def chat_messages(msgs: list[OllamaMessage]) -> list[P.ChatMessage]:
     out = []
     for k, m in enumerate(msgs):
-        _no_images(m.images, f"messages[{k}].images")
         calls = None
         if m.tool_calls:
             calls = []
@@ -220,7 +220,8 @@ def chat_messages(msgs: list[OllamaMessage]) -> list[P.ChatMessage]:
                 calls.append(
                     {"id": f"call_{k}_{j}", "type": "function", "function": {"name": f["name"], "arguments": args}}
                 )
-        out.append(P.ChatMessage(role=m.role, content=m.content or "", name=m.tool_name, tool_calls=calls))
+        content = with_images(m.content or "", m.images, f"messages[{k}].images")
+        out.append(P.ChatMessage(role=m.role, content=content, name=m.tool_name, tool_calls=calls))
     return out
 
 
@@ -304,7 +305,8 @@ async def chat(body: ChatRequest, request: Request, state: State):
 async def generate(body: GenerateRequest, request: Request, state: State):
     eng = state.engine_or_503()
     model = resolve(state, body.model)
-    _no_images(body.images, "images")
+    if body.images and body.raw:
+        raise APIError(400, "images: not supported with raw (a raw prompt has no place for them)", param="images")
     if body.suffix:
         raise APIError(400, "suffix: not supported (no fill-in-the-middle)", param="suffix")
     keep = keep_alive(state, body.keep_alive)
@@ -328,7 +330,7 @@ async def generate(body: GenerateRequest, request: Request, state: State):
         admit(eng, runs, state.settings)
     else:
         msgs = ([P.ChatMessage(role="system", content=body.system)] if body.system else []) + [
-            P.ChatMessage(role="user", content=body.prompt)
+            P.ChatMessage(role="user", content=with_images(body.prompt, body.images, "images"))
         ]
         runs = await chat_runs(
             eng,
@@ -456,6 +458,7 @@ async def show(body: NameRequest, state: State):
     d = describe(eng.engine)
     template = getattr(eng.tokenizer.hf, "chat_template", None)
     capabilities = ["completion", "tools"] + (["thinking"] if state.reasoning is not None else [])
+    capabilities += ["vision"] if eng.engine.image_processing is not None else []
     return {
         "modelfile": f"FROM {eng.engine.model_path}\n",
         "parameters": "",

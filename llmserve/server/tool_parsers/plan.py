@@ -162,13 +162,18 @@ def template_supports_tools(tokenizer) -> bool:
 
 
 def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple[list[dict], list[dict] | None]:
-    """Messages (and the `tools` argument for the template) ready for apply_chat_template."""
+    """Messages (and the `tools` argument for the template) ready for apply_chat_template. A content may be
+    a list of parts (a vision-language model's chat: text and image parts): the calls and the tools prompt go
+    in as text parts, and an added system message is parts too where the others are."""
     if native:
         return msgs, (p.tools if p is not None and p.choice != "none" and p.tools else None)
     fmt = (p.parser if p is not None and p.parser is not None else HermesParser)(p.tools if p is not None else [])
+    parts = any(isinstance(m.get("content"), list) for m in msgs)
     out = []
     for m in msgs:
         m = dict(m)
+        if m.get("content") is None:
+            m["content"] = [] if parts else ""
         if m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:
@@ -179,10 +184,8 @@ def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple
                 except json.JSONDecodeError:
                     pass
                 calls.append((f.get("name"), args))
-            m["content"] = ((m.get("content") or "") + fmt.format_calls(calls)).strip()
+            m["content"] = _with_text(m.get("content"), fmt.format_calls(calls), "")
             m.pop("tool_calls")
-        if m.get("content") is None:
-            m["content"] = ""
         out.append(m)
     if p is not None and p.choice != "none" and p.tools:
         text = (
@@ -190,10 +193,17 @@ def render_messages(msgs: list[dict], p: ToolPlan | None, native: bool) -> tuple
             + fmt.instructions
         )
         if out and out[0]["role"] in ("system", "developer"):
-            out[0] = dict(out[0], content=(out[0]["content"] + "\n\n" + text).strip())
+            out[0] = dict(out[0], content=_with_text(out[0]["content"], text, "\n\n"))
         else:
-            out.insert(0, {"role": "system", "content": text})
+            out.insert(0, {"role": "system", "content": [{"type": "text", "text": text}] if parts else text})
     return out, None
+
+
+def _with_text(content: str | list[dict] | None, text: str, sep: str) -> str | list[dict]:
+    """`text` added after a message's content: joined to a string (by `sep`, stripped), a text part after parts."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": sep + text if content else text}]
+    return ((content or "") + sep + text).strip()
 
 
 def guided_kwargs(body, p: ToolPlan | None = None) -> dict:
