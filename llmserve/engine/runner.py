@@ -296,7 +296,6 @@ class ModelRunner:
             return [], None, []
         return sampling, logits, rows_per_req
 
-
     def _window_meta(self, order: list[Request], sched: SchedulerOutput, kv: KVCacheManager, as_decode):
         """The step's attention metadata for the sliding-window layers (kv_window.WindowGroup): each request's
         held blocks from its first one, its positions shifted down by that block's start (a window's mask is
