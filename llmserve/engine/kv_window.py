@@ -27,6 +27,7 @@ class WindowGroup:
         self.window = window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock | None]] = {}
+        self.first_held: dict[str, int] = {}  # request id -> its first block not given back (all before: None)
         self.num_named: dict[str, int] = {}
 
     def first_needed(self, position: int) -> int:
@@ -74,8 +75,8 @@ class WindowGroup:
             evictable = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
         else:
             held = len(blocks)
-            first = self.first_needed(start)
-            returned = sum(1 for b in blocks[:first] if b is not None and b.ref_cnt == 1)
+            passed = blocks[self.first_held[request.request_id] : self.first_needed(start)]
+            returned = sum(1 for b in passed if b.ref_cnt == 1)
             evictable = 0
         return max(-(-total // self.block_size) - held, 0) + evictable - returned
 
@@ -87,6 +88,7 @@ class WindowGroup:
         if blocks is None:
             blocks = self.req_blocks[rid] = self._hit_blocks(request, num_hit) if num_hit else []
             self.pool.touch(b for b in blocks if b is not None)
+            self.first_held[rid] = self.first_needed(num_hit * self.block_size) if num_hit else 0
             self.num_named[rid] = num_hit
         self.release(rid, start)
         need = -(-total // self.block_size) - len(blocks)
@@ -96,10 +98,11 @@ class WindowGroup:
     def release(self, request_id: str, position: int) -> None:
         """Give back the request's blocks that no query at `position` or later reads."""
         blocks = self.req_blocks.get(request_id, [])
-        first = min(self.first_needed(position), len(blocks))
-        passed = [b for b in blocks[:first] if b is not None]
-        if passed:
-            blocks[:first] = [None] * first
+        held, first = self.first_held.get(request_id, 0), min(self.first_needed(position), len(blocks))
+        if first > held:
+            passed = blocks[held:first]
+            blocks[held:first] = [None] * (first - held)
+            self.first_held[request_id] = first
             self.pool.free(reversed(passed))
 
     def name_blocks(self, request: Request, num_full: int) -> None:
@@ -114,6 +117,7 @@ class WindowGroup:
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.first_held.pop(request.request_id, None)
         self.num_named.pop(request.request_id, None)
         # (as KVCacheManager.free: blocks named ahead of a step that never ran hold nothing)
         for block in blocks[request.num_computed_tokens // self.block_size :]:
@@ -124,6 +128,5 @@ class WindowGroup:
     def table(self, request_id: str) -> tuple[int, list[int]]:
         """(first held block's index, the held blocks' ids from there): the kernels see the request's
         positions from that block on, shifted down by its index times the block size."""
-        blocks = self.req_blocks.get(request_id, [])
-        first = next((i for i, b in enumerate(blocks) if b is not None), len(blocks))
-        return first, [b.block_id for b in blocks[first:]]
+        first = self.first_held.get(request_id, 0)
+        return first, [b.block_id for b in self.req_blocks.get(request_id, [])[first:]]
