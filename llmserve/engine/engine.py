@@ -234,7 +234,9 @@ class LLMEngine:
             log.info("sliding-window layers keep every block (not with %s)", why)
             return num_blocks, None
         window = self.model.cfg.sliding_window
-        length = config.max_model_len or min(length, num_blocks * block_size)
+        if not all(layers):  # (with every layer windowed, a sequence's length costs no KV: the model's)
+            length = min(length, num_blocks * block_size)
+        length = config.max_model_len or length
         full_need = -(-length // block_size)
         probe = WindowGroup(0, block_size, window, False)
         window_need = min(full_need, probe.blocks_per_sequence(min(self.max_num_batched_tokens, length)))

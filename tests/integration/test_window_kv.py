@@ -116,7 +116,8 @@ def test_greedy_equals_transformers_batched_alone_and_cached(checkpoint):
 
 def test_preemption_in_a_tiny_pool(checkpoint):
     name, d, want = checkpoint
-    llm = LLM(model=d, num_kv_blocks=16, **ENGINE)
+    # the window pool holds a long sequence (8 blocks) and a bit; Mistral (the budget is all window layers): just one
+    llm = LLM(model=d, num_kv_blocks=8 if name == "mistral" else 16, **ENGINE)
     assert _tokens(llm, _prompts()) == want, name
     assert llm.engine.scheduler.num_preemptions > 0, name
     assert _all_returned(llm.engine)
