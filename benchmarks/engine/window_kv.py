@@ -128,7 +128,7 @@ def main() -> None:
         f"them with a {args.window}-token window: 1 full : 5 window; 1 KV head of 256; float32 KV, blocks of 16), "
         f"one {args.context}-token prompt and 4 greedy tokens alone; KV memory is the peak of the blocks the "
         "sequence holds in each pool times their bytes (1.5 GiB budget, --max-num-batched-tokens 512). The prefill "
-        "time is one sample on a shared machine.\n\n"
+        "time is one sample each on a shared machine (other jobs ran: not a comparison of speed).\n\n"
         "| KV cache | pools (blocks x layers) | KV held by the sequence | such sequences in the budget | prefill |\n"
         "|---|---|---|---|---|\n"
         f"{rows}\n"
