@@ -85,14 +85,15 @@ ops = st.lists(
     max_seqs=st.integers(1, 5),
     budget=st.integers(1, 32),
     caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
     spec=st.sampled_from([0, 0, 3]),
 )
 def test_random_interleavings_keep_the_window_and_leak_nothing(
-    ops, num_blocks, block_size, window, extra, max_seqs, budget, caching, spec
+    ops, num_blocks, block_size, window, extra, max_seqs, budget, caching, policy, spec
 ):
     probe = WindowGroup(0, block_size, window, caching)
     need = probe.blocks_per_sequence(min(budget, num_blocks * block_size))
-    sim = WindowSim(num_blocks, block_size, max_seqs, budget, caching, window, need + extra, spec=spec)
+    sim = WindowSim(num_blocks, block_size, max_seqs, budget, caching, window, need + extra, policy=policy, spec=spec)
     rng = random.Random(0)
     docs = [[random.Random(d).randrange(50) for _ in range(60)] for d in range(3)]
     for op, x in ops:
