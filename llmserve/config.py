@@ -166,6 +166,14 @@ class EngineConfig:
     kv_cache_dir_size: float = field(
         default=10.0, metadata=flag("GiB --kv-cache-dir may hold (least recently used go)")
     )
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata=flag(
+            "keep every block of the sliding-window layers (by default a model with window layers gives them "
+            "a pool of their own, where the blocks their window has passed go back)",
+            action="store_true",
+        ),
+    )
     kv_events_config: str | None = field(
         default=None, metadata=flag('publish KV block events at GET /kv_events: {"enable_kv_cache_events": true}')
     )

@@ -25,10 +25,11 @@ from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.kv_disk import open_disk_tier
 from llmserve.engine.kv_events import KVEventLog, parse_kv_events_config
+from llmserve.engine.kv_window import WindowGroup
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations
+from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations, split_kv_blocks, window_layers
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
@@ -137,6 +138,8 @@ class LLMEngine:
         num_blocks, budget = num_kv_blocks(
             config, per_block, self.device, lambda: self._profile_activations(block_size)
         )
+        self.num_blocks = num_blocks  # (the draft model's pool, and the window split's whole budget)
+        num_blocks, window = self._window_group(config, num_blocks, block_size, min(model_max, max_positions))
         capacity = num_blocks * block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(
@@ -146,8 +149,8 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or min(model_max, capacity)
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.kv.window = window
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -157,7 +160,14 @@ class LLMEngine:
             config.max_queued_requests,
         )
         self.runner = ModelRunner(
-            self.model, self.model.cfg, num_blocks, block_size, self.device, self.act_dtype, self.kv_dtype
+            self.model,
+            self.model.cfg,
+            num_blocks,
+            block_size,
+            self.device,
+            self.act_dtype,
+            self.kv_dtype,
+            window.num_blocks if window is not None else None,
         )
         self.executor.attach(self.runner, num_blocks, block_size)
         self.lora = None  # LoRARegistry with --enable-lora: the adapters loaded, by name
@@ -179,8 +189,9 @@ class LLMEngine:
             from llmserve.engine.draft import DraftProposer
 
             self.draft = DraftProposer(
-                config, mc, self.device, self.dtype, self.act_dtype, self.kv_dtype, num_blocks, block_size
+                config, mc, self.device, self.dtype, self.act_dtype, self.kv_dtype, self.num_blocks, block_size
             )
+        self.num_blocks = num_blocks
         self._init_kv_tiers(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
@@ -209,6 +220,38 @@ class LLMEngine:
             self.max_num_batched_tokens,
             "on" if config.enable_prefix_caching else "off",
         )
+
+    def _window_group(self, config, num_blocks: int, block_size: int, length: int) -> tuple[int, WindowGroup | None]:
+        """A model with sliding-window layers: (the full-attention layers' pool size, the window layers' group,
+        kv_window.WindowGroup), the budget of `num_blocks` blocks of every layer split between them for sequences
+        of `length` tokens. (num_blocks, None) where every layer keeps its blocks: one kind of layer, or
+        --disable-hybrid-kv-cache-manager, --kv-cache-dir (its files hold every layer's block), tensor parallelism."""
+        layers = window_layers(self.model)
+        if not any(layers) or config.disable_hybrid_kv_cache_manager:
+            return num_blocks, None
+        if config.kv_cache_dir or self.tp is not None:
+            why = "--kv-cache-dir" if config.kv_cache_dir else "tensor parallelism"
+            log.info("sliding-window layers keep every block (not with %s)", why)
+            return num_blocks, None
+        window = self.model.cfg.sliding_window
+        if not all(layers):  # (with every layer windowed, a sequence's length costs no KV: the model's)
+            length = min(length, num_blocks * block_size)
+        length = config.max_model_len or length
+        full_need = -(-length // block_size)
+        probe = WindowGroup(0, block_size, window, False)
+        window_need = min(full_need, probe.blocks_per_sequence(min(self.max_num_batched_tokens, length)))
+        most = config.max_num_seqs * full_need
+        nf, nw = split_kv_blocks(num_blocks, layers, full_need, window_need, most)
+        log.info(
+            "%d of %d layers attend to a window of %d: their own pool of %d blocks (their passed blocks go back), "
+            "%d blocks for the others",
+            sum(layers),
+            len(layers),
+            window,
+            nw,
+            nf,
+        )
+        return nf, WindowGroup(nw, block_size, window, config.enable_prefix_caching)
 
     def _init_kv_tiers(self, config) -> None:
         """--kv-events-config: the pool's block events; --kv-cache-dir: the disk tier."""

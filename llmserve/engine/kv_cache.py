@@ -161,6 +161,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # prompt tokens found
         self.events = None  # KVEventLog (kv_events.py) with --kv-events-config
         self.disk = None  # DiskTier (kv_disk.py) with --kv-cache-dir: looked up after a miss in RAM
+        # WindowGroup (kv_window.py): the sliding-window layers' own pool, where they give back the blocks
+        # their window has passed; None: every layer's blocks are this pool's (one kind of layer)
+        self.window = None
 
     # -- hashing -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:
@@ -188,8 +191,12 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.pool.num_free / self.num_blocks if self.num_blocks else 0.0
+        """Fraction of blocks held by requests (cached-but-free blocks count as free); with a window
+        group, that of the fuller pool."""
+        used = 1.0 - self.pool.num_free / self.num_blocks if self.num_blocks else 0.0
+        if self.window is not None:
+            used = max(used, 1.0 - self.window.pool.num_free / self.window.num_blocks)
+        return used
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of leading full blocks already cached. At least one token is left to compute,
@@ -206,6 +213,8 @@ class KVCacheManager:
             hits.append(block)
         if self.disk is not None and len(hits) < max_blocks:
             hits += self.disk.load(self, request, hits, max_blocks)
+        if self.window is not None:  # usable only where the window layers still hold its last window
+            hits = hits[: self.window.usable_hit(hashes, len(hits))]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -218,6 +227,11 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in (computed or ()) if b.ref_cnt == 0)
         return max(need, 0) + evictable_hits
 
+    def _window_args(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock]) -> tuple[int, int, int]:
+        """(first query position, positions after the step, hit blocks) for the window group."""
+        start = request.num_computed_tokens + len(computed) * self.block_size
+        return start, start + num_new_tokens, len(computed)
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] | None = None
     ) -> list[KVCacheBlock] | None:
@@ -226,6 +240,12 @@ class KVCacheManager:
         computed = computed or []
         if self.blocks_needed(request, num_new_tokens, computed) > self.pool.num_free:
             return None
+        window = self.window
+        if window is not None:
+            args = self._window_args(request, num_new_tokens, computed)
+            if window.blocks_needed(request, *args) > window.pool.num_free:
+                return None
+            window.allocate(request, *args)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         if computed:
             self.pool.touch(computed)
@@ -250,6 +270,8 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.cache_block(request, i, blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
+        if self.window is not None:
+            self.window.name_blocks(request, num_full)
 
     def cache_block(self, request: Request, index: int, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Name block `index` of `request` by its hash (and publish it with KV events)."""
@@ -267,6 +289,8 @@ class KVCacheManager:
                 self.pool.uncache(block)
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
         self.pool.free(reversed(blocks))
+        if self.window is not None:
+            self.window.free(request)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

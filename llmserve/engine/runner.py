@@ -82,6 +82,29 @@ def profile_activations(model, n: int, block_size: int, kv_dtype: torch.dtype, d
     return int(peak * 1.2)
 
 
+def window_layers(model) -> list[bool]:
+    """Per layer: whether it attends to a sliding window in effect (shorter than the model's positions)."""
+    return [getattr(getattr(layer, "self_attn", None), "window", None) is not None for layer in model.layers]
+
+
+def split_kv_blocks(
+    num_blocks: int, layers: list[bool], full_need: int, window_need: int, most_full: int
+) -> tuple[int, int]:
+    """A budget of `num_blocks` blocks of every layer split into (full-attention pool blocks, window pool
+    blocks) in proportion to what one sequence needs of each at its longest (`full_need`, `window_need`
+    blocks); the window pool holds at least one sequence. Without full-attention layers the first pool is
+    bookkeeping only (no tensors): as large as the window pool's sequences need, at most `most_full`."""
+    num_window = sum(layers)
+    num_full = len(layers) - num_window
+    units = num_blocks * len(layers)  # the budget in blocks of one layer
+    if num_full == 0:
+        nw = num_blocks
+        return max(full_need, min(-(-nw * full_need // window_need), most_full)), nw
+    nf = units * full_need // (num_full * full_need + num_window * window_need)
+    nw = max(window_need, (units - nf * num_full) // num_window)
+    return (units - nw * num_window) // num_full, nw
+
+
 def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]:
     """Split decode rows (sorted by context length) into groups padded to their own longest
     context. Attention reads every padded position, so a short request batched with a long one
@@ -117,7 +140,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
+        window_blocks: int | None = None,
     ) -> None:
+        """`window_blocks`: the sliding-window layers' own pool (kv_window.WindowGroup) of that many blocks;
+        None: every layer's cache has `num_blocks`."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -130,7 +156,9 @@ class ModelRunner:
         # after large frees malloc recycles old memory, and a NaN bit pattern in a masked-out slot
         # still poisons attention's weighted sum. Stale values in reused blocks are finite.)
         alloc = torch.zeros if device.type == "cuda" else _zero_pages
-        self.kv_caches = [alloc(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)]
+        window = window_layers(model) if window_blocks is not None else [False] * cfg.num_layers
+        wshape = kv_cache_shape(window_blocks or 0, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.kv_caches = [alloc(wshape if w else shape, dtype=kv_dtype, device=device) for w in window]
         self.in_place_decode = (
             device.type == "cpu"
             and dtype == torch.float32
@@ -231,15 +259,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
         # The in-place decode kernel reads each request's own length: one group. The gather + SDPA
         # path reads every padded position: groups of similar lengths.
-        groups = [(0, len(decode_lens))] if decode_lens and self.in_place_decode else decode_groups(decode_lens)
-        for start, end in groups:
-            tables = decode_tables[start:end]
-            width = max(len(t) for t in tables)
-            table = torch.zeros(len(tables), width, dtype=torch.long)
-            for i, t in enumerate(tables):
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            lens = torch.tensor(decode_lens[start:end], dtype=torch.long)
-            meta.decode_groups.append(DecodeGroup(start, end, table.to(dev), lens.to(dev)))
+        meta.decode_groups = _decode_groups(decode_tables, decode_lens, self.in_place_decode, dev)
+        if kv.window is not None:  # the window layers' blocks: their own slots and tables
+            meta.window = self._window_meta(order, sched, kv, as_decode)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
         if not logits_rows:
@@ -273,6 +295,49 @@ class ModelRunner:
         if not sampling:
             return [], None, []
         return sampling, logits, rows_per_req
+
+    def _window_meta(self, order: list[Request], sched: SchedulerOutput, kv: KVCacheManager, as_decode):
+        """The step's attention metadata for the sliding-window layers (kv_window.WindowGroup): each request's
+        held blocks from its first one, its positions shifted down by that block's start (a window's mask is
+        relative to the query, so the shift changes nothing the layers compute), rows as in the main metadata."""
+        bs, dev = self.block_size, self.device
+        slots, prefills, tables, lens = [], [], [], []
+        row = 0
+        for req in order:
+            n = sched.num_scheduled_tokens[req.request_id]
+            c = req.num_computed_tokens
+            first, ids = kv.window.table(req.request_id)
+            off = first * bs
+            table = torch.tensor(ids, dtype=torch.long)
+            pos = torch.arange(c - off, c + n - off)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if as_decode(req):
+                tables.extend([ids] * n)
+                lens.extend(range(c + 1 - off, c + n + 1 - off))
+            else:
+                both = tuple(
+                    (im.start - off, im.end - off)
+                    for im in req.images
+                    if im.bidirectional and im.start < c + n and im.end > c
+                )
+                prefills.append(PrefillChunk(row, n, c + n - off, table.to(dev), both))
+            row += n
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
+        meta.decode_groups = _decode_groups(tables, lens, False, dev)
+        return meta
+
+
+def _decode_groups(tables: list[list[int]], lens: list[int], one: bool, dev: torch.device) -> list[DecodeGroup]:
+    """Decode rows' padded block tables and context lengths: in one group (`one`), or in groups of similar lengths."""
+    out = []
+    for start, end in [(0, len(lens))] if lens and one else decode_groups(lens):
+        rows = tables[start:end]
+        table = torch.zeros(len(rows), max(len(t) for t in rows), dtype=torch.long)
+        for i, t in enumerate(rows):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ctx = torch.tensor(lens[start:end], dtype=torch.long)
+        out.append(DecodeGroup(start, end, table.to(dev), ctx.to(dev)))
+    return out
 
 
 def _image_rows(model, req: Request, c: int, n: int, row: int) -> list[tuple[list[int], torch.Tensor]]:

@@ -105,6 +105,7 @@ def _to(obj, device: torch.device):
             slot_mapping=_to(obj.slot_mapping, device),
             decode_groups=[_to(g, device) for g in obj.decode_groups],
             prefills=[_to(p, device) for p in obj.prefills],
+            window=_to(obj.window, device),
         )
     if isinstance(obj, DecodeGroup):
         return DecodeGroup(obj.start, obj.end, obj.block_tables.to(device), obj.context_lens.to(device))

@@ -59,6 +59,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # the sliding-window layers' own (their blocks in a pool of their own, engine/kv_window.py), or None:
+    # they read this one. Their positions there start at their first held block (shifted down).
+    window: "AttentionMetadata | None" = None
 
 
 KV_SCALE_BYTES = 4  # an int8 cache row's float32 scale, after its head_dim values
@@ -156,7 +159,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the cache when kv_written).
     Returns [T, H, D]. `window`: a sliding-window layer, whose queries see only the last `window`
-    positions (a mask: every block is kept); `softcap`: attention logits -> tanh(s / cap) * cap. Both
+    positions (a mask, over the blocks `meta` gives it: all of them, or from the first one inside the
+    window with the engine's window group); `softcap`: attention logits -> tanh(s / cap) * cap. Both
     take the gather + mask path."""
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)

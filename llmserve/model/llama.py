@@ -38,8 +38,8 @@ from llmserve.model.layers import (
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0, max_positions: int | None = None) -> None:
         super().__init__()
-        # a sliding layer attends to the last `sliding_window` positions: a mask in its attention (all
-        # blocks are kept), only where a sequence can outgrow the window
+        # a sliding layer attends to the last `sliding_window` positions: a mask in its attention (the engine's
+        # window group gives its passed blocks back, engine/kv_window.py), only where a sequence can outgrow it
         self.sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
         self.nope = bool(cfg.nope_layers) and cfg.nope_layers[index]  # no rotary (SmolLM3)
         window = cfg.sliding_window if self.sliding and cfg.sliding_window < (max_positions or 1 << 62) else None

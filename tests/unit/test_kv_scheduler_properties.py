@@ -51,6 +51,13 @@ class Sim:
                 key = (ids[pos // self.bs], pos % self.bs)
                 assert self.slots.get(key) == r.all_token_ids[pos], (r, pos)
 
+    def write(self, r, c, tokens):
+        """The runner's KV write: `tokens` at positions c, c + 1, ... of `r`'s blocks."""
+        ids = self.kv.get_block_ids(r.request_id)
+        assert len(ids) * self.bs >= c + len(tokens)
+        for pos, token in zip(range(c, c + len(tokens)), tokens):
+            self.slots[(ids[pos // self.bs], pos % self.bs)] = token
+
     def propose(self, rng):
         # random proposals for decoding requests (the engine's n-gram ones, without the n-grams)
         for r in self.sched.running:
@@ -66,10 +73,7 @@ class Sim:
             n = out.num_scheduled_tokens[r.request_id]
             k = out.num_spec_tokens.get(r.request_id, 0)
             c = r.num_computed_tokens
-            ids = self.kv.get_block_ids(r.request_id)
-            assert len(ids) * self.bs >= c + n
-            for pos, token in zip(range(c, c + n), r.all_token_ids[c : c + n - k] + r.spec_token_ids[:k]):
-                self.slots[(ids[pos // self.bs], pos % self.bs)] = token
+            self.write(r, c, r.all_token_ids[c : c + n - k] + r.spec_token_ids[:k])
             if c + n - k >= r.num_tokens:
                 # one token per verified position: the proposal itself half of the time
                 tokens = [t if rng.random() < 0.5 else rng.randrange(50) for t in r.spec_token_ids[:k]]

@@ -34,6 +34,8 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
+        if self.window is not None and meta.window is not None:  # the window layers' own blocks
+            meta = meta.window
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:  # each head normed on its own (or all of them as one row), before rotary
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
