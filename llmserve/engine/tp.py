@@ -31,6 +31,7 @@ How the processes start:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -110,7 +111,7 @@ def _to(obj, device: torch.device):
     if isinstance(obj, DecodeGroup):
         return DecodeGroup(obj.start, obj.end, obj.block_tables.to(device), obj.context_lens.to(device))
     if isinstance(obj, PrefillChunk):
-        return PrefillChunk(obj.query_start, obj.query_len, obj.context_len, obj.block_table.to(device))
+        return dataclasses.replace(obj, block_table=obj.block_table.to(device))  # (bidirectional runs kept)
     return obj
 
 
