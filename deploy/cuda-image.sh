@@ -36,14 +36,22 @@ die() {
   exit 1
 }
 step() { [[ " $STEPS " == *" $1 "* ]]; }
-cleanup() { podman rm -f llmserve-cuda-check llmserve-cuda-memory >/dev/null 2>&1 || true; }
+cleanup() {
+  local c
+  for c in llmserve-cuda-check llmserve-cuda-memory; do
+    podman container exists "$c" && podman rm -f "$c" >/dev/null 2>&1
+  done
+  return 0
+}
+cleanup # a container left by an interrupted run
 trap cleanup EXIT
 
-# health CONTAINER SECONDS: until the server in CONTAINER answers /health (asked from inside: no port mapped)
-health() {
+# ready CONTAINER SECONDS: until the server in CONTAINER answers /ready, its model loaded (asked from inside:
+# no port mapped; /health answers as soon as the process does)
+ready() {
   local i
   for i in $(seq 1 "$2"); do
-    podman exec "$1" python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" \
+    podman exec "$1" python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=4)" \
       >/dev/null 2>&1 && return 0
     [ "$(podman inspect --format '{{.State.Running}}' "$1")" = true ] || return 1
     sleep 1
@@ -81,16 +89,17 @@ if step build; then
 fi
 
 if step check; then
-  got=$(podman run --rm "$IMAGE" python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())")
+  got=$(podman run --rm "$IMAGE" python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())" 2>>"$WORK/cuda-podman.log")
   log "image: torch.__version__ torch.version.cuda torch.cuda.is_available(): $got"
   read -r _ cuda _ <<<"$got"
   [ "$cuda" != None ] || die "the image's torch is not a CUDA build"
   podman run --rm "$IMAGE" llmserve serve --help >"$WORK/cuda-serve-help.txt" 2>&1 || die "llmserve serve --help"
   log "image: llmserve serve --help: $(wc -l <"$WORK/cuda-serve-help.txt") lines"
-  podman run -d --name llmserve-cuda-check "$IMAGE" llmserve serve --host 0.0.0.0 --port 8000 --num-threads 1 >/dev/null
+  podman run -d --name llmserve-cuda-check "$IMAGE" llmserve serve --host 0.0.0.0 --port 8000 --num-threads 1 >/dev/null 2>>"$WORK/cuda-podman.log"
   t=$(date +%s)
-  health llmserve-cuda-check 300 || die "the server in the CUDA image never answered /health ($(podman logs llmserve-cuda-check 2>&1 | tail -5))"
-  log "image: the server answers /health $(($(date +%s) - t)) s after start; $(podman logs llmserve-cuda-check 2>&1 | grep -o 'loaded .* KV cache' | head -1)"
+  ready llmserve-cuda-check 300 || die "the server in the CUDA image never got ready ($(podman logs llmserve-cuda-check 2>&1 | tail -5))"
+  log "image: the server is ready $(($(date +%s) - t)) s after start; $(podman logs llmserve-cuda-check 2>&1 | grep -o 'loaded .* KV cache' | head -1)"
+  log "image: without a memory limit: $(podman logs llmserve-cuda-check 2>&1 | grep -o 'KV budget: .*' | head -1)"
   text=$(podman exec llmserve-cuda-check python -c "import json, urllib.request as u; \
 r = u.urlopen(u.Request('http://127.0.0.1:8000/v1/completions', json.dumps({'prompt': 'The capital of France is', \
 'max_tokens': 8, 'temperature': 0}).encode(), {'Content-Type': 'application/json'}), timeout=120); \
@@ -101,8 +110,8 @@ fi
 
 if step memory; then
   podman run -d --name llmserve-cuda-memory -m "$MEMORY" "$IMAGE" \
-    llmserve serve --host 0.0.0.0 --port 8000 --num-threads 1 >/dev/null
-  health llmserve-cuda-memory 300 || die "the server under -m $MEMORY never answered /health ($(podman logs llmserve-cuda-memory 2>&1 | tail -5))"
+    llmserve serve --host 0.0.0.0 --port 8000 --num-threads 1 >/dev/null 2>>"$WORK/cuda-podman.log"
+  ready llmserve-cuda-memory 300 || die "the server under -m $MEMORY never got ready ($(podman logs llmserve-cuda-memory 2>&1 | tail -5))"
   log "memory: podman run -m $MEMORY: $(podman logs llmserve-cuda-memory 2>&1 | grep -o 'KV budget: .*' | head -1)"
   log "memory: $(podman logs llmserve-cuda-memory 2>&1 | grep -o 'KV cache (.*' | head -1)"
   podman rm -f llmserve-cuda-memory >/dev/null

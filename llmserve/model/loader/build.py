@@ -12,7 +12,6 @@ import torch.nn as nn
 from llmserve.config import DTYPE_ALIASES
 from llmserve.model import bf16
 from llmserve.model.config import ModelConfig
-from llmserve.model.memory import available_memory
 from llmserve.model.quant import is_quantized, quantize_model
 from llmserve.model.registry import arch_spec, make_model
 
@@ -26,17 +25,17 @@ class DoesNotFit(ValueError):
 
 
 def check_fits(path: str, weights: int, kv_bytes: int) -> None:
-    """Refuse a model whose weights and asked KV cache exceed the memory available now (the host's, or less
-    under a container's memory limit), before allocating."""
+    """Refuse a model whose weights and asked KV cache exceed the memory available now, before allocating."""
+    import psutil
+
     GiB = 1 << 30
-    available, limit = available_memory()
+    available = psutil.virtual_memory().available
     runtime = GiB // 2  # activations, the tokenizer, the process itself
-    where = " under the cgroup memory limit" if limit else ""
     if weights + kv_bytes + runtime > available:
         raise DoesNotFit(
             f"model: {path} does not fit in memory: its weights take {weights / GiB:.1f} GiB as served, the KV cache "
             f"{kv_bytes / GiB:.1f} GiB (--kv-cache-memory), the runtime ~{runtime / GiB:.1f} GiB, and "
-            f"{available / GiB:.1f} GiB are available{where}; lower --kv-cache-memory, use a smaller quantization "
+            f"{available / GiB:.1f} GiB are available; lower --kv-cache-memory, use a smaller quantization "
             f"(a Q4_K_M file, --quantization int4 for float files), or free memory",
             weights + kv_bytes + runtime,
             available,
