@@ -105,7 +105,7 @@ r = u.urlopen(u.Request('http://127.0.0.1:8000/v1/completions', json.dumps({'pro
 'max_tokens': 8, 'temperature': 0}).encode(), {'Content-Type': 'application/json'}), timeout=120); \
 print(json.load(r)['choices'][0]['text'])") || die "a completion in the CUDA image"
   log "image: a completion on the CPU: $(printf '%q' "$text")"
-  podman rm -f llmserve-cuda-check >/dev/null
+  podman rm -f llmserve-cuda-check >/dev/null 2>>"$WORK/cuda-podman.log"
 fi
 
 if step memory; then
@@ -114,6 +114,6 @@ if step memory; then
   ready llmserve-cuda-memory 300 || die "the server under -m $MEMORY never got ready ($(podman logs llmserve-cuda-memory 2>&1 | tail -5))"
   log "memory: podman run -m $MEMORY: $(podman logs llmserve-cuda-memory 2>&1 | grep -o 'KV budget: .*' | head -1)"
   log "memory: $(podman logs llmserve-cuda-memory 2>&1 | grep -o 'KV cache (.*' | head -1)"
-  podman rm -f llmserve-cuda-memory >/dev/null
+  podman rm -f llmserve-cuda-memory >/dev/null 2>>"$WORK/cuda-podman.log"
 fi
 log "PASS"

@@ -4,8 +4,9 @@ In a container started with a memory limit (`docker run --memory`, a Kubernetes 
 /proc/meminfo still shows the host's RAM; the kernel kills the process when its cgroup's charge reaches
 the limit. So the CPU KV budget (a quarter of what is available) reads the limit too: cgroup v2's
 `memory.max` or cgroup v1's `memory/memory.limit_in_bytes`, of the process's own cgroup and each of its
-ancestors (a container sees its own at the mount's root), the tightest one. What the cgroup has charged counts against it, less the page cache the kernel would reclaim
-before killing anything (`inactive_file`, as the kubelet's working set).
+ancestors (a container sees its own at the mount's root), the tightest one. What the cgroup has charged
+counts against it, less the page cache the kernel would reclaim before killing anything (`inactive_file`,
+as the kubelet's working set).
 """
 
 from __future__ import annotations
