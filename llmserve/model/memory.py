@@ -5,8 +5,10 @@ In a container started with a memory limit (`docker run --memory`, a Kubernetes 
 the limit. So the CPU KV budget (a quarter of what is available) reads the limit too: cgroup v2's
 `memory.max` or cgroup v1's `memory/memory.limit_in_bytes`, of the process's own cgroup and each of its
 ancestors (a container sees its own at the mount's root), the tightest one. What the cgroup has charged
-counts against it, less the page cache the kernel would reclaim before killing anything (`inactive_file`,
-as the kubelet's working set).
+counts against it, less the page cache the kernel reclaims before it kills anything (the active and
+inactive file pages: a container's first start charges it the libraries and model files it reads, ~0.5
+GB here, which the kubelet's working set, usage less inactive_file, would still count). Shared memory
+and tmpfs sit on the anon lists: they count.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ def _bytes(text: str | None) -> int | None:
     return value if value < NO_LIMIT else None
 
 
-def _stat(folder: str, key: str) -> int:
+def _stat(folder: str, keys: tuple[str, ...]) -> int:
+    """The sum of `keys`' values in the folder's memory.stat."""
+    total = 0
     for line in (_read(os.path.join(folder, "memory.stat")) or "").splitlines():
         name, _, value = line.partition(" ")
-        if name == key and value.isdigit():
-            return int(value)
-    return 0
+        if name in keys and value.isdigit():
+            total += int(value)
+    return total
 
 
 def _own_paths(proc_cgroup: str) -> tuple[str, str]:
@@ -79,23 +83,23 @@ def cgroup_memory_limit(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP)
     """The tightest memory limit over this process's cgroup and its ancestors, cgroup v2 (at `root`, or at
     `root`/unified on a hybrid host) and v1 (`root`/memory); None where no level sets one."""
     v2_path, v1_path = _own_paths(proc_cgroup)
-    # (folder, limit file, usage file, reclaimable page cache key in memory.stat)
+    # (folder, limit file, usage file, the page cache's keys in memory.stat)
     levels = [
-        (f, "memory.max", "memory.current", "inactive_file")
+        (f, "memory.max", "memory.current", ("active_file", "inactive_file"))
         for m in (root, os.path.join(root, "unified"))
         for f in _folders(m, v2_path)
     ]
     levels += [
-        (f, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        (f, "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file"))
         for f in _folders(os.path.join(root, "memory"), v1_path)
     ]
     best: CgroupLimit | None = None
-    for folder, limit_file, usage_file, cache_key in levels:
+    for folder, limit_file, usage_file, cache_keys in levels:
         limit = _bytes(_read(os.path.join(folder, limit_file)))
         if limit is None:
             continue
         used = _bytes(_read(os.path.join(folder, usage_file))) or 0
-        working_set = max(0, used - _stat(folder, cache_key))
+        working_set = max(0, used - _stat(folder, cache_keys))
         headroom = max(0, limit - working_set)
         if best is None or headroom < best.headroom:
             best = CgroupLimit(folder, limit, headroom)

@@ -27,33 +27,38 @@ def _proc(tmp_path, *lines) -> str:
     return str(path)
 
 
-def _v2(folder, max_, current, inactive_file=0) -> str:
+def _v2(folder, max_, current, inactive_file=0, active_file=0, shmem=0) -> str:
+    file = inactive_file + active_file + shmem
     return _cgroup(
         folder,
         memory_max=max_,
         memory_current=current,
-        memory_stat=f"anon {current}\nfile 0\ninactive_file {inactive_file}\nactive_file 0",
+        memory_stat=f"anon {current - file}\nfile {file}\nshmem {shmem}\ninactive_anon {shmem}\n"
+        f"inactive_file {inactive_file}\nactive_file {active_file}",
     )
 
 
-def _v1(folder, limit, usage, inactive_file=0) -> str:
+def _v1(folder, limit, usage, inactive_file=0, active_file=0) -> str:
+    cache = inactive_file + active_file
     return _cgroup(
         folder,
         memory_limit_in_bytes=limit,
         memory_usage_in_bytes=usage,
-        memory_stat=f"cache {inactive_file}\nrss {usage}\ninactive_file {inactive_file}\n"
-        f"total_inactive_file {inactive_file}",
+        # the folder's own figures, then the hierarchy's (total_*): only the latter are read
+        memory_stat=f"cache 0\nrss 0\ninactive_file 0\nactive_file 0\ntotal_cache {cache}\n"
+        f"total_rss {usage - cache}\ntotal_inactive_file {inactive_file}\ntotal_active_file {active_file}",
     )
 
 
 def test_v2_container_limit_less_its_working_set(tmp_path):
     """`podman run -m 1500m` on a cgroup v2 host: the container's cgroup is the mount's root; page cache
-    the kernel reclaims first (inactive_file) does not count as used."""
+    the kernel reclaims first (active and inactive file pages) does not count as used, shared memory
+    (on the anon lists, counted in `file` too) does."""
     root = tmp_path / "cg"
-    _v2(root, 1500 * MiB, 700 * MiB, inactive_file=200 * MiB)
+    _v2(root, 1500 * MiB, 900 * MiB, inactive_file=200 * MiB, active_file=100 * MiB, shmem=50 * MiB)
     got = cgroup_memory_limit(str(root), _proc(tmp_path, "0::/"))
     assert got is not None
-    assert (got.path, got.limit, got.headroom) == (str(root), 1500 * MiB, 1000 * MiB)
+    assert (got.path, got.limit, got.headroom) == (str(root), 1500 * MiB, 900 * MiB)
 
 
 def test_v2_max_is_no_limit(tmp_path):
@@ -82,11 +87,11 @@ def test_v1_container_sees_its_cgroup_at_the_mount(tmp_path):
     """cgroup v1 without a cgroup namespace (this machine's runc): /proc/self/cgroup names the host's path,
     absent inside the container, whose own memory cgroup is mounted at /sys/fs/cgroup/memory."""
     root = tmp_path / "cg"
-    _v1(root / "memory", 1500 * MiB, 1000 * MiB, inactive_file=100 * MiB)
+    _v1(root / "memory", 1500 * MiB, 1000 * MiB, inactive_file=100 * MiB, active_file=400 * MiB)
     proc = _proc(tmp_path, "9:name=systemd:/libpod_parent/libpod-abc", "4:memory:/libpod_parent/libpod-abc", "0::/")
     got = cgroup_memory_limit(str(root), proc)
     assert got is not None
-    assert (got.path, got.limit, got.headroom) == (str(root / "memory"), 1500 * MiB, 600 * MiB)
+    assert (got.path, got.limit, got.headroom) == (str(root / "memory"), 1500 * MiB, 1000 * MiB)
 
 
 def test_v1_hybrid_host_reads_the_memory_hierarchy_and_skips_unlimited(tmp_path):
