@@ -147,7 +147,11 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))
     kv_cache_memory: float | None = field(
-        default=None, metadata=flag("GiB for the KV cache (CPU default: a quarter of free RAM, at most 8)")
+        default=None,
+        metadata=flag(
+            "GiB for the KV cache (CPU default: a quarter of free RAM, or of the room under a container's "
+            "memory limit, at most 8)"
+        ),
     )
     kv_cache_dtype: str = field(
         default="auto",

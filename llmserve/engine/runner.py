@@ -22,6 +22,7 @@ from llmserve.model import ops, rejection
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape, kv_row_width
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaModel
+from llmserve.model.memory import available_memory
 from llmserve.model.sampler import SamplingRow, _top_logprobs, sample
 
 log = logging.getLogger("llmserve.runner")
@@ -39,7 +40,8 @@ GiB = 1 << 30
 def num_kv_blocks(config, per_block: int, device: torch.device, profile) -> tuple[int, int]:
     """How many KV blocks of `per_block` bytes the pool holds, and its budget in bytes: --num-kv-blocks,
     --kv-cache-memory, on CUDA --gpu-memory-utilization less other processes' memory and the activations'
-    peak (`profile()`), on CPU a quarter of the available memory up to 8 GiB."""
+    peak (`profile()`), on CPU a quarter of the available memory (the host's, or less under a container's
+    memory limit: llmserve.model.memory) up to 8 GiB."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, config.num_kv_blocks * per_block
     if config.kv_cache_memory is not None:
@@ -49,9 +51,16 @@ def num_kv_blocks(config, per_block: int, device: torch.device, profile) -> tupl
         used_by_others = total - free
         budget = int(total * config.gpu_memory_utilization) - used_by_others - profile()
     else:
-        import psutil
-
-        budget = min(int(psutil.virtual_memory().available * 0.25), 8 * GiB)
+        available, limit = available_memory()
+        budget = min(int(available * 0.25), 8 * GiB)
+        log.info(
+            "KV budget: a quarter of the %.2f GiB available (%s), at most 8 GiB: %.2f GiB",
+            available / GiB,
+            f"under the cgroup memory limit of {limit.limit / GiB:.2f} GiB, {limit.path}"
+            if limit
+            else "the host's RAM",
+            budget / GiB,
+        )
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(

@@ -243,8 +243,14 @@ def test_compose_commands_and_healthchecks_match_the_image_entrypoint():
 
 def test_dockerfile_base_user_healthcheck_and_layers():
     text, instr = _dockerfile()
-    assert "ARG VARIANT=cpu" in text and "whl/cpu" in text and "whl/cu" in text
-    assert any(a.startswith("BASE=") for a in instr["ARG"]) and instr["FROM"] == ["${BASE}"]
+    assert "ARG VARIANT=cpu" in text and "whl/cpu" in text and "CUDA_INDEX=" in text
+    assert any(a.startswith("BASE=") for a in instr["ARG"]) and instr["FROM"] == ["scratch AS wheels", "${BASE}"]
+    # the wheelhouse: the stage `wheels` (the context's .whl/, or `--build-context wheels=DIR`), mounted for
+    # the dependency step; its torch is checked to be the variant's build
+    assert instr["COPY"][0] == ".whl/ /"
+    deps_run = next(line for line in instr["RUN"] if "-c constraints.txt" in line)
+    assert deps_run.startswith("--mount=type=bind,from=wheels,target=/tmp/whl ")
+    assert "torch.version.cuda" in deps_run and '"$VARIANT"' in deps_run
     (user,) = instr["USER"]
     uid = int(user.split(":")[0])
     assert uid != 0
