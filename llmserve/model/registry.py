@@ -120,10 +120,7 @@ def _qwen3_moe(hf) -> dict:
 
 def _gpt_oss(hf) -> dict:
     return dict(
-        num_experts=hf.num_local_experts,
-        num_experts_per_tok=hf.num_experts_per_tok,
-        moe_intermediate_size=hf.intermediate_size,
-        moe_layers=(True,) * hf.num_hidden_layers,
+        _mixtral(hf),  # (experts in every layer, num_local_experts of intermediate_size, as Mixtral's)
         router_bias=True,
         router_topk_softmax=True,
         expert_bias=True,
