@@ -225,10 +225,12 @@ def round_trip_model(model, qtype: str) -> None:
     import torch
     from gguf import GGMLQuantizationType, quants
 
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
             router = name.endswith((".gate.weight", ".router.weight"))
-            fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))  # gpt-oss's x @ W: rows along dim 1
+            # gpt-oss's fused experts are x @ W (the file's rows along dim 1); Qwen3-MoE's in memory are [E, out, in]
+            fused = gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
             w = np.ascontiguousarray(p.numpy().swapaxes(-1, -2) if fused else p.numpy())
             if qtype != "F32" and not router and not name.endswith("bias") and _quantizable(name, w):
                 t = GGMLQuantizationType[_tensor_type(name, qtype)]
