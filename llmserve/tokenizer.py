@@ -35,8 +35,10 @@ def _load_hf_tokenizer(path: str, gguf: bool):
     folder, name = os.path.dirname(path), os.path.basename(path)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except ValueError as e:  # an architecture transformers' GGUF reader lacks (granite, smollm3, olmo2, glm4): the
-        if "not supported" not in str(e):  # tokenizer.ggml.* fields are the same for every one, read them directly
+    except (ValueError, TypeError) as e:  # an architecture transformers' GGUF reader lacks (granite, smollm3, olmo2,
+        # glm4) or fails on (gpt-oss: its rope.scaling keys, a TypeError in 5.24): the tokenizer.ggml.* fields are the
+        # same for every one, read them directly
+        if isinstance(e, ValueError) and "not supported" not in str(e):
             raise
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     try:

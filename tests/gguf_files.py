@@ -148,6 +148,7 @@ _MODEL_ARCH = {
     "smollm3": "SMOLLM3",
     "olmo2": "OLMO2",
     "glm4": "GLM4",
+    "gpt-oss": "GPT_OSS",
 }
 _PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel lineage: Q / K rows interleaved
 
@@ -205,6 +206,16 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if arch == "qwen3moe":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "gpt-oss":
+        from gguf import RopeScalingType
+
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
 
 
 def round_trip_model(model, qtype: str) -> None:
@@ -214,16 +225,28 @@ def round_trip_model(model, qtype: str) -> None:
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    q = GGMLQuantizationType[qtype]
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if qtype != "F32" and _quantizable(name.replace(".gate.weight", ".ffn_gate_inp"), p.numpy()):
-                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), q), q)))
+            router = name.endswith((".gate.weight", ".router.weight"))
+            # gpt-oss's fused experts are x @ W (the file's rows along dim 1); Qwen3-MoE's in memory are [E, out, in]
+            fused = gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            w = np.ascontiguousarray(p.numpy().swapaxes(-1, -2) if fused else p.numpy())
+            if qtype != "F32" and not router and not name.endswith("bias") and _quantizable(name, w):
+                t = GGMLQuantizationType[_tensor_type(name, qtype)]
+                w = quants.dequantize(quants.quantize(w, t), t)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(w.swapaxes(-1, -2) if fused else w)))
+
+
+def _tensor_type(name: str, qtype: str) -> str:
+    """A weight matrix's type in a `qtype` file: MXFP4 files (llama.cpp's MXFP4_MOE, gpt-oss) hold the experts in
+    MXFP4 and every other matrix in Q8_0."""
+    return "Q8_0" if qtype == "MXFP4" and "_exps" not in name and ".experts." not in name else qtype
 
 
 def _quantizable(gguf_name: str, w: np.ndarray) -> bool:
-    # norms and the MoE router stay float32, as llama-quantize keeps them
-    return w.ndim >= 2 and w.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name
+    # norms, biases and the MoE router stay float32, as llama-quantize keeps them
+    return w.ndim >= 2 and w.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name and not gguf_name.endswith("bias")
 
 
 def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> str:
@@ -264,6 +287,17 @@ def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, 
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1
         parts = name.split(".")
+        if arch == "gpt-oss" and ".experts." in name:  # fused [E, in, out] (x @ W), gate / up columns interleaved
+            bias = name.endswith("_bias")
+            t = t if bias else t.swapaxes(-1, -2)  # [E, out, in]
+            proj = parts[-1].removesuffix("_bias")
+            split = {"gate_proj": t[:, ::2], "up_proj": t[:, 1::2]} if proj == "gate_up_proj" else {proj: t}
+            for part, x in split.items():
+                merged = names.get_name(".".join(parts[:4] + ["experts", part]))
+                tensors[f"{merged}.{'bias' if bias else 'weight'}"] = np.ascontiguousarray(x)
+            continue
+        if name.endswith(".sinks"):  # (the converter's name for gpt-oss's sinks has a .weight)
+            name, parts = name + ".weight", parts + ["weight"]
         if ".experts." in name:  # model.layers.N.(mlp|block_sparse_moe).experts.E.<proj>.weight
             e = parts.index("experts")
             merged = names.get_name(".".join(parts[:e] + ["experts", parts[e + 2]]))
@@ -279,7 +313,7 @@ def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, 
         tensors[merged] = np.stack([per_expert[i] for i in range(len(per_expert))])
     for name, t in tensors.items():
         if qtype != "F32" and _quantizable(name, t):
-            q = GGMLQuantizationType[qtype]
+            q = GGMLQuantizationType[_tensor_type(name, qtype)]
             w.add_tensor(name, quants.quantize(t, q), raw_dtype=q)
         else:
             w.add_tensor(name, t)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -26,13 +27,15 @@ namespace {
 // cache (SmolLM2's 3 KV heads) 64 -> 47 ms a step, float16 59 -> 35 ms (from DRAM: ~1 GB a step).
 // An int8 cache (C = int8_t) is read as its integers; each key's scale multiplies its scores, each value's its
 // probability (the scale sits after the row's D values, vec.h).
+// Sinks (gpt-oss): head g's learned logit sink[g] joins its softmax's max and denominator, with no value. A sliding
+// window: the last `window` positions only (off[] lists just those; the blocks before them are never read).
 
 template <typename C>
 constexpr bool kScaled = std::is_same_v<C, int8_t>;
 
 template <int D, typename C>
 void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const int64_t* off, int64_t len,
-                  float sc, float* scores, float* o0) {
+                  float sc, float* scores, float* o0, const float* sink) {
   constexpr int R = D / 8;
   const __m256 scv = _mm256_set1_ps(sc);
   int64_t j0 = 0;
@@ -81,6 +84,7 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
     float* sg = scores + g * len;
     float mx = -INFINITY;
     for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+    if (sink != nullptr) mx = std::max(mx, sink[g]);
     const __m256 mxv = _mm256_set1_ps(mx);
     __m256 sum8 = _mm256_setzero_ps();
     int64_t j = 0;
@@ -94,6 +98,7 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
       sg[j] = std::exp(sg[j] - mx);
       sum += sg[j];
     }
+    if (sink != nullptr) sum += std::exp(sink[g] - mx);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (j = 0; j < len; ++j) {
@@ -112,7 +117,8 @@ void attend_group(const float* q0, int64_t G, const C* kp, const C* vp, const in
 
 void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& context_lens, double scale) {
+                             const at::Tensor& context_lens, double scale, const std::optional<at::Tensor>& sinks,
+                             int64_t window) {
   check_cpu_f32(q, "paged_decode_attention");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
               context_lens.is_contiguous(), "paged_decode_attention: contiguous caches and tables");
@@ -133,9 +139,17 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    check_cpu_f32(*sinks, "paged_decode_attention");
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && sinks->is_contiguous(), "paged_decode_attention: sinks [H]");
+    sk = sinks->data_ptr<float>();
+  }
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window");
+  auto first_of = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= maxb * bs, "paged_decode_attention: context length");
-    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+    for (int64_t i = first_of(lens[b]) / bs; i < (lens[b] + bs - 1) / bs; ++i)
       TORCH_CHECK(tables[b * maxb + i] >= 0 && tables[b * maxb + i] < num_blocks, "paged_decode_attention: block id");
   }
   const float sc = (float)scale;
@@ -143,19 +157,21 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
     std::vector<float> scores;
     std::vector<int64_t> off;
     for (int64_t task = b0; task < e0; ++task) {
-      const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
+      const int64_t b = task / Hkv, kvh = task % Hkv, first = first_of(lens[b]), len = lens[b] - first;
       scores.resize(G * len);
       off.resize(len);
       const int64_t* table = tables + b * maxb;
-      for (int64_t j0 = 0, blk = 0; j0 < len; j0 += bs, ++blk) {   // the cache offset of each position
+      for (int64_t p = first; p < lens[b];) {   // the cache offset of each position, block by block
+        const int64_t blk = p / bs, end = std::min(lens[b], (blk + 1) * bs);
         const int64_t base = (table[blk] * bs * Hkv + kvh) * W;
-        for (int64_t i = 0; i < std::min(bs, len - j0); ++i) off[j0 + i] = base + i * Hkv * W;
+        for (; p < end; ++p) off[p - first] = base + (p % bs) * Hkv * W;
       }
       const float* q0 = qp + b * qld + kvh * G * D;
       float* o0 = op + b * old + kvh * G * D;
+      const float* sink = sk == nullptr ? nullptr : sk + kvh * G;
       auto attend = [&](auto* kp, auto* vp) {
-        if (D == 64) attend_group<64>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
-        else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0);
+        if (D == 64) attend_group<64>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0, sink);
+        else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0, sink);
       };
       if (type == at::kHalf) attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
       else if (type == at::kChar) attend(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -28,6 +29,12 @@ namespace {
 // columns x row vectors). float32 keys are read straight from the blocks, float16 ones widened per tile, int8
 // ones widened and multiplied by their row's scale per tile.
 // Key tiles past a task's last query are skipped; on the diagonal a row's later keys get probability 0.
+// Sinks (gpt-oss): a query head's learned logit s joins its softmax's denominator with no value; the online softmax
+// leaves O / l with l = sum exp(score - max), so the sink only adds exp(s - max) to l at the end.
+// A sliding window (each query sees its last `window` positions): key tiles wholly before a task's first query's
+// window are skipped; in the tiles that straddle a row's window start its earlier keys' scores are set to -inf
+// before the softmax (out of the max) and their probabilities to 0 after it. Both outside the vector kernels: the
+// AVX2 and AVX-512 variants are the same code with and without windows.
 
 constexpr int kPrefillK = 32;   // keys per tile
 constexpr int kPrefillQ = 16;   // query positions per task
@@ -213,7 +220,8 @@ struct PrefillScratch {   // one thread's: Mp rows (a multiple of 16) of head si
 template <typename Kern, typename C>
 void prefill_task(const float* qp, int64_t qld, float* op, int64_t old, const C* kc, const C* vc,
                   const int64_t* table, int64_t bs, int64_t Hkv, int64_t D, int64_t W, int64_t kvh, int64_t G, int64_t ctx,
-                  int64_t n, int64_t i0, int64_t i1, float scale, PrefillScratch& w) {
+                  int64_t n, int64_t i0, int64_t i1, float scale, const float* sink, int64_t window,
+                  PrefillScratch& w) {
   const int64_t M = (i1 - i0) * G, Mp = (M + 15) / 16 * 16, first = ctx - n;
   float *Qt = w.qt.data(), *Ot = w.ot.data(), *St = w.st.data();
   for (int64_t m = 0; m < Mp; ++m) {   // Q^T scaled; padding rows: zeros, position -1 (they see no key)
@@ -226,7 +234,10 @@ void prefill_task(const float* qp, int64_t qld, float* op, int64_t old, const C*
   std::fill(w.mx.begin(), w.mx.begin() + Mp, -INFINITY);
   std::fill(w.l.begin(), w.l.begin() + Mp, 0.0f);
   const int64_t last = first + i1 - 1;   // the task's last query position: later keys are never read
-  for (int64_t k0 = 0; k0 <= last; k0 += kPrefillK) {
+  // with a window: row m sees keys from lo(m) = its position - window + 1; the first query's is where reading starts
+  auto lo = [&](int64_t m) { return (int64_t)w.pos[m] - window + 1; };
+  const int64_t k_begin = window > 0 ? std::max<int64_t>(0, first + i0 - window + 1) : 0;
+  for (int64_t k0 = k_begin; k0 <= last; k0 += kPrefillK) {
     const int64_t kn = std::min<int64_t>(kPrefillK, last + 1 - k0);
     for (int64_t j = 0; j < kPrefillK; ++j) {
       if (j >= kn) {   // past the last query: a row of zeros (finite products, probability 0)
@@ -253,12 +264,19 @@ void prefill_task(const float* qp, int64_t qld, float* op, int64_t old, const C*
       }
     }
     Kern::qk(Qt, Mp, D, w.kr.data(), St);
+    const bool edge = window > 0 && k0 < last - window + 1;   // some row's window starts after k0
+    if (edge)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < std::min<int64_t>(kPrefillK, lo(m) - k0); ++j) St[j * Mp + m] = -INFINITY;
     Kern::softmax(St, Mp, w.pos.data(), k0, k0 + kPrefillK - 1 > first + i0, w.mx.data(), w.l.data(), w.alpha.data());
+    if (edge)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < std::min<int64_t>(kPrefillK, lo(m) - k0); ++j) St[j * Mp + m] = 0.0f;
     Kern::pv(St, Mp, D, w.vr.data(), w.alpha.data(), Ot);
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, g = m % G;
-    const float inv = 1.0f / w.l[m];
+    const float inv = 1.0f / (sink == nullptr ? w.l[m] : w.l[m] + std::exp(sink[g] - w.mx[m]));
     float* dst = op + i * old + (kvh * G + g) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = Ot[d * Mp + m] * inv;
   }
@@ -272,7 +290,7 @@ void prefill_task(const float* qp, int64_t qld, float* op, int64_t old, const C*
 // second-to-last ... tile, so that at::parallel_for's contiguous split gives every thread as many keys.
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& block_table, int64_t context_len,
-                              double scale) {
+                              double scale, const std::optional<at::Tensor>& sinks, int64_t window) {
   check_cpu_f32(q, "paged_prefill_attention");
   check_cpu_f32(out, "paged_prefill_attention");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous() &&
@@ -291,7 +309,9 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
               "paged_prefill_attention: context length");
   if (n == 0) return;
   const int64_t* table = block_table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i)
+  TORCH_CHECK(window >= 0, "paged_prefill_attention: window");
+  // (with a window, the blocks before the first query's window are never read)
+  for (int64_t i = window > 0 ? std::max<int64_t>(0, ctx - n - window + 1) / bs : 0; i < (ctx + bs - 1) / bs; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "paged_prefill_attention: block id");
   const int64_t G = H / Hkv, qld = q.stride(0), old = out.stride(0), tiles = (n + kPrefillQ - 1) / kPrefillQ;
   const float* qp = q.data_ptr<float>();
@@ -300,6 +320,12 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   const at::ScalarType type = k_cache.scalar_type();
   const int64_t W = k_cache.size(3);
   const bool wide = use_avx512();
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    check_cpu_f32(*sinks, "paged_prefill_attention");
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && sinks->is_contiguous(), "paged_prefill_attention: sinks [H]");
+    sk = sinks->data_ptr<float>();
+  }
   at::parallel_for(0, tiles * Hkv, 1, [&](int64_t t0, int64_t t1) {
     PrefillScratch w((kPrefillQ * G + 15) / 16 * 16, D);
     for (int64_t t = t0; t < t1; ++t) {
@@ -307,7 +333,8 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       const int64_t tile = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
       const int64_t i0 = tile * kPrefillQ, i1 = std::min(n, i0 + kPrefillQ);
       auto run = [&](auto kern, const auto* kc, const auto* vc) {
-        prefill_task<decltype(kern)>(qp, qld, op, old, kc, vc, table, bs, Hkv, D, W, kvh, G, ctx, n, i0, i1, sc, w);
+        prefill_task<decltype(kern)>(qp, qld, op, old, kc, vc, table, bs, Hkv, D, W, kvh, G, ctx, n, i0, i1, sc,
+                                     sk == nullptr ? nullptr : sk + kvh * G, window, w);
       };
       if (type == at::kHalf) {
         const at::Half *kc = k_cache.data_ptr<at::Half>(), *vc = v_cache.data_ptr<at::Half>();

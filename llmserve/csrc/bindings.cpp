@@ -48,8 +48,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("packed_part") = kPackedPart;
   m.def("gguf_uses_avx512", &use_vnni, "whether the AVX-512 VNNI K-quant dots run");
   // attention_decode.cpp, attention_prefill.cpp, sampling.cpp
-  m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache", kNoGIL);
-  m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache", kNoGIL);
+  m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("context_len"), py::arg("scale"), py::arg("sinks") = py::none(), py::arg("window") = 0, kNoGIL);
+  m.def("paged_decode_attention_", &paged_decode_attention_, "decode attention over the paged KV cache",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("sinks") = py::none(), py::arg("window") = 0, kNoGIL);
   m.def("sample_rows", &sample_rows, "one token per row of logits, drawn by inverting its CDF at u");
   // decode_stack.cpp, lora.cpp
   m.def("projection_kinds", [] {

@@ -22,7 +22,7 @@ namespace llmserve::gguf {
 
 enum QType : int64_t {   // GGMLQuantizationType's numbers
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30,
+  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
 };
 
 // The compiler may fuse a * b + c into one FMA (one rounding instead of NumPy's two); passing the
@@ -117,6 +117,29 @@ struct TIQ4_NL {
   static constexpr bool kMin = false, kSigned = true;
   static Scales32 header(const uint8_t* b) { return {f16(b), 0.0f}; }
   static __m256i quants(const uint8_t* b) { return iq4_values(TQ4_0::nibbles(b + 2)); }
+};
+
+// MXFP4 (OCP microscaling, gpt-oss's experts), 17 bytes: uint8 e | qs[16], 4-bit E2M1 indices in Q4_0's nibble order.
+// The table holds E2M1's values doubled (integers, signed quants) and d = 2^(e - 128), half the E8M0 scale 2^(e - 127):
+// ggml's e8m0_to_fp32_half, whose bits for e < 2 are the subnormals 2^-128 and 2^-127.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
+inline __m256i mxfp4_values(__m256i indices) {
+  const __m128i t = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), indices);
+}
+
+struct TMXFP4 {
+  static constexpr int64_t kValues = 32, kBytes = 17;
+  static constexpr int kZero = 0;
+  static constexpr bool kMin = false, kSigned = true;
+  static Scales32 header(const uint8_t* b) { return {e8m0_half(b[0]), 0.0f}; }
+  static __m256i quants(const uint8_t* b) { return mxfp4_values(TQ4_0::nibbles(b + 1)); }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -268,13 +291,14 @@ bool with_quant_type(int64_t qtype, F&& f) {
     case Q5_K: f(TQ5_K{}); return true;
     case Q6_K: f(TQ6_K{}); return true;
     case IQ4_XS: f(TIQ4_XS{}); return true;
+    case MXFP4: f(TMXFP4{}); return true;
     default: return false;
   }
 }
 
 // Q4_0, Q4_1 and Q8_0 have llmserve's own kernel family (linear.cpp's q4_linear / q8_linear, on the blocks
 // repacked at load: llmserve/model/gguf_kernels.py's repack): their structs above serve dequantization only.
-// f(T{}) for the types whose integer dots are gguf_dots.cpp's (Q5_0, Q5_1, IQ4_NL, the K-quants, IQ4_XS); false
+// f(T{}) for the types whose integer dots are gguf_dots.cpp's (Q5_0, Q5_1, IQ4_NL, MXFP4, the K-quants, IQ4_XS); false
 // otherwise.
 template <typename F>
 bool with_dot_type(int64_t qtype, F&& f) {
@@ -288,6 +312,7 @@ bool with_dot_type(int64_t qtype, F&& f) {
     case Q5_K: f(TQ5_K{}); return true;
     case Q6_K: f(TQ6_K{}); return true;
     case IQ4_XS: f(TIQ4_XS{}); return true;
+    case MXFP4: f(TMXFP4{}); return true;
     default: return false;
   }
 }

@@ -1,5 +1,5 @@
 // GGUF's integer dots (few rows, and many by default: llama.cpp's arithmetic): x rounded to int8 per 256 values for
-// the K-quants and IQ4_XS (as llama.cpp's Q8_K) and per 32 for Q5_0 / Q5_1 / IQ4_NL (as its Q8_0; Q4_0, Q4_1 and Q8_0 run
+// the K-quants and IQ4_XS (as llama.cpp's Q8_K) and per 32 for Q5_0 / Q5_1 / IQ4_NL / MXFP4 (as its Q8_0; Q4_0, Q4_1 and Q8_0 run
 // linear.cpp's q4 / q8 dots on their repacked blocks, see gguf_blocks.h's with_dot_type), with the sums of every 16
 // rounded values for the blocks' offsets and mins; each block unpacked once for up to 4 rows of x. The Q4_K / Q6_K
 // dots also in AVX-512 VNNI (use_vnni()).
@@ -205,7 +205,7 @@ LLMSERVE_AVX512_VNNI void kquant_dot_avx512(const Acts& a, int64_t m0, const Lay
   }
 }
 
-// Q5_0 / Q5_1 / IQ4_NL. Per block and row: sum q * x in int32, less kZero * sum x; times d * dx; plus m * dx * sum x.
+// Q5_0 / Q5_1 / IQ4_NL / MXFP4. Per block and row: sum q * x in int32, less kZero * sum x; times d * dx; plus m * dx * sum x.
 template <typename T, int MR>
 void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = a.K / 32;
@@ -222,7 +222,7 @@ void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t
       for (int m = 0; m < MR; ++m) {
         const int64_t blk = (m0 + m) * G + g;
         const __m256i xm = load32(a.q.data() + 32 * blk);
-        // (IQ4_NL's signed values: |q| times x with q's sign)
+        // (IQ4_NL's and MXFP4's signed values: |q| times x with q's sign)
         const __m256i p = T::kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xm, q))
                                      : _mm256_maddubs_epi16(q, xm);
         __m256i dot = _mm256_madd_epi16(p, ones);

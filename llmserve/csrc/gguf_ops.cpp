@@ -91,8 +91,8 @@ Layout check_layout(const at::Tensor& raw, int64_t qtype, int64_t K, const char*
   else if (qtype == F16 || qtype == BF16) bytes = 2;
   else if (!with_quant_type(qtype, [&](auto t) { block = decltype(t)::kValues, bytes = decltype(t)::kBytes; }))
     TORCH_CHECK(false, what, ": unsupported GGUF quantization type ", qtype,
-                " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "
-                "IQ4_XS)");
+                " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, "
+                "Q6_K, IQ4_XS)");
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2, what,
               ": raw must be a uint8 CPU tensor [N, row_bytes]");
   TORCH_CHECK(K > 0 && K % block == 0, what, ": K = ", K, " is not a multiple of the type's ", block, "-value blocks");

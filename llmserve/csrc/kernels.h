@@ -46,12 +46,16 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 // attention_decode.cpp, attention_prefill.cpp: attention read in place from the paged cache into `out`.
+// sinks: float32 [H] (gpt-oss), a logit per query head in each softmax's denominator; window: > 0, each query sees only
+// the last `window` positions (its own included).
 void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& context_lens, double scale);
+                             const at::Tensor& context_lens, double scale,
+                             const std::optional<at::Tensor>& sinks = std::nullopt, int64_t window = 0);
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& block_table, int64_t context_len,
-                              double scale);
+                              double scale, const std::optional<at::Tensor>& sinks = std::nullopt,
+                              int64_t window = 0);
 
 // sampling.cpp: one token per row of logits [R, V], drawn from softmax(logits / temps) by inverting its CDF at u.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temps, const at::Tensor& u);

@@ -10,8 +10,9 @@ one self-contained run of bytes, and the kernels read the scale beside the row t
 One flat batch holds decode tokens first (one query each, batched together) and then prefill chunks
 (several queries each, attended one chunk at a time, against the cached prefix plus themselves). On CPU
 both read the blocks in place through the C++ kernels (ops.paged_decode_attention,
-ops.paged_prefill_attention); elsewhere, and for sliding-window or soft-capped layers, blocks are gathered
-for SDPA.
+ops.paged_prefill_attention, sliding windows and sinks included); elsewhere, and for soft-capped layers, blocks are
+gathered for SDPA (written out where there are sinks: gpt-oss's learned logit per query head that joins each
+softmax's denominator, as transformers' eager attention adds it).
 """
 
 from __future__ import annotations
@@ -156,19 +157,31 @@ def paged_attention(
     kv_written: bool = False,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the cache when kv_written).
     Returns [T, H, D]. `window`: a sliding-window layer, whose queries see only the last `window`
-    positions (a mask, over the blocks `meta` gives it: all of them, or from the first one inside the
-    window with the engine's window group); `softcap`: attention logits -> tanh(s / cap) * cap. Both
-    take the gather + mask path."""
+    positions (the kernels read only those; elsewhere a mask), over the blocks `meta` gives it: all of them, or
+    from the first one inside the window with the engine's window group; `softcap`: attention logits ->
+    tanh(s / cap) * cap (the gather + mask path); `sinks` [H]: a logit per query head in every softmax's
+    denominator, no value."""
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     plain = window is None and softcap is None
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     for g in meta.decode_groups:
-        if plain and ops.paged_decode_attention(
-            out[g.start : g.end], q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, scale
+        if softcap is None and ops.paged_decode_attention(
+            out[g.start : g.end],
+            q[g.start : g.end],
+            k_cache,
+            v_cache,
+            g.block_tables,
+            g.context_lens,
+            scale,
+            sinks=sinks,
+            window=window,
         ):
             continue  # read in place from the blocks (the fused CPU kernel)
         kd = _gather(k_cache, g.block_tables, 0, q.dtype)  # [B, Hkv, L, D]
@@ -178,14 +191,14 @@ def paged_attention(
         if window is not None:
             first = (g.context_lens - window).view(-1, 1, 1, 1)
             mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
-        out[g.start : g.end] = _attend(qd, kd, vd, mask, scale, softcap).squeeze(2)
+        out[g.start : g.end] = _attend(qd, kd, vd, mask, scale, softcap, sinks).squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
         if (
-            plain
+            softcap is None
             and not chunk.bidirectional
             and ops.paged_prefill_attention(
-                out[s : s + n], q[s : s + n], k_cache, v_cache, chunk.block_table, ctx, scale
+                out[s : s + n], q[s : s + n], k_cache, v_cache, chunk.block_table, ctx, scale, sinks, window
             )
         ):
             continue  # read in place from the blocks, prefix and chunk alike (the flash-style CPU kernel)
@@ -196,7 +209,7 @@ def paged_attention(
         else:
             kp = _gather(k_cache, chunk.block_table, 2, q.dtype)[:, :ctx].unsqueeze(0)
             vp = _gather(v_cache, chunk.block_table, 3, q.dtype)[:, :ctx].unsqueeze(0)
-        if ctx == n and plain and not chunk.bidirectional:
+        if ctx == n and plain and sinks is None and not chunk.bidirectional:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
@@ -206,21 +219,33 @@ def paged_attention(
                 mask = mask & (key_pos > q_pos - window)
             for a, b in chunk.bidirectional:  # the run sees itself whole
                 mask = mask | ((q_pos >= a) & (q_pos < b) & (key_pos >= a) & (key_pos < b))
-            o = _attend(qp, kp, vp, mask, scale, softcap)
+            o = _attend(qp, kp, vp, mask, scale, softcap, sinks)
         out[s : s + n] = o.squeeze(0).transpose(0, 1)
     return out
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA over q [B, H, n, D], k and v [B, Hkv, L, D] where `mask` is True; with `softcap`, the same
-    written out (SDPA has no soft-capping), as transformers' eager attention computes it."""
-    if softcap is None:
+    """SDPA over q [B, H, n, D], k and v [B, Hkv, L, D] where `mask` is True; with `softcap` or `sinks` [H]
+    (float32), the same written out (SDPA has neither), as transformers' eager attention computes it: the sink
+    joins each row's logits as one more column (its max taken with the rest) and is dropped after the softmax."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    s = torch.cat([s.float(), sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s - s.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(p.to(q.dtype), v)

@@ -49,5 +49,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    router_bias: bool = False  # the MoE router has a bias (gpt-oss)
+    router_topk_softmax: bool = False  # routing weights: a softmax over the top-k logits only (gpt-oss)
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # hidden_act "clamped_swiglu" (gpt-oss): gate clamped above at swiglu_limit, up
+    swiglu_limit: float = 7.0  # to +-swiglu_limit; (up + 1) * gate * sigmoid(alpha * gate)
+    attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
+    o_proj_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
     mm_config: object = None  # a vision-language model's whole transformers config (its tower's settings)
     fused_decode: bool = True  # the family's layers are the fused C++ decode stack's (registry.ArchSpec.fused_decode)

@@ -15,13 +15,14 @@ in the type's blocks):
 * `linear_f32(x, raw, qtype, K)` -> the same product in float32 throughout (activations never rounded):
   few rows dot each weight row widened in L1, many rows the float32 tiles.
 
-Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (qtype: a
+Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (qtype: a
 GGMLQuantizationType, its number or its name). IQ4_NL / IQ4_XS hold 4-bit indices into a table of 16 int8
-values; their dots run on those signed values (x rounded per 32 / per 256 as llama.cpp's).
+values, MXFP4 (gpt-oss's experts) 4-bit E2M1 values (doubled in its table: 0 .. 12) with an E8M0 exponent per 32;
+their dots run on those signed values (x rounded per 32 / per 256 as llama.cpp's).
 
 One kernel family per block format: Q4_0 / Q4_1 / Q8_0 are llmserve's own int4 / int8 layouts in other bytes, so
 their integer dots are `q4_linear` / `q8_linear` (csrc/linear.cpp, VNNI GEMMs included) on the blocks repacked
-once (`repack`, `packed_linear`); csrc/gguf_dots.cpp's dots take Q5_0, Q5_1, IQ4_NL, the K-quants and IQ4_XS.
+once (`repack`, `packed_linear`); csrc/gguf_dots.cpp's dots take Q5_0, Q5_1, IQ4_NL, MXFP4, the K-quants and IQ4_XS.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ BLOCKS = {
     7: (32, 24),
     8: (32, 34),
     20: (32, 18),
+    39: (32, 17),
     10: (256, 84),
     11: (256, 110),
     12: (256, 144),
@@ -63,6 +65,7 @@ NAMES = {
     7: "Q5_1",
     8: "Q8_0",
     20: "IQ4_NL",
+    39: "MXFP4",
     10: "Q2_K",
     11: "Q3_K",
     12: "Q4_K",
@@ -276,7 +279,7 @@ _HALF_FIELDS = {
 def random_blocks(qtype, n: int, k: int, seed: int = 0, d_max: float = 0.05) -> torch.Tensor:
     """n rows of k values of qtype as random blocks, uint8 [n, row_bytes] (tests and benchmarks): random
     bytes, the float16 scale fields set to finite values of either sign (|d| in [d_max / 500, d_max), 2% of
-    them subnormal); F32 / F16 / BF16: normal values."""
+    them subnormal; MXFP4's exponents: see below); F32 / F16 / BF16: normal values."""
     num = qtype_number(qtype)
     rng = np.random.default_rng(seed)
     if num in (0, 1, 30):
@@ -284,7 +287,11 @@ def random_blocks(qtype, n: int, k: int, seed: int = 0, d_max: float = 0.05) -> 
         return w.to({0: torch.float32, 1: torch.float16, 30: torch.bfloat16}[num]).view(torch.uint8)
     block, size = BLOCKS[num]
     data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    for off in _HALF_FIELDS[num]:
+    if num == 39:  # MXFP4: E8M0 exponents around 2^-5 .. 2^-3 (doubled values up to 12), 2% of them 0 or 1 (subnormal)
+        e = rng.integers(121, 125, (n, k // block)).astype(np.uint8)
+        e[rng.random(e.shape) < 0.02] = rng.integers(0, 2, dtype=np.uint8)
+        data[:, :, 0] = e
+    for off in _HALF_FIELDS.get(num, ()):
         h = (rng.uniform(d_max / 500, d_max, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
         h[rng.random(h.shape) < 0.02] = np.float16(3e-6)
         data[:, :, off : off + 2] = h.view(np.uint8).reshape(n, k // block, 2)

@@ -86,6 +86,18 @@ GGUF_GLM4_LAYERS = {
 }
 
 
+# gpt-oss: the norm before the MLP is llama.cpp's post_attention_norm; sinks; the router and the experts with biases
+# (the converter splits Hugging Face's interleaved gate_up_proj into gate and up, or writes them fused, gate rows
+# first: ffn_gate_up_exps)
+GGUF_GPT_OSS_LAYERS = {
+    **{k: v for k, v in GGUF_LLAMA_LAYERS.items() if not k.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    **GGUF_MOE_LAYERS,
+    "ffn_gate_up_exps": "mlp.experts.{e}.gate_up_proj",
+}
+
+
 # -- per-family config fields: from GGUF metadata, as llama.cpp reads it --------------------------------
 def swa_layers(meta: GGUFMetadata, layers: int, every: int) -> list[str]:
     """Hugging Face's layer_types from `<arch>.attention.sliding_window_pattern` (a bool per layer, or n: every
@@ -185,4 +197,29 @@ def gguf_qwen3_moe(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
         mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in meta.tensor_names],
         # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise
         norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+    )
+
+
+def gguf_gpt_oss(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    # llama.cpp's gpt-oss: every other layer sliding (the first one), yarn rope (the converter writes its factor
+    # and original context; beta_fast / beta_slow and truncate are gpt-oss's), the SwiGLU's alpha 1.702 and limit 7
+    # (fixed: the file holds none)
+    return dict(
+        num_local_experts=meta.get("expert_count"),
+        num_experts_per_tok=meta.get("expert_used_count"),
+        intermediate_size=meta.get("expert_feed_forward_length", kw["intermediate_size"]),
+        sliding_window=meta.get("attention.sliding_window"),
+        layer_types=swa_layers(meta, kw["num_hidden_layers"], 2),
+        attention_bias=True,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": meta.get("rope.scaling.factor", 32.0),
+            "original_max_position_embeddings": meta.get("rope.scaling.original_context_length", 4096),
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
     )

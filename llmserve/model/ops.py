@@ -230,9 +230,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> bool:
-    """Decode rows' attention read in place from the paged cache into `out`; False when the
-    caller must gather and use SDPA instead."""
+    """Decode rows' attention read in place from the paged cache into `out` (`sinks`: float32 [H], a logit per
+    query head in the softmax's denominator; `window`: only the last `window` positions, the blocks before them
+    never read); False when the caller must gather and use SDPA instead."""
     ext = _fast(q)
     if (
         ext is None
@@ -241,7 +244,7 @@ def paged_decode_attention(
         or k_cache.dtype not in KV_DTYPES
     ):
         return False
-    ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    ext.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window or 0)
     return True
 
 
@@ -253,10 +256,12 @@ def paged_prefill_attention(
     block_table: torch.Tensor,
     context_len: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> bool:
     """One prefill chunk's causal attention (queries `q` [n, H, D] at positions context_len - n ..
     context_len - 1, their K and V already in the cache) read in place from the blocks of `block_table` into
-    `out`; False when the caller must use SDPA instead."""
+    `out` (`sinks`, `window`: as paged_decode_attention's); False when the caller must use SDPA instead."""
     ext = _fast(q)
     if (
         ext is None
@@ -271,7 +276,7 @@ def paged_prefill_attention(
         or out.stride(-2) != out.shape[-1]
     ):
         return False
-    ext.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, context_len, scale)
+    ext.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, context_len, scale, sinks, window or 0)
     return True
 
 

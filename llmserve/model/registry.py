@@ -18,6 +18,7 @@ from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_specs import (
     GGUF_GEMMA_LAYERS,
     GGUF_GLM4_LAYERS,
+    GGUF_GPT_OSS_LAYERS,
     GGUF_LLAMA_LAYERS,
     GGUF_MOE_LAYERS,
     GGUF_OLMO2_LAYERS,
@@ -26,12 +27,14 @@ from llmserve.model.gguf_specs import (
     gguf_gemma2,
     gguf_gemma3,
     gguf_glm4,
+    gguf_gpt_oss,
     gguf_granite,
     gguf_mixtral,
     gguf_phi3,
     gguf_qwen3_moe,
     gguf_smollm3,
 )
+from llmserve.model.gpt_oss import checkpoint_tensors as gpt_oss_tensors
 from llmserve.model.llama import LlamaModel
 from llmserve.model.vision.gemma3 import Gemma3VisionModel
 from llmserve.model.vision.idefics3 import Idefics3Model
@@ -50,6 +53,8 @@ class ArchSpec:
     config: Callable | None = None  # transformers config -> ModelConfig fields read from it (beyond the common)
     gguf: GGUFSpec | None = None  # None: not read from GGUF files
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragments -> the model's
+    # (cfg, the renamed checkpoint mapping) -> the mapping under the model's names and layouts (gpt-oss: fused experts)
+    checkpoint_tensors: Callable | None = None
     tensor_parallel: bool = True  # llmserve.model.parallel shards its attention and MLP (False: refused)
     fused_decode: bool = True  # its layers are plain Llama layers, which the fused C++ decode stack runs
     model_class: type = LlamaModel  # builds it: model_class(cfg, max_positions)
@@ -111,6 +116,19 @@ def _qwen3_moe(hf) -> dict:
         moe_intermediate_size=hf.moe_intermediate_size,
         moe_layers=sparse,
         norm_topk_prob=bool(hf.norm_topk_prob),
+    )
+
+
+def _gpt_oss(hf) -> dict:
+    return dict(
+        _mixtral(hf),  # (experts in every layer, num_local_experts of intermediate_size, as Mixtral's)
+        router_bias=True,
+        router_topk_softmax=True,
+        expert_bias=True,
+        hidden_act="clamped_swiglu",
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+        o_proj_bias=bool(hf.attention_bias),
     )
 
 
@@ -276,6 +294,23 @@ ARCHITECTURES = {
                 head_dim_key="attention.key_length",
                 config=gguf_qwen3_moe,
             ),
+            tensor_parallel=False,
+            **_NO_STACK,
+        ),
+        # gpt-oss: attention sinks, alternating sliding-window layers, q / k / v / o biases; experts in every layer
+        # (router with a bias, softmax over the top-k logits, biased experts, the clamped SwiGLU); the checkpoint's
+        # fused expert tensors split per expert (llmserve.model.gpt_oss)
+        ArchSpec(
+            "gpt_oss",
+            ("GptOssForCausalLM",),
+            features=dict(attn_sinks=True),
+            config=_gpt_oss,
+            gguf=GGUFSpec(
+                "gpt-oss", "GptOssConfig", GGUF_GPT_OSS_LAYERS, head_dim_key="attention.key_length", config=gguf_gpt_oss
+            ),
+            # (a GGUF file's attn_sinks has a .weight suffix, the checkpoint's sinks none)
+            checkpoint_renames=((".mlp.router.", ".mlp.gate."), (".self_attn.sinks.weight", ".self_attn.sinks")),
+            checkpoint_tensors=gpt_oss_tensors,
             tensor_parallel=False,
             **_NO_STACK,
         ),

@@ -108,6 +108,13 @@ def _configs():
             T.Qwen3MoeConfig,
             dict(num_experts=4, moe_intermediate_size=48, head_dim=16, norm_topk_prob=False, **moe),
         ),
+        # gpt-oss: sinks, a sliding layer then a full one (transformers' alternation; the window shorter than the
+        # prompts), q / k / v / o biases, 64-wide heads (the kernels' size), biased router and experts, a SwiGLU limit
+        # low enough to clamp
+        "gpt-oss": (
+            T.GptOssConfig,
+            dict(num_local_experts=4, sliding_window=24, swiglu_limit=1.0, **moe),
+        ),
         "gemma2": (
             T.Gemma2Config,
             dict(
@@ -171,12 +178,22 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if cls in (transformers.Gemma2Config, transformers.Gemma3TextConfig) else 1.0, 0.3)
-            elif name.endswith(".bias"):  # (and biases away from transformers' zeros)
+            elif name.endswith("bias"):  # (and biases away from transformers' zeros: gpt-oss's experts' `_bias`)
                 p.normal_(0.0, 0.3)
+            elif name.endswith(".sinks"):  # (gpt-oss: large enough to take a visible share of each softmax)
+                p.normal_(1.0, 1.0)
     d = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(d)
     Tokenizer(bundled_gguf, gguf=True).hf.save_pretrained(d)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    return (request.param, d, *_transformers_greedy(d))
+
+
+def _transformers_greedy(folder) -> tuple[list[list[int]], float]:
+    """transformers' greedy tokens for _prompts() (float32, eager attention) from `folder`, and the logprob of the
+    first prompt's first token."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     with torch.inference_mode():
         want = [
             ref.generate(
@@ -186,7 +203,7 @@ def checkpoint(request, tmp_path_factory, bundled_gguf):
         ]
         first = _prompts()[0]
         logprob = ref(torch.tensor([first])).logits[0, -1].float().log_softmax(-1)[want[0][0]].item()
-    return request.param, d, want, logprob
+    return want, logprob
 
 
 def greedy_batched_and_alone(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
@@ -217,7 +234,7 @@ def test_greedy_equals_transformers_batched_and_alone(checkpoint):
 def test_quantized_new_layers_run(checkpoint, mode):
     """--quantization through quant.py's interface (norms and MoE routers stay float; the experts are
     quantized): every token comes back; layers whose weights the model adapts are rounded from the adapted ones."""
-    if checkpoint[0] not in ("qwen3", "phi3", *ADAPTED, "mixtral", "gemma2", "olmo2", "glm4"):
+    if checkpoint[0] not in ("qwen3", "phi3", *ADAPTED, "mixtral", "gemma2", "olmo2", "glm4", "gpt-oss"):
         pytest.skip("one of each kind of layer is enough")
     llm = LLM(
         model=str(checkpoint[1]), kv_cache_memory=0.05, max_num_batched_tokens=32, quantization=mode, num_threads=2
@@ -230,7 +247,7 @@ def test_quantized_new_layers_run(checkpoint, mode):
 
     layer = llm.engine.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
-    if checkpoint[0] == "mixtral":
+    if checkpoint[0] in ("mixtral", "gpt-oss"):  # (gpt-oss's experts with their biases)
         assert isinstance(layer.mlp.experts[0].gate_up_proj, QuantLinear)
     if checkpoint[0] in ADAPTED:  # rounded from the weights as the float model holds them (not the checkpoint's)
         ref = LLM(model=str(checkpoint[1]), kv_cache_memory=0.05, num_threads=2).engine.model.layers[0]
@@ -288,6 +305,55 @@ def test_qwen3_from_gguf(checkpoint, tmp_path, monkeypatch, bundled_gguf):
     assert llm.engine.model_config.architecture == "Qwen3ForCausalLM" and llm.engine.model_config.qk_norm
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)] == want
+
+
+def test_gpt_oss_mxfp4_experts(checkpoint, tmp_path):
+    """gpt-oss as OpenAI ships it: the experts' weights in MXFP4 (`*_blocks`: E2M1 codes, `*_scales`: an E8M0
+    exponent per 32). llmserve keeps them as GGUF MXFP4 blocks (GGUFLinear, read by the GGUF kernels, float32-exact
+    without --quantization) and its greedy tokens equal transformers' on the same experts dequantized by
+    transformers' own MXFP4 code; with --quantization int8 the blocks stay and run llama.cpp's integer dots."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from llmserve.model.gguf_layers import GGUFLinear
+
+    name, d = checkpoint[:2]
+    if name != "gpt-oss":
+        pytest.skip("the gpt-oss checkpoint only")
+    g = torch.Generator().manual_seed(3)
+    mxfp4, dense = {}, {}
+    for k, t in load_file(d / "model.safetensors").items():
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mxfp4[k] = dense[k] = t
+            continue
+        experts, k_in, n_out = t.shape
+        blocks = torch.randint(0, 256, (experts, n_out, k_in // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(121, 125, (experts, n_out, k_in // 32), generator=g, dtype=torch.uint8)
+        mxfp4[f"{k}_blocks"], mxfp4[f"{k}_scales"] = blocks, scales
+        dense[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+    folders = {}
+    for kind, tensors in (("mxfp4", mxfp4), ("dense", dense)):
+        folders[kind] = f = tmp_path / kind
+        shutil.copytree(d, f)
+        save_file(tensors, f / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((folders["mxfp4"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folders["mxfp4"] / "config.json").write_text(json.dumps(cfg))
+    want, _ = _transformers_greedy(folders["dense"])
+    llm = LLM(model=str(folders["mxfp4"]), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    experts = llm.engine.model.layers[1].mlp.experts
+    assert isinstance(experts[3].gate_up_proj, GGUFLinear) and experts[3].gate_up_proj.qtypes == [39, 39]
+    assert isinstance(experts[3].down_proj, GGUFLinear) and experts[3].down_proj.exact
+    batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
+    assert batched == want and alone == want
+    del llm
+    llm = LLM(model=str(folders["mxfp4"]), kv_cache_memory=0.05, quantization="int8", num_threads=2)
+    proj = llm.engine.model.layers[0].mlp.experts[0].down_proj
+    assert isinstance(proj, GGUFLinear) and not proj.exact
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in llm.generate(_prompts(), params, use_tqdm=False))
 
 
 def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):

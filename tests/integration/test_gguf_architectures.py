@@ -1,11 +1,11 @@
-"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2 and GLM-4 from GGUF
-files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own tensor
+"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2, GLM-4 and gpt-oss from
+GGUF files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own tensor
 names, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama` with
 experts, longrope factors as tensors), from a tiny random transformers checkpoint, in float32 and Q8_0. llmserve's
 greedy tokens, batched and alone, equal transformers' on the same file (`from_pretrained(..., gguf_file=...)`,
 which dequantizes) where transformers reads that architecture's files, else transformers' on the checkpoint
 holding the file's values (Qwen3-MoE: transformers' GGUF config lacks the experts' size; Mixtral: it reads no
-`llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4: it reads none of their files)."""
+`llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss: it reads none of their files)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0)
 # query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
@@ -66,6 +67,14 @@ def _cases():
         "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False), "olmo2", False),
         # GLM-4: interleaved partial rotary (rope.dimension_count), q / k / v biases, four norms a layer
         "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True), "glm4", False),
+        # gpt-oss: sinks, a sliding and a full layer, biased router and experts split from the fused checkpoint tensors
+        # (the SwiGLU limit llama.cpp's: 7)
+        "gpt-oss": (
+            T.GptOssConfig,
+            dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24),
+            "gpt-oss",
+            False,
+        ),
     }
 
 
@@ -80,7 +89,7 @@ def checkpoint(request, tmp_path_factory):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.3)
-            elif name.endswith(".bias"):
+            elif name.endswith(("bias", ".sinks")):  # (gpt-oss's experts' `_bias`)
                 p.normal_(0.0, 0.3)
     d = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(d)
@@ -142,6 +151,27 @@ def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
     assert batched == want, name
     assert alone == want, name
     assert llm.engine.kv.usage == 0
+
+
+def test_gpt_oss_mxfp4_file(checkpoint, monkeypatch):
+    """A gpt-oss file as llama.cpp's MXFP4_MOE quantization writes it (the experts MXFP4, every other matrix
+    Q8_0): each expert kept as its rows of the merged MXFP4 blocks (GGUFLinear, float32-exact), greedy tokens equal
+    transformers' on the file's values, batched and alone."""
+    from llmserve.model.loader import gguf_model
+
+    name, d, arch, _ = checkpoint
+    if name != "gpt-oss":
+        pytest.skip("the gpt-oss checkpoint only")
+    path = write_checkpoint_gguf(d, str(d / "MXFP4.gguf"), arch, "MXFP4")
+    want = _reference(d, "MXFP4", path, False)
+    monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)
+    llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    model = llm.engine.model
+    expert = model.layers[0].mlp.experts[1]
+    assert expert.gate_up_proj.qtypes == [39, 39] and expert.down_proj.qtypes == [39]
+    assert model.layers[1].self_attn.qkv_proj.qtypes == [8, 8, 8]
+    batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
+    assert batched == want and alone == want
 
 
 def test_config_from_gguf_metadata_is_the_checkpoints(checkpoint):
@@ -256,3 +286,10 @@ def test_gguf_tensor_names():
     assert (
         gguf_hf_names("blk.0.ffn_gate_exps.weight", ARCHITECTURES["llama"].gguf, 4) == []
     )  # (experts: MIXTRAL's spec)
+    gpt_oss = ARCHITECTURES["gpt_oss"].gguf  # (sinks: the spec's checkpoint_renames drop the .weight)
+    assert gguf_hf_names("blk.1.attn_sinks.weight", gpt_oss) == [("model.layers.1.self_attn.sinks.weight", None)]
+    assert gguf_hf_names("blk.0.ffn_up_exps.bias", gpt_oss, 2) == [
+        ("model.layers.0.mlp.experts.0.up_proj.bias", 0),
+        ("model.layers.0.mlp.experts.1.up_proj.bias", 1),
+    ]
+    assert gguf_hf_names("blk.0.post_attention_norm.weight", gpt_oss)[0][0].endswith(".post_attention_layernorm.weight")

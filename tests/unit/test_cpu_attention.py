@@ -150,13 +150,15 @@ def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
         ext.paged_prefill_attention_(out, q, kc, vc, table[:-1], ctx, 0.125)
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
-def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype):
+def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype, gpt_oss):
     """attention.paged_attention on a step of decode rows and two prefill chunks (one fresh, one after a
     cached prefix): the in-place prefill kernel and the SDPA path (KernelConfig(in_place_prefill=False)) give
     the same rows; head sizes the kernel lacks fall back by themselves. An int8 cache: the Python writer and
     dequantizer (write_kv, the gather) and the kernels read the same stored values; only the fresh chunk, which
-    the SDPA path attends with its own unrounded keys, differs by the rounding."""
+    the SDPA path attends with its own unrounded keys, differs by the rounding. gpt-oss's layers: sinks and a
+    sliding window shorter than the prefix (the written-out softmax against the kernels)."""
     from llmserve.config import KernelConfig
     from llmserve.model.attention import (
         AttentionMetadata,
@@ -186,14 +188,15 @@ def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype):
         prefills=[PrefillChunk(1, 9, 49, tables[0]), PrefillChunk(10, 21, 21, tables[1])],
     )
     k[0], v[0] = prefix[0][39], prefix[1][39]  # the decode row rewrites the prefix's last slot unchanged
-    saved = ops.configure(KernelConfig(in_place_prefill=False))
+    extra = dict(sinks=torch.randn(H) * 2, window=24) if gpt_oss else {}
+    saved = ops.configure(KernelConfig(in_place_prefill=False, in_place_decode=False))
     try:  # as the engine runs it (the gather's scratch buffers are inference tensors)
         with torch.inference_mode():
-            slow = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125)
+            slow = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, **extra)
     finally:
         ops.configure(saved)
     with torch.inference_mode():
-        fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True)
+        fast = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, kv_written=True, **extra)
     assert close(fast[:10], slow[:10], 1e-5)  # the decode row and the chunk after the prefix
     assert close(fast[10:], slow[10:], 1e-5 if cache_dtype is torch.float32 else 0.05)
     out = torch.empty(5, H, 96)
@@ -230,3 +233,83 @@ def test_8_bit_caches_written_and_gathered_by_the_pytorch_path(cache_dtype):
         assert torch.isfinite(gk).all() and gk[4, 0, 5] == FP8_MAX
         assert torch.equal(gv, v.to(cache_dtype).float())
         assert ((gk - k).abs() <= k.abs() / 16 + 1e-2)[k.abs() < FP8_MAX].all()  # e4m3: 3 mantissa bits
+
+
+def _written_out(q, k, v, q_pos, scale, sinks=None, window=None):
+    """float64 attention of q [n, H, D] at positions q_pos over keys / values [L, Hk, D] (positions 0 .. L - 1),
+    causal, within the last `window` positions, with gpt-oss's sinks [H] in each softmax's denominator."""
+    n, H, _ = q.shape
+    k, v = k.double().repeat_interleave(H // k.shape[1], 1), v.double().repeat_interleave(H // v.shape[1], 1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    key = torch.arange(k.shape[0])[None]
+    mask = key <= q_pos[:, None]
+    if window is not None:
+        mask &= key > q_pos[:, None] - window
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(H, n, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., : k.shape[0]]
+    return torch.einsum("hnl,lhd->nhd", p, v)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_attention_sinks_and_window(ext, head_dim, cache_dtype):
+    """gpt-oss's decode: sinks (large and small against the scores) and a sliding window (shorter and longer than
+    the context); the blocks wholly before a row's window are never read (their table entries invalid here)."""
+    torch.manual_seed(2)
+    B, H, Hk, D, NB, BS = 4, 8, 2, head_dim, 40, 16
+    kc, vc = _stored(torch.randn(NB, BS, Hk, D), cache_dtype), _stored(torch.randn(NB, BS, Hk, D), cache_dtype)
+    lens = torch.tensor([1, 17, 100, 40])
+    q = torch.randn(B, H, D)
+    sinks = torch.tensor([-20.0, 0.0, 1.0, 3.0, 8.0, -1.0, 0.5, 30.0])
+    for window in (None, 1, 24, 200):
+        tables = torch.stack([torch.randperm(NB)[:7] for _ in range(B)])
+        if window is not None:
+            for b in range(B):
+                tables[b, : max(0, int(lens[b]) - window) // BS] = -1
+        out = torch.zeros(B, H, D)
+        ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.125, sinks, window or 0)
+        for b in range(B):
+            n = int(lens[b])
+            rows = tables[b].clamp(min=0)
+            k = _widened(kc[rows]).reshape(-1, Hk, D)[:n]
+            v = _widened(vc[rows]).reshape(-1, Hk, D)[:n]
+            ref = _written_out(q[b][None], k, v, torch.tensor([n - 1]), 0.125, sinks, window)[0]
+            assert close(out[b].double(), ref, 1e-5), (window, b)
+    with pytest.raises(RuntimeError):  # one sink per query head
+        ext.paged_decode_attention_(out, q, kc, vc, tables.clamp(min=0), lens, 0.125, sinks[:4], 0)
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_prefill_attention_sinks_and_window(ext, head_dim, groups, avx512):
+    """gpt-oss's prefill: sinks and sliding windows (1, shorter than a key tile, longer than the context) over
+    fresh chunks and chunks after a prefix, both ISA variants (the window and the sinks are applied outside the
+    vector code: the same for both); blocks before the first query's window are never read."""
+    if avx512 and not ext.uses_avx512():
+        pytest.skip("this CPU has no AVX-512")
+    torch.manual_seed(head_dim + groups)
+    Hk, D, NB, BS = 2, head_dim, 48, 16
+    H = Hk * groups
+    kc, vc = torch.randn(NB, BS, Hk, D), torch.randn(NB, BS, Hk, D)
+    sinks = torch.randn(H) * 3
+    ext.set_avx512(avx512)
+    try:
+        for window in (None, 1, 24, 128, 1000):
+            for prefix, n in [(0, 1), (0, 40), (0, 300), (13, 7), (50, 300), (100, 33), (200, 1)]:
+                ctx = prefix + n
+                table = torch.randperm(NB)[: (ctx + BS - 1) // BS]
+                keys = _widened(kc[table]).reshape(-1, Hk, D)[:ctx]
+                values = _widened(vc[table]).reshape(-1, Hk, D)[:ctx]
+                if window is not None:
+                    table[: max(0, prefix - window + 1) // BS] = -1
+                qkv = torch.randn(n, (H + 2 * Hk) * D)
+                q = qkv[:, : H * D].view(n, H, D)
+                out = torch.full((n, H, D), float("nan"))
+                ext.paged_prefill_attention_(out, q, kc, vc, table, ctx, 0.125, sinks, window or 0)
+                ref = _written_out(q, keys, values, torch.arange(prefix, ctx), 0.125, sinks, window)
+                assert close(out.double(), ref, 1e-5), (window, prefix, n)
+    finally:
+        ext.set_avx512(envs.LLMSERVE_AVX512)

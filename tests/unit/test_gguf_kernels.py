@@ -15,7 +15,21 @@ from llmserve.model import gguf_kernels as gk
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+QUANTIZED = [
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q8_0,
+    Q.IQ4_NL,
+    Q.MXFP4,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.IQ4_XS,
+]
 ALL = [Q.F32, Q.F16, Q.BF16] + QUANTIZED
 
 
@@ -103,10 +117,13 @@ def test_linear_extreme_blocks(ext, variant, qtype, fill):
     raw = gk.random_blocks(qtype, 3, k)
     scales = raw.clone()
     raw.fill_(fill)
-    for off in gk._HALF_FIELDS[gk.qtype_number(qtype)]:  # keep the random float16 scales
+    num = gk.qtype_number(qtype)
+    fields = [(off, 2) for off in gk._HALF_FIELDS.get(num, ())] + ([(0, 1)] if qtype == Q.MXFP4 else [])
+    for off, width in fields:  # keep the random float16 scales (MXFP4: its exponent byte)
         block = gguf.GGML_QUANT_SIZES[qtype][1]
         cols = torch.arange(0, raw.shape[1], block) + off
-        raw[:, cols], raw[:, cols + 1] = scales[:, cols], scales[:, cols + 1]
+        for i in range(width):
+            raw[:, cols + i] = scales[:, cols + i]
     w = gk.dequantize(raw, qtype, k).double()
     x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
     got = gk.linear(x, raw, qtype, k).double()
@@ -147,6 +164,7 @@ def test_linear_parts_side_by_side(ext, variant, rows):
     x = torch.randn(rows, k)
     parts = (("Q4_K", 40), ("Q4_K", 9), ("Q8_0", 17), ("Q6_K", 9), ("Q4_0", 64), ("Q5_0", 3))
     parts += (("Q3_K", 11), ("Q2_K", 5), ("IQ4_XS", 7), ("IQ4_NL", 6))  # (Q3_K_M / Q2_K / IQ4_XS files' mixes)
+    parts += (("MXFP4", 4),)  # (gpt-oss files: MXFP4 experts)
     for q, n in parts:
         raw, num = gk.random_blocks(q, n, k, seed=n), gk.qtype_number(q)
         want.append(gk.linear(x, raw, num, k))
@@ -285,3 +303,28 @@ def test_linear_f32_is_float32_exact(ext, qtype, rows):
     for few in (0, 16, 64):
         got = gk.linear_f32(x, raw, qtype, k, few).double()
         assert ((got - want).abs() <= 1e-5 * scale + 1e-6).all(), (qtype, rows, few)
+
+
+def test_mxfp4_checkpoint_rows_are_transformers_values():
+    """gpt-oss's Hugging Face MXFP4 experts (blocks [E, N, G, 16], E8M0 exponents [E, N, G]) as GGUF MXFP4 rows
+    (llmserve.model.gpt_oss.mxfp4_rows) stand for transformers' own dequantization value for value (subnormal
+    exponents 0 and 1 included; bit for bit but E2M1's -0, which GGUF's table holds as +0), and for the gguf
+    package's bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from llmserve.model.gpt_oss import MXFP4, mxfp4_rows
+
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (2, 6, 3, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (2, 6, 3), generator=g, dtype=torch.uint8)
+    scales[0, 0, :2] = torch.tensor([0, 1], dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, N]
+    for e in range(2):
+        raw = mxfp4_rows(blocks[e], scales[e])
+        assert raw.shape == (6, 3 * 17)
+        got = gk.dequantize(raw, MXFP4, 96)
+        ref = want[e].t().contiguous()
+        assert torch.equal(got, ref)
+        nonzero = ref != 0
+        assert torch.equal(got[nonzero].view(torch.int32), ref[nonzero].view(torch.int32))
+        assert torch.equal(got.view(torch.int32), torch.as_tensor(reference(raw, Q.MXFP4)).view(torch.int32))

@@ -1,6 +1,7 @@
 """The attention layer a decoder composes: packed Q/K/V, optional q/k norms (per head, or over the whole
 projection: OLMo 2), rotary and the KV write
-(fused where the kernel runs), paged attention over the cache (llmserve.model.attention), o_proj."""
+(fused where the kernel runs), paged attention over the cache (llmserve.model.attention), o_proj (with a bias:
+gpt-oss). gpt-oss's sinks: a learned logit per query head that joins the softmax's denominator (`sinks`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
         self.scale = cfg.attn_scale or self.head_dim**-0.5
         # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2: one norm across all heads)
         self.norm_width = None if not cfg.qk_norm else self.q_size if cfg.qk_norm_whole else self.head_dim
@@ -62,7 +64,17 @@ class Attention(nn.Module):
         if not written:
             q, k = rotary(q, k, positions)
         o = paged_attention(
-            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=written, window=self.window, softcap=self.softcap
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            kv_written=written,
+            window=self.window,
+            softcap=self.softcap,
+            sinks=self.sinks,
         )
         o = self.o_proj(o.reshape(T, self.q_size))
         return o if self.all_reduce is None else self.all_reduce(o)

@@ -1,7 +1,9 @@
-"""Routed mixture-of-experts MLP (Mixtral, Qwen3-MoE).
+"""Routed mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss).
 
 Each token's router logits go through a softmax (float32); the top-k experts are kept, their weights
-renormalised to sum to 1 where the model does so (Mixtral always, Qwen3-MoE with `norm_topk_prob`).
+renormalised to sum to 1 where the model does so (Mixtral always, Qwen3-MoE with `norm_topk_prob`). gpt-oss
+(`router_topk_softmax`): the router has a bias, the top-k logits are kept and their softmax is the weights;
+its experts' projections have biases and its activation is the clamped SwiGLU (layers.mlp).
 Experts run batched per expert: the rows routed to an expert are gathered, go through its gated MLP (the
 `MLP` layer: one matmul for gate/up, one for down), are scaled by their routing weights and
 scatter-added into the output, experts in ascending order as transformers sums them.
@@ -26,25 +28,31 @@ from llmserve.model.layers.mlp import MLP
 
 
 class Router(nn.Module):
-    def __init__(self, num_experts: int, hidden: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        expert = dataclasses.replace(cfg, intermediate_size=cfg.moe_intermediate_size, mlp_bias=False)
+        self.gate = Router(cfg.num_experts, cfg.hidden_size, cfg.router_bias)
+        expert = dataclasses.replace(cfg, intermediate_size=cfg.moe_intermediate_size, mlp_bias=cfg.expert_bias)
         self.experts = nn.ModuleList(MLP(expert) for _ in range(cfg.num_experts))
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.topk_softmax = cfg.router_topk_softmax
         self.all_reduce = None  # (tensor parallelism is refused for MoE models: parallel.plan_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = F.linear(x, self.gate.weight, self.gate.bias)
+        if self.topk_softmax:  # (gpt-oss) the softmax of the top-k logits
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        else:
+            weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)  # [T, k]
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype).view(-1, 1)
         flat = chosen.view(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert

@@ -64,17 +64,18 @@ class Lazy(Mapping):
 # -- per-architecture weight names ----------------------------------------------------------------
 def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """A checkpoint's tensors under the names the model loads (LlamaModel.load_hf_state_dict), still
-    read only when asked."""
-    renames = arch_spec(cfg.architecture).checkpoint_renames
-    if not renames:
-        return weights
-    names = {}
-    for k in weights:
-        new = k
-        for old, repl in renames:
-            new = new.replace(old, repl)
-        names[new] = k
-    return Lazy(weights, names)
+    read only when asked: the family's renames, then its checkpoint_tensors (gpt-oss's experts split)."""
+    spec = arch_spec(cfg.architecture)
+    renames = spec.checkpoint_renames
+    if renames:
+        names = {}
+        for k in weights:
+            new = k
+            for old, repl in renames:
+                new = new.replace(old, repl)
+            names[new] = k
+        weights = Lazy(weights, names)
+    return weights if spec.checkpoint_tensors is None else spec.checkpoint_tensors(cfg, weights)
 
 
 def resolve_dtype(dtype: str, device: torch.device, plain: bool = True) -> torch.dtype:

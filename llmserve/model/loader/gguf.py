@@ -187,7 +187,9 @@ class GGUFTensors(Mapping):
         self._map = reader.data
         self._tensors: dict = {}  # Hugging Face name -> (the file's tensor, its expert or None)
         for t in reader.tensors:
-            experts = int(t.shape[2]) if len(t.shape) == 3 else 0  # GGUF lists the dimensions innermost first
+            # GGUF lists the dimensions innermost first: a merged experts tensor's outermost is the experts (gpt-oss's
+            # merged biases are 2-D)
+            experts = int(t.shape[-1]) if len(t.shape) == 3 or (len(t.shape) == 2 and "_exps." in t.name) else 0
             for n, e in gguf_hf_names(t.name, self.spec, experts):
                 self._tensors[n] = (t, e)
         self.read: list[str] = []
@@ -220,13 +222,13 @@ class GGUFTensors(Mapping):
         t, e = self._tensors[name]
         raw, num, K = gguf_kernels.from_reader(t)
         if e is not None:
-            raw = raw.view(int(t.shape[2]), -1, raw.shape[1])[e]
+            raw = raw.view(int(t.shape[-1]), -1, raw.shape[1])[e]
         return raw, num, K
 
     def _share(self, name: str) -> int:
         """How many Hugging Face tensors share `name`'s file tensor (the experts of a merged one)."""
         t, e = self._tensors[name]
-        return 1 if e is None else int(t.shape[2])
+        return 1 if e is None else int(t.shape[-1])
 
     def qtype(self, name: str) -> int:
         return int(self._tensors[name][0].tensor_type)

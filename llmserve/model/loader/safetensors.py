@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model.config import ModelConfig
+from llmserve.model.gguf_layers import adopt_gguf
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names, release_freed_memory
 from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
@@ -32,7 +33,7 @@ class SafetensorsWeights(Mapping):
             with open(index) as f:
                 names = set(json.load(f)["weight_map"].values())
             files = [os.path.join(folder, n) for n in sorted(names)]
-        self._files, self._where, self._numel = {}, {}, {}
+        self._files, self._where, self._numel, self._bytes = {}, {}, {}, set()
         for path in files:
             try:
                 f = self._files[path] = safe_open(path, framework="pt")
@@ -45,6 +46,8 @@ class SafetensorsWeights(Mapping):
                 if k not in skip:
                     self._where[k] = path
                     self._numel[k] = int(np.prod(f.get_slice(k).get_shape()))
+                    if f.get_slice(k).get_dtype() == "U8":  # (MXFP4 blocks and exponents: served as they are)
+                        self._bytes.add(k)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._files[self._where[name]].get_tensor(name)
@@ -60,7 +63,10 @@ class SafetensorsWeights(Mapping):
         float16 copy) / int4."""
         size = torch.empty((), dtype=dtype).element_size()
         per = {None: size, "int8": 3, "int4": 1}[quantization]
-        return sum(n * (per if "norm" not in k and k.endswith(".weight") else size) for k, n in self._numel.items())
+        return sum(
+            n * (1 if k in self._bytes else per if "norm" not in k and k.endswith(".weight") else size)
+            for k, n in self._numel.items()
+        )
 
 
 def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> SafetensorsWeights:
@@ -79,15 +85,20 @@ def load_hf_model(
     kv_bytes: int = 0,
 ) -> nn.Module:
     """The model from a Hugging Face folder, tensor by tensor: each copied into its parameter (float) or
-    rounded into its quantized layer (int8 / int4 on CPU) as it is read; no float32 copy of the checkpoint."""
+    rounded into its quantized layer (int8 / int4 on CPU) as it is read; no float32 copy of the checkpoint.
+    Blocks the family's checkpoint_tensors offer (`blocks`: gpt-oss's MXFP4 experts) stay blocks on CPU
+    (gguf_layers.GGUFLinear: float32-exact without `quantization`, llama.cpp's integer dots with it)."""
     files = load_hf_weights(folder)
     check_fits(folder, files.served_bytes(quantization, dtype), kv_bytes)
     weights = checkpoint_names(cfg, files)
+    blocks = getattr(weights, "blocks", None)
     model = None
-    if quantization and device.type == "cpu":
+    if (quantization or blocks) and device.type == "cpu":
         with torch.device("meta"):
             model = make_model(cfg, max_positions)
-        skip = quantize_model(model, quantization, weights=weights)
+        skip = adopt_gguf(model, blocks, exact=quantization is None, floats=weights) if blocks else set()
+        if quantization:
+            skip |= quantize_model(model, quantization, weights=weights)
         weights = Lazy(weights, {n: None for n in weights if n not in skip})
     model = build_model(cfg, weights, device, dtype, max_positions, quantization, model)
     del weights
