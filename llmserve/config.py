@@ -143,7 +143,10 @@ class EngineConfig:
     max_num_seqs: int = field(default=64, metadata=flag("most requests in the running batch"))
     max_num_batched_tokens: int | None = field(
         default=None,
-        metadata=flag("token budget of one step; longer prompts are prefilled in chunks (default 512 CPU, 2048 CUDA)"),
+        metadata=flag(
+            "token budget of one step; longer prompts are prefilled in chunks (default: on CPU 128-2048 by the model's "
+            "cost per token and the threads, 512 for the bundled model; 2048 CUDA)"
+        ),
     )
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))
     kv_cache_memory: float | None = field(

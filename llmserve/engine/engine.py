@@ -30,7 +30,7 @@ from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations, split_kv_blocks, window_layers
-from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
+from llmserve.engine.scheduler import QueueFullError, Scheduler, default_token_budget  # noqa: F401 (re-exported)
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.registry import image_processing
@@ -128,7 +128,7 @@ class LLMEngine:
                 f"max_model_len: {config.max_model_len} is more than the model's "
                 f"{model_max} positions; lower --max-model-len"
             )
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or self._default_token_budget(config, mc)
         max_positions = config.max_model_len or model_max
         rotary_positions = max_positions + config.num_lookahead_tokens + 1  # room for verified proposals
         kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
@@ -270,6 +270,20 @@ class LLMEngine:
             self.draft.shutdown()
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
+
+    def _default_token_budget(self, config, mc) -> int:
+        """--max-num-batched-tokens left out: scaled to the model's cost per token on CPU (scheduler.py says how)."""
+        images = self.image_processing
+        min_run = images.seq_len if images is not None and images.bidirectional else 0
+        threads = config.resolved_num_threads() * config.tensor_parallel_size
+        budget = default_token_budget(mc.matmul_flops_per_token(), self.device.type, threads, min_run)
+        log.info(
+            "max_num_batched_tokens %d by default (%.2f GFLOP per token, %d threads; --max-num-batched-tokens sets it)",
+            budget,
+            mc.matmul_flops_per_token() / 1e9,
+            threads,
+        )
+        return budget
 
     def _profile_activations(self, block_size: int) -> int:
         n = min(self.max_num_batched_tokens, self.config.max_model_len or self.model_config.max_position_embeddings)

@@ -58,3 +58,13 @@ class ModelConfig:
     o_proj_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
     mm_config: object = None  # a vision-language model's whole transformers config (its tower's settings)
     fused_decode: bool = True  # the family's layers are the fused C++ decode stack's (registry.ArchSpec.fused_decode)
+
+    def matmul_flops_per_token(self) -> int:
+        """FLOPs (2 per multiply-add) of one token through the decoder layers' projections: attention's q/k/v/o
+        and the MLP, or the router and the active experts' share in MoE layers. What a prefill token costs, the LM
+        head (run for sampled rows only) and the attention scores (which grow with the context) aside."""
+        attn = self.hidden_size * self.head_dim * 2 * (self.num_heads + self.num_kv_heads)
+        dense = 3 * self.hidden_size * self.intermediate_size
+        moe = self.hidden_size * (self.num_experts + 3 * self.num_experts_per_tok * self.moe_intermediate_size)
+        moe_layers = sum(self.moe_layers) if self.num_experts else 0
+        return 2 * (self.num_layers * attn + (self.num_layers - moe_layers) * dense + moe_layers * moe)
