@@ -76,7 +76,8 @@ class Served:
                 os.path.join(LLAMA_BIN, "llama-server"),
                 self.a.threads,
                 16,
-                16 * (self.a.input_len + self.a.output_len + 64),
+                # each slot holds its share: room for the TTFT prompt and for random prompts that re-tokenize longer
+                16 * (max(self.a.input_len + self.a.output_len, self.a.ttft_len) + 256),
                 gguf,
             )
         else:
