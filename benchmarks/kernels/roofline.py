@@ -56,16 +56,23 @@ def probe(rows: int, runs: int) -> dict:
     del big
     k, n = 2048, 8192
     flop = 2 * rows * k * n
-    from llmserve.model import bf16
+    from llmserve.model import bf16, ops
+    from llmserve.model.cpu_ext import cpu_has_int8_dots
 
     peaks = {}
     dtypes = (("float32", torch.float32),) + ((("bfloat16", torch.bfloat16),) if bf16.supported() else ())
     for name, dt in dtypes:  # bfloat16 only where the CPU multiplies it natively (else minutes of emulation)
         a, w = torch.randn(rows, k, dtype=dt), torch.randn(n, k, dtype=dt)
         peaks[name] = flop / best_of(lambda a=a, w=w: F.linear(a, w), runs) / 1e9
-    a8 = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
-    w8 = torch.randint(-127, 127, (k, n), dtype=torch.int8)
-    peaks["int8"] = flop / best_of(lambda: torch._int_mm(a8, w8), runs) / 1e9
+    # float32 through llmserve's own GEMM (ops.linear: its engine, MKL or oneDNN on a packed weight), the best of both
+    a, w = torch.randn(rows, k), torch.randn(n, k)
+    packed, replaces = ops.pack_weight(w)
+    w, packed = (packed, None) if replaces else (w, packed)
+    peaks["float32"] = max(peaks["float32"], flop / best_of(lambda: ops.linear(a, w, packed), runs) / 1e9)
+    if cpu_has_int8_dots():  # elsewhere llmserve's int8 / int4 prefill widens weights to float32 tiles
+        a8 = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
+        w8 = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+        peaks["int8"] = flop / best_of(lambda: torch._int_mm(a8, w8), runs) / 1e9
     return {"bandwidth_gbs": bw, "peak_gflops": peaks}
 
 
@@ -79,9 +86,15 @@ def layer_bytes(model) -> tuple[int, int]:
             continue
         nweights += i * o
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            if t is not None and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                nbytes += t.untyped_storage().nbytes()
+            if t is None:
+                continue
+            if t.is_mkldnn:  # a oneDNN-packed weight: no storage to read, its elements are its bytes
+                key, size = id(t), t.numel() * t.element_size()
+            else:
+                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            if key not in seen:
+                seen.add(key)
+                nbytes += size
     return nbytes, nweights
 
 
@@ -192,7 +205,7 @@ def main() -> None:
             + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items())
             + " GFLOP/s. Single stream: bound = bandwidth / (layer bytes + KV read a token). Prefill: "
             f"{args.prefill_requests} x {args.prompt_len} tokens, bound = the mode's GEMM peak (int4 prefills through "
-            "int8 VNNI) / 2 flop a matmul weight. Batched decode: the lower of the bandwidth bound for a step "
+            "int8 VNNI where the CPU has it, else float32 tiles) / 2 flop a matmul weight. Batched decode: the lower of the bandwidth bound for a step "
             f"of {args.batch} rows and the compute bound.\n\n{table}\n"
         )
         write_section(f"Roofline: {model}", body)
