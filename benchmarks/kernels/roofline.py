@@ -205,7 +205,8 @@ def main() -> None:
             + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items())
             + " GFLOP/s. Single stream: bound = bandwidth / (layer bytes + KV read a token). Prefill: "
             f"{args.prefill_requests} x {args.prompt_len} tokens, bound = the mode's GEMM peak (int4 prefills through "
-            "int8 VNNI where the CPU has it, else float32 tiles) / 2 flop a matmul weight. Batched decode: the lower of the bandwidth bound for a step "
+            "int8 VNNI where the CPU has it, else float32 tiles) / 2 flop a matmul weight. Batched decode: the lower "
+            "of the bandwidth bound for a step "
             f"of {args.batch} rows and the compute bound.\n\n{table}\n"
         )
         write_section(f"Roofline: {model}", body)
