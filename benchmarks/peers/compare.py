@@ -42,6 +42,7 @@ and starts in minutes).
 
     python -m benchmarks.peers.compare bars [--threads 2] [--llama-server PATH] [--resume FILE] [--no-write]
     python -m benchmarks.peers.compare interleaved [--rounds 7] [--threads 2] [--llama-server PATH] [--no-write]
+    python -m benchmarks.peers.compare openvino [--models bundled] [--modes fp32,int8,int4] (openvino_runs.py)
     python -m benchmarks.peers.compare vllm [--models bundled ~/ckpt/llama-1b] [--concurrency 1 16 64]
         [--servers vllm,llama.cpp,llmserve,llmserve-int8,llmserve-int4] [--input-len 256] [--output-len 128]
         [--num-prompts N] [--threads 2] [--out bench-out/vs_vllm] [--no-write]
@@ -320,7 +321,20 @@ def main() -> None:
     p.add_argument("--llmserve-bench", action="store_true", help="also `llmserve bench` at each concurrency")
     p.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_vllm"))
     p.add_argument("--no-write", action="store_true")
+    p = sub.add_parser("openvino", help="OpenVINO GenAI against LLM.generate, engine to engine, per weight format")
+    p.add_argument("--models", nargs="+", default=["bundled"])
+    p.add_argument("--modes", default="fp32,int8,int4", help="OpenVINO weight formats (llmserve: defaults, int8, int4)")
+    p.add_argument("--prompts", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.mode == "openvino":
+        from benchmarks.peers import openvino_runs
+
+        return openvino_runs.run(args)
     {"bars": run_bars, "interleaved": run_interleaved, "vllm": run_vllm}[args.mode](args)
 
 
