@@ -150,7 +150,7 @@ _MODEL_ARCH = {
     "glm4": "GLM4",
     "gpt-oss": "GPT_OSS",
 }
-_PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel lineage: Q / K rows interleaved
+_PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel lineage: Q / K rows (and biases) interleaved
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -282,7 +282,7 @@ def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, 
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, t in weights.items():
         t = t.astype(np.float32)
-        if arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             t = _permute(t, heads if "q_proj" in name else kv)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1

@@ -2,7 +2,9 @@
 architecture llmserve reads beyond llama / qwen2 / qwen3, a tiny random transformers checkpoint with the
 bundled tokenizer is converted by llama.cpp's convert_hf_to_gguf.py (--outtype f32 and q8_0) and served;
 llmserve's greedy tokens, batched and alone, must equal transformers' on the checkpoint (for q8_0: with the
-file's Q8_0 values, gguf's own quantize / dequantize, the algorithm llama.cpp's converter runs).
+file's Q8_0 values, gguf's own quantize / dequantize, the algorithm llama.cpp's converter runs). gpt-oss also from
+an MXFP4 folder as OpenAI ships it (the converter keeps the experts' blocks): against transformers on the experts
+dequantized by transformers' MXFP4 code.
 
     python -m benchmarks.peers.gguf_llamacpp_convert [--llama-cpp ~/.cache/llmserve-peers/llama.cpp] [--keep DIR]
         [--only a,b]
@@ -14,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
 
 import torch
 
+from tests.integration.test_architectures import GRANITE, _longrope, mxfp4_folders
 from tests.integration.test_architectures import SMALL as TINY  # the bundled 49,152-token vocabulary
-from tests.integration.test_architectures import _longrope
-from tests.integration.test_gguf_architectures import GRANITE
 
 # llama.cpp's converter, run as it is but for one thing: Gemma 2's and Phi-3's converters read a SentencePiece
 # tokenizer.model, and GLM-4's looks up GLM's special tokens, which these checkpoints (the bundled BPE tokenizer)
@@ -42,6 +44,8 @@ convert_hf_to_gguf.main()
 # Qwen3-MoE with norm_topk_prob: llama.cpp renormalises Qwen3-MoE's top-k weights always (the converter
 # writes no flag), as the released models do
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
+# gpt-oss: a sliding and a full layer, the window shorter than the longer prompts
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24)
 LONGROPE = _longrope(4, 6)  # (three quarters of each 16-wide head rotated: 6 pairs, the converter checks)
 
 
@@ -65,6 +69,12 @@ def cases():
         "smollm3": (T.SmolLM3Config, dict(num_hidden_layers=4)),  # (llama.cpp: no rotary on every 4th layer)
         "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False)),
         "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)),
+        "granite-bias": (T.GraniteConfig, dict(GRANITE, attention_bias=True)),  # (Q / K biases interleaved too)
+        "olmo2-bias": (T.Olmo2Config, dict(tie_word_embeddings=False, attention_bias=True)),
+        # gpt-oss with float experts (the converter splits and transposes them), and as OpenAI ships it: MXFP4 experts
+        # (the converter repacks their blocks as they are; the rest f32 or q8_0)
+        "gpt-oss": (T.GptOssConfig, GPT_OSS),
+        "gpt-oss-mxfp4": (T.GptOssConfig, GPT_OSS),
     }
 
 
@@ -101,12 +111,18 @@ def main() -> int:
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.normal_(0.0 if "Gemma" in cls.__name__ else 1.0, 0.3)
+                elif n.endswith(("bias", ".sinks")):  # (away from transformers' zeros; gpt-oss's experts' `_bias`)
+                    p.normal_(0.0, 0.3)
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
+        source = reference = folder
+        if name.endswith("-mxfp4"):  # converted from the MXFP4 folder, checked against its experts dequantized
+            folders = mxfp4_folders(pathlib.Path(folder), pathlib.Path(root) / f"{name}-folders")
+            source, reference = str(folders["mxfp4"]), str(folders["dense"])
         for outtype in ("f32", "q8_0"):
             path = os.path.join(root, f"{name}-{outtype}.gguf")
             run = subprocess.run(
-                [sys.executable, "-c", CONVERT, args.llama_cpp, folder, "--outtype", outtype, "--outfile", path],
+                [sys.executable, "-c", CONVERT, args.llama_cpp, source, "--outtype", outtype, "--outfile", path],
                 capture_output=True,
                 text=True,
                 env={
@@ -119,9 +135,10 @@ def main() -> int:
                 failed += 1
                 continue
             ref = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch.float32, attn_implementation="eager"
+                reference, dtype=torch.float32, attn_implementation="eager"
             )
-            round_trip_model(ref, "Q8_0" if outtype == "q8_0" else "F32")
+            # (MXFP4 experts: their values round-trip exactly, the rest as the converter's q8_0 rounds it)
+            round_trip_model(ref, "F32" if outtype == "f32" else "MXFP4" if source != folder else "Q8_0")
             with torch.inference_mode():
                 want = [
                     ref.generate(

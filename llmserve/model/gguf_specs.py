@@ -161,9 +161,15 @@ def gguf_phi3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     return extra
 
 
+def gguf_attention_bias(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    # attention_bias (Granite, OLMo 2): the converter writes the checkpoint's biases as blk.N.attn_*.bias, and no key
+    return dict(attention_bias="blk.0.attn_q.bias" in meta.tensor_names)
+
+
 def gguf_granite(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     # llama.cpp's defaults where the converter wrote none (it writes each only when set): 1 / sqrt(head_dim)
     return dict(
+        gguf_attention_bias(meta, kw, theta),
         attention_multiplier=meta.get("attention.scale", kw["head_dim"] ** -0.5),
         embedding_multiplier=meta.get("embedding_scale", 1.0),
         residual_multiplier=meta.get("residual_scale", 1.0),

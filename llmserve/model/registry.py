@@ -24,6 +24,7 @@ from llmserve.model.gguf_specs import (
     GGUF_OLMO2_LAYERS,
     GGUF_QK_NORMS,
     GGUFSpec,
+    gguf_attention_bias,
     gguf_gemma2,
     gguf_gemma3,
     gguf_glm4,
@@ -75,10 +76,15 @@ def _gemma(hf) -> dict:
     )
 
 
+def _o_proj_bias(hf) -> dict:
+    """attention_bias in Granite, OLMo 2 and gpt-oss: q / k / v biases (the common field) and o_proj's alike (a
+    biased o_proj leaves the fused decode stack, which takes no biases: the model takes the module path)."""
+    return dict(o_proj_bias=bool(getattr(hf, "attention_bias", False)))
+
+
 def _granite(hf) -> dict:
-    if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
-        raise ValueError("model: Granite with attention_bias is not supported")
     return dict(
+        _o_proj_bias(hf),
         embed_scale=float(hf.embedding_multiplier),
         attn_scale=float(hf.attention_multiplier),
         residual_multiplier=float(hf.residual_multiplier),  # (folded into o_proj and down_proj at load)
@@ -88,12 +94,6 @@ def _granite(hf) -> dict:
 
 def _smollm3(hf) -> dict:
     return dict(nope_layers=tuple(not use_rope for use_rope in hf.no_rope_layers))  # (1: the layer rotates)
-
-
-def _olmo2(hf) -> dict:
-    if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
-        raise ValueError("model: OLMo 2 with attention_bias is not supported")
-    return {}
 
 
 def _mixtral(hf) -> dict:
@@ -128,7 +128,7 @@ def _gpt_oss(hf) -> dict:
         hidden_act="clamped_swiglu",
         swiglu_alpha=float(hf.swiglu_alpha),
         swiglu_limit=float(hf.swiglu_limit),
-        o_proj_bias=bool(hf.attention_bias),
+        **_o_proj_bias(hf),
     )
 
 
@@ -207,8 +207,14 @@ ARCHITECTURES = {
             "olmo2",
             ("Olmo2ForCausalLM",),
             features=dict(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
-            config=_olmo2,
-            gguf=GGUFSpec("olmo2", "Olmo2Config", GGUF_OLMO2_LAYERS, head_dim_key="attention.key_length"),
+            config=_o_proj_bias,
+            gguf=GGUFSpec(
+                "olmo2",
+                "Olmo2Config",
+                GGUF_OLMO2_LAYERS,
+                head_dim_key="attention.key_length",
+                config=gguf_attention_bias,
+            ),
             tensor_parallel=False,
             **_NO_STACK,
         ),

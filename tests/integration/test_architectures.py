@@ -25,13 +25,14 @@ SMALL = dict(
     pad_token_id=0,
     initializer_range=0.15,
 )
-
+GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0)
 
 ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
 FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
 ADAPTED = (
     "phi4-mini",
     "granite",
+    "granite-bias",
     "glm4",
 )  # rows whose loaded weights differ from the checkpoint's (LlamaModel.adapt_weight)
 
@@ -77,18 +78,16 @@ def _configs():
         # Granite 3.x: every multiplier away from 1 (64-wide heads: through the fused decode stack)
         "granite": (
             T.GraniteConfig,
-            dict(
-                hidden_size=256,
-                embedding_multiplier=3.0,
-                attention_multiplier=0.05,
-                residual_multiplier=0.4,
-                logits_scaling=4.0,
-            ),
+            dict(hidden_size=256, **GRANITE),
         ),
+        # and with attention_bias: q / k / v / o biases (the o_proj one folded with the residual multiplier too), on
+        # the module path (the fused decode stack takes no biases)
+        "granite-bias": (T.GraniteConfig, dict(GRANITE, attention_bias=True)),
         # SmolLM3: the second of two layers without rotary (transformers' default: every 4th)
         "smollm3": (T.SmolLM3Config, dict(no_rope_layer_interval=2)),
         # OLMo 2: post-norms only, q / k norms over the whole projection (their weights random: per-head ones differ)
         "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False)),
+        "olmo2-bias": (T.Olmo2Config, dict(tie_word_embeddings=False, attention_bias=True)),  # (q / k / v / o biases)
         # GLM-4: interleaved rotary over half of each head, q / k / v biases, four norms a layer
         "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
@@ -307,22 +306,16 @@ def test_qwen3_from_gguf(checkpoint, tmp_path, monkeypatch, bundled_gguf):
     assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)] == want
 
 
-def test_gpt_oss_mxfp4_experts(checkpoint, tmp_path):
-    """gpt-oss as OpenAI ships it: the experts' weights in MXFP4 (`*_blocks`: E2M1 codes, `*_scales`: an E8M0
-    exponent per 32). llmserve keeps them as GGUF MXFP4 blocks (GGUFLinear, read by the GGUF kernels, float32-exact
-    without --quantization) and its greedy tokens equal transformers' on the same experts dequantized by
-    transformers' own MXFP4 code; with --quantization int8 the blocks stay and run llama.cpp's integer dots."""
+def mxfp4_folders(d, root, seed: int = 3) -> dict:
+    """A gpt-oss checkpoint folder `d` as OpenAI ships it, its experts' weights in MXFP4 (`*_blocks`: random E2M1
+    codes, `*_scales`: an E8M0 exponent per 32, with quantization_config), and the same experts dequantized by
+    transformers' own MXFP4 code (float32): {"mxfp4": folder, "dense": folder}, under `root`."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from llmserve.model.gguf_layers import GGUFLinear
-
-    name, d = checkpoint[:2]
-    if name != "gpt-oss":
-        pytest.skip("the gpt-oss checkpoint only")
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     mxfp4, dense = {}, {}
     for k, t in load_file(d / "model.safetensors").items():
         if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -335,12 +328,26 @@ def test_gpt_oss_mxfp4_experts(checkpoint, tmp_path):
         dense[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
     folders = {}
     for kind, tensors in (("mxfp4", mxfp4), ("dense", dense)):
-        folders[kind] = f = tmp_path / kind
+        folders[kind] = f = root / kind
         shutil.copytree(d, f)
         save_file(tensors, f / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((folders["mxfp4"] / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (folders["mxfp4"] / "config.json").write_text(json.dumps(cfg))
+    return folders
+
+
+def test_gpt_oss_mxfp4_experts(checkpoint, tmp_path):
+    """gpt-oss as OpenAI ships it: the experts' weights in MXFP4 (mxfp4_folders). llmserve keeps them as GGUF MXFP4
+    blocks (GGUFLinear, read by the GGUF kernels, float32-exact without --quantization) and its greedy tokens equal
+    transformers' on the same experts dequantized by transformers' own MXFP4 code; with --quantization int8 the
+    blocks stay and run llama.cpp's integer dots."""
+    from llmserve.model.gguf_layers import GGUFLinear
+
+    name, d = checkpoint[:2]
+    if name != "gpt-oss":
+        pytest.skip("the gpt-oss checkpoint only")
+    folders = mxfp4_folders(d, tmp_path)
     want, _ = _transformers_greedy(folders["dense"])
     llm = LLM(model=str(folders["mxfp4"]), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
     experts = llm.engine.model.layers[1].mlp.experts

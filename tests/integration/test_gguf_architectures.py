@@ -15,7 +15,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.gguf_layers import GGUFLinear
 from tests.gguf_files import round_trip_model, write_checkpoint_gguf
-from tests.integration.test_architectures import SMALL, _longrope, greedy_batched_and_alone
+from tests.integration.test_architectures import GRANITE, SMALL, _longrope, greedy_batched_and_alone
 
 MAX_TOKENS, VOCAB = 12, 1024
 TINY = {**SMALL, "vocab_size": VOCAB}  # the bundled tokenizer's first 1024 tokens: files parse in milliseconds
@@ -27,12 +27,13 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "phi4-mini": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granite-bias": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo2-bias": "Olmo2ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
-GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0)
 # query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
 
@@ -62,9 +63,12 @@ def _cases():
         ),
         # Granite: the four multipliers as llama.cpp's *_scale keys; Q / K rows interleaved (the Llama converter's)
         "granite": (T.GraniteConfig, dict(GRANITE), "granite", False),
+        # with attention_bias: blk.N.attn_*.bias (Q / K biases interleaved as their rows), no metadata key
+        "granite-bias": (T.GraniteConfig, dict(GRANITE, attention_bias=True), "granite", False),
         # SmolLM3: four layers, the fourth without rotary (llama.cpp's fixed step)
         "smollm3": (T.SmolLM3Config, dict(num_hidden_layers=4), "smollm3", False),
         "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False), "olmo2", False),
+        "olmo2-bias": (T.Olmo2Config, dict(tie_word_embeddings=False, attention_bias=True), "olmo2", False),
         # GLM-4: interleaved partial rotary (rope.dimension_count), q / k / v biases, four norms a layer
         "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True), "glm4", False),
         # gpt-oss: sinks, a sliding and a full layer, biased router and experts split from the fused checkpoint tensors
@@ -146,7 +150,7 @@ def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
         expert = mlp.experts[1] if hasattr(mlp, "experts") else mlp
         assert isinstance(expert.gate_up_proj, GGUFLinear)
         # Granite's residual multiplier is folded into o_proj / down_proj: those are read as float32 instead
-        assert isinstance(expert.down_proj, GGUFLinear) == (name != "granite"), name
+        assert isinstance(expert.down_proj, GGUFLinear) == (not name.startswith("granite")), name
     batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
     assert batched == want, name
     assert alone == want, name

@@ -240,8 +240,9 @@ class GGUFTensors(Mapping):
         return int(np.prod(self._tensors[name][0].shape)) // self._share(name)
 
     def _permuted_heads(self, name: str) -> int | None:
-        if self.spec.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
-            return self.cfg.num_heads if name.endswith("q_proj.weight") else self.cfg.num_kv_heads
+        # (the converter interleaves a biased Q / K's bias rows as it does the weight's: Granite with attention_bias)
+        if self.spec.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            return self.cfg.num_heads if ".q_proj." in name else self.cfg.num_kv_heads
         return None
 
     def blocks(self, name: str) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,74 @@
+"""benchmarks.make_checkpoint's gpt-oss GGUF writer (the gpt-oss-20b-shaped random MXFP4_MOE file of the issue's
+benchmark): its tiny shape's file loads in llmserve with llama.cpp's names and metadata read as a gpt-oss model (the
+experts kept as MXFP4 blocks, the rest Q8_0) and generates finite tokens; the 20b plan has the published model's
+tensors and sizes, every one of them read by llmserve, at weight scales that keep activations finite. The 20b file
+itself (12 GB) is written by hand only."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.make_checkpoint import GPT_OSS_SHAPES, VOCAB, _random_rows, gpt_oss_tensors, write_gpt_oss_gguf
+
+
+def test_tiny_file_loads_and_generates(tmp_path, monkeypatch):
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.loader import gguf_model
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)  # (the blocks kept, as the 20b file's are)
+    path = write_gpt_oss_gguf("gpt-oss-tiny", str(tmp_path))
+    llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
+    cfg, model = llm.engine.model_config, llm.engine.model
+    shape = GPT_OSS_SHAPES["gpt-oss-tiny"]
+    assert cfg.architecture == "GptOssForCausalLM" and cfg.vocab_size == shape["vocab_size"] == VOCAB + 128
+    assert cfg.num_experts == 4 and cfg.num_experts_per_tok == 2 and cfg.attn_sinks and cfg.o_proj_bias
+    assert cfg.sliding_layers == (True, False) and cfg.sliding_window == 16
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 32.0
+    assert model.layers[1].mlp.experts[3].gate_up_proj.qtypes == [39, 39]  # MXFP4
+    assert model.layers[1].mlp.experts[3].down_proj.qtypes == [39]
+    assert model.layers[0].self_attn.qkv_proj.qtypes == [8, 8, 8]  # Q8_0
+    assert llm.engine.tokenizer.vocab_size == VOCAB + 128  # (the bundled tokenizer, padded)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = ["The capital of France is", "Once upon a time " * 8]  # (the second one outgrows the window)
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        assert len(out.outputs[0].token_ids) == 8
+        assert all(math.isfinite(lp.logprob) for lp in out.outputs[0].logprobs)
+    assert llm.engine.kv.usage == 0
+
+
+def test_20b_plan_is_the_published_model():
+    """24 layers of 32 experts of 2880: ~20.9B parameters (OpenAI's count), ~12 GB as MXFP4_MOE (llama.cpp's
+    gpt-oss-20b files); llmserve reads every tensor (none is left over)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from llmserve.model.loader import gguf_hf_names
+    from llmserve.model.registry import ARCHITECTURES
+
+    c = GPT_OSS_SHAPES["gpt-oss-20b"]
+    plan = gpt_oss_tensors(c)
+    params = sum(math.prod(dims) for _, dims, _ in plan)
+    size = 0
+    for _, dims, qtype in plan:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        size += math.prod(dims) // block * nbytes
+    assert 20.8e9 < params < 21.0e9 and 11.9e9 < size < 12.2e9
+    spec = ARCHITECTURES["gpt_oss"].gguf
+    assert all(gguf_hf_names(name, spec, c["num_local_experts"]) for name, _, _ in plan)
+    assert len({name for name, _, _ in plan}) == len(plan) == 2 + 1 + 19 * 24
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "Q8_0"])
+def test_random_weights_keep_activations_finite(qtype):
+    """A 20b expert's or attention matrix's rows (2880 wide) dequantize to values of standard deviation ~0.02:
+    a unit-RMS input comes out of each at about unit RMS, so 24 layers stay finite."""
+    from gguf import GGMLQuantizationType, quants
+
+    rows = _random_rows("blk.0.x.weight", (64, 2880), qtype, np.random.default_rng(0))
+    w = quants.dequantize(rows, GGMLQuantizationType[qtype])
+    assert w.shape == (64, 2880) and 0.01 < w.std() < 0.03
+    x = np.random.default_rng(1).standard_normal(2880).astype(np.float32)
+    assert 0.5 < np.sqrt(np.mean((w @ x) ** 2)) < 2.0
