@@ -8,9 +8,10 @@ tok/s over /v1/completions (short prompts, EOS ignored, greedy); and what llmser
 
     python -m benchmarks.peers.gguf_loader --runs 1b-int8 1b 1b-llama 8b-int4 8b-llama [--tokens 64] [--no-write]
 
-Runs: `1b*` use ~/ckpt/llama-1b/model-Q8_0.gguf, `8b*` ~/ckpt/llama-8b/model-Q4_K_M.gguf (random weights,
-made by benchmarks/make_checkpoint.py); the suffix is llmserve's --quantization (none: the float32-exact
-default) or `llama` for llama-server. Check `free -g` before an 8B run.
+Runs: `1b*` use ~/ckpt/llama-1b/model-Q8_0.gguf, `8b*` ~/ckpt/llama-8b/model-Q4_K_M.gguf, `oss20b*`
+~/ckpt/gpt-oss-20b/model-MXFP4_MOE.gguf (random weights, made by benchmarks/make_checkpoint.py); the suffix is
+llmserve's --quantization (none: the float32-exact default) or `llama` for llama-server. Check `free -g` before
+an 8B or 20b run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ import psutil
 from benchmarks.common import CKPT, write_section
 from llmserve.testing.launcher import ServerProcess, free_port
 
-FILES = {"1b": f"{CKPT}/llama-1b/model-Q8_0.gguf", "8b": f"{CKPT}/llama-8b/model-Q4_K_M.gguf"}
+FILES = {
+    "1b": f"{CKPT}/llama-1b/model-Q8_0.gguf",
+    "8b": f"{CKPT}/llama-8b/model-Q4_K_M.gguf",
+    "oss20b": f"{CKPT}/gpt-oss-20b/model-MXFP4_MOE.gguf",  # make_checkpoint --shape gpt-oss-20b
+}
 LLAMA_SERVER = os.path.expanduser("~/.cache/llmserve-peers/llama.cpp/build/bin/llama-server")
 CACHE = os.path.expanduser(os.environ.get("LLMSERVE_CACHE_DIR", "~/.cache/llmserve"))
 PROMPT = "The history of the city begins with"
