@@ -43,8 +43,14 @@ def default_token_budget(flops_per_token: int, device_type: str, threads: int, m
     if device_type == "cuda":
         return max(2048, min_run)
     fit = CPU_STEP_FLOPS_PER_THREAD * max(1, threads) // max(1, flops_per_token)
-    budget = min(CPU_MAX_CHUNK, max(CPU_MIN_CHUNK, 1 << max(0, fit.bit_length() - 1)))
-    return max(budget, min_run)
+    budget = max(min_run, min(CPU_MAX_CHUNK, max(CPU_MIN_CHUNK, 1 << max(0, fit.bit_length() - 1))))
+    log.info(
+        "max_num_batched_tokens %d by default (%.2f GFLOP a token, %d threads; --max-num-batched-tokens sets it)",
+        budget,
+        flops_per_token / 1e9,
+        threads,
+    )
+    return budget
 
 
 class QueueFullError(RuntimeError):

@@ -131,7 +131,8 @@ class LlamaModel(nn.Module):
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         residual = None
-        stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
+        first = kv_caches[0] if kv_caches else None  # (a recurrent layer's is a tuple of state tensors)
+        stack = self._fused_decode(x, meta) if getattr(first, "dtype", None) in ops.KV_DTYPES else None
         if stack is not None:  # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
             args = (x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
@@ -271,6 +272,8 @@ class LlamaModel(nn.Module):
             if missing:
                 raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
             tensor = weights[keys[sources[0]]] if len(sources) == 1 else torch.cat([weights[keys[n]] for n in sources])
+            if p.shape != tensor.shape and [d for d in p.shape if d != 1] == [d for d in tensor.shape if d != 1]:
+                tensor = tensor.reshape(p.shape)  # (unit dimensions only: a GGUF file's squeezed conv weight)
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if name in norms:
