@@ -75,6 +75,8 @@ def cases():
         # (the converter repacks their blocks as they are; the rest f32 or q8_0)
         "gpt-oss": (T.GptOssConfig, GPT_OSS),
         "gpt-oss-mxfp4": (T.GptOssConfig, GPT_OSS),
+        # LFM2: short-convolution layers around an attention layer (shortconv.* tensors, head_count_kv per layer)
+        "lfm2": (T.Lfm2Config, dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])),
     }
 
 
