@@ -124,14 +124,19 @@ class LlamaModel(nn.Module):
         the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax).
         With `hidden_indices` (pooling requests: embeddings), (that, the final-normed hidden states of
         those rows). `embeds` (rows, values): those rows' input embeddings replaced (a vision tower's output at
-        an image's placeholder tokens, llmserve.model.vision)."""
+        an image's placeholder tokens, llmserve.model.vision). `positions`: [T], or [3, T] under M-RoPE
+        (`cfg.mrope_section`: a step with images of Qwen2.5-VL; layers.Rotary.multimodal)."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         residual = None
-        stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
+        main = self.rotary
+        if positions.dim() == 2:  # M-RoPE: [3, T] (t, h, w) positions, a table of the step's own rows
+            main, positions = self.rotary.multimodal(positions), torch.arange(positions.shape[1], device=x.device)
+        fits = kv_caches and kv_caches[0].dtype in ops.KV_DTYPES and main is self.rotary
+        stack = self._fused_decode(x, meta) if fits else None
         if stack is not None:  # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
             args = (x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
@@ -139,7 +144,7 @@ class LlamaModel(nn.Module):
             x, residual = stack.run_lora(*args, *lora) if lora is not None else stack.run(*args)
         else:
             for layer, kv in zip(self.layers, kv_caches):
-                rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else self.rotary
+                rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else main
                 rotary = self.rotary_none if layer.nope else rotary
                 x, residual = layer(x, residual, positions, rotary, kv, meta)
         hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])

@@ -38,7 +38,13 @@ from llmserve.model.gpt_oss import checkpoint_tensors as gpt_oss_tensors
 from llmserve.model.llama import LlamaModel
 from llmserve.model.vision.gemma3 import Gemma3VisionModel
 from llmserve.model.vision.idefics3 import Idefics3Model
-from llmserve.model.vision.processing import Gemma3Processing, Idefics3Processing, SmolVLMProcessing
+from llmserve.model.vision.processing import (
+    Gemma3Processing,
+    Idefics3Processing,
+    Qwen25VLProcessing,
+    SmolVLMProcessing,
+)
+from llmserve.model.vision.qwen2_5_vl import Qwen25VLModel
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
@@ -94,6 +100,14 @@ def _olmo2(hf) -> dict:
     if getattr(hf, "attention_bias", False):  # (its o_proj bias, which llmserve's attention lacks)
         raise ValueError("model: OLMo 2 with attention_bias is not supported")
     return {}
+
+
+def _mrope(hf) -> dict:
+    """Multimodal rotary (Qwen2.5-VL, Qwen3-VL): the frequency sections each position axis turns."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if "mrope_section" not in params:
+        raise ValueError("model: a vision-language config without rope_parameters.mrope_section")
+    return dict(mrope_section=tuple(params["mrope_section"]))
 
 
 def _mixtral(hf) -> dict:
@@ -334,6 +348,17 @@ ARCHITECTURES = {
             images=Gemma3Processing,
             **_NO_STACK,
         ),
+        ArchSpec(  # Qwen2.5-VL: the Qwen2 decoder under multimodal rotary, its windowed tower (llmserve.model.vision)
+            "qwen2_5_vl",
+            ("Qwen2_5_VLForConditionalGeneration",),
+            features=dict(attention_bias=True),
+            config=_mrope,
+            checkpoint_renames=(("model.language_model.", "model."),),  # (transformers 5's names; the hub's: as is)
+            tensor_parallel=False,
+            model_class=Qwen25VLModel,
+            images=Qwen25VLProcessing,
+            **_NO_STACK,
+        ),
         ArchSpec(  # SmolVLM 2: Idefics3's model and prompt, its own image processor
             "smolvlm",
             ("SmolVLMForConditionalGeneration",),
@@ -412,7 +437,7 @@ def config_from_hf(hf) -> ModelConfig:
     rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see layers.Rotary)
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    eos = hf.eos_token_id
+    eos = getattr(hf, "eos_token_id", None)  # (a vision-language model's text config may lack the token ids)
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     fields = dict(
         architecture=arch,
@@ -430,7 +455,7 @@ def config_from_hf(hf) -> ModelConfig:
         attention_bias=bool(getattr(hf, "attention_bias", False)),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         rope_scaling=scaling,
-        bos_token_id=hf.bos_token_id,
+        bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=eos,
         hf_config=hf,
         fused_decode=spec.fused_decode,
