@@ -124,13 +124,19 @@ class LlamaModel(nn.Module):
         the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax).
         With `hidden_indices` (pooling requests: embeddings), (that, the final-normed hidden states of
         those rows). `embeds` (rows, values): those rows' input embeddings replaced (a vision tower's output at
-        an image's placeholder tokens, llmserve.model.vision). `positions`: [T], or [3, T] under M-RoPE
+        an image's placeholder tokens, llmserve.model.vision; values wider than the model: DeepStack rows beside
+        them, added to the first layers' outputs at those rows, Qwen3-VL). `positions`: [T], or [3, T] under M-RoPE
         (`cfg.mrope_section`: a step with images of Qwen2.5-VL; layers.Rotary.multimodal)."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        deep = None  # DeepStack (Qwen3-VL): an image's rows for the first layers' outputs, beside its input rows
         if embeds is not None:
-            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+            rows, values = embeds
+            if values.shape[1] > x.shape[1]:
+                values = values.view(len(rows), -1, x.shape[1])
+                values, deep = values[:, 0], values[:, 1:].to(x.dtype)
+            x = x.index_copy(0, rows, values.to(x.dtype))
         residual = None
         main = self.rotary
         if positions.dim() == 2:  # M-RoPE: [3, T] (t, h, w) positions, a table of the step's own rows
@@ -143,10 +149,12 @@ class LlamaModel(nn.Module):
             lora = self.lora_step.fused_args() if self.lora_step is not None else None
             x, residual = stack.run_lora(*args, *lora) if lora is not None else stack.run(*args)
         else:
-            for layer, kv in zip(self.layers, kv_caches):
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else main
                 rotary = self.rotary_none if layer.nope else rotary
                 x, residual = layer(x, residual, positions, rotary, kv, meta)
+                if deep is not None and i < deep.shape[1]:  # (x + residual is the layer's output)
+                    x = x.index_add(0, rows, deep[:, i])
         hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])
         x = self.norm(x[logits_indices] + residual[logits_indices])
         if argmax:

@@ -45,6 +45,7 @@ from llmserve.model.vision.processing import (
     SmolVLMProcessing,
 )
 from llmserve.model.vision.qwen2_5_vl import Qwen25VLModel
+from llmserve.model.vision.qwen3_vl import Qwen3VLModel
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
@@ -357,6 +358,17 @@ ARCHITECTURES = {
             tensor_parallel=False,
             model_class=Qwen25VLModel,
             images=Qwen25VLProcessing,
+            **_NO_STACK,
+        ),
+        ArchSpec(  # Qwen3-VL: the Qwen3 decoder under interleaved multimodal rotary, DeepStack rows, its own tower
+            "qwen3_vl",
+            ("Qwen3VLForConditionalGeneration",),
+            features=dict(qk_norm=True, mrope_interleaved=True),
+            config=_mrope,
+            checkpoint_renames=(("model.language_model.", "model."),),
+            tensor_parallel=False,
+            model_class=Qwen3VLModel,
+            images=Qwen25VLProcessing,  # (the same image processing and prompt)
             **_NO_STACK,
         ),
         ArchSpec(  # SmolVLM 2: Idefics3's model and prompt, its own image processor

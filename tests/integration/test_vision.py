@@ -21,6 +21,7 @@ FAMILIES = {
     "smolvlm": "SmolVLM",
     "gemma3": "Gemma3",
     "qwen2_5_vl": "Qwen2_5_VL",
+    "qwen3_vl": "Qwen3VL",
 }
 QWEN = ("Qwen2_5_VL", "Qwen3VL")
 
