@@ -171,6 +171,26 @@ def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL") -> None
     ).save_pretrained(folder)
 
 
+def qwen_processor(image_processor, tok):
+    """Qwen2.5-VL / Qwen3-VL's processor as transformers' does it for images: each `<|image_pad|>` repeated once per
+    2x2 merge unit of its image's patch grid (transformers' image processor), the token types marking them."""
+
+    def process(text, images=None, **_):
+        text = text[0]
+        enc = {}
+        if images:
+            pix = image_processor(images=images[0], return_tensors="pt")
+            runs = (int(g.prod()) // 4 for g in pix["image_grid_thw"])
+            parts = text.split("<|image_pad|>")
+            text = parts[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(runs, parts[1:]))
+            enc = dict(pix)
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+        kinds = (ids == tok.convert_tokens_to_ids("<|image_pad|>")).int()
+        return {**enc, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": kinds}
+
+    return process
+
+
 def pictures(n: int, seed: int = 0, size: tuple[int, int] = (40, 50)) -> list:
     from PIL import Image
 

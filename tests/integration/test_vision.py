@@ -10,7 +10,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.vision.processing import prompt_with_images
-from tests.vision_files import pictures, write_gemma3, write_idefics3, write_qwen_vl
+from tests.vision_files import pictures, qwen_processor, write_gemma3, write_idefics3, write_qwen_vl
 
 MAX_TOKENS = 10
 BUDGET = 16  # tokens a step: prompts are chunked, the chunks cut through Idefics3's images (not Gemma 3's)
@@ -55,8 +55,8 @@ def vlm(request, tmp_path_factory, bundled_gguf):
     tok = T.AutoTokenizer.from_pretrained(d)
     pil = "Qwen2VL" if family in QWEN else family
     image_processor = getattr(T, f"{pil}ImageProcessorPil").from_pretrained(d)
-    if family in QWEN:  # (its processor insists on a video processor, which needs torchvision: _qwen_processor)
-        processor = _qwen_processor(image_processor, tok)
+    if family in QWEN:  # (its processor insists on a video processor, which needs torchvision)
+        processor = qwen_processor(image_processor, tok)
     elif family == "Gemma3":
         processor = T.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4)
     else:  # (SmolVLM's own processor needs num2words for videos; its prompt is Idefics3's, with its image processor)
@@ -77,28 +77,6 @@ def vlm(request, tmp_path_factory, bundled_gguf):
         cases.append((text, images, enc["input_ids"][0].tolist(), want, logprob))
     llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=BUDGET, num_threads=2, dtype="float32")
     return llm, cases
-
-
-def _qwen_processor(image_processor, tok):
-    """Qwen2.5-VL / Qwen3-VL's processor as transformers' does it for images: each `<|image_pad|>` repeated once per
-    2x2 merge unit of its image's patch grid (transformers' image processor), the token types marking them."""
-
-    def process(text, images=None, **_):
-        import torch
-
-        text = text[0]
-        enc = {}
-        if images:
-            pix = image_processor(images=images[0], return_tensors="pt")
-            runs = (int(g.prod()) // 4 for g in pix["image_grid_thw"])
-            parts = text.split("<|image_pad|>")
-            text = parts[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(runs, parts[1:]))
-            enc = dict(pix)
-        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
-        kinds = (ids == tok.convert_tokens_to_ids("<|image_pad|>")).int()
-        return {**enc, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": kinds}
-
-    return process
 
 
 def _prompts(llm, cases):
