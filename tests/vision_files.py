@@ -1,7 +1,8 @@
-"""A tiny random Idefics3 (SmolVLM) checkpoint for tests, written with transformers (no hub): the bundled
-model's tokenizer with the image tokens added, a chat template that writes `<image>` for an image part, a
-2-layer Llama decoder and a 2-layer SigLIP tower of 32x32 tiles (16 patches, 2x2 pixel shuffle: 4 embedding
-rows a tile), images split into tiles of 32 up to 64 pixels a side. `pictures` are random PIL images."""
+"""Tiny random vision-language checkpoints for tests, written with transformers (no hub): the bundled model's
+tokenizer with the family's image tokens added, a chat template that writes the family's placeholder for an image
+part, and a 2-layer decoder. Idefics3 / SmolVLM: a 2-layer SigLIP tower of 32x32 tiles (16 patches, 2x2 pixel
+shuffle: 4 embedding rows a tile), images split into tiles of 32 up to 64 pixels a side; Gemma 3 and Qwen2.5-VL:
+see theirs. `pictures` are random PIL images."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ CHAT_TEMPLATE = (
     "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# the decoder of the tiny checkpoints (Idefics3 / SmolVLM, Qwen2.5-VL / Qwen3-VL)
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    max_position_embeddings=512,
+)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 
@@ -29,19 +42,7 @@ def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3") -> None:
     tok = Tokenizer(bundled_gguf, gguf=True).hf
     tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     tok.chat_template = CHAT_TEMPLATE.replace("IMAGE", "<image>")
-    text = dict(
-        model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        max_position_embeddings=512,
-    )
+    text = dict(TINY_DECODER, model_type="llama", vocab_size=len(tok))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
     cfg = getattr(T, f"{family}Config")(
         text_config=text,
@@ -121,6 +122,73 @@ def write_gemma3(folder, bundled_gguf: str, query_pre_attn_scalar: int = 24) -> 
                 p.normal_(0.0, 0.5) if "projection" in name else p.mul_(5)
     model.save_pretrained(folder)
     T.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(folder)
+
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL") -> None:
+    """Qwen2.5-VL (`family` Qwen2_5_VL) or Qwen3-VL (Qwen3VL) with a 2-block tower of 4-pixel patches in 2x2 merge
+    units and Qwen's resize to 64..1024 pixels (a 40x50 picture: 24x32, 3x4 units, 12 tokens), multimodal rotary
+    sections [2, 3, 3] over 16-wide heads. Qwen2.5-VL: windows of 2x2 units on block 0, the whole image on block 1;
+    Qwen3-VL: a 4x4 learned position table, DeepStack rows from block 0 (added after the decoder's layer 0)."""
+    import transformers as T
+
+    from llmserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(bundled_gguf, gguf=True).hf
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tok.chat_template = CHAT_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
+    tok.save_pretrained(folder)
+    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, out_hidden_size=64)
+    if family == "Qwen3VL":
+        rope["mrope_interleaved"] = True
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    else:
+        vision.update(window_size=16, fullatt_block_indexes=[1])
+    cfg = getattr(T, f"{family}Config")(
+        text_config=dict(TINY_DECODER, vocab_size=len(tok), head_dim=16, rope_parameters=rope),
+        vision_config=dict(vision, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = getattr(T, f"{family}ForConditionalGeneration")(cfg)
+    with torch.no_grad():  # norms away from 1 and a tower loud enough that its output moves the decoder
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1.0, 0.3)
+            elif "visual" in name or name.endswith("bias"):  # (Qwen2.5-VL's q/k/v biases too)
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    T.Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 1024}
+    ).save_pretrained(folder)
+
+
+def qwen_processor(image_processor, tok):
+    """Qwen2.5-VL / Qwen3-VL's processor as transformers' does it for images: each `<|image_pad|>` repeated once per
+    2x2 merge unit of its image's patch grid (transformers' image processor), the token types marking them."""
+
+    def process(text, images=None, **_):
+        text = text[0]
+        enc = {}
+        if images:
+            pix = image_processor(images=images[0], return_tensors="pt")
+            runs = (int(g.prod()) // 4 for g in pix["image_grid_thw"])
+            parts = text.split("<|image_pad|>")
+            text = parts[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(runs, parts[1:]))
+            enc = dict(pix)
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+        kinds = (ids == tok.convert_tokens_to_ids("<|image_pad|>")).int()
+        return {**enc, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": kinds}
+
+    return process
 
 
 def pictures(n: int, seed: int = 0, size: tuple[int, int] = (40, 50)) -> list:

@@ -35,7 +35,7 @@ from llmserve.engine.state_pool import hybrid_config, plan_state_pool
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.registry import image_processing
-from llmserve.model.vision.inputs import prompt_images
+from llmserve.model.vision.inputs import mrope_positions, prompt_images
 from llmserve.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
@@ -365,6 +365,8 @@ class LLMEngine:
         req.guided = self.guided.matcher(params) if params.guided else None  # compiled once, cached
         req.lora = adapter
         req.images = prompt_images(prompt)
+        if req.images and self.model_config.mrope_section:  # positions on the images' grids, once
+            req.mrope = mrope_positions(len(ids), req.images)
         self.scheduler.add_request(req)
         req.generator = torch.Generator(device=self.device)  # unseeded requests: the next seed of --seed's stream
         req.generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(64))

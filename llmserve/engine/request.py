@@ -76,6 +76,8 @@ class Request:
         # vision-language models: the prompt's images (llmserve.model.vision.ImageInput), in prompt order; their
         # tower outputs are kept on them until the request ends
         self.images: list = []
+        # multimodal rotary (Qwen2.5-VL): the prompt's [3, prompt] positions and the offset of the tokens after it
+        self.mrope: tuple | None = None
 
     @property
     def num_tokens(self) -> int:

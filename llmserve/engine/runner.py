@@ -254,6 +254,7 @@ class ModelRunner:
         scored: list[tuple[Request, int, int, int]] = []  # prompt logprobs: (request, first row, rows, start)
         lora_rows: list[tuple] = []  # requests for a LoRA adapter: (adapter, first row, rows)
         image_rows: list[tuple[list[int], torch.Tensor]] = []  # the step's rows at image placeholders, their embeddings
+        rope: list[torch.Tensor | None] = []  # multimodal rotary (Request.mrope): each request's [3, n] positions
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
@@ -265,6 +266,7 @@ class ModelRunner:
             pos = torch.arange(c, c + n)
             table = torch.tensor(block_ids, dtype=torch.long)
             positions.append(pos)
+            rope.append(_mrope_rows(req, c, n))
             slots.append(table[pos // bs] * bs + pos % bs)
             if as_decode(req):
                 decode_tables.extend([block_ids] * n)
@@ -299,6 +301,8 @@ class ModelRunner:
             meta.states = step_states(order, sched, kv.states, dev, self.kv_caches)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
+        if any(r is not None for r in rope):  # a request with images under M-RoPE: [3, T], the others' thrice
+            pos = torch.cat([p.expand(3, -1) if r is None else r for p, r in zip(positions, rope)], dim=1).to(dev)
         if not logits_rows:
             logits_rows = [len(tokens) - 1]  # the model needs at least one row; it is discarded
         rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
@@ -373,6 +377,17 @@ def _decode_groups(tables: list[list[int]], lens: list[int], one: bool, dev: tor
         ctx = torch.tensor(lens[start:end], dtype=torch.long)
         out.append(DecodeGroup(start, end, table.to(dev), ctx.to(dev)))
     return out
+
+
+def _mrope_rows(req: Request, c: int, n: int) -> torch.Tensor | None:
+    """Multimodal rotary positions [3, n] of a request's tokens c..c+n-1: its prompt's from Request.mrope, each
+    later token's its index + the offset on all three axes; None without them (the token index is the position)."""
+    if req.mrope is None:
+        return None
+    prompt, delta = req.mrope
+    p = prompt.shape[1]
+    later = torch.arange(min(max(c, p), c + n), c + n) + delta
+    return torch.cat([prompt[:, c : min(c + n, p)], later.expand(3, -1)], dim=1)
 
 
 def _image_rows(model, req: Request, c: int, n: int, row: int) -> list[tuple[list[int], torch.Tensor]]:

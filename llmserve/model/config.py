@@ -56,6 +56,10 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # to +-swiglu_limit; (up + 1) * gate * sigmoid(alpha * gate)
     attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
     o_proj_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
+    # multimodal rotary (M-RoPE, Qwen2.5-VL): each row has a (temporal, height, width) position, and the rotary
+    # frequencies are split into these sections, each turned by one axis's position (empty: plain 1-D rotary)
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # the sections' frequencies interleaved t, h, w, t, h, w ... (Qwen3-VL)
     mm_config: object = None  # a vision-language model's whole transformers config (its tower's settings)
     # hybrid models: per layer, a recurrent mixer that keeps a state per sequence and no KV (empty: none)
     recurrent_layers: tuple[bool, ...] = ()

@@ -124,25 +124,38 @@ class LlamaModel(nn.Module):
         the logits' argmax: a float32 head is then screened rather than read whole, see ops.head_argmax).
         With `hidden_indices` (pooling requests: embeddings), (that, the final-normed hidden states of
         those rows). `embeds` (rows, values): those rows' input embeddings replaced (a vision tower's output at
-        an image's placeholder tokens, llmserve.model.vision)."""
+        an image's placeholder tokens, llmserve.model.vision; values wider than the model: DeepStack rows beside
+        them, added to the first layers' outputs at those rows, Qwen3-VL). `positions`: [T], or [3, T] under M-RoPE
+        (`cfg.mrope_section`: a step with images of Qwen2.5-VL; layers.Rotary.multimodal)."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        deep = None  # DeepStack (Qwen3-VL): an image's rows for the first layers' outputs, beside its input rows
         if embeds is not None:
-            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+            rows, values = embeds
+            if values.shape[1] > x.shape[1]:
+                values = values.view(len(rows), -1, x.shape[1])
+                values, deep = values[:, 0], values[:, 1:].to(x.dtype)
+            x = x.index_copy(0, rows, values.to(x.dtype))
         residual = None
+        main = self.rotary
+        if positions.dim() == 2:  # M-RoPE: [3, T] (t, h, w) positions, a table of the step's own rows
+            main, positions = self.rotary.multimodal(positions), torch.arange(positions.shape[1], device=x.device)
         first = kv_caches[0] if kv_caches else None  # (a recurrent layer's is a tuple of state tensors)
-        stack = self._fused_decode(x, meta) if getattr(first, "dtype", None) in ops.KV_DTYPES else None
+        fits = getattr(first, "dtype", None) in ops.KV_DTYPES and main is self.rotary
+        stack = self._fused_decode(x, meta) if fits else None
         if stack is not None:  # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
             args = (x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
             lora = self.lora_step.fused_args() if self.lora_step is not None else None
             x, residual = stack.run_lora(*args, *lora) if lora is not None else stack.run(*args)
         else:
-            for layer, kv in zip(self.layers, kv_caches):
-                rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else self.rotary
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                rotary = self.rotary_local if layer.sliding and self.rotary_local is not None else main
                 rotary = self.rotary_none if layer.nope else rotary
                 x, residual = layer(x, residual, positions, rotary, kv, meta)
+                if deep is not None and i < deep.shape[1]:  # (x + residual is the layer's output)
+                    x = x.index_add(0, rows, deep[:, i])
         hidden = None if hidden_indices is None else self.norm(x[hidden_indices] + residual[hidden_indices])
         x = self.norm(x[logits_indices] + residual[logits_indices])
         if argmax:

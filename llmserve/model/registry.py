@@ -40,10 +40,27 @@ from llmserve.model.gguf_specs import (
     gguf_smollm3,
 )
 from llmserve.model.gpt_oss import checkpoint_tensors as gpt_oss_tensors
+from llmserve.model.hf_fields import (
+    gemma_fields,
+    gpt_oss_fields,
+    granite_fields,
+    mixtral_fields,
+    mrope_fields,
+    o_proj_bias_fields,
+    qwen3_moe_fields,
+    smollm3_fields,
+)
 from llmserve.model.llama import LlamaModel
 from llmserve.model.vision.gemma3 import Gemma3VisionModel
 from llmserve.model.vision.idefics3 import Idefics3Model
-from llmserve.model.vision.processing import Gemma3Processing, Idefics3Processing, SmolVLMProcessing
+from llmserve.model.vision.processing import (
+    Gemma3Processing,
+    Idefics3Processing,
+    Qwen25VLProcessing,
+    SmolVLMProcessing,
+)
+from llmserve.model.vision.qwen2_5_vl import Qwen25VLModel
+from llmserve.model.vision.qwen3_vl import Qwen3VLModel
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
@@ -66,74 +83,6 @@ class ArchSpec:
     # a vision-language model: (folder, or a --mmproj file's processor settings; transformers config) -> its
     # vision.processing.ImageProcessing (GGUF projector files: loader.mmproj)
     images: Callable | None = None
-
-
-# -- per-family config fields: from a transformers config ----------------------------------------------
-def _gemma(hf) -> dict:
-    return dict(
-        norm_offset=True,
-        embed_scale=hf.hidden_size**0.5,
-        sandwich_norms=True,
-        attn_scale=hf.query_pre_attn_scalar**-0.5,
-        attn_softcap=getattr(hf, "attn_logit_softcapping", None),
-        final_softcap=getattr(hf, "final_logit_softcapping", None),
-    )
-
-
-def _o_proj_bias(hf) -> dict:
-    """attention_bias in Granite, OLMo 2 and gpt-oss: q / k / v biases (the common field) and o_proj's alike (a
-    biased o_proj leaves the fused decode stack, which takes no biases: the model takes the module path)."""
-    return dict(o_proj_bias=bool(getattr(hf, "attention_bias", False)))
-
-
-def _granite(hf) -> dict:
-    return dict(
-        _o_proj_bias(hf),
-        embed_scale=float(hf.embedding_multiplier),
-        attn_scale=float(hf.attention_multiplier),
-        residual_multiplier=float(hf.residual_multiplier),  # (folded into o_proj and down_proj at load)
-        logits_scaling=float(hf.logits_scaling),
-    )
-
-
-def _smollm3(hf) -> dict:
-    return dict(nope_layers=tuple(not use_rope for use_rope in hf.no_rope_layers))  # (1: the layer rotates)
-
-
-def _mixtral(hf) -> dict:
-    return dict(
-        num_experts=hf.num_local_experts,
-        num_experts_per_tok=hf.num_experts_per_tok,
-        moe_intermediate_size=hf.intermediate_size,
-        moe_layers=(True,) * hf.num_hidden_layers,
-    )
-
-
-def _qwen3_moe(hf) -> dict:
-    sparse = tuple(
-        i not in (hf.mlp_only_layers or []) and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
-        for i in range(hf.num_hidden_layers)
-    )
-    return dict(
-        num_experts=hf.num_experts,
-        num_experts_per_tok=hf.num_experts_per_tok,
-        moe_intermediate_size=hf.moe_intermediate_size,
-        moe_layers=sparse,
-        norm_topk_prob=bool(hf.norm_topk_prob),
-    )
-
-
-def _gpt_oss(hf) -> dict:
-    return dict(
-        _mixtral(hf),  # (experts in every layer, num_local_experts of intermediate_size, as Mixtral's)
-        router_bias=True,
-        router_topk_softmax=True,
-        expert_bias=True,
-        hidden_act="clamped_swiglu",
-        swiglu_alpha=float(hf.swiglu_alpha),
-        swiglu_limit=float(hf.swiglu_limit),
-        **_o_proj_bias(hf),
-    )
 
 
 # -- the families -------------------------------------------------------------------------------
@@ -180,7 +129,7 @@ ARCHITECTURES = {
         ArchSpec(
             "granite",
             ("GraniteForCausalLM",),
-            config=_granite,
+            config=granite_fields,
             gguf=GGUFSpec(
                 "granite",
                 "GraniteConfig",
@@ -195,7 +144,7 @@ ARCHITECTURES = {
         ArchSpec(
             "smollm3",
             ("SmolLM3ForCausalLM",),
-            config=_smollm3,
+            config=smollm3_fields,
             gguf=GGUFSpec(
                 "smollm3",
                 "SmolLM3Config",
@@ -211,7 +160,7 @@ ARCHITECTURES = {
             "olmo2",
             ("Olmo2ForCausalLM",),
             features=dict(qk_norm=True, qk_norm_whole=True, sandwich_norms=True, pre_norms=False),
-            config=_o_proj_bias,
+            config=o_proj_bias_fields,
             gguf=GGUFSpec(
                 "olmo2",
                 "Olmo2Config",
@@ -243,7 +192,7 @@ ARCHITECTURES = {
         ArchSpec(
             "gemma2",
             ("Gemma2ForCausalLM",),
-            config=_gemma,
+            config=gemma_fields,
             gguf=GGUFSpec(
                 "gemma2",
                 "Gemma2Config",
@@ -258,7 +207,7 @@ ARCHITECTURES = {
             "gemma3_text",
             ("Gemma3ForCausalLM",),
             features=dict(qk_norm=True),
-            config=_gemma,
+            config=gemma_fields,
             gguf=GGUFSpec(
                 "gemma3",
                 "Gemma3TextConfig",
@@ -272,7 +221,7 @@ ARCHITECTURES = {
         ArchSpec(
             "mixtral",
             ("MixtralForCausalLM",),
-            config=_mixtral,
+            config=mixtral_fields,
             gguf=GGUFSpec(
                 "llama",
                 "MixtralConfig",
@@ -296,7 +245,7 @@ ARCHITECTURES = {
             "qwen3_moe",
             ("Qwen3MoeForCausalLM",),
             features=dict(qk_norm=True),
-            config=_qwen3_moe,
+            config=qwen3_moe_fields,
             gguf=GGUFSpec(
                 "qwen3moe",
                 "Qwen3MoeConfig",
@@ -314,7 +263,7 @@ ARCHITECTURES = {
             "gpt_oss",
             ("GptOssForCausalLM",),
             features=dict(attn_sinks=True),
-            config=_gpt_oss,
+            config=gpt_oss_fields,
             gguf=GGUFSpec(
                 "gpt-oss", "GptOssConfig", GGUF_GPT_OSS_LAYERS, head_dim_key="attention.key_length", config=gguf_gpt_oss
             ),
@@ -350,11 +299,33 @@ ARCHITECTURES = {
             "gemma3",
             ("Gemma3ForConditionalGeneration",),
             features=dict(qk_norm=True),
-            config=_gemma,
+            config=gemma_fields,
             checkpoint_renames=(("language_model.model.", "model."), ("vision_tower.vision_model.", "vision_tower.")),
             tensor_parallel=False,
             model_class=Gemma3VisionModel,
             images=Gemma3Processing,
+            **_NO_STACK,
+        ),
+        ArchSpec(  # Qwen2.5-VL: the Qwen2 decoder under multimodal rotary, its windowed tower (llmserve.model.vision)
+            "qwen2_5_vl",
+            ("Qwen2_5_VLForConditionalGeneration",),
+            features=dict(attention_bias=True),
+            config=mrope_fields,
+            checkpoint_renames=(("model.language_model.", "model."),),  # (transformers 5's names; the hub's: as is)
+            tensor_parallel=False,
+            model_class=Qwen25VLModel,
+            images=Qwen25VLProcessing,
+            **_NO_STACK,
+        ),
+        ArchSpec(  # Qwen3-VL: the Qwen3 decoder under interleaved multimodal rotary, DeepStack rows, its own tower
+            "qwen3_vl",
+            ("Qwen3VLForConditionalGeneration",),
+            features=dict(qk_norm=True, mrope_interleaved=True),
+            config=mrope_fields,
+            checkpoint_renames=(("model.language_model.", "model."),),
+            tensor_parallel=False,
+            model_class=Qwen3VLModel,
+            images=Qwen25VLProcessing,  # (the same image processing and prompt)
             **_NO_STACK,
         ),
         ArchSpec(  # SmolVLM 2: Idefics3's model and prompt, its own image processor
@@ -435,7 +406,7 @@ def config_from_hf(hf) -> ModelConfig:
     rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type (see layers.Rotary)
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    eos = hf.eos_token_id
+    eos = getattr(hf, "eos_token_id", None)  # (a vision-language model's text config may lack the token ids)
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     fields = dict(
         architecture=arch,
@@ -453,7 +424,7 @@ def config_from_hf(hf) -> ModelConfig:
         attention_bias=bool(getattr(hf, "attention_bias", False)),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         rope_scaling=scaling,
-        bos_token_id=hf.bos_token_id,
+        bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=eos,
         hf_config=hf,
         fused_decode=spec.fused_decode,

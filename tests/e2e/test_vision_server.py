@@ -5,7 +5,8 @@ client's `images`; greedy answers equal transformers' generate on the same pictu
 from the same checkpoint as a GGUF pair (`--mmproj`); /tokenize and count_tokens count the image tokens; an image
 beside tools (a forced call parsed); and every bad image (undecodable, too large, too many, an unreachable or
 disallowed URL, not an image at all) is a 400 that leaves the server serving. (An image to a text-only model:
-tests/e2e/test_hostile.py's image_part rows, test_ollama.py's.)"""
+tests/e2e/test_hostile.py's image_part rows, test_ollama.py's.) And a tiny Qwen2.5-VL served: its multimodal rotary
+positions through the server's prompt path give transformers' answer."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from llmserve.testing.launcher import ServerProcess, free_port
-from tests.vision_files import pictures, write_idefics3, write_vlm_ggufs
+from tests.vision_files import pictures, qwen_processor, write_idefics3, write_qwen_vl, write_vlm_ggufs
 
 MAX_TOKENS = 8
 SIZES = {0: (40, 50), 1: (24, 64)}  # the two pictures: 2x2 tiles and 1x2 tiles (and the whole picture each)
@@ -338,3 +339,31 @@ def test_web_page_attaches_an_image(server, reference, tmp_path):
             assert not errors, errors
         finally:
             browser.close()
+
+
+def test_qwen25vl_served_answers_as_transformers(tmp_path, bundled_gguf):
+    """A Qwen2.5-VL checkpoint behind the server (its image run and 3-D positions made from the chat's image part):
+    the openai client's greedy answer for a picture is transformers' generate's, and another picture's differs."""
+    import transformers as T
+
+    write_qwen_vl(tmp_path, bundled_gguf)
+    tok = T.AutoTokenizer.from_pretrained(tmp_path)
+    proc = qwen_processor(T.Qwen2VLImageProcessorPil.from_pretrained(tmp_path), tok)
+    model = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    flags = ("--model", str(tmp_path), "--served-model-name", "vlm", "--dtype", "float32", "--num-threads", "1")
+    with ServerProcess(*flags, "--max-num-batched-tokens", "16", "--kv-cache-memory", "0.05") as srv:
+        client = openai.OpenAI(base_url=srv.wait_ready().url + "/v1", api_key="x", max_retries=0, timeout=120)
+        answers = []
+        for seed in (0, 1):
+            picture = pictures(1, seed, SIZES[seed])
+            enc = proc(text=[text], images=[picture])
+            with torch.inference_mode():
+                ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+            n = enc["input_ids"].shape[1]
+            r = _chat(client, _data_url(picture[0]))
+            assert r.choices[0].message.content == tok.decode(ids[0, n:], skip_special_tokens=True)
+            assert r.usage.prompt_tokens == n
+            answers.append(r.choices[0].message.content)
+        assert answers[0] != answers[1]

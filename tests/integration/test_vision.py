@@ -10,13 +10,20 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.vision.processing import prompt_with_images
-from tests.vision_files import pictures, write_gemma3, write_idefics3
+from tests.vision_files import pictures, qwen_processor, write_gemma3, write_idefics3, write_qwen_vl
 
 MAX_TOKENS = 10
 BUDGET = 16  # tokens a step: prompts are chunked, the chunks cut through Idefics3's images (not Gemma 3's)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # model_type -> transformers' class-name prefix (tests/vision_files.py writes its tiny checkpoint)
-FAMILIES = {"idefics3": "Idefics3", "smolvlm": "SmolVLM", "gemma3": "Gemma3"}
+FAMILIES = {
+    "idefics3": "Idefics3",
+    "smolvlm": "SmolVLM",
+    "gemma3": "Gemma3",
+    "qwen2_5_vl": "Qwen2_5_VL",
+    "qwen3_vl": "Qwen3VL",
+}
+QWEN = ("Qwen2_5_VL", "Qwen3VL")
 
 
 def test_every_vision_family_has_a_row():
@@ -41,11 +48,16 @@ def vlm(request, tmp_path_factory, bundled_gguf):
     d = tmp_path_factory.mktemp(request.param)
     if family == "Gemma3":
         write_gemma3(d, bundled_gguf)
+    elif family in QWEN:
+        write_qwen_vl(d, bundled_gguf, family)
     else:
         write_idefics3(d, bundled_gguf, family)
     tok = T.AutoTokenizer.from_pretrained(d)
-    image_processor = getattr(T, f"{family}ImageProcessorPil").from_pretrained(d)
-    if family == "Gemma3":
+    pil = "Qwen2VL" if family in QWEN else family
+    image_processor = getattr(T, f"{pil}ImageProcessorPil").from_pretrained(d)
+    if family in QWEN:  # (its processor insists on a video processor, which needs torchvision)
+        processor = qwen_processor(image_processor, tok)
+    elif family == "Gemma3":
         processor = T.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4)
     else:  # (SmolVLM's own processor needs num2words for videos; its prompt is Idefics3's, with its image processor)
         processor = T.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4)
@@ -164,9 +176,35 @@ def test_tower_stays_float32_and_quantization_is_refused(vlm):
     bf = LLM(model=path, kv_cache_memory=0.05, num_threads=2, dtype="bfloat16")
     model = bf.engine.model
     towers = [m for m in model.children() if getattr(m, "keep_float32", False)]  # the tower and its connector
-    assert len(towers) == 2 and {p.dtype for m in towers for p in m.parameters()} == {torch.float32}
+    assert len(towers) == (1 if hasattr(model, "visual") else 2)  # (Qwen's merger is its tower's)
+    assert {p.dtype for m in towers for p in m.parameters()} == {torch.float32}
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     out = bf.generate(_prompts(bf, cases[:1]), GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     with pytest.raises(ValueError, match="quantization"):
         LLM(model=path, kv_cache_memory=0.05, num_threads=2, quantization="int8")
+
+
+def test_multimodal_rotary_positions_equal_transformers(vlm):
+    """Qwen2.5-VL, Qwen3-VL: a request's 3-D positions (image tokens on their grid, text after an image from
+    start + max(h, w)) and the offset of its later tokens are transformers' get_rope_index's."""
+    llm, cases = vlm
+    eng = llm.engine
+    if not eng.model_config.mrope_section:
+        pytest.skip("1-D rotary")
+    import transformers as T
+
+    from llmserve.model.vision.inputs import mrope_positions
+
+    ref_class = getattr(T, eng.model_config.architecture.replace("ForConditionalGeneration", "Model"))
+    ref = ref_class.from_pretrained(eng.model_path, dtype=torch.float32)
+    for prompt, (_, images, ids, *_) in zip(_prompts(llm, cases), cases):
+        if not images:
+            assert not prompt.images
+            continue
+        grids = torch.stack([im.data["image_grid_thw"] for im in prompt.images])
+        ids_t = torch.tensor([ids])
+        kinds = (ids_t == eng.image_processing.image_token_id).int()
+        want, delta = ref.get_rope_index(ids_t, mm_token_type_ids=kinds, image_grid_thw=grids)
+        pos, got_delta = mrope_positions(len(prompt), prompt.images)
+        assert torch.equal(pos, want[:, 0]) and got_delta == int(delta) < 0

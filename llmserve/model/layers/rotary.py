@@ -29,6 +29,19 @@ class Rotary(nn.Module):
         sin = torch.cat([freqs.sin() * scale, torch.zeros(len(t), passed, device=t.device)], dim=-1)
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
+        # M-RoPE: the position axis (0 t, 1 h, 2 w) by which each of a head's dimensions turns (None: 1-D rotary)
+        self.register_buffer("mrope_axes", mrope_axes(cfg), persistent=False)
+
+    def multimodal(self, positions: torch.Tensor) -> Rotary:
+        """The rotation of a step's rows at multimodal positions `positions` [3, T]: a table of T rows (row i:
+        each dimension's angle at row i's position on that dimension's axis), to be read at 0..T-1."""
+        t, d = positions.shape[1], self.cos.shape[1]
+        index = self.mrope_axes.view(1, 1, d).expand(1, t, d)
+        rot = nn.Module.__new__(Rotary)
+        nn.Module.__init__(rot)
+        rot.register_buffer("cos", self.cos[positions].gather(0, index)[0], persistent=False)
+        rot.register_buffer("sin", self.sin[positions].gather(0, index)[0], persistent=False)
+        return rot
 
     @classmethod
     def identity(cls, cfg: ModelConfig, max_positions: int) -> Rotary:
@@ -88,6 +101,27 @@ def rotary_dim(cfg: ModelConfig) -> int:
     params = cfg.rope_scaling or getattr(cfg.hf_config, "rope_parameters", None) or {}
     factor = params.get("partial_rotary_factor", getattr(cfg.hf_config, "partial_rotary_factor", None)) or 1.0
     return int(cfg.head_dim * factor)
+
+
+def mrope_axes(cfg: ModelConfig) -> torch.Tensor | None:
+    """M-RoPE (`cfg.mrope_section`, summing to half the head): the axis (0 temporal, 1 height, 2 width) whose
+    position turns each of a head's dimensions, [head_dim] (both halves of a rotate-half pair alike); None
+    without it. Consecutive sections (Qwen2.5-VL): the first s0 frequencies t, the next s1 h, the rest w;
+    interleaved (Qwen3-VL): frequency i is h where i % 3 == 1 and i < 3 * s1, w where i % 3 == 2 and i < 3 * s2,
+    else t."""
+    sec = cfg.mrope_section
+    if not sec:
+        return None
+    half = cfg.head_dim // 2
+    if sum(sec) != half or len(sec) != 3:
+        raise ValueError(f"model: mrope_section {list(sec)} must be three sections summing to {half} (half a head)")
+    if cfg.mrope_interleaved:
+        axes = torch.zeros(half, dtype=torch.long)
+        for axis in (1, 2):
+            axes[axis : 3 * sec[axis] : 3] = axis
+    else:
+        axes = torch.cat([torch.full((n,), axis, dtype=torch.long) for axis, n in enumerate(sec)])
+    return torch.cat([axes, axes])
 
 
 def head_order(cfg: ModelConfig) -> torch.Tensor | None:

@@ -18,6 +18,8 @@ class ImageInput:
     # its placeholders attend to each other both ways in the decoder (Gemma 3): a prefill chunk never ends inside
     # them (Scheduler), and the chunk's attention lets them see the whole run (PrefillChunk.bidirectional)
     bidirectional: bool = False
+    # its tokens' (temporal, height, width) grid in the decoder, under multimodal rotary (Qwen2.5-VL: mrope_positions)
+    grid: tuple[int, int, int] | None = None
 
     @property
     def start(self) -> int:
@@ -56,3 +58,25 @@ def whole_images(images: list[ImageInput], start: int, num_new: int, budget: int
 def prompt_images(prompt) -> list[ImageInput]:
     """The images a prompt carries ([] for a plain list of ids or a string)."""
     return list(getattr(prompt, "images", None) or ())
+
+
+def mrope_positions(num_tokens: int, images: list[ImageInput]) -> tuple[torch.Tensor, int]:
+    """A prompt's multimodal rotary positions (M-RoPE, Qwen2.5-VL): [3, num_tokens] (temporal, height, width).
+    Text takes one position on all three axes, counting on from the last; an image's tokens (its `grid`, t x h x w
+    in row-major order) take start + their grid coordinates, and the text after it starts at start + max(h, w)
+    (as transformers' get_rope_index). Also the offset of the tokens after the prompt: token i's position is
+    i + delta on every axis (delta <= 0: an image takes fewer positions than tokens)."""
+    rows, at, nxt = [], 0, 0  # the next token index and the next text position
+    for im in images:
+        if im.grid is None or im.num_tokens != im.end - im.start:
+            raise ValueError("multimodal rotary needs each image's grid and one run of its tokens")
+        rows.append(torch.arange(nxt, nxt + im.start - at).expand(3, -1))
+        nxt += im.start - at
+        t, h, w = im.grid
+        grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        rows.append(torch.stack(grid).reshape(3, -1) + nxt)
+        nxt += max(h, w)
+        at = im.end
+    rows.append(torch.arange(nxt, nxt + num_tokens - at).expand(3, -1))
+    pos = torch.cat(rows, dim=1)
+    return pos, int(pos.max()) + 1 - num_tokens

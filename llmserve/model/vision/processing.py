@@ -31,6 +31,10 @@ class ImageProcessing:
         """(the image's placeholder run as prompt text, the tower's inputs)."""
         raise NotImplementedError
 
+    def grid(self, data: dict) -> tuple[int, int, int] | None:
+        """The image's tokens' (temporal, height, width) grid in the decoder (multimodal rotary); None: not used."""
+        return None
+
 
 def _hf_processor(name: str, source):
     """transformers' image processor `name`, from a checkpoint folder's preprocessor_config.json or (a dict) the
@@ -93,6 +97,32 @@ class Gemma3Processing(ImageProcessing):
         return run, {"pixel_values": out["pixel_values"]}
 
 
+class Qwen25VLProcessing(ImageProcessing):
+    """Qwen2.5-VL: the picture resized by Qwen's rule (each side a multiple of patch_size x merge_size, the area
+    within min_pixels..max_pixels, the aspect kept as well as that allows), rescaled and normalized, cut into
+    patches (transformers' Pillow processor, Qwen2VLImageProcessorPil); the template's
+    `<|vision_start|><|image_pad|><|vision_end|>` gets one `<|image_pad|>` per 2x2 merge unit of patches, and the
+    image's grid (1, rows, cols of units) sets its multimodal rotary positions."""
+
+    placeholder = "<|image_pad|>"
+    image_token = "<|image_pad|>"
+
+    def __init__(self, source, hf) -> None:
+        self.hf_processor = _hf_processor("Qwen2VLImageProcessorPil", source)
+        self.merge = hf.vision_config.spatial_merge_size
+        self.image_token_id = hf.image_token_id
+
+    def prepare(self, image) -> tuple[str, dict]:
+        out = self.hf_processor(images=[image.convert("RGB")], return_tensors="pt")
+        grid = out["image_grid_thw"][0]
+        n = int(grid.prod()) // self.merge**2
+        return self.image_token * n, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+
+    def grid(self, data: dict) -> tuple[int, int, int]:
+        t, h, w = (int(v) for v in data["image_grid_thw"])
+        return t, h // self.merge, w // self.merge
+
+
 def prompt_with_images(tokenizer, processing: ImageProcessing, text: str, images: list) -> PromptWithImages:
     """`text` (a rendered chat, one `processing.placeholder` per image, in order) with each placeholder
     replaced by its image's run, tokenized (the text holds its special tokens: none are added), and each
@@ -109,7 +139,8 @@ def prompt_with_images(tokenizer, processing: ImageProcessing, text: str, images
     inputs, k = [], 0
     for (run, data), image in zip(runs, images):
         n = run.count(processing.image_token)
-        inputs.append(ImageInput(content_hash(image), at[k : k + n], data, bidirectional=processing.bidirectional))
+        both, grid = processing.bidirectional, processing.grid(data)
+        inputs.append(ImageInput(content_hash(image), at[k : k + n], data, bidirectional=both, grid=grid))
         k += n
     if k != len(at):
         raise ValueError("messages: content must not contain image tokens")
