@@ -49,6 +49,8 @@ class DraftProposer:
                 f"speculative_model: its vocabulary ({mc.vocab_size} tokens) is not the model's "
                 f"({target_cfg.vocab_size}); the draft must share the tokenizer"
             )
+        if any(mc.recurrent_layers):  # (its state would have to roll back with each rejected proposal)
+            raise ValueError(f"speculative_model: {mc.architecture} is a hybrid model (recurrent state), not a draft")
         draft_config = replace(config, model=config.speculative_model, tensor_parallel_size=1, enable_lora=False)
         self.executor = make_executor(draft_config, mc, device)
         positions = (config.max_model_len or target_cfg.max_position_embeddings) + self.k + 1

@@ -31,6 +31,7 @@ from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations, split_kv_blocks, window_layers
 from llmserve.engine.scheduler import QueueFullError, Scheduler  # noqa: F401 (re-exported)
+from llmserve.engine.state_pool import hybrid_config, plan_state_pool
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.registry import image_processing
@@ -88,6 +89,7 @@ class LLMEngine:
         log.info("loading %s (%s) ...", source.name, source.path)
         self.model_config, reader = load_model_config(source)
         mc = self.model_config
+        self.config = config = hybrid_config(config, mc)  # (a hybrid model: prefix caching off, refusals)
         log.info(
             "%s: %s, %d layers; config read in %.1fs",
             source.name,
@@ -138,6 +140,8 @@ class LLMEngine:
         num_blocks, budget = num_kv_blocks(
             config, per_block, self.device, lambda: self._profile_activations(block_size)
         )
+        # a hybrid model's recurrent state pool, its bytes out of the budget (engine/state_pool.py)
+        states, num_blocks = plan_state_pool(config, self.model, self.act_dtype, num_blocks, budget, per_block)
         self.num_blocks = num_blocks  # (the draft model's pool, and the window split's whole budget)
         num_blocks, window = self._window_group(config, num_blocks, block_size, min(model_max, max_positions))
         capacity = num_blocks * block_size
@@ -150,7 +154,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(model_max, capacity)
         self.block_size = block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.kv.window = window
+        self.kv.window, self.kv.states = window, states
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -168,6 +172,7 @@ class LLMEngine:
             self.act_dtype,
             self.kv_dtype,
             window.num_blocks if window is not None else None,
+            states,
         )
         self.executor.attach(self.runner, num_blocks, block_size)
         self.lora = None  # LoRARegistry with --enable-lora: the adapters loaded, by name

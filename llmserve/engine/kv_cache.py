@@ -164,6 +164,8 @@ class KVCacheManager:
         # WindowGroup (kv_window.py): the sliding-window layers' own pool, where they give back the blocks
         # their window has passed; None: every layer's blocks are this pool's (one kind of layer)
         self.window = None
+        # StatePool (state_pool.py): a hybrid model's recurrent state slots, one per sequence it schedules; None: none
+        self.states = None
 
     # -- hashing -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:
@@ -240,12 +242,17 @@ class KVCacheManager:
         computed = computed or []
         if self.blocks_needed(request, num_new_tokens, computed) > self.pool.num_free:
             return None
+        states = self.states
+        if states is not None and not states.has_slot(request.request_id) and states.num_free == 0:
+            return None
         window = self.window
         if window is not None:
             args = self._window_args(request, num_new_tokens, computed)
             if window.blocks_needed(request, *args) > window.pool.num_free:
                 return None
             window.allocate(request, *args)
+        if states is not None:
+            states.allocate(request.request_id)  # (its slot, taken when first scheduled)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         if computed:
             self.pool.touch(computed)
@@ -291,6 +298,8 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         if self.window is not None:
             self.window.free(request)
+        if self.states is not None:
+            self.states.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

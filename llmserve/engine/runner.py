@@ -18,6 +18,7 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
+from llmserve.engine.state_pool import StatePool, step_states
 from llmserve.model import ops, rejection
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape, kv_row_width
 from llmserve.model.config import ModelConfig
@@ -29,9 +30,11 @@ log = logging.getLogger("llmserve.runner")
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """One block of every layer's keys and values (an int8 cache's rows with their scales)."""
+    """One block of every attention layer's keys and values (an int8 cache's rows with their scales); a hybrid
+    model's recurrent layers keep a state per sequence instead (engine/state_pool.py)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * kv_row_width(cfg.head_dim, dtype) * elem
+    layers = cfg.num_layers - sum(cfg.recurrent_layers)
+    return layers * 2 * block_size * cfg.num_kv_heads * kv_row_width(cfg.head_dim, dtype) * elem
 
 
 GiB = 1 << 30
@@ -150,9 +153,11 @@ class ModelRunner:
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
         window_blocks: int | None = None,
+        states: StatePool | None = None,
     ) -> None:
         """`window_blocks`: the sliding-window layers' own pool (kv_window.WindowGroup) of that many blocks;
-        None: every layer's cache has `num_blocks`."""
+        None: every layer's cache has `num_blocks`. `states`: a hybrid model's recurrent state pool, whose layers
+        get their state tensors in place of a KV cache (engine/state_pool.py)."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -167,7 +172,12 @@ class ModelRunner:
         alloc = torch.zeros if device.type == "cuda" else _zero_pages
         window = window_layers(model) if window_blocks is not None else [False] * cfg.num_layers
         wshape = kv_cache_shape(window_blocks or 0, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-        self.kv_caches = [alloc(wshape if w else shape, dtype=kv_dtype, device=device) for w in window]
+        self.kv_caches = [
+            alloc(wshape if w else shape, dtype=kv_dtype, device=device)
+            if states is None or states.shapes[i] is None
+            else states.tensors(i, dtype, device)
+            for i, w in enumerate(window)
+        ]
         self.in_place_decode = (
             device.type == "cpu"
             and dtype == torch.float32
@@ -271,6 +281,8 @@ class ModelRunner:
         meta.decode_groups = _decode_groups(decode_tables, decode_lens, self.in_place_decode, dev)
         if kv.window is not None:  # the window layers' blocks: their own slots and tables
             meta.window = self._window_meta(order, sched, kv, as_decode)
+        if kv.states is not None:  # a hybrid model's recurrent layers: each sequence's state slot
+            meta.states = step_states(order, sched, kv.states, dev, self.kv_caches)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
         if not logits_rows:

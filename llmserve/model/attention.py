@@ -56,6 +56,19 @@ class DecodeGroup:
 
 
 @dataclass
+class StateMetadata:
+    """A step's sequences for the recurrent layers of a hybrid model (engine/state_pool.py), in batch order: the
+    first `num_decodes` have one row each (rows 0 .. num_decodes - 1), the others a chunk of rows."""
+
+    slots: torch.Tensor  # [num_seqs] int64: each sequence's slot in the layers' state tensors
+    slot_list: list[int]  # the same, as ints
+    query_start: list[int]  # each sequence's first row in the flat batch
+    query_len: list[int]
+    fresh: torch.Tensor  # [num_seqs] bool: its state starts at zero (its first chunk; the slot is zeroed already)
+    num_decodes: int = 0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
@@ -63,6 +76,7 @@ class AttentionMetadata:
     # the sliding-window layers' own (their blocks in a pool of their own, engine/kv_window.py), or None:
     # they read this one. Their positions there start at their first held block (shifted down).
     window: "AttentionMetadata | None" = None
+    states: StateMetadata | None = None  # a hybrid model's recurrent layers' sequences and slots
 
 
 KV_SCALE_BYTES = 4  # an int8 cache row's float32 scale, after its head_dim values

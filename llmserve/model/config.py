@@ -84,4 +84,8 @@ class ModelConfig:
     attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
     o_proj_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
     mm_config: object = None  # a vision-language model's whole transformers config (its tower's settings)
+    # hybrid models: per layer, a recurrent mixer that keeps a state per sequence and no KV (empty: none)
+    recurrent_layers: tuple[bool, ...] = ()
+    conv_kernel: int = 0  # LFM2's short convolutions: their width (the state keeps the last width - 1 inputs)
+    conv_bias: bool = False  # ... and whether their projections and the convolution have biases
     fused_decode: bool = True  # the family's layers are the fused C++ decode stack's (registry.ArchSpec.fused_decode)

@@ -131,7 +131,8 @@ class LlamaModel(nn.Module):
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         residual = None
-        stack = self._fused_decode(x, meta) if kv_caches and kv_caches[0].dtype in ops.KV_DTYPES else None
+        first = kv_caches[0] if kv_caches else None  # (a recurrent layer's is a tuple of state tensors)
+        stack = self._fused_decode(x, meta) if getattr(first, "dtype", None) in ops.KV_DTYPES else None
         if stack is not None:  # decode rows only: all layers in one call into the CPU kernels
             g = meta.decode_groups[0]
             args = (x, kv_caches, positions, meta.slot_mapping, g.block_tables, g.context_lens)
