@@ -29,6 +29,7 @@ SMALL = dict(
 
 ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
 FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
+HYBRID = {"granite-hybrid"}  # rows with recurrent layers: prefix caching is off for them (engine/state_pool.py)
 ADAPTED = (
     "phi4-mini",
     "granite",
@@ -139,6 +140,26 @@ def _configs():
                 },
             ),
         ),
+        # Granite 4.0-H: Mamba-2 mixers around an attention layer (rotary), experts beside a shared MLP, Granite's
+        # multipliers (more in test_granite_hybrid.py)
+        "granite-hybrid": (
+            T.GraniteMoeHybridConfig,
+            dict(
+                num_hidden_layers=3,
+                layer_types=["mamba", "attention", "mamba"],
+                num_local_experts=4,
+                position_embedding_type="rope",
+                shared_intermediate_size=64,
+                mamba_n_heads=4,
+                mamba_d_state=16,
+                mamba_chunk_size=8,
+                embedding_multiplier=3.0,
+                attention_multiplier=0.05,
+                residual_multiplier=0.4,
+                logits_scaling=4.0,
+                **moe,
+            ),
+        ),
     }
 
 
@@ -216,7 +237,7 @@ def greedy_batched_and_alone(llm, prompts: list[list[int]], max_tokens: int) -> 
 def test_greedy_equals_transformers_batched_and_alone(checkpoint):
     name, d, want, logprob = checkpoint
     llm = LLM(model=str(d), kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2, **ENGINE.get(name, {}))
-    assert llm.engine.config.enable_prefix_caching
+    assert llm.engine.config.enable_prefix_caching == (name not in HYBRID)
     prompts = _prompts()
     batched, alone = greedy_batched_and_alone(llm, prompts, MAX_TOKENS)
     assert batched == want, name

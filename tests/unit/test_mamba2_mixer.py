@@ -1,6 +1,7 @@
 """The Mamba-2 mixer (llmserve.model.layers.mamba2) against transformers' own mamba layer (Granite 4.0-H's) with the
 same random weights: a sequence run whole, cut into chunks with the state carried, continued by decode steps (batched
-over sequences), and through the slot pool's flat-batch entry point, all equal transformers' output."""
+over sequences), and through the engine's entry point (the recurrent-state pool's slots), all equal transformers'
+output."""
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf_granite  # noqa: E402
 
+from llmserve.model.attention import StateMetadata  # noqa: E402
 from llmserve.model.config import MambaConfig  # noqa: E402
-from llmserve.model.layers.mamba2 import Mamba2Mixer, MixerRows, segment_sums  # noqa: E402
+from llmserve.model.layers.mamba2 import Mamba2Mixer, segment_sums  # noqa: E402
 
 ATOL = 1e-5
 
@@ -98,29 +100,46 @@ def test_decode_steps_continue_prefills_batched():
             torch.testing.assert_close(y[i], e[p + step], atol=ATOL, rtol=0)
 
 
+def _step(seqs: list[tuple[int, int]], pool, fresh: list[bool]) -> StateMetadata:
+    """The runner's metadata (engine/state_pool.step_states) for sequences (rows, slot) in batch order, decodes
+    (one row) first; fresh slots zeroed, as the runner does."""
+    slots = [slot for _, slot in seqs]
+    starts = [sum(n for n, _ in seqs[:i]) for i in range(len(seqs))]
+    for t in pool:
+        t[[s for s, f in zip(slots, fresh) if f]] = 0.0
+    return StateMetadata(
+        slots=torch.tensor(slots),
+        slot_list=slots,
+        query_start=starts,
+        query_len=[n for n, _ in seqs],
+        fresh=torch.tensor(fresh),
+        num_decodes=next((i for i, (n, _) in enumerate(seqs) if n > 1), len(seqs)),
+    )
+
+
 @torch.no_grad()
 def test_pool_forward_mixes_decode_rows_and_prefill_chunks():
     """The engine's entry point: one flat batch of decode rows (one of them a fresh one-token sequence) and prefill
-    chunks (one continuing, one fresh in a slot that still holds a finished sequence's state), states in a pool."""
+    chunks (one continuing, one fresh in a slot that held a finished sequence's state), states in the pool's
+    tensors (engine/state_pool.py), read and written in place."""
     ref, mixer = _pair()
-    conv_pool, ssm_pool = _zero_states(mixer, 5)
+    pool = _zero_states(mixer, 5)
+    pool[0].fill_(7.0)  # (stale values: the fresh slots are zeroed by the runner)
+    pool[1].fill_(7.0)
     a, b, c, d, e = (torch.randn(1, n, 16) for n in (10, 8, 3, 4, 7))
     ea, eb, ec, ed, ee = (ref(s)[0] for s in (a, b, c, d, e))
     # step 1: a's first 6 tokens (slot 1), b's first 5 (slot 3), d's 4 (slot 4)
     flat = torch.cat([a[0, :6], b[0, :5], d[0, :4]])
-    rows = MixerRows(torch.empty(0, dtype=torch.long), [(0, 6, 1, True), (6, 5, 3, True), (11, 4, 4, True)])
-    y = mixer(flat, conv_pool, ssm_pool, rows)
+    y = mixer(flat, pool, _step([(6, 1), (5, 3), (4, 4)], pool, [True, True, True]))
     torch.testing.assert_close(y, torch.cat([ea[:6], eb[:5], ed]), atol=ATOL, rtol=0)
-    # step 2: decode a (slot 1) and a fresh one-token c (slot 0, zeros not promised); b continues 3 tokens; e's
-    # first 5 go into slot 4, which still holds d's state
-    conv_pool[0], ssm_pool[0] = 7.0, 7.0
+    # step 2: decode a (slot 1) and a fresh one-token c (slot 0); b continues 3 tokens; e's first 5 go into slot 4,
+    # which held d's state
     flat = torch.cat([a[0, 6:7], c[0, :1], b[0, 5:8], e[0, :5]])
-    rows = MixerRows(torch.tensor([1, 0]), [(2, 3, 3, False), (5, 5, 4, True)], torch.tensor([False, True]))
-    y = mixer(flat, conv_pool, ssm_pool, rows)
+    y = mixer(flat, pool, _step([(1, 1), (1, 0), (3, 3), (5, 4)], pool, [False, True, False, True]))
     torch.testing.assert_close(y, torch.cat([ea[6:7], ec[:1], eb[5:8], ee[:5]]), atol=ATOL, rtol=0)
     # step 3: decode a, c and e together (slots 1, 0, 4)
     flat = torch.cat([a[0, 7:8], c[0, 1:2], e[0, 5:6]])
-    y = mixer(flat, conv_pool, ssm_pool, MixerRows(torch.tensor([1, 0, 4]), []))
+    y = mixer(flat, pool, _step([(1, 1), (1, 0), (1, 4)], pool, [False, False, False]))
     torch.testing.assert_close(y, torch.cat([ea[7:8], ec[1:2], ee[5:6]]), atol=ATOL, rtol=0)
 
 

@@ -3,7 +3,7 @@ mixer."""
 
 from llmserve.model.layers.attention import Attention
 from llmserve.model.layers.linear import PACKED_PROJECTIONS, Linear, checkpoint_parts
-from llmserve.model.layers.mamba2 import Mamba2Mixer, MixerRows
+from llmserve.model.layers.mamba2 import Mamba2Mixer
 from llmserve.model.layers.mlp import MLP, act_and_mul
 from llmserve.model.layers.moe import Router, SparseMoE
 from llmserve.model.layers.norms import RMSNorm
@@ -15,7 +15,6 @@ __all__ = [
     "Attention",
     "Linear",
     "Mamba2Mixer",
-    "MixerRows",
     "RMSNorm",
     "Rotary",
     "Router",

@@ -22,17 +22,16 @@ Two entry points:
 - `decode`: one token of each of several sequences, their states stacked ([batch, ...]): the recurrence above as one
   set of tensor ops for the whole batch.
 Both compute in float32 whatever the activations' dtype. `forward` runs a flat engine batch (decode rows, then
-prefill chunks) against a pool of states indexed by slot (`MixerRows`).
+prefill chunks) against the engine's recurrent-state pool (engine/state_pool.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmserve.model.attention import StateMetadata
 from llmserve.model.config import MambaConfig
 from llmserve.model.layers.linear import Linear
 
@@ -50,17 +49,6 @@ class GatedRMSNorm(nn.Module):
         g = h.view(*h.shape[:-1], self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view(h.shape).to(y.dtype)
-
-
-@dataclass
-class MixerRows:
-    """Which sequence each row of a flat batch belongs to, for the recurrent layers: the first `decode_slots.numel()`
-    rows are single tokens of those state slots (`decode_fresh`: those starting with a zero state, or None: none
-    does); then each prefill chunk is (first row, tokens, slot, fresh)."""
-
-    decode_slots: torch.Tensor  # [decode rows] int64
-    prefills: list[tuple[int, int, int, bool]]
-    decode_fresh: torch.Tensor | None = None  # [decode rows] bool
 
 
 def segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -186,25 +174,22 @@ class Mamba2Mixer(nn.Module):
         y, conv_states, ssm_states = self._decode_core(xbc, dt, conv_states, ssm_states)
         return self._out(y, z, h.dtype), conv_states, ssm_states
 
-    def forward(self, h: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, rows: MixerRows):
-        """A flat batch (decode rows first, then prefill chunks, as `rows` says) against a pool of states
-        (conv_pool [slots, conv_dim, K - 1], ssm_pool [slots, h, p, n], float32), read and written back in place."""
+    def forward(self, h: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor], meta: StateMetadata):
+        """A flat engine batch (decode rows first, then prefill chunks, as `meta` says: engine/state_pool.py) against
+        the pool's state tensors (conv [slots, conv_dim, K - 1], ssm [slots, h, p, n]), read and written back in
+        place. Fresh sequences' slots were zeroed by the runner."""
+        conv_pool, ssm_pool = states
         z, xbc, dt = self._split(self.in_proj(h))
         y = torch.empty(h.shape[0], self.m.inner, dtype=torch.float32, device=h.device)
-        b = rows.decode_slots.numel()
-        if b:
-            slots = rows.decode_slots
+        b = meta.num_decodes
+        if b:  # (rows 0 .. b - 1, one per sequence)
+            slots = meta.slots[:b]
             conv, ssm = conv_pool.index_select(0, slots), ssm_pool.index_select(0, slots)
-            if rows.decode_fresh is not None:
-                keep = (~rows.decode_fresh).float()
-                conv, ssm = conv * keep[:, None, None], ssm * keep[:, None, None, None]
             y[:b], conv, ssm = self._decode_core(xbc[:b], dt[:b], conv, ssm)
-            conv_pool.index_copy_(0, slots, conv)
-            ssm_pool.index_copy_(0, slots, ssm)
-        for start, n, slot, fresh in rows.prefills:
-            conv, ssm = conv_pool[slot], ssm_pool[slot]
-            if fresh:
-                conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
-            part = slice(start, start + n)
-            y[part], conv_pool[slot], ssm_pool[slot] = self._prefill_core(xbc[part], dt[part], conv, ssm)
+            conv_pool.index_copy_(0, slots, conv.to(conv_pool.dtype))
+            ssm_pool.index_copy_(0, slots, ssm.to(ssm_pool.dtype))
+        for i in range(b, len(meta.slot_list)):
+            slot, rows = meta.slot_list[i], slice(meta.query_start[i], meta.query_start[i] + meta.query_len[i])
+            y[rows], conv, ssm = self._prefill_core(xbc[rows], dt[rows], conv_pool[slot], ssm_pool[slot])
+            conv_pool[slot], ssm_pool[slot] = conv, ssm
         return self._out(y, z, h.dtype)
