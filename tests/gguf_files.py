@@ -149,6 +149,7 @@ _MODEL_ARCH = {
     "olmo2": "OLMO2",
     "glm4": "GLM4",
     "gpt-oss": "GPT_OSS",
+    "lfm2": "LFM2",
 }
 _PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel lineage: Q / K rows interleaved
 
@@ -166,10 +167,17 @@ def _metadata(w, arch: str, cfg: dict) -> None:
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    ff = cfg["intermediate_size"]
+    if arch == "lfm2":  # the converter's: KV heads per layer (0 for a conv layer), the MLP's width as LFM2 adjusts it
+        kv = [0 if t == "conv" else kv for t in cfg["layer_types"]]
+        if cfg["block_auto_adjust_ff_dim"]:
+            ff = int(cfg["block_ffn_dim_multiplier"] * int(2 * ff / 3))
+            ff = -(-ff // cfg["block_multiple_of"]) * cfg["block_multiple_of"]
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    w.add_feed_forward_length(ff)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps") or cfg["norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     full = rope.get("full_attention", rope)
     w.add_rope_freq_base(full.get("rope_theta", 10000.0))
@@ -296,6 +304,8 @@ def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, 
                 merged = names.get_name(".".join(parts[:4] + ["experts", part]))
                 tensors[f"{merged}.{'bias' if bias else 'weight'}"] = np.ascontiguousarray(x)
             continue
+        if arch == "lfm2" and ".conv.conv." in name:  # (the converter squeezes the conv weight to [hidden, kernel])
+            t = t.squeeze(1)
         if name.endswith(".sinks"):  # (the converter's name for gpt-oss's sinks has a .weight)
             name, parts = name + ".weight", parts + ["weight"]
         if ".experts." in name:  # model.layers.N.(mlp|block_sparse_moe).experts.E.<proj>.weight

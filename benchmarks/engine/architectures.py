@@ -3,12 +3,13 @@
 Shows what each architecture's features cost: Llama layers run through the fused C++ decode stack,
 the others (q/k norms, Gemma's norms and soft-capping, sliding windows, experts) through the module path.
 Every model: hidden 512, 8 layers, 8 query / 4 KV heads of 64, MLP 1536 (MoE: 8 experts of 384, top 2,
-about the dense MLP's active compute), the bundled 49,152-token vocabulary, float32, untied head. Sliding
-windows of 64 on half the layers where the architecture has them (so they act: 64-token prompts + 64 out).
+about the dense MLP's active compute; LFM2: 5 of the 8 layers gated short convolutions), the bundled 49,152-token
+vocabulary, float32, untied head. Sliding windows of 64 on half the layers where the architecture has them (so
+they act: 64-token prompts + 64 out).
 Single stream: one 64-token prompt, 64 tokens (EOS ignored), tok/s = output tokens / wall time;
 batch: 16 such prompts at once; transformers: `generate` one prompt alone, same tokens.
 
-    python -m benchmarks.engine.architectures [--threads 2] [--no-write]
+    python -m benchmarks.engine.architectures [--threads 2] [--no-write] [--only Llama LFM2]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SHAPE = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+LFM2_LAYERS = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention"]
 SLIDING = dict(sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 4)
 
 
@@ -50,6 +52,8 @@ def configs():
         "Gemma 3": (T.Gemma3TextConfig, dict(query_pre_attn_scalar=64, **SLIDING)),
         "Mixtral": (T.MixtralConfig, dict(num_local_experts=8, intermediate_size=384, **moe)),
         "Qwen3-MoE": (T.Qwen3MoeConfig, dict(num_experts=8, moe_intermediate_size=384, **moe)),
+        # LFM2: 5 gated short-convolution layers (a state per sequence) and 3 attention layers, LFM2-350M's mix
+        "LFM2": (T.Lfm2Config, dict(layer_types=LFM2_LAYERS, block_auto_adjust_ff_dim=False)),
     }
 
 
@@ -63,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--only", nargs="*", help="these architectures only (names as in the table)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
@@ -76,6 +81,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rows = []
     for name, (cls, extra) in configs().items():
+        if args.only and name not in args.only:
+            continue
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cls(**{**SHAPE, **extra})).eval()
         with tempfile.TemporaryDirectory() as d:

@@ -18,9 +18,16 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
-from llmserve.engine.state_pool import StatePool, step_states
+from llmserve.engine.state_pool import StatePool, state_shapes, step_states
 from llmserve.model import ops, rejection
-from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape, kv_row_width
+from llmserve.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    StateMetadata,
+    kv_cache_shape,
+    kv_row_width,
+)
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaModel
 from llmserve.model.memory import available_memory
@@ -86,7 +93,14 @@ def profile_activations(model, n: int, block_size: int, kv_dtype: torch.dtype, d
     ids = torch.zeros(n, dtype=torch.long, device=device)
     pos = torch.arange(n, device=device)
     meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb, device=device))])
-    model(ids, pos, [cache] * mc.num_layers, meta, torch.tensor([n - 1], device=device))
+    caches = [cache] * mc.num_layers
+    shapes = state_shapes(model)
+    if any(s is not None for s in shapes):  # a hybrid model's recurrent layers: one fresh state slot each
+        one = StatePool(1, shapes)
+        caches = [cache if s is None else one.tensors(i, torch.float32, device) for i, s in enumerate(shapes)]
+        flags = torch.ones(1, dtype=torch.bool, device=device)
+        meta.states = StateMetadata(torch.zeros(1, dtype=torch.long, device=device), [0], [0], [n], flags)
+    model(ids, pos, caches, meta, torch.tensor([n - 1], device=device))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del cache

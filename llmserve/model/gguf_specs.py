@@ -98,6 +98,19 @@ GGUF_GPT_OSS_LAYERS = {
 }
 
 
+# LFM2 under the model's (Llama's) names, as Mixtral's experts: its blocks are adopted by those names; the final norm
+# is token_embd_norm (Hugging Face's embedding_norm, applied after the last layer), the conv layers' tensors are
+# shortconv.* (the convolution's weight [hidden, kernel]: the converter squeezes Hugging Face's [hidden, 1, kernel])
+GGUF_LFM2_NAMES = {**GGUF_MODEL_NAMES, "token_embd_norm.weight": "model.norm.weight"}
+GGUF_LFM2_LAYERS = {
+    **GGUF_LLAMA_LAYERS,
+    **GGUF_QK_NORMS,
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
+
+
 # -- per-family config fields: from GGUF metadata, as llama.cpp reads it --------------------------------
 def swa_layers(meta: GGUFMetadata, layers: int, every: int) -> list[str]:
     """Hugging Face's layer_types from `<arch>.attention.sliding_window_pattern` (a bool per layer, or n: every
@@ -222,4 +235,18 @@ def gguf_gpt_oss(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
             "beta_slow": 1.0,
             "truncate": False,
         },
+    )
+
+
+def gguf_lfm2(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    # llama.cpp's LFM2: attention.head_count_kv per layer, 0 for a conv layer; feed_forward_length the MLP's width
+    # as adjusted already; shortconv.l_cache the convolution's width
+    kv = kw["num_key_value_heads"]
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * kw["num_hidden_layers"]
+    return dict(
+        num_key_value_heads=max(kv),
+        layer_types=["full_attention" if h else "conv" for h in kv],
+        block_auto_adjust_ff_dim=False,
+        conv_L_cache=meta.get("shortconv.l_cache", 3),
+        norm_eps=kw["rms_norm_eps"],
     )

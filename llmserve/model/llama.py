@@ -274,6 +274,8 @@ class LlamaModel(nn.Module):
             if missing:
                 raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
             tensor = weights[keys[sources[0]]] if len(sources) == 1 else torch.cat([weights[keys[n]] for n in sources])
+            if p.shape != tensor.shape and [d for d in p.shape if d != 1] == [d for d in tensor.shape if d != 1]:
+                tensor = tensor.reshape(p.shape)  # (unit dimensions only: a GGUF file's squeezed conv weight)
             if p.shape != tensor.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if name in norms:

@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from llmserve.model import lfm2
 from llmserve.model.config import ModelConfig
 from llmserve.model.gguf_specs import (
     GGUF_GEMMA_LAYERS,
     GGUF_GLM4_LAYERS,
     GGUF_GPT_OSS_LAYERS,
+    GGUF_LFM2_LAYERS,
+    GGUF_LFM2_NAMES,
     GGUF_LLAMA_LAYERS,
     GGUF_MOE_LAYERS,
     GGUF_OLMO2_LAYERS,
@@ -29,6 +32,7 @@ from llmserve.model.gguf_specs import (
     gguf_glm4,
     gguf_gpt_oss,
     gguf_granite,
+    gguf_lfm2,
     gguf_mixtral,
     gguf_phi3,
     gguf_qwen3_moe,
@@ -336,6 +340,19 @@ ARCHITECTURES = {
             model_class=GraniteHybridModel,
             **_NO_STACK,
         ),
+        # LFM2: gated short-convolution layers that keep a state per sequence (engine/state_pool.py) among attention
+        # layers with q / k norms per head (llmserve.model.lfm2); its names onto Llama's
+        ArchSpec(
+            "lfm2",
+            ("Lfm2ForCausalLM",),
+            features=dict(qk_norm=True),
+            config=lfm2.config_fields,
+            gguf=GGUFSpec("lfm2", "Lfm2Config", GGUF_LFM2_LAYERS, names=GGUF_LFM2_NAMES, config=gguf_lfm2),
+            checkpoint_renames=lfm2.RENAMES,
+            tensor_parallel=False,
+            model_class=lfm2.Lfm2Model,
+            **_NO_STACK,
+        ),
         # Idefics3 / SmolVLM: a Llama decoder, a SigLIP tower and its connector (llmserve.model.vision)
         ArchSpec(
             "idefics3",
@@ -445,7 +462,7 @@ def config_from_hf(hf) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        rms_norm_eps=hf.rms_norm_eps,
+        rms_norm_eps=getattr(hf, "rms_norm_eps", None) or hf.norm_eps,  # (LFM2's: norm_eps)
         rope_theta=float(theta),
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),

@@ -29,7 +29,7 @@ SMALL = dict(
 
 ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
 FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
-HYBRID = {"granite-hybrid"}  # rows with recurrent layers: prefix caching is off for them (engine/state_pool.py)
+HYBRID = {"lfm2", "granite-hybrid"}  # rows with recurrent layers: prefix caching is off for them (engine/state_pool.py)
 ADAPTED = (
     "phi4-mini",
     "granite",
@@ -92,6 +92,12 @@ def _configs():
         "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False)),
         # GLM-4: interleaved rotary over half of each head, q / k / v biases, four norms a layer
         "glm4": (T.Glm4Config, dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)),
+        # LFM2: gated short-convolution layers (a state per sequence, carried across the prompts' chunks) around an
+        # attention layer with q / k norms; the MLP's width adjusted from intermediate_size (to 96 here)
+        "lfm2": (
+            T.Lfm2Config,
+            dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], block_multiple_of=32),
+        ),
         "mixtral": (T.MixtralConfig, dict(num_local_experts=4, **moe)),
         "qwen3-moe": (
             T.Qwen3MoeConfig,

@@ -1,11 +1,12 @@
-"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2, GLM-4 and gpt-oss from
-GGUF files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own tensor
-names, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama` with
-experts, longrope factors as tensors), from a tiny random transformers checkpoint, in float32 and Q8_0. llmserve's
-greedy tokens, batched and alone, equal transformers' on the same file (`from_pretrained(..., gguf_file=...)`,
-which dequantizes) where transformers reads that architecture's files, else transformers' on the checkpoint
-holding the file's values (Qwen3-MoE: transformers' GGUF config lacks the experts' size; Mixtral: it reads no
-`llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss: it reads none of their files)."""
+"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss and LFM2
+from GGUF files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own
+tensor names, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama`
+with experts, longrope factors as tensors, LFM2's squeezed conv weights), from a tiny random transformers
+checkpoint, in float32 and Q8_0. llmserve's greedy tokens, batched and alone, equal transformers' on the same file
+(`from_pretrained(..., gguf_file=...)`, which dequantizes) where transformers reads that architecture's files, else
+transformers' on the checkpoint holding the file's values (Qwen3-MoE: transformers' GGUF config lacks the experts'
+size; Mixtral: it reads no `llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss: it reads none of
+their files)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0)
 # query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
@@ -75,6 +77,9 @@ def _cases():
             "gpt-oss",
             False,
         ),
+        # LFM2: an attention layer (q / k norms) and a gated short-convolution layer (shortconv.*, its state carried
+        # across chunks); head_count_kv per layer, 0 for the conv layer
+        "lfm2": (T.Lfm2Config, dict(layer_types=["full_attention", "conv"], block_multiple_of=32), "lfm2", True),
     }
 
 
@@ -147,6 +152,8 @@ def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
         assert isinstance(expert.gate_up_proj, GGUFLinear)
         # Granite's residual multiplier is folded into o_proj / down_proj: those are read as float32 instead
         assert isinstance(expert.down_proj, GGUFLinear) == (name != "granite"), name
+        if name == "lfm2":  # (the convolution's own weight, [hidden, 3], stays float32 as llama-quantize keeps it)
+            assert isinstance(model.layers[1].conv.in_proj, GGUFLinear)
     batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
     assert batched == want, name
     assert alone == want, name
@@ -286,6 +293,11 @@ def test_gguf_tensor_names():
     assert (
         gguf_hf_names("blk.0.ffn_gate_exps.weight", ARCHITECTURES["llama"].gguf, 4) == []
     )  # (experts: MIXTRAL's spec)
+    lfm2 = ARCHITECTURES["lfm2"].gguf  # (dotted names: shortconv.in_proj; the final norm is token_embd_norm)
+    assert gguf_hf_names("blk.1.shortconv.in_proj.weight", lfm2) == [("model.layers.1.conv.in_proj.weight", None)]
+    assert gguf_hf_names("blk.1.shortconv.conv.weight", lfm2) == [("model.layers.1.conv.conv.weight", None)]
+    assert gguf_hf_names("token_embd_norm.weight", lfm2) == [("model.norm.weight", None)]
+    assert gguf_hf_names("blk.1.shortconv.in_proj.weight", glm4) == []
     gpt_oss = ARCHITECTURES["gpt_oss"].gguf  # (sinks: the spec's checkpoint_renames drop the .weight)
     assert gguf_hf_names("blk.1.attn_sinks.weight", gpt_oss) == [("model.layers.1.self_attn.sinks.weight", None)]
     assert gguf_hf_names("blk.0.ffn_up_exps.bias", gpt_oss, 2) == [

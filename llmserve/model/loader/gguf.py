@@ -116,12 +116,13 @@ def gguf_hf_names(
         # older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
         leaf = spec.layer_names[f"{parts[2]}_exps"].format(e=parts[3])
         return [(f"model.layers.{parts[1]}.{leaf}.{parts[4]}", None)]
-    if len(parts) != 4 or parts[2] not in spec.layer_names:
+    key = ".".join(parts[2:-1])  # (dotted for some: LFM2's shortconv.in_proj)
+    if len(parts) < 4 or key not in spec.layer_names:
         return []
-    leaf = spec.layer_names[parts[2]]
+    leaf = spec.layer_names[key]
     if "{e}" in leaf:
-        return [(f"model.layers.{parts[1]}.{leaf.format(e=e)}.{parts[3]}", e) for e in range(experts)]
-    return [(f"model.layers.{parts[1]}.{leaf}.{parts[3]}", None)]
+        return [(f"model.layers.{parts[1]}.{leaf.format(e=e)}.{parts[-1]}", e) for e in range(experts)]
+    return [(f"model.layers.{parts[1]}.{leaf}.{parts[-1]}", None)]
 
 
 def _fast_reader():
