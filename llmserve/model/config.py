@@ -7,6 +7,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba-2 mixer's sizes (llmserve.model.layers.mamba2): `heads` heads of `head_dim` values
+    (heads * head_dim = the inner width), B and C in `groups` groups of `state` values, a causal convolution
+    `conv_kernel` wide over the inner values and B and C."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = 256  # the scan's chunk (the outputs do not depend on it)
+    dt_min: float = 0.0  # time steps clamped to [dt_min, dt_max] after the softplus
+    dt_max: float = float("inf")
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:  # the convolved channels: the inner values, then B, then C
+        return self.inner + 2 * self.groups * self.state
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -48,6 +74,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
+    mamba: MambaConfig | None = None  # the Mamba-2 mixers' sizes (Granite 4.0-H: its recurrent_layers)
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     router_bias: bool = False  # the MoE router has a bias (gpt-oss)
     router_topk_softmax: bool = False  # routing weights: a softmax over the top-k logits only (gpt-oss)

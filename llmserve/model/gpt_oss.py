@@ -14,6 +14,10 @@ OpenAI's own checkpoints hold the experts in MXFP4 instead: `gate_up_proj_blocks
 Those become GGUF's MXFP4 blocks (`mxfp4_rows`: the same codes and exponents, the nibbles reordered; no value
 changes) that `blocks` offers the loader for gguf_layers.GGUFLinear layers (read by the GGUF kernels, never widened
 whole); the float names stay readable too (dequantized per expert when asked: CUDA, or no kernels).
+
+Granite 4.0-H's stacked experts (`layout="stacked"`, llmserve.model.granite_hybrid) go through the same split:
+`gate_up_proj` [E, 2I, hidden] (nn.Linear's [out, in] per expert, the gate's rows then up's) and `down_proj`
+[E, hidden, I].
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ class ExpertTensors(Mapping):
     (`...mlp.experts.N.gate_proj.weight` / `.bias`, `up_proj`, `down_proj`), each read when asked; `blocks`: the MXFP4
     experts as GGUF blocks ({`layers.L.mlp.experts.N.gate_proj`: (uint8 rows, MXFP4)}, gguf_layers.adopt_gguf's)."""
 
-    def __init__(self, source: Mapping, num_experts: int) -> None:
+    def __init__(self, source: Mapping, num_experts: int, layout: str = "gpt_oss") -> None:
         self.source, self._names, self._cache = source, {}, {}
+        self.layout = layout  # "gpt_oss" (see the module's doc) | "stacked": [E, out, in], gate rows then up rows
         self.blocks = _Blocks(self)
         for k in source:
             m = _FUSED.match(k)
@@ -86,6 +91,8 @@ class ExpertTensors(Mapping):
             raw = self.raw(fused, e, half)
             return gguf_kernels.dequantize(raw, MXFP4, raw.shape[1] // 17 * 32)
         t = self._fused(fused)[e]
+        if self.layout == "stacked":  # (Granite 4.0-H: nn.Linear's [out, in] already, gate and up halves)
+            return (t if half is None else t.chunk(2)[half]).contiguous()
         if t.dim() == 2:
             t = t.t()  # (x @ W -> nn.Linear's [out, in])
         return (t if half is None else t[half::2]).contiguous()

@@ -77,11 +77,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = DecoderLayer  # (a family whose blocks are new has its own: granite_hybrid.HybridLayer)
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, max_positions) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, max_positions) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.make_rotary(max_positions or cfg.max_position_embeddings)

@@ -40,6 +40,8 @@ from llmserve.model.gguf_specs import (
     gguf_smollm3,
 )
 from llmserve.model.gpt_oss import checkpoint_tensors as gpt_oss_tensors
+from llmserve.model.granite_hybrid import GraniteHybridModel, hybrid_fields
+from llmserve.model.granite_hybrid import checkpoint_tensors as granite_hybrid_tensors
 from llmserve.model.hf_fields import (
     gemma_fields,
     gpt_oss_fields,
@@ -271,6 +273,26 @@ ARCHITECTURES = {
             checkpoint_renames=((".mlp.router.", ".mlp.gate."), (".self_attn.sinks.weight", ".self_attn.sinks")),
             checkpoint_tensors=gpt_oss_tensors,
             tensor_parallel=False,
+            **_NO_STACK,
+        ),
+        # Granite 4.0-H: Mamba-2 mixers and attention layers (llmserve.model.granite_hybrid), each sequence's mixer
+        # states in the engine's recurrent-state pool; the checkpoint's stacked experts split per expert
+        ArchSpec(
+            "granitemoehybrid",
+            ("GraniteMoeHybridForCausalLM",),
+            config=lambda hf: {**granite_fields(hf), **hybrid_fields(hf)},
+            checkpoint_renames=(
+                (".block_sparse_moe.router.layer.", ".mlp.gate."),
+                (".block_sparse_moe.router.", ".mlp.gate."),
+                (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+                (".block_sparse_moe.experts.", ".mlp.experts."),
+                (".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj."),
+                (".shared_mlp.output_linear.", ".shared_mlp.down_proj."),
+            ),
+            checkpoint_tensors=granite_hybrid_tensors,
+            tensor_parallel=False,
+            model_class=GraniteHybridModel,
             **_NO_STACK,
         ),
         # LFM2: gated short-convolution layers that keep a state per sequence (engine/state_pool.py) among attention

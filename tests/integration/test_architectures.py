@@ -29,7 +29,7 @@ GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_mul
 
 ENGINE = {"phi4-mini-short": dict(max_model_len=64)}  # a row's engine arguments beyond the common ones
 FUSED_STACK = {"phi4-mini", "phi4-mini-short", "granite"}  # rows whose decode steps run the fused C++ decode stack
-HYBRID = {"lfm2"}  # rows with recurrent layers: prefix caching is off for them (engine/state_pool.py)
+HYBRID = {"lfm2", "granite-hybrid"}  # rows with recurrent layers: prefix caching is off for them (engine/state_pool.py)
 ADAPTED = (
     "phi4-mini",
     "granite",
@@ -143,6 +143,26 @@ def _configs():
                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
                 },
+            ),
+        ),
+        # Granite 4.0-H: Mamba-2 mixers around an attention layer (rotary), experts beside a shared MLP, Granite's
+        # multipliers (more in test_granite_hybrid.py)
+        "granite-hybrid": (
+            T.GraniteMoeHybridConfig,
+            dict(
+                num_hidden_layers=3,
+                layer_types=["mamba", "attention", "mamba"],
+                num_local_experts=4,
+                position_embedding_type="rope",
+                shared_intermediate_size=64,
+                mamba_n_heads=4,
+                mamba_d_state=16,
+                mamba_chunk_size=8,
+                embedding_multiplier=3.0,
+                attention_multiplier=0.05,
+                residual_multiplier=0.4,
+                logits_scaling=4.0,
+                **moe,
             ),
         ),
     }

@@ -1,7 +1,9 @@
-"""The layers model files compose: projections, norms, rotary, attention, the gated MLP, routed experts."""
+"""The layers model files compose: projections, norms, rotary, attention, the gated MLP, routed experts, the Mamba-2
+mixer."""
 
 from llmserve.model.layers.attention import Attention
 from llmserve.model.layers.linear import PACKED_PROJECTIONS, Linear, checkpoint_parts
+from llmserve.model.layers.mamba2 import Mamba2Mixer
 from llmserve.model.layers.mlp import MLP, act_and_mul
 from llmserve.model.layers.moe import Router, SparseMoE
 from llmserve.model.layers.norms import RMSNorm
@@ -12,6 +14,7 @@ __all__ = [
     "PACKED_PROJECTIONS",
     "Attention",
     "Linear",
+    "Mamba2Mixer",
     "RMSNorm",
     "Rotary",
     "Router",
