@@ -3,9 +3,9 @@
 The pair: a random-weight checkpoint of SmolVLM-256M-Instruct's shapes (Idefics3: a 30-layer 576-wide SmolLM2
 decoder, a 12-layer 768-wide SigLIP tower of 512x512 tiles in 16-pixel patches, 4x4 pixel shuffle: 64 image
 tokens a tile), the bundled SmolLM2 tokenizer with the image tokens added (tests/vision_files.py), the image
-processor resizing to 512 a side (one tile, no splitting), written with transformers and converted by llama.cpp's
-own convert_hf_to_gguf.py: the text GGUF (q8_0) and the projector (`--mmproj`, f16). Made once, kept in
-~/ckpt/smolvlm-256m/.
+processor resizing to 1024 a side (2x2 tiles and the whole picture: 5 tiles, 320 image tokens), written with
+transformers and converted by llama.cpp's own convert_hf_to_gguf.py: the text GGUF (q8_0) and the projector
+(`--mmproj`, f16). Made once, kept in ~/ckpt/smolvlm-256m/.
 
 One server at a time on the same threads (llmserve serve --model TEXT --mmproj MMPROJ; llama-server -m TEXT
 --mmproj MMPROJ -np SLOTS -cb -t THREADS), over the OpenAI chat API (httpx): each request is one PNG (a different
@@ -58,7 +58,10 @@ SMOLVLM_256M = dict(
     vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=512),
     patch_size=16,
     scale_factor=4,
-    longest_edge=512,
+    # 1024 a side: 2x2 tiles and the whole picture, 5 tower passes in both servers (at 512, llama.cpp's mtmd slices the
+    # one tile and adds the overview, two passes, where transformers' processor and llmserve run one; SmolVLM's
+    # own processor goes to 2048, 17 passes)
+    longest_edge=1024,
     loud=False,
 )
 WORDS = [
@@ -257,6 +260,7 @@ def main() -> None:
         "One image per request vs llama-server --mmproj",
         f"`{command}` ({machine()}). The pair: {os.path.basename(TEXT)} + {os.path.basename(MMPROJ)}, random "
         "weights of SmolVLM-256M-Instruct's shapes converted by llama.cpp's convert_hf_to_gguf.py; a 512x512 PNG "
+        "(resized to 1024: 2x2 tiles and the whole, 5 tower passes), "
         f"(a different one each request) and ~20 words a request, {a.tokens} output tokens (EOS ignored), greedy; "
         f"TTFT: median of {a.ttft_runs} streamed requests one at a time after a warm-up; throughput: {a.requests} "
         f"requests, {a.concurrency} in flight; llama-server -np {a.slots} -cb -t {a.threads}, llmserve "
