@@ -64,9 +64,12 @@ def machine() -> str:
     return f"{cpu}, {len(os.sched_getaffinity(0))} cores"
 
 
-def start_llama_server(binary: str, threads: int, slots: int, context: int, model: str | None = None):
+def start_llama_server(
+    binary: str, threads: int, slots: int, context: int, model: str | None = None, extra: tuple[str, ...] = ()
+):
     """llama.cpp's llama-server on the bundled GGUF (or `model`), continuous batching over `slots`
-    parallel slots; returns (process, base URL) once /health answers 200."""
+    parallel slots, `extra` flags after the rest (`--mmproj FILE`); returns (process, base URL) once /health
+    answers 200."""
     import subprocess
     import time
 
@@ -90,6 +93,7 @@ def start_llama_server(binary: str, threads: int, slots: int, context: int, mode
             str(threads),
             "-c",
             str(context),
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -33,8 +33,21 @@ TINY_DECODER = dict(
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 
-def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3") -> None:
-    """`family`: Idefics3 or SmolVLM (transformers' class-name prefix: the same model, its own classes)."""
+# the tiny Idefics3 / SmolVLM shapes (write_idefics3's default): decoder overrides, tower, pixel shuffle, resize target
+# and tile side of the image processor, and whether the tower's weights are made loud
+TINY_IDEFICS3 = dict(
+    text={},
+    vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32),
+    patch_size=8,
+    scale_factor=2,
+    longest_edge=64,
+    loud=True,
+)
+
+
+def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3", shapes: dict = TINY_IDEFICS3) -> None:
+    """`family`: Idefics3 or SmolVLM (transformers' class-name prefix: the same model, its own classes). `shapes`:
+    TINY_IDEFICS3's keys (benchmarks/serving/vision_peers.py writes SmolVLM-256M's)."""
     import transformers as T
 
     from llmserve.tokenizer import Tokenizer
@@ -42,18 +55,20 @@ def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3") -> None:
     tok = Tokenizer(bundled_gguf, gguf=True).hf
     tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     tok.chat_template = CHAT_TEMPLATE.replace("IMAGE", "<image>")
-    text = dict(TINY_DECODER, model_type="llama", vocab_size=len(tok))
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32)
+    text = dict(TINY_DECODER, model_type="llama", vocab_size=len(tok), **shapes["text"])
+    vision = shapes["vision"]
     cfg = getattr(T, f"{family}Config")(
         text_config=text,
-        vision_config=dict(vision, patch_size=8),
-        scale_factor=2,
+        vision_config=dict(vision, patch_size=shapes["patch_size"]),
+        scale_factor=shapes["scale_factor"],
         image_token_id=tok.convert_tokens_to_ids("<image>"),
     )
     torch.manual_seed(0)
     model = getattr(T, f"{family}ForConditionalGeneration")(cfg)
     with torch.no_grad():  # norms away from 1 and a tower loud enough that its output moves the decoder
         for name, p in model.named_parameters():
+            if not shapes["loud"]:
+                break
             if "norm" in name:
                 p.normal_(1.0, 0.3)
             elif "vision" in name or "connector" in name:
@@ -61,7 +76,9 @@ def write_idefics3(folder, bundled_gguf: str, family: str = "Idefics3") -> None:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     getattr(T, f"{family}ImageProcessorPil")(
-        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
+        size={"longest_edge": shapes["longest_edge"]},
+        max_image_size={"longest_edge": vision["image_size"]},
+        do_image_splitting=True,
     ).save_pretrained(folder)
 
 
