@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import ALICE, ROOT, machine, write_section
+from benchmarks.common import ALICE, ROOT, write_section
 from benchmarks.peers.servers import PEERS, hf_folder
 
 OV_SH = os.path.join(os.path.dirname(ROOT), "shared", "peers", "openvino.sh")
@@ -122,7 +122,7 @@ def run(args) -> None:
     print(table)
     if not args.no_write:
         body = (
-            f"_{time.strftime('%Y-%m-%d %H:%M')}, {machine()}_\n\n`python -m benchmarks.peers.compare openvino "
+            "`python -m benchmarks.peers.compare openvino "
             f"{' '.join(sys.argv[2:])}`: OpenVINO GenAI's ContinuousBatchingPipeline (`shared/peers/openvino.sh "
             f"bench`) against llmserve's `LLM.generate`, {args.prompts} prompts of {args.prompt_len} tokens, "
             f"{args.max_tokens} output tokens each (EOS ignored), at most {args.max_num_seqs} at once, greedy, "
