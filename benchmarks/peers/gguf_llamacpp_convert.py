@@ -77,6 +77,23 @@ def cases():
         "gpt-oss-mxfp4": (T.GptOssConfig, GPT_OSS),
         # LFM2: short-convolution layers around an attention layer (shortconv.* tensors, head_count_kv per layer)
         "lfm2": (T.Lfm2Config, dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])),
+        # Granite 4.0-H: Mamba-2 mixers (two groups) around an attention layer without positions, experts beside the
+        # shared MLP, the multipliers (ssm_* tensors, A as -exp(A_log), head_count_kv per layer)
+        "granite-hybrid": (
+            T.GraniteMoeHybridConfig,
+            dict(
+                GRANITE,
+                num_hidden_layers=3,
+                layer_types=["mamba", "attention", "mamba"],
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                shared_intermediate_size=64,
+                mamba_n_heads=4,
+                mamba_d_state=16,
+                mamba_n_groups=2,
+                position_embedding_type=None,
+            ),
+        ),
     }
 
 
