@@ -307,15 +307,16 @@ def gguf_granite_hybrid(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     mixer = next((i for i, h in enumerate(kv) if not h), 0)
     inner, heads = meta.get("ssm.inner_size"), meta.get("ssm.time_step_rank")
     experts = meta.get("expert_count", 0) or 0
+    routed = dict(num_experts_per_tok=meta.get("expert_used_count")) if experts else {}  # (else the config's default)
     return dict(
         gguf_granite(meta, kw, theta),
+        **routed,
         attention_bias=f"blk.{attn}.attn_q.bias" in meta.tensor_names,
         num_key_value_heads=max(kv) or kw["num_attention_heads"],
         layer_types=["attention" if h else "mamba" for h in kv],
         position_embedding_type="rope" if meta.get("rope.scaling.finetuned", True) else None,
         shared_intermediate_size=meta.get("expert_shared_feed_forward_length", kw["intermediate_size"]),
         num_local_experts=experts,
-        num_experts_per_tok=meta.get("expert_used_count", 0) if experts else 0,
         mamba_n_heads=heads,
         mamba_d_head=inner // heads,
         mamba_n_groups=meta.get("ssm.group_count", 1),
