@@ -177,7 +177,7 @@ def _metadata(w, arch: str, cfg: dict) -> None:
             ff = -(-ff // cfg["block_multiple_of"]) * cfg["block_multiple_of"]
         w.add_shortconv_l_cache(cfg["conv_L_cache"])
     if arch == "granitehybrid":  # the converter's: KV heads per layer (0 for a mixer), the mixers' ssm.* keys
-        kv = [kv if t == "attention" else 0 for t in cfg["layer_types"]]
+        kv = [kv if t in ("attention", "full_attention") else 0 for t in cfg["layer_types"]]  # (transformers' too)
         inner = cfg["mamba_expand"] * cfg["hidden_size"]
         w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
         w.add_ssm_state_size(cfg["mamba_d_state"])
@@ -281,7 +281,7 @@ def _granite_hybrid_tensor(name: str, t: np.ndarray, cfg: dict, tensors: dict, n
     path, the values), or (None, _) once written into `tensors` itself (stacked experts and the shared MLP's
     gate + up split in halves). The mixers' conv weight squeezed, A_log as -exp(A_log), A and D as [heads, 1], the
     gated norm per group, dt_bias under dt_proj's name."""
-    layer = name.split(".")[2]
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
     experts = bool(cfg.get("num_local_experts"))
 
     def put(tensor: str, x: np.ndarray) -> tuple[None, None]:

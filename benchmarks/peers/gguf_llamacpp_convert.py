@@ -92,6 +92,7 @@ def cases():
                 mamba_d_state=16,
                 mamba_n_groups=2,
                 position_embedding_type=None,
+                eos_token_id=0,  # (transformers' min_new_tokens masks it: not 2, which this model's argmax hits)
             ),
         ),
     }
