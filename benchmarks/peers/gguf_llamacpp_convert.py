@@ -135,6 +135,12 @@ def main() -> int:
                     p.normal_(0.0, 0.3)
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
+        if name == "granite-hybrid":  # the hub's layer_types names, which the converter reads (not transformers')
+            import json
+
+            config = json.load(open(os.path.join(folder, "config.json")))
+            config["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in config["layer_types"]]
+            json.dump(config, open(os.path.join(folder, "config.json"), "w"))
         source = reference = folder
         if name.endswith("-mxfp4"):  # converted from the MXFP4 folder, checked against its experts dequantized
             folders = mxfp4_folders(pathlib.Path(folder), pathlib.Path(root) / f"{name}-folders")
