@@ -25,6 +25,7 @@ import torch
 
 from tests.integration.test_architectures import GRANITE, _longrope, mxfp4_folders
 from tests.integration.test_architectures import SMALL as TINY  # the bundled 49,152-token vocabulary
+from tests.integration.test_gguf_architectures import GRANITE_HYBRID
 
 # llama.cpp's converter, run as it is but for one thing: Gemma 2's and Phi-3's converters read a SentencePiece
 # tokenizer.model, and GLM-4's looks up GLM's special tokens, which these checkpoints (the bundled BPE tokenizer)
@@ -81,19 +82,7 @@ def cases():
         # shared MLP, the multipliers (ssm_* tensors, A as -exp(A_log), head_count_kv per layer)
         "granite-hybrid": (
             T.GraniteMoeHybridConfig,
-            dict(
-                GRANITE,
-                num_hidden_layers=3,
-                layer_types=["mamba", "attention", "mamba"],
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                shared_intermediate_size=64,
-                mamba_n_heads=4,
-                mamba_d_state=16,
-                mamba_n_groups=2,
-                position_embedding_type=None,
-                eos_token_id=0,  # (transformers' min_new_tokens masks it: not 2, which this model's argmax hits)
-            ),
+            dict(GRANITE_HYBRID, layer_types=["mamba", "attention", "mamba"]),  # (a mixer first)
         ),
     }
 

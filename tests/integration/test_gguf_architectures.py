@@ -40,6 +40,21 @@ ARCHITECTURES = {
 }
 # query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
+# Granite 4.0-H: an attention layer (no positions: the converter writes rope.scaling.finetuned false for a model with
+# mixers) and two Mamba-2 mixers of two groups; experts beside the shared MLP; the multipliers
+GRANITE_HYBRID = dict(
+    GRANITE,
+    num_hidden_layers=3,
+    layer_types=["attention", "mamba", "mamba"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=64,
+    mamba_n_heads=4,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    position_embedding_type=None,
+    eos_token_id=0,  # (transformers' min_new_tokens masks it: not 2, which this model's argmax hits)
+)
 
 
 def _cases():
@@ -86,26 +101,7 @@ def _cases():
         # LFM2: an attention layer (q / k norms) and a gated short-convolution layer (shortconv.*, its state carried
         # across chunks); head_count_kv per layer, 0 for the conv layer
         "lfm2": (T.Lfm2Config, dict(layer_types=["full_attention", "conv"], block_multiple_of=32), "lfm2", True),
-        # Granite 4.0-H: an attention layer (no positions: the converter writes rope.scaling.finetuned false for a
-        # model with mixers) and two Mamba-2 mixers of two groups; experts beside the shared MLP; the multipliers
-        "granite-hybrid": (
-            T.GraniteMoeHybridConfig,
-            dict(
-                GRANITE,
-                num_hidden_layers=3,
-                layer_types=["attention", "mamba", "mamba"],
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                shared_intermediate_size=64,
-                mamba_n_heads=4,
-                mamba_d_state=16,
-                mamba_n_groups=2,
-                position_embedding_type=None,
-                eos_token_id=0,  # (transformers' min_new_tokens masks it: not 2, which this model's argmax hits)
-            ),
-            "granitehybrid",
-            False,
-        ),
+        "granite-hybrid": (T.GraniteMoeHybridConfig, GRANITE_HYBRID, "granitehybrid", False),
     }
 
 
