@@ -150,8 +150,10 @@ _MODEL_ARCH = {
     "glm4": "GLM4",
     "gpt-oss": "GPT_OSS",
     "lfm2": "LFM2",
+    "granitehybrid": "GRANITE_HYBRID",
 }
-_PERMUTED = ("llama", "granite", "smollm3")  # the converter's LlamaModel lineage: Q / K rows (and biases) interleaved
+# the converter's LlamaModel lineage: Q / K rows (and biases) interleaved
+_PERMUTED = ("llama", "granite", "smollm3", "granitehybrid")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -174,6 +176,16 @@ def _metadata(w, arch: str, cfg: dict) -> None:
             ff = int(cfg["block_ffn_dim_multiplier"] * int(2 * ff / 3))
             ff = -(-ff // cfg["block_multiple_of"]) * cfg["block_multiple_of"]
         w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    if arch == "granitehybrid":  # the converter's: KV heads per layer (0 for a mixer), the mixers' ssm.* keys
+        kv = [kv if t in ("attention", "full_attention") else 0 for t in cfg["layer_types"]]  # (transformers' too)
+        inner = cfg["mamba_expand"] * cfg["hidden_size"]
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_group_count(cfg["mamba_n_groups"])
+        w.add_ssm_inner_size(inner)
+        w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        w.add_rope_scaling_finetuned(False)  # (rotary only without mixers, which llama.cpp reads from this key)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
@@ -194,7 +206,7 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
     elif arch not in ("gemma2", "gemma3", "qwen3moe", "olmo2"):
         w.add_rope_dimension_count(rotary)
-    if arch == "granite":  # (the converter writes each multiplier only when set)
+    if arch in ("granite", "granitehybrid"):  # (the converter writes each multiplier only when set)
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
@@ -253,8 +265,54 @@ def _tensor_type(name: str, qtype: str) -> str:
 
 
 def _quantizable(gguf_name: str, w: np.ndarray) -> bool:
-    # norms, biases and the MoE router stay float32, as llama-quantize keeps them
-    return w.ndim >= 2 and w.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name and not gguf_name.endswith("bias")
+    # norms (Granite 4.0-H's per-group [groups, inner / groups] one too), biases and the MoE router stay float32, as
+    # llama-quantize keeps them
+    return (
+        w.ndim >= 2
+        and w.shape[-1] % 32 == 0
+        and "ffn_gate_inp" not in gguf_name
+        and "_norm." not in gguf_name
+        and not gguf_name.endswith("bias")
+    )
+
+
+def _granite_hybrid_tensor(name: str, t: np.ndarray, cfg: dict, tensors: dict, names):
+    """A Granite 4.0-H checkpoint tensor as the converter's GraniteHybridModel writes it: (a name for the generic
+    path, the values), or (None, _) once written into `tensors` itself (stacked experts and the shared MLP's
+    gate + up split in halves). The mixers' conv weight squeezed, A_log as -exp(A_log), A and D as [heads, 1], the
+    gated norm per group, dt_bias under dt_proj's name."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    experts = bool(cfg.get("num_local_experts"))
+
+    def put(tensor: str, x: np.ndarray) -> tuple[None, None]:
+        tensors[f"blk.{layer}.{tensor}.weight"] = np.ascontiguousarray(x)
+        return None, None
+
+    if name.endswith(("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")):
+        gate, up = np.split(t, 2, axis=1)  # [E, 2I, hidden]: gate rows then up rows
+        put("ffn_gate_exps", gate)
+        return put("ffn_up_exps", up)
+    if name.endswith(("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj")):
+        return put("ffn_down_exps", t)
+    if name.endswith("block_sparse_moe.router.weight"):  # (transformers' name for router.layer)
+        return put("ffn_gate_inp", t)
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = np.split(t, 2, axis=0)
+        put("ffn_gate_shexp" if experts else "ffn_gate", gate)
+        return put("ffn_up_shexp" if experts else "ffn_up", up)
+    if name.endswith("shared_mlp.output_linear.weight") and not experts:
+        return put("ffn_down", t)
+    if name.endswith(".mamba.conv1d.weight"):
+        return name, t.squeeze(1)
+    if name.endswith(".mamba.A_log"):
+        return name, -np.exp(t).reshape(-1, 1)
+    if name.endswith(".mamba.D"):
+        return name, t.reshape(-1, 1)
+    if name.endswith(".mamba.norm.weight"):
+        return name, t.reshape(cfg["mamba_n_groups"], -1)
+    if name.endswith(".mamba.dt_bias"):
+        return name.removesuffix(".dt_bias") + ".dt_proj.bias", t
+    return name, t
 
 
 def write_checkpoint_gguf(folder, path: str, arch: str, qtype: str = "F32") -> str:
@@ -304,6 +362,11 @@ def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, 
                 merged = names.get_name(".".join(parts[:4] + ["experts", part]))
                 tensors[f"{merged}.{'bias' if bias else 'weight'}"] = np.ascontiguousarray(x)
             continue
+        if arch == "granitehybrid":
+            name, t = _granite_hybrid_tensor(name, t, cfg, tensors, names)
+            if name is None:
+                continue
+            parts = name.split(".")
         if arch == "lfm2" and ".conv.conv." in name:  # (the converter squeezes the conv weight to [hidden, kernel])
             t = t.squeeze(1)
         if name.endswith(".sinks"):  # (the converter's name for gpt-oss's sinks has a .weight)
@@ -314,6 +377,9 @@ def write_gguf(path: str, arch: str, cfg: dict, weights: dict, tokenizer: dict, 
             experts.setdefault(merged + ".weight", {})[int(parts[e + 1])] = t
             continue
         stem, _, kind = name.rpartition(".")  # (weight or bias)
+        if arch == "granitehybrid" and name.endswith((".A_log", ".D")):  # (the converter's names: no suffix)
+            tensors[names.get_name(name)] = t
+            continue
         tensors[f"{names.get_name(stem)}.{kind}"] = t
     rope = cfg.get("rope_parameters") or {}
     if arch == "phi3" and rope.get("rope_type") == "longrope":  # the factors as tensors, as the converter writes them

@@ -25,6 +25,7 @@ import torch
 
 from tests.integration.test_architectures import GRANITE, _longrope, mxfp4_folders
 from tests.integration.test_architectures import SMALL as TINY  # the bundled 49,152-token vocabulary
+from tests.integration.test_gguf_architectures import GRANITE_HYBRID
 
 # llama.cpp's converter, run as it is but for one thing: Gemma 2's and Phi-3's converters read a SentencePiece
 # tokenizer.model, and GLM-4's looks up GLM's special tokens, which these checkpoints (the bundled BPE tokenizer)
@@ -77,6 +78,12 @@ def cases():
         "gpt-oss-mxfp4": (T.GptOssConfig, GPT_OSS),
         # LFM2: short-convolution layers around an attention layer (shortconv.* tensors, head_count_kv per layer)
         "lfm2": (T.Lfm2Config, dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])),
+        # Granite 4.0-H: Mamba-2 mixers (two groups) around an attention layer without positions, experts beside the
+        # shared MLP, the multipliers (ssm_* tensors, A as -exp(A_log), head_count_kv per layer)
+        "granite-hybrid": (
+            T.GraniteMoeHybridConfig,
+            dict(GRANITE_HYBRID, layer_types=["mamba", "attention", "mamba"]),  # (a mixer first)
+        ),
     }
 
 
@@ -117,6 +124,12 @@ def main() -> int:
                     p.normal_(0.0, 0.3)
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
+        if name == "granite-hybrid":  # the hub's layer_types names, which the converter reads (not transformers')
+            import json
+
+            config = json.load(open(os.path.join(folder, "config.json")))
+            config["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in config["layer_types"]]
+            json.dump(config, open(os.path.join(folder, "config.json"), "w"))
         source = reference = folder
         if name.endswith("-mxfp4"):  # converted from the MXFP4 folder, checked against its experts dequantized
             folders = mxfp4_folders(pathlib.Path(folder), pathlib.Path(root) / f"{name}-folders")

@@ -32,6 +32,9 @@ class GGUFSpec:
     experts: bool = False  # this family's files are `arch` files with `<arch>.expert_count` > 0 (Mixtral: llama)
     # (GGUFMetadata, the common config fields, rope theta) -> the config fields beyond the common ones
     config: Callable | None = None
+    # (Hugging Face name, the file's float32 tensor) -> the tensor as the checkpoint holds it, where the converter
+    # stored a value transformed (Granite 4.0-H's -exp(A_log), its per-group norm); None: every tensor as stored
+    values: Callable | None = None
 
 
 # -- GGUF tensor names (llama.cpp's) --------------------------------------------------------------
@@ -109,6 +112,42 @@ GGUF_LFM2_LAYERS = {
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
 }
+
+
+# Granite 4.0-H: attention layers as Llama's (their Q / K rows interleaved), Mamba-2 mixers as ssm_* (the converter
+# squeezes the conv weight to [channels, kernel], stores dt_bias as ssm_dt.bias and A_log as ssm_a = -exp(A_log),
+# A and D as [heads, 1], the gated norm as [groups, inner / groups]: `gguf_granite_hybrid_values` undoes them); the
+# experts as Mixtral's, the shared MLP as *_shexp (ffn_gate / ffn_up / ffn_down when the model has no experts).
+# Keys holding their suffix (or none, as ssm_a / ssm_d) name the whole tensor.
+GGUF_GRANITE_HYBRID_LAYERS = {
+    **GGUF_LLAMA_LAYERS,
+    "ffn_gate": "shared_mlp.gate_proj",
+    "ffn_up": "shared_mlp.up_proj",
+    "ffn_down": "shared_mlp.down_proj",
+    "ffn_gate_shexp": "shared_mlp.gate_proj",
+    "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+    **GGUF_MOE_LAYERS,
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+}
+
+
+def gguf_granite_hybrid_values(name: str, w):
+    """A Granite 4.0-H tensor as the checkpoint holds it: A_log from the file's -exp(A_log), D and the mixer's
+    norm weight flat (the conv weight's unit dimension the model's loader restores itself)."""
+    import torch
+
+    if name.endswith(".mamba.A_log"):
+        return torch.log(-w.reshape(-1))
+    if name.endswith((".mamba.D", ".mamba.norm.weight")):
+        return w.reshape(-1)
+    return w
 
 
 # -- per-family config fields: from GGUF metadata, as llama.cpp reads it --------------------------------
@@ -255,4 +294,35 @@ def gguf_lfm2(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
         block_auto_adjust_ff_dim=False,
         conv_L_cache=meta.get("shortconv.l_cache", 3),
         norm_eps=kw["rms_norm_eps"],
+    )
+
+
+def gguf_granite_hybrid(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    # llama.cpp's Granite 4.0-H: attention.head_count_kv per layer, 0 for a Mamba-2 layer; ssm.inner_size the mixers'
+    # width, ssm.time_step_rank their heads; rotary only where rope.scaling.finetuned is true (its default), which
+    # the converter writes false for a model with mixers; the shared MLP's width expert_shared_feed_forward_length
+    kv = kw["num_key_value_heads"]
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * kw["num_hidden_layers"]
+    attn = next((i for i, h in enumerate(kv) if h), 0)
+    mixer = next((i for i, h in enumerate(kv) if not h), 0)
+    inner, heads = meta.get("ssm.inner_size"), meta.get("ssm.time_step_rank")
+    experts = meta.get("expert_count", 0) or 0
+    routed = dict(num_experts_per_tok=meta.get("expert_used_count")) if experts else {}  # (else the config's default)
+    return dict(
+        gguf_granite(meta, kw, theta),
+        **routed,
+        attention_bias=f"blk.{attn}.attn_q.bias" in meta.tensor_names,
+        num_key_value_heads=max(kv) or kw["num_attention_heads"],
+        layer_types=["attention" if h else "mamba" for h in kv],
+        position_embedding_type="rope" if meta.get("rope.scaling.finetuned", True) else None,
+        shared_intermediate_size=meta.get("expert_shared_feed_forward_length", kw["intermediate_size"]),
+        num_local_experts=experts,
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_n_groups=meta.get("ssm.group_count", 1),
+        mamba_d_state=meta.get("ssm.state_size"),
+        mamba_d_conv=meta.get("ssm.conv_kernel"),
+        mamba_expand=inner // kw["hidden_size"],
+        mamba_conv_bias=f"blk.{mixer}.ssm_conv1d.bias" in meta.tensor_names,
+        mamba_proj_bias=f"blk.{mixer}.ssm_in.bias" in meta.tensor_names,
     )

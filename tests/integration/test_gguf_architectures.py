@@ -1,12 +1,13 @@
-"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss and LFM2
-from GGUF files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf: gguf's own
-tensor names, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as `llama`
-with experts, longrope factors as tensors, LFM2's squeezed conv weights), from a tiny random transformers
+"""Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini, Qwen3-MoE, Mixtral, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss, LFM2 and
+Granite 4.0-H from GGUF files written as llama.cpp's converter writes them (tests/gguf_files.write_checkpoint_gguf:
+gguf's own tensor names, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up, merged ffn_*_exps experts, Mixtral as
+`llama` with experts, longrope factors as tensors, LFM2's squeezed conv weights, Granite 4.0-H's ssm_* tensors with
+A stored as -exp(A_log) and the per-group norm), from a tiny random transformers
 checkpoint, in float32 and Q8_0. llmserve's greedy tokens, batched and alone, equal transformers' on the same file
 (`from_pretrained(..., gguf_file=...)`, which dequantizes) where transformers reads that architecture's files, else
 transformers' on the checkpoint holding the file's values (Qwen3-MoE: transformers' GGUF config lacks the experts'
-size; Mixtral: it reads no `llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss: it reads none of
-their files)."""
+size; Mixtral: it reads no `llama` experts; Phi-4-mini, Granite, SmolLM3, OLMo 2, GLM-4, gpt-oss, Granite 4.0-H: it
+reads none of their files)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,25 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "granite-hybrid": "GraniteMoeHybridForCausalLM",
 }
 # query_pre_attn_scalar = head_dim: llama.cpp's scale (it stores none); transformers' GGUF default is 256
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24)
+# Granite 4.0-H: an attention layer (no positions: the converter writes rope.scaling.finetuned false for a model with
+# mixers) and two Mamba-2 mixers of two groups; experts beside the shared MLP; the multipliers
+GRANITE_HYBRID = dict(
+    GRANITE,
+    num_hidden_layers=3,
+    layer_types=["attention", "mamba", "mamba"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=64,
+    mamba_n_heads=4,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    position_embedding_type=None,
+    eos_token_id=0,  # (transformers' min_new_tokens masks it: not 2, which this model's argmax hits)
+)
 
 
 def _cases():
@@ -84,6 +101,7 @@ def _cases():
         # LFM2: an attention layer (q / k norms) and a gated short-convolution layer (shortconv.*, its state carried
         # across chunks); head_count_kv per layer, 0 for the conv layer
         "lfm2": (T.Lfm2Config, dict(layer_types=["full_attention", "conv"], block_multiple_of=32), "lfm2", True),
+        "granite-hybrid": (T.GraniteMoeHybridConfig, GRANITE_HYBRID, "granitehybrid", False),
     }
 
 
@@ -158,6 +176,10 @@ def test_greedy_from_gguf_equals_transformers(checkpoint, qtype, monkeypatch):
         assert isinstance(expert.down_proj, GGUFLinear) == (not name.startswith("granite")), name
         if name == "lfm2":  # (the convolution's own weight, [hidden, 3], stays float32 as llama-quantize keeps it)
             assert isinstance(model.layers[1].conv.in_proj, GGUFLinear)
+        if name == "granite-hybrid":  # (the mixers' out_proj takes the residual multiplier: read as float32)
+            mixer = model.layers[1].mamba
+            assert isinstance(mixer.in_proj, GGUFLinear) and not isinstance(mixer.out_proj, GGUFLinear)
+            assert isinstance(model.layers[1].shared_mlp.gate_up_proj, GGUFLinear)
     batched, alone = greedy_batched_and_alone(llm, _prompts(), MAX_TOKENS)
     assert batched == want, name
     assert alone == want, name
@@ -309,3 +331,10 @@ def test_gguf_tensor_names():
         ("model.layers.0.mlp.experts.1.up_proj.bias", 1),
     ]
     assert gguf_hf_names("blk.0.post_attention_norm.weight", gpt_oss)[0][0].endswith(".post_attention_layernorm.weight")
+    hybrid = ARCHITECTURES["granitemoehybrid"].gguf  # (ssm_a / ssm_d have no suffix; dt_bias is ssm_dt's bias)
+    assert gguf_hf_names("blk.1.ssm_a", hybrid) == [("model.layers.1.mamba.A_log", None)]
+    assert gguf_hf_names("blk.1.ssm_d", hybrid) == [("model.layers.1.mamba.D", None)]
+    assert gguf_hf_names("blk.1.ssm_dt.bias", hybrid) == [("model.layers.1.mamba.dt_bias", None)]
+    assert gguf_hf_names("blk.1.ssm_conv1d.bias", hybrid) == [("model.layers.1.mamba.conv1d.bias", None)]
+    assert gguf_hf_names("blk.1.ffn_up_shexp.weight", hybrid) == [("model.layers.1.shared_mlp.up_proj.weight", None)]
+    assert gguf_hf_names("blk.1.ffn_down.weight", hybrid) == [("model.layers.1.shared_mlp.down_proj.weight", None)]

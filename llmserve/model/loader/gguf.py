@@ -116,6 +116,9 @@ def gguf_hf_names(
         # older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
         leaf = spec.layer_names[f"{parts[2]}_exps"].format(e=parts[3])
         return [(f"model.layers.{parts[1]}.{leaf}.{parts[4]}", None)]
+    whole = ".".join(parts[2:])  # (a key naming the whole tensor: Granite 4.0-H's ssm_a, ssm_dt.bias)
+    if len(parts) >= 3 and whole in spec.layer_names:
+        return [(f"model.layers.{parts[1]}.{spec.layer_names[whole]}", None)]
     key = ".".join(parts[2:-1])  # (dotted for some: LFM2's shortconv.in_proj)
     if len(parts) < 4 or key not in spec.layer_names:
         return []
@@ -179,7 +182,8 @@ class GGUFTensors(Mapping):
     tensor's own blocks, uint8 [rows, row_bytes], read in place. Q and K rows of llama-type files come
     back in Hugging Face's order; a merged experts tensor [n_expert, rows, cols] is one entry per expert
     (its rows of the same blocks); Gemma's norms come back as Hugging Face stores them (w, not the file's
-    1 + w). `read` lists the names read as float32 (tests)."""
+    1 + w), and so do the values a spec's `values` hook undoes (Granite 4.0-H's A_log). `read` lists the names
+    read as float32 (tests)."""
 
     def __init__(self, path: str, reader, cfg: ModelConfig) -> None:
         self.path = path
@@ -206,6 +210,8 @@ class GGUFTensors(Mapping):
             w = torch.from_numpy(np.ascontiguousarray(_unpermute(w.numpy(), heads)))
         if self.spec.norm_offset and name.endswith("norm.weight"):
             w = w - 1.0  # (the model adds the 1 back, as it does to a Hugging Face checkpoint's)
+        if self.spec.values is not None:
+            w = self.spec.values(name, w)
         self.release(name)
         self.read.append(name)
         return w
@@ -266,9 +272,12 @@ class GGUFTensors(Mapping):
 
     def keeps_blocks(self, name: str) -> bool:
         """Whether the model may hold `name` as the file's blocks: not where it scales the weights at load
-        (Granite's residual multiplier, folded into o_proj and down_proj: LlamaModel.adapt_weight), which
-        blocks cannot take exactly; those are read as float32 (and rounded under --quantization)."""
-        scaled = self.cfg.residual_multiplier != 1.0 and name.endswith(("o_proj.weight", "down_proj.weight"))
+        (Granite's residual multiplier, folded into o_proj, down_proj and Granite 4.0-H's mixers' out_proj:
+        LlamaModel.adapt_weight), which blocks cannot take exactly; those are read as float32 (and rounded under
+        --quantization)."""
+        scaled = self.cfg.residual_multiplier != 1.0 and name.endswith(
+            ("o_proj.weight", "down_proj.weight", "mamba.out_proj.weight")
+        )
         return not scaled
 
     def release(self, name: str) -> None:
