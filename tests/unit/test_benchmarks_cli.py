@@ -17,7 +17,7 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(benchmarks.__path__, "ben
 # the scripts with subcommands: each subcommand's --help too
 SUBCOMMANDS = {
     "benchmarks.peers.clients": ["install", "run", "wire", "report"],
-    "benchmarks.peers.compare": ["bars", "interleaved", "vllm"],
+    "benchmarks.peers.compare": ["bars", "interleaved", "vllm", "openvino"],
     "benchmarks.serving.articles": ["procedure", "sweep"],
 }
 
@@ -26,6 +26,7 @@ LIBRARIES = {
     "benchmarks.common",
     "benchmarks.peers.client_commands",
     "benchmarks.peers.engines",
+    "benchmarks.peers.openvino_runs",
     "benchmarks.peers.servers",
     "benchmarks.peers.vllm_runs",
     "benchmarks.peers.wire",
