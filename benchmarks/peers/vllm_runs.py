@@ -52,7 +52,8 @@ def vllm_dtype(a) -> str:
 
 class Served:
     """One server on the machine at a time: `kind` is vllm, llama.cpp, llmserve or llmserve-int8/int4, with
-    "-kv16" for a float16 KV cache (llmserve-int8-kv16)."""
+    "-kv16" for a float16 KV cache (llmserve-int8-kv16), "-mbtN" for a token budget, "-gguf" for llama-server's
+    GGUF file (llmserve-gguf: its Q4_K_M / Q8_0 blocks as they are)."""
 
     def __init__(self, kind: str, model: str, a) -> None:
         self.kind, self.model, self.a = kind, model, a
@@ -84,9 +85,14 @@ class Served:
             from llmserve.testing.launcher import ServerProcess
 
             args = ["--served-model-name", NAME, "--num-threads", str(self.a.threads)]
-            if flags:
+            parts = self.kind.split("-")[1:]  # llmserve-int8, llmserve-int8-kv16, llmserve-mbt2048, llmserve-gguf ...
+            if "gguf" in parts:  # the same GGUF file llama-server serves (a folder of --gguf-only has no safetensors)
+                args += ["--model", gguf]
+            elif flags:
                 args += ["--model", flags]
-            for part in self.kind.split("-")[1:]:  # llmserve-int8, llmserve-int8-kv16, llmserve-mbt2048, ...
+            for part in parts:
+                if part == "gguf":
+                    continue
                 if part == "kv16":
                     args += ["--kv-cache-dtype", "float16"]
                 elif part.startswith("mbt"):  # a chunked-prefill token budget: --max-num-batched-tokens N

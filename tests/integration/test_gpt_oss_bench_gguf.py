@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.make_checkpoint import GPT_OSS_SHAPES, VOCAB, _random_rows, gpt_oss_tensors, write_gpt_oss_gguf
+from benchmarks.gguf_checkpoint import _random_rows, gpt_oss_tensors, write_gpt_oss_gguf
+from benchmarks.make_checkpoint import GPT_OSS_SHAPES, VOCAB
 
 
 def test_tiny_file_loads_and_generates(tmp_path, monkeypatch):
@@ -20,7 +21,7 @@ def test_tiny_file_loads_and_generates(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)  # (the blocks kept, as the 20b file's are)
-    path = write_gpt_oss_gguf("gpt-oss-tiny", str(tmp_path))
+    path = write_gpt_oss_gguf(GPT_OSS_SHAPES["gpt-oss-tiny"], str(tmp_path))
     llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2)
     cfg, model = llm.engine.model_config, llm.engine.model
     shape = GPT_OSS_SHAPES["gpt-oss-tiny"]
@@ -72,3 +73,21 @@ def test_random_weights_keep_activations_finite(qtype):
     assert w.shape == (64, 2880) and 0.01 < w.std() < 0.03
     x = np.random.default_rng(1).standard_normal(2880).astype(np.float32)
     assert 0.5 < np.sqrt(np.mean((w @ x) ** 2)) < 2.0
+
+
+def test_llama_file_written_straight_loads(tmp_path):
+    """make_checkpoint --gguf-only's first step: a Llama Q8_0 file written with llama.cpp's names and metadata loads
+    as the shape it was given and generates."""
+    from benchmarks.gguf_checkpoint import write_llama_gguf
+    from benchmarks.make_checkpoint import SHAPES
+    from llmserve import LLM, SamplingParams
+
+    shape = {**SHAPES["tiny"], "vocab_size": VOCAB, "rope_theta": 500000.0, "max_position_embeddings": 2048}
+    llm = LLM(model=write_llama_gguf(shape, str(tmp_path)), kv_cache_memory=0.05, num_threads=2)
+    cfg = llm.engine.model_config
+    assert cfg.architecture == "LlamaForCausalLM" and cfg.vocab_size == VOCAB and cfg.tie_word_embeddings
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (256, 4, 2, 64)
+    assert cfg.rope_theta == 500000.0
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert all(math.isfinite(lp.logprob) for lp in out[0].outputs[0].logprobs)

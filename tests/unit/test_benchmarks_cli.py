@@ -24,6 +24,7 @@ SUBCOMMANDS = {
 # the shared helpers (no `main`): imported only
 LIBRARIES = {
     "benchmarks.common",
+    "benchmarks.gguf_checkpoint",
     "benchmarks.peers.client_commands",
     "benchmarks.peers.engines",
     "benchmarks.peers.openvino_runs",
