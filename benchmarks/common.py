@@ -65,12 +65,19 @@ def machine() -> str:
 
 
 def start_llama_server(
-    binary: str, threads: int, slots: int, context: int, model: str | None = None, extra: tuple[str, ...] = ()
+    binary: str,
+    threads: int,
+    slots: int,
+    context: int,
+    model: str | None = None,
+    extra: tuple[str, ...] = (),
+    timeout: float = 600.0,
 ):
     """llama.cpp's llama-server on the bundled GGUF (or `model`), continuous batching over `slots`
     parallel slots, `extra` flags after the rest (`--mmproj FILE`); returns (process, base URL) once /health
-    answers 200."""
+    answers 200. Raises, with the end of the server's log, if it exits or is not ready within `timeout` s."""
     import subprocess
+    import tempfile
     import time
 
     import httpx
@@ -79,34 +86,27 @@ def start_llama_server(
     from llmserve.testing.launcher import free_port
 
     port = free_port()
+    log = tempfile.NamedTemporaryFile("w+b", prefix="llama-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [
-            binary,
-            "-m",
-            model or bundled_model_path(),
-            "--port",
-            str(port),
-            "-np",
-            str(slots),
-            "-cb",
-            "-t",
-            str(threads),
-            "-c",
-            str(context),
-            *extra,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        [binary, "-m", model or bundled_model_path(), "--port", str(port), "-np", str(slots), "-cb"]
+        + ["-t", str(threads), "-c", str(context), *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    return proc, url
+    proc.kill()
+    proc.wait()
+    log.seek(0)
+    tail = log.read().decode(errors="replace")[-2000:]
+    raise RuntimeError(f"llama-server did not become ready (exit {proc.returncode}; log {log.name}):\n{tail}")
 
 
 def write_section(title: str, body: str, path: str | None = None) -> None:
