@@ -144,11 +144,12 @@ def write_gemma3(folder, bundled_gguf: str, query_pre_attn_scalar: int = 24) -> 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL") -> None:
+def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL", depth: int = 2) -> None:
     """Qwen2.5-VL (`family` Qwen2_5_VL) or Qwen3-VL (Qwen3VL) with a 2-block tower of 4-pixel patches in 2x2 merge
     units and Qwen's resize to 64..1024 pixels (a 40x50 picture: 24x32, 3x4 units, 12 tokens), multimodal rotary
     sections [2, 3, 3] over 16-wide heads. Qwen2.5-VL: windows of 2x2 units on block 0, the whole image on block 1;
-    Qwen3-VL: a 4x4 learned position table, DeepStack rows from block 0 (added after the decoder's layer 0)."""
+    Qwen3-VL: a 4x4 learned position table, DeepStack rows from block 0 (added after the decoder's layer 0). (`depth`:
+    llama.cpp's converter maps the merger's `mlp.2` only for a tower of 3 blocks or more.)"""
     import transformers as T
 
     from llmserve.tokenizer import Tokenizer
@@ -159,7 +160,7 @@ def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL") -> None
     tok.save_pretrained(folder)
     ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, out_hidden_size=64)
+    vision = dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, out_hidden_size=64)
     if family == "Qwen3VL":
         rope["mrope_interleaved"] = True
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
