@@ -6,8 +6,8 @@ the rendered chats and prompt ids (one image, two, none) must be equal, and the 
 first token's logprob difference is printed. The checkpoint takes llama.cpp's own image settings, which its converter
 does not write: a 112-pixel attention window and 8..4096 merge units an image.
 
-    PYTHONPATH=.:/work/.sp python -m benchmarks.peers.mmproj_llamacpp_convert [--llama-cpp ~/.cache/llmserve-peers/llama.cpp]
-        [--keep DIR] [--only qwen2_5_vl,qwen3_vl]
+    PYTHONPATH=.:/work/.sp python -m benchmarks.peers.mmproj_llamacpp_convert
+        [--llama-cpp ~/.cache/llmserve-peers/llama.cpp] [--keep DIR] [--only qwen2_5_vl,qwen3_vl]
 
 (the converter runs with llama.cpp's gguf-py first on its PYTHONPATH: the installed gguf may be older)
 
