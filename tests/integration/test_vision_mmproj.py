@@ -111,5 +111,6 @@ def test_quantized_projector(projector_type, tmp_path, bundled_gguf):
         )
         del llm
     assert runs[quantized][0] == runs[values][0]
-    assert runs[quantized][1] == pytest.approx(runs[values][1], abs=1e-5)
-    assert runs[quantized][1] == pytest.approx(runs[f32][1], abs=0.05)  # (the rounding's own effect: small)
+    assert runs[quantized][1] == pytest.approx(runs[values][1], abs=1e-6)
+    # the rounding's own effect (measured 2.5e-4 for Q8_0, 1.0e-5 for F16): bounded at 8-10x that
+    assert runs[quantized][1] == pytest.approx(runs[f32][1], abs={"Q8_0": 2e-3, "F16": 1e-4}[projector_type])
