@@ -110,7 +110,8 @@ class EngineConfig:
         default=None,
         metadata=flag(
             "llama.cpp's vision projector GGUF (mmproj-*.gguf) beside a GGUF --model: the vision tower and projector "
-            "of a vision-language model (Idefics3 / SmolVLM, Gemma 3), as llama-server's --mmproj",
+            "of a vision-language model (Idefics3 / SmolVLM, Gemma 3, Qwen2.5-VL, Qwen3-VL), as llama-server's "
+            "--mmproj",
             metavar="FILE",
         ),
     )

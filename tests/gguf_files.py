@@ -151,6 +151,8 @@ _MODEL_ARCH = {
     "gpt-oss": "GPT_OSS",
     "lfm2": "LFM2",
     "granitehybrid": "GRANITE_HYBRID",
+    "qwen2vl": "QWEN2VL",
+    "qwen3vl": "QWEN3VL",
 }
 # the converter's LlamaModel lineage: Q / K rows (and biases) interleaved
 _PERMUTED = ("llama", "granite", "smollm3", "granitehybrid")
@@ -199,7 +201,7 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
     rotary = int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0))
-    if arch in ("gemma2", "gemma3", "qwen3moe", "olmo2", "glm4"):
+    if arch in ("gemma2", "gemma3", "qwen3moe", "olmo2", "glm4", "qwen3vl"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch == "glm4":

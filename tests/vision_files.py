@@ -144,11 +144,12 @@ def write_gemma3(folder, bundled_gguf: str, query_pre_attn_scalar: int = 24) -> 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL") -> None:
+def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL", depth: int = 2) -> None:
     """Qwen2.5-VL (`family` Qwen2_5_VL) or Qwen3-VL (Qwen3VL) with a 2-block tower of 4-pixel patches in 2x2 merge
     units and Qwen's resize to 64..1024 pixels (a 40x50 picture: 24x32, 3x4 units, 12 tokens), multimodal rotary
     sections [2, 3, 3] over 16-wide heads. Qwen2.5-VL: windows of 2x2 units on block 0, the whole image on block 1;
-    Qwen3-VL: a 4x4 learned position table, DeepStack rows from block 0 (added after the decoder's layer 0)."""
+    Qwen3-VL: a 4x4 learned position table, DeepStack rows from block 0 (added after the decoder's layer 0). (`depth`:
+    llama.cpp's converter maps the merger's `mlp.2` only for a tower of 3 blocks or more.)"""
     import transformers as T
 
     from llmserve.tokenizer import Tokenizer
@@ -159,7 +160,7 @@ def write_qwen_vl(folder, bundled_gguf: str, family: str = "Qwen2_5_VL") -> None
     tok.save_pretrained(folder)
     ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, out_hidden_size=64)
+    vision = dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, out_hidden_size=64)
     if family == "Qwen3VL":
         rope["mrope_interleaved"] = True
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
@@ -224,24 +225,30 @@ _TEXT_NAMES = (
 )
 
 
-def write_vlm_ggufs(folder, text_path: str, mmproj_path: str) -> tuple[str, str]:
-    """The tiny checkpoint in `folder` (write_idefics3 / write_gemma3) as llama.cpp's converter writes a
-    vision-language model, independently of llmserve's reading of it: a text GGUF (the decoder, tests/gguf_files.py's
-    writer; the bundled tokenizer with the checkpoint's added tokens as control tokens, and its chat template) and a
-    projector GGUF (`--mmproj`: general.architecture clip, the tower and projector under gguf's TensorNameMap names,
-    clip.* settings from the config and preprocessor_config.json, Gemma 3's soft_emb_norm as 1 + w). Float32."""
+def write_vlm_ggufs(
+    folder, text_path: str, mmproj_path: str, projector_type: str = "F32", dequantized: bool = False
+) -> tuple[str, str]:
+    """The tiny checkpoint in `folder` (write_idefics3 / write_gemma3 / write_qwen_vl) as llama.cpp's converter writes
+    a vision-language model, independently of llmserve's reading of it: a text GGUF (the decoder, tests/gguf_files.py's
+    writer; the bundled tokenizer with the checkpoint's added tokens as control tokens, and its chat template; Qwen's
+    qwen2vl / qwen3vl with the rotary sections as rope.dimension_sections) and a projector GGUF (`--mmproj`:
+    general.architecture clip, the tower and projector under the converter's names, clip.* settings from the config and
+    preprocessor_config.json, Gemma 3's soft_emb_norm as 1 + w; Qwen's patch kernel split into its two frames and
+    Qwen2.5-VL's q / k / v apart). `projector_type` F32, F16 or Q8_0 (`--outtype`): the weight matrices in that type,
+    norms, biases, the patch kernel and position table float32, as the converter keeps them; `dequantized`: a float32
+    file of the Q8_0 values instead (gguf's own dequantization)."""
     import json
     import os
 
     import transformers as T
-    from gguf import MODEL_ARCH, GGUFValueType, GGUFWriter, get_tensor_name_map
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
     from safetensors.numpy import load_file
 
     from tests.gguf_files import small_tokenizer_fields, write_gguf
 
     full = T.AutoConfig.from_pretrained(folder)
-    gemma = full.model_type == "gemma3"
-    text_cfg, vc = full.get_text_config().to_dict(), full.vision_config
+    kind = full.model_type  # idefics3 / smolvlm, gemma3, qwen2_5_vl, qwen3_vl
+    text_cfg = full.get_text_config().to_dict()
     text, vision = {}, {}
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
         plain = name
@@ -263,28 +270,63 @@ def write_vlm_ggufs(folder, text_path: str, mmproj_path: str) -> tuple[str, str]
     fields["tokenizer.ggml.token_type"] = (list(kinds) + [3] * len(added), ktypes)  # 3: CONTROL
     fields["tokenizer.chat_template"] = (tok.chat_template, [GGUFValueType.STRING])
 
-    def layer_pattern(w) -> None:  # Gemma 3: which layers slide (llama.cpp's default is five of every six)
-        pattern = [t == "sliding_attention" for t in text_cfg["layer_types"]]
-        w.add_key_value("gemma3.attention.sliding_window_pattern", pattern, GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    def text_extra(w) -> None:
+        if kind == "gemma3":  # which layers slide (llama.cpp's default is five of every six)
+            pattern = [t == "sliding_attention" for t in text_cfg["layer_types"]]
+            w.add_key_value("gemma3.attention.sliding_window_pattern", pattern, GGUFValueType.ARRAY, GGUFValueType.BOOL)
+        if kind.startswith("qwen"):  # the converter pads the t, h, w sections to four
+            w.add_rope_dimension_sections(list(text_cfg["rope_parameters"]["mrope_section"]) + [0])
+        if kind == "qwen3_vl":
+            w.add_num_deepstack_layers(len(full.vision_config.deepstack_visual_indexes))
 
-    write_gguf(
-        text_path, "gemma3" if gemma else "llama", text_cfg, text, fields, extra=layer_pattern if gemma else None
-    )
+    arch = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl"}.get(kind, "llama")
+    write_gguf(text_path, arch, text_cfg, text, fields, extra=text_extra)
 
     pre = json.load(open(os.path.join(folder, "preprocessor_config.json")))
     w = GGUFWriter(mmproj_path, "clip")
     w.add_type("mmproj")
     w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("gemma3" if gemma else "idefics3")
     w.add_vision_projection_dim(text_cfg["hidden_size"])
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    writer = _qwen_projector if kind.startswith("qwen") else _siglip_projector
+    tensors = writer(w, full, pre, vision, text_cfg)
+    for name, t in tensors.items():
+        t = t.astype(np.float32)
+        keep = t.ndim <= 1 or "_norm." in name or ".position_embd." in name or ".patch_embd." in name
+        if projector_type == "F32" or keep:
+            w.add_tensor(name, t)
+            continue
+        qtype = GGMLQuantizationType[projector_type]
+        if qtype == GGMLQuantizationType.Q8_0 and t.shape[-1] % 32:
+            qtype = GGMLQuantizationType.F16  # (the converter's fallback)
+        if qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, t.astype(np.float16).astype(np.float32) if dequantized else t.astype(np.float16))
+            continue
+        q = quants.quantize(t, qtype)
+        if dequantized:
+            w.add_tensor(name, quants.dequantize(q, qtype).reshape(t.shape).astype(np.float32))
+        else:
+            w.add_tensor(name, q, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return text_path, mmproj_path
+
+
+def _siglip_projector(w, full, pre, vision: dict, text_cfg: dict) -> dict:
+    """Idefics3 / SmolVLM and Gemma 3's clip.* settings (written into `w`) and tensors, by the converter's names."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    gemma, vc = full.model_type == "gemma3", full.vision_config
+    w.add_clip_projector_type("gemma3" if gemma else "idefics3")
     w.add_vision_image_size(vc.image_size)
     w.add_vision_patch_size(vc.patch_size)
     w.add_vision_embedding_length(vc.hidden_size)
     w.add_vision_feed_forward_length(vc.intermediate_size)
     w.add_vision_block_count(vc.num_hidden_layers)
     w.add_vision_head_count(vc.num_attention_heads)
-    w.add_vision_image_mean(pre["image_mean"])
-    w.add_vision_image_std(pre["image_std"])
     w.add_vision_attention_layernorm_eps(vc.layer_norm_eps)
     w.add_vision_use_gelu(True)
     if gemma:  # patches pooled into one soft token, a side (written where it is not llama.cpp's default 4)
@@ -292,7 +334,7 @@ def write_vlm_ggufs(folder, text_path: str, mmproj_path: str) -> tuple[str, str]
     else:
         w.add_vision_projector_scale_factor(full.scale_factor)
         w.add_vision_preproc_image_size(pre["size"]["longest_edge"])
-    names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vc.num_hidden_layers)
+    names, out = get_tensor_name_map(MODEL_ARCH.MMPROJ, vc.num_hidden_layers), {}
     for name, t in vision.items():
         if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
             name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)  # (the hub checkpoints' names)
@@ -305,9 +347,62 @@ def write_vlm_ggufs(folder, text_path: str, mmproj_path: str) -> tuple[str, str]
         suffixes = (".weight", ".bias")
         new = names.get_name(name, try_suffixes=suffixes) or names.get_name("model." + name, try_suffixes=suffixes)
         assert new is not None, name
-        w.add_tensor(new, t.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return text_path, mmproj_path
+        out[new] = t
+    return out
+
+
+def _qwen_projector(w, full, pre, vision: dict, text_cfg: dict) -> dict:
+    """Qwen2.5-VL (qwen2.5vl_merger) and Qwen3-VL (qwen3vl_merger): the converter's clip.* settings and tensor names.
+    The converter writes neither Qwen2.5-VL's window nor the processor's pixel bounds (llama.cpp takes a 112-pixel
+    window and 8..4096 merge units); this writes them as clip.vision.window_size and image_min_pixels /
+    image_max_pixels (keys llama.cpp reads for other projectors), as the tiny checkpoint's differ."""
+    vc, qwen3 = full.vision_config, full.model_type == "qwen3_vl"
+    w.add_clip_projector_type("qwen3vl_merger" if qwen3 else "qwen2.5vl_merger")
+    side = int(vc.num_position_embeddings**0.5) if qwen3 else 560 // vc.patch_size  # (Qwen2.5-VL: the converter's 560)
+    w.add_vision_image_size(side * vc.patch_size)
+    w.add_vision_patch_size(vc.patch_size)
+    w.add_vision_embedding_length(vc.hidden_size)
+    w.add_vision_feed_forward_length(vc.intermediate_size)
+    w.add_vision_block_count(vc.depth)
+    w.add_vision_head_count(vc.num_heads)
+    w.add_vision_attention_layernorm_eps(text_cfg.get("rms_norm_eps", 1e-6))
+    w.add_uint32("clip.vision.image_min_pixels", pre["size"]["shortest_edge"])
+    w.add_uint32("clip.vision.image_max_pixels", pre["size"]["longest_edge"])
+    if qwen3:
+        w.add_vision_use_gelu(True)
+        w.add_vision_spatial_merge_size(vc.spatial_merge_size)
+        w.add_vision_is_deepstack_layers([i in vc.deepstack_visual_indexes for i in range(vc.depth)])
+    else:
+        w.add_vision_use_silu(True)
+        w.add_vision_n_wa_pattern(vc.fullatt_block_indexes[0] + 1)
+        w.add_vision_window_size(vc.window_size)
+    layer = {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "attn.qkv": "attn_qkv"}
+    layer.update({f"mlp.{k}": f"ffn_{v}" for k, v in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))})
+    layer.update({"mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"})
+    merger = {"ln_q": "v.post_ln", "norm": "v.post_ln", "mlp.0": "mm.0", "linear_fc1": "mm.0"}
+    merger.update({"mlp.2": "mm.2", "linear_fc2": "mm.2"})
+    out = {}
+    for name, t in vision.items():
+        stem, _, kind = name.rpartition(".")
+        parts = stem.split(".")
+        if stem == "visual.patch_embed.proj" and kind == "weight":  # Conv3d [out, in, 2, p, p] -> two Conv2d kernels
+            out["v.patch_embd.weight"], out["v.patch_embd.weight.1"] = t[:, :, 0], t[:, :, 1]
+        elif stem == "visual.patch_embed.proj":
+            out[f"v.patch_embd.{kind}"] = t
+        elif stem == "visual.pos_embed":
+            out[f"v.position_embd.{kind}"] = t
+        elif parts[:2] == ["visual", "merger"]:
+            out[f"{merger['.'.join(parts[2:])]}.{kind}"] = t
+        elif parts[:2] == ["visual", "deepstack_merger_list"]:  # by the tower block it follows
+            block = vc.deepstack_visual_indexes[int(parts[2])]
+            out[f"v.deepstack.{block}.{parts[3].removeprefix('linear_')}.{kind}"] = t
+        elif parts[:2] == ["visual", "blocks"]:
+            key = layer[".".join(parts[3:])]
+            if key == "attn_qkv" and not qwen3:  # Qwen2.5-VL: the converter splits q, k, v
+                for part, rows in zip(("attn_q", "attn_k", "attn_v"), np.split(t, 3)):
+                    out[f"v.blk.{parts[2]}.{part}.{kind}"] = rows
+            else:
+                out[f"v.blk.{parts[2]}.{key}.{kind}"] = t
+        else:
+            raise AssertionError(name)
+    return out

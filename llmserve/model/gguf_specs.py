@@ -196,6 +196,25 @@ def gguf_gemma3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     )
 
 
+def gguf_mrope(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    """Qwen2.5-VL / Qwen3-VL text files (qwen2vl / qwen3vl): the multimodal rotary sections the converter stores as
+    `rope.dimension_sections` (t, h, w, padded with a 0) become Hugging Face's `mrope_section`."""
+    sections = [int(s) for s in meta.get("rope.dimension_sections") or []]
+    if len(sections) < 3 or any(sections[3:]) or sum(sections[:3]) != kw["head_dim"] // 2:
+        raise ValueError(
+            f"model: {meta.path}: rope.dimension_sections {sections} do not split the head's "
+            f"{kw['head_dim'] // 2} rotary frequencies into t, h, w"
+        )
+    return dict(rope_parameters={"rope_type": "default", "rope_theta": theta, "mrope_section": sections[:3]})
+
+
+def gguf_mrope_interleaved(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
+    """qwen3vl: gguf_mrope's sections, interleaved (frequencies t, h, w, t, h, w, ...)."""
+    fields = gguf_mrope(meta, kw, theta)
+    fields["rope_parameters"]["mrope_interleaved"] = True
+    return fields
+
+
 def gguf_phi3(meta: GGUFMetadata, kw: dict, theta: float) -> dict:
     extra = {"sliding_window": meta.get("attention.sliding_window") or None}  # (llama.cpp writes 0 for none)
     rot = meta.get("rope.dimension_count", kw["head_dim"])

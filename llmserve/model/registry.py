@@ -38,6 +38,8 @@ from llmserve.model.gguf_specs import (
     gguf_granite_hybrid_values,
     gguf_lfm2,
     gguf_mixtral,
+    gguf_mrope,
+    gguf_mrope_interleaved,
     gguf_phi3,
     gguf_qwen3_moe,
     gguf_smollm3,
@@ -345,6 +347,7 @@ ARCHITECTURES = {
             features=dict(attention_bias=True),
             config=mrope_fields,
             checkpoint_renames=(("model.language_model.", "model."),),  # (transformers 5's names; the hub's: as is)
+            gguf=GGUFSpec("qwen2vl", "Qwen2_5_VLTextConfig", GGUF_LLAMA_LAYERS, config=gguf_mrope),  # (with --mmproj)
             tensor_parallel=False,
             model_class=Qwen25VLModel,
             images=Qwen25VLProcessing,
@@ -356,6 +359,13 @@ ARCHITECTURES = {
             features=dict(qk_norm=True, mrope_interleaved=True),
             config=mrope_fields,
             checkpoint_renames=(("model.language_model.", "model."),),
+            gguf=GGUFSpec(
+                "qwen3vl",
+                "Qwen3VLTextConfig",
+                {**GGUF_LLAMA_LAYERS, **GGUF_QK_NORMS},
+                head_dim_key="attention.key_length",
+                config=gguf_mrope_interleaved,
+            ),
             tensor_parallel=False,
             model_class=Qwen3VLModel,
             images=Qwen25VLProcessing,  # (the same image processing and prompt)

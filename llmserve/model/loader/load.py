@@ -13,7 +13,7 @@ from llmserve.model.loader.gguf_model import load_gguf_model
 from llmserve.model.loader.lookup import ModelSource
 from llmserve.model.loader.mmproj import vlm_config
 from llmserve.model.loader.safetensors import load_hf_model
-from llmserve.model.registry import config_from_hf
+from llmserve.model.registry import arch_spec, config_from_hf
 
 
 def load_model_config(source: ModelSource):
@@ -23,6 +23,11 @@ def load_model_config(source: ModelSource):
         hf = gguf_hf_config(reader, source.path)
         if source.mmproj:  # a vision-language model: the text file and llama.cpp's projector file
             hf = vlm_config(hf, reader, source.mmproj)
+        elif arch_spec(hf.architectures[0]).images is not None:  # (qwen2vl, qwen3vl: multimodal rotary decoders)
+            raise ValueError(
+                f"mmproj: {source.path} is the text half of a vision-language model ({hf.architectures[0]}); give "
+                f"its projector file (llama.cpp's mmproj-*.gguf) with --mmproj"
+            )
         return config_from_hf(hf), reader
     if source.mmproj:
         raise ValueError("mmproj: a projector file goes with a GGUF --model (a checkpoint folder has its tower)")
