@@ -72,6 +72,7 @@ SHAPES = {  # Llama-3.x shapes with the bundled 49,152-token vocabulary
     ),
 }
 VOCAB = 49152
+ROPE_THETA, MAX_POSITIONS = 500000.0, 8192  # Llama 3's rotary base; the configs' context
 # gpt-oss: the published configs' shapes (gpt-oss-20b: hidden 2880, 24 layers alternating 128-token windows and full
 # attention, 64 / 8 heads of 64, 32 experts top-4 of 2880, yarn x32 over 4096 positions); the tiny one for tests
 GPT_OSS_SHAPES = {
@@ -159,8 +160,8 @@ def bundled_tokenizer_folder() -> str:
     return gguf_as_hf_folder(bundled_model_path())
 
 
-def write_config(shape: str, out: str) -> dict:
-    """The tokenizer's files and config.json of `shape` in `out` (what clients and vLLM read); the config's fields."""
+def write_config(shape: str, out: str) -> None:
+    """The tokenizer's files and config.json of `shape` in `out` (what clients and vLLM read)."""
     import transformers
 
     c = SHAPES[shape]
@@ -171,17 +172,16 @@ def write_config(shape: str, out: str) -> dict:
             shutil.copy(os.path.join(tok, name), out)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        max_position_embeddings=8192,
+        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype="bfloat16",
-        rope_theta=500000.0,
+        rope_theta=ROPE_THETA,
         **c,
     )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(out)
-    return cfg.to_dict()
 
 
 def write_checkpoint(shape: str, out: str, seed: int = 0) -> str:
@@ -196,8 +196,8 @@ def write_gguf_only(shape: str, out: str, quants: list[str], seed: int = 0) -> l
     """`quants` of `shape` without the Hugging Face weights (an 8B's bfloat16 and float16 files would need 32 GB of
     disk): model-Q8_0.gguf written straight (gguf_checkpoint), llama-quantize --allow-requantize for the other
     types; the Q8_0 file is removed after unless asked for. The folder keeps the tokenizer and config.json."""
-    cfg = write_config(shape, out)
-    c = {**SHAPES[shape], **{k: cfg[k] for k in ("vocab_size", "rope_theta", "max_position_embeddings")}}
+    write_config(shape, out)
+    c = {**SHAPES[shape], "vocab_size": VOCAB, "rope_theta": ROPE_THETA, "max_position_embeddings": MAX_POSITIONS}
     q8 = write_llama_gguf(c, out, f"llama {shape}", seed)
     made = []
     for quant in quants:
