@@ -27,16 +27,30 @@ def _tensor_name(names: dict, layer: int, tensor, kind: str) -> str:
     return f"{names[tensor].format(bid=layer)}.{kind}"
 
 
+def _layer_names(c: dict) -> list:
+    """Per layer of shape `c`: a function (gguf MODEL_TENSOR, "weight" / "bias") -> llama.cpp's tensor name."""
+    from gguf import TENSOR_NAMES
+
+    return [functools.partial(_tensor_name, TENSOR_NAMES, i) for i in range(c["num_hidden_layers"])]
+
+
+def _sizes(c: dict) -> tuple[int, int]:
+    return c["hidden_size"], c["intermediate_size"]
+
+
+def _heads(c: dict) -> tuple[int, int]:
+    """The q and the k / v projections' widths."""
+    return c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+
+
 def gpt_oss_tensors(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(llama.cpp's name, shape in rows-last order as NumPy holds it, type) of every tensor of a gpt-oss file of
     shape `c`, in the file's order: as llama-quantize's MXFP4_MOE leaves them."""
-    from gguf import MODEL_TENSOR, TENSOR_NAMES
+    from gguf import MODEL_TENSOR
 
-    h, m, e, v = c["hidden_size"], c["intermediate_size"], c["num_local_experts"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    h, m, e, v, q, kv = *_sizes(c), c["num_local_experts"], c["vocab_size"], *_heads(c)
     out = [("token_embd.weight", (v, h), "Q8_0")]
-    for i in range(c["num_hidden_layers"]):
-        n = functools.partial(_tensor_name, TENSOR_NAMES, i)
+    for n in _layer_names(c):
         out += [
             (n(MODEL_TENSOR.ATTN_NORM, "weight"), (h,), "F32"),
             (n(MODEL_TENSOR.ATTN_Q, "weight"), (q, h), "Q8_0"),
@@ -64,13 +78,11 @@ def gpt_oss_tensors(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
 def llama_tensors(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """The same for a Llama file of shape `c` (make_checkpoint's SHAPES plus `vocab_size`), as llama.cpp's converter
     writes `--outtype q8_0`: matrices Q8_0, norms float32, `output` only when the embeddings are not tied."""
-    from gguf import MODEL_TENSOR, TENSOR_NAMES
+    from gguf import MODEL_TENSOR
 
-    h, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    h, m, v, q, kv = *_sizes(c), c["vocab_size"], *_heads(c)
     out = [("token_embd.weight", (v, h), "Q8_0")]
-    for i in range(c["num_hidden_layers"]):
-        n = functools.partial(_tensor_name, TENSOR_NAMES, i)
+    for n in _layer_names(c):
         out += [
             (n(MODEL_TENSOR.ATTN_NORM, "weight"), (h,), "F32"),
             (n(MODEL_TENSOR.ATTN_Q, "weight"), (q, h), "Q8_0"),
