@@ -55,3 +55,22 @@ def greedy_agreement(
         same += int((a == b).sum())
         total += k
     return same / total
+
+
+def top_k_divergence(
+    a_tokens: list[int], a_tops: list[list[int]], b_tokens: list[int], b_tops: list[list[int]], k: int = 5
+) -> str | None:
+    """vLLM's rule for reduced precision (its tests' `check_logprobs_close`): two greedy sequences may part after a
+    near tie, but at the first position where they differ each side's token must be among the other's top `k`
+    (`*_tops[i]`: the token ids ranked at position i, best first). Later positions are not compared: after a
+    divergence the two continue from different contexts. None when the rule holds, else what broke it."""
+    for i, (x, y) in enumerate(zip(a_tokens, b_tokens)):
+        if x == y:
+            continue
+        missing = [
+            f"{who}'s token {tok} not in the other's top-{k} {list(tops[i][:k])}"
+            for who, tok, tops in (("first", x, b_tops), ("second", y, a_tops))
+            if tok not in tops[i][:k]
+        ]
+        return f"position {i}: " + "; ".join(missing) if missing else None
+    return None

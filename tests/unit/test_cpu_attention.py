@@ -74,9 +74,46 @@ def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
         ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, torch.tensor([7, 0, 48, 12, 5]))
 
 
+@pytest.mark.parametrize("avx512", [True, False])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_attention(ext, head_dim, cache_dtype):
+def test_paged_decode_attention(ext, head_dim, cache_dtype, avx512):
+    """Decode attention read in place from shuffled blocks against SDPA over the stored values widened (the PyTorch
+    path's own arithmetic: the portable twin), with LLMSERVE_AVX512's switch either way: the kernel has one (AVX2)
+    variant today, so both settings must give the same bits; a wider variant added later is held to the same bound."""
+    if avx512 and not ext.uses_avx512():
+        pytest.skip("this CPU has no AVX-512: the AVX2 kernel is the one tested (the setting below)")
+    ext.set_avx512(avx512)
+    try:
+        _check_decode_attention(ext, head_dim, cache_dtype)
+    finally:
+        ext.set_avx512(envs.LLMSERVE_AVX512)
+
+
+def test_paged_decode_attention_isa_settings_agree_on_int8_blocks(ext):
+    """On the same int8 blocks, the decode kernel with AVX-512 allowed and with it off agree within 1e-5 (each is held
+    to the widened reference above too). Today both settings run the one AVX2 kernel, so they are equal; where the
+    CPU lacks AVX-512 both settings run the AVX2 kernel."""
+    torch.manual_seed(1)
+    B, H, Hk, D, NB, BS = 3, 8, 2, 64, 24, 16
+    kc = _stored(torch.randn(NB, BS, Hk, D) * torch.rand(NB, BS, Hk, 1) * 4, torch.int8)
+    vc = _stored(torch.randn(NB, BS, Hk, D), torch.int8)
+    tables = torch.stack([torch.randperm(NB)[:8] for _ in range(B)])
+    lens = torch.tensor([5, 77, 128])
+    q = torch.randn(B, H, D)
+    outs = []
+    for wide in (True, False):
+        ext.set_avx512(wide)
+        try:
+            out = torch.zeros(B, H, D)
+            ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.125)
+            outs.append(out)
+        finally:
+            ext.set_avx512(envs.LLMSERVE_AVX512)
+    assert close(outs[0], outs[1], 1e-5)
+
+
+def _check_decode_attention(ext, head_dim, cache_dtype):
     torch.manual_seed(0)
     B, H, Hk, D, NB, BS = 4, 6, 2, head_dim, 40, 16
     kc, vc = _stored(torch.randn(NB, BS, Hk, D), cache_dtype), _stored(torch.randn(NB, BS, Hk, D), cache_dtype)
