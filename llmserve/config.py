@@ -149,6 +149,14 @@ class EngineConfig:
             "cost per token and the threads, 512 for the bundled model; 2048 CUDA)"
         ),
     )
+    max_step_ms: float | None = field(
+        default=None,
+        metadata=flag(
+            "target duration of a step while requests decode: the prefill chunk beside decoding rows is sized from "
+            "the measured cost of a token so a stream never waits seconds behind a prompt; a step with no decoding "
+            "row keeps the full token budget (default: 1000 on CPU, none on CUDA; 0: no target)"
+        ),
+    )
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))
     kv_cache_memory: float | None = field(
         default=None,

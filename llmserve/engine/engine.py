@@ -32,6 +32,7 @@ from llmserve.engine.request import Request, RequestOutput, RequestStatus, Sampl
 from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations, split_kv_blocks, window_layers
 from llmserve.engine.scheduler import QueueFullError, Scheduler, default_token_budget  # noqa: F401 (re-exported)
 from llmserve.engine.state_pool import hybrid_config, plan_state_pool
+from llmserve.engine.step_budget import resolve_max_step_ms
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.registry import image_processing
@@ -168,6 +169,7 @@ class LLMEngine:
             self.max_model_len,
             config.scheduling_policy,
             config.max_queued_requests,
+            resolve_max_step_ms(config.max_step_ms, self.device.type),
         )
         self.runner = ModelRunner(
             self.model,

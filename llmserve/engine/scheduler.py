@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import AppendedTokens, SampledTokens, SchedulerOutput, TextStep
 from llmserve.engine.request import Request, RequestStatus, TokenLogprobs
+from llmserve.engine.step_budget import StepBudget
 from llmserve.model.vision.inputs import whole_images
 
 log = logging.getLogger("llmserve.scheduler")
@@ -66,8 +68,13 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         max_queued_requests: int | None = None,
+        max_step_ms: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.kv = kv
+        self.step_budget = StepBudget(max_step_ms, max_num_batched_tokens)
+        self._clock = clock
+        self._step_started: tuple[float, int] | None = None  # (clock, tokens) of the step being computed
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -158,12 +165,20 @@ class Scheduler:
         return max(self.running, key=self._rank)
 
     def schedule(self) -> SchedulerOutput:
+        started = self._clock()
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        out = self._schedule(self.step_budget.budget(sum(1 + len(r.spec_token_ids) for r in decoding)), decoding)
+        self._step_started = (started, sum(out.num_scheduled_tokens.values()))
+        return out
+
+    def _schedule(self, budget: int, decoding: list[Request]) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         now = time.time()
 
-        # 1. running requests, in rank order, each as many tokens as it has uncomputed
-        for request in sorted(self.running, key=self._rank):
+        # 1. running requests: the decoding ones first (their gap is the step), then in rank order, each as many
+        # tokens as it has uncomputed
+        first = {id(r) for r in decoding}
+        for request in sorted(self.running, key=lambda r: (id(r) not in first, self._rank(r))):
             if budget <= 0:
                 break
             if request not in self.running:  # preempted earlier in this loop
@@ -244,6 +259,10 @@ class Scheduler:
         the model's token after it (positions past that run are rolled back and recomputed next step).
         A request whose token fails (sampling error, grammar, fault hook) fails alone.
         Returns (request, number of tokens appended) for the requests that sampled, in batch order."""
+        if self._step_started is not None:  # the step's cost, for the step-time budget
+            started, tokens = self._step_started
+            self.step_budget.observe(tokens, self._clock() - started)
+            self._step_started = None
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
         now = time.time()

@@ -1,0 +1,131 @@
+"""The step-time budget (--max-step-ms, llmserve/engine/step_budget.py) on a fake clock: a step with decoding rows
+takes the tokens its measured cost fits in the target; a prompt alone prefills at the full token budget; the cost
+model follows a machine that slows down. No model: a simulated runner advances the clock by a known cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.outputs import SampledTokens
+from llmserve.engine.request import Request, RequestStatus, SamplingParams
+from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.step_budget import MIN_PREFILL, StepCost, resolve_max_step_ms
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class Machine:
+    """A scheduler whose steps cost `fixed + per_token * tokens` seconds on a fake clock."""
+
+    def __init__(self, fixed=0.3, per_token=0.01, max_step_ms=1000.0, budget=512):
+        self.clock, self.fixed, self.per_token = Clock(), fixed, per_token
+        self.kv = KVCacheManager(4096, 16, True)
+        self.sched = Scheduler(self.kv, 64, budget, 16384, max_step_ms=max_step_ms, clock=self.clock)
+        self.n = 0
+
+    def add(self, prompt_len, max_tokens=10_000):
+        self.n += 1
+        r = Request(
+            f"r{self.n}",
+            [1 + (self.n * 7 + i) % 50 for i in range(prompt_len)],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            {999},
+            arrival_time=float(self.n),
+        )
+        self.sched.add_request(r)
+        return r
+
+    def step(self):
+        out = self.sched.schedule()
+        tokens = sum(out.num_scheduled_tokens.values())
+        self.clock.t += self.fixed + self.per_token * tokens
+        sampled = [
+            SampledTokens(r, [5])
+            for r in out.requests
+            if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens
+        ]
+        self.sched.update_from_output(out, sampled)
+        return out
+
+
+def _prefill_tokens(out, decoding_ids):
+    return sum(n for rid, n in out.num_scheduled_tokens.items() if rid not in decoding_ids)
+
+
+def test_a_prompt_beside_decoding_rows_gets_the_tokens_that_fit_the_target():
+    m = Machine(fixed=0.3, per_token=0.01)  # 1000 ms target: 70 tokens a step
+    streams = [m.add(20) for _ in range(8)]
+    for _ in range(6):  # prefill them (one step of 160 tokens), then decode: steps of 8 and 160 tokens teach the cost
+        m.step()
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in streams)
+    m.add(2000)  # a long prompt arrives while 8 streams decode
+    ids = {r.request_id for r in streams}
+    for _ in range(5):
+        out = m.step()
+        assert all(out.num_scheduled_tokens.get(i) == 1 for i in ids), "every stream decodes every step"
+        assert _prefill_tokens(out, ids) == 70 - 8  # (1.0 - 0.3) / 0.01 = 70 tokens, the 8 decode rows first
+    assert m.sched.step_budget.cost.fixed == pytest.approx(0.3) and m.sched.step_budget.cost.per_token == pytest.approx(
+        0.01
+    )
+
+
+def test_a_prompt_alone_prefills_at_the_full_token_budget():
+    m = Machine(fixed=0.3, per_token=0.01, budget=512)
+    m.add(20)
+    for _ in range(4):
+        m.step()
+    m.sched.finish_request("r1", RequestStatus.FINISHED_ABORTED)
+    r = m.add(3000)
+    out = m.step()
+    assert out.num_scheduled_tokens[r.request_id] == 512  # nobody decodes: no time cap
+
+
+def test_decode_rows_alone_over_the_target_still_move_a_prompt():
+    m = Machine(fixed=1.5, per_token=0.01, max_step_ms=1000.0)  # the fixed part alone is over the target
+    streams = [m.add(30) for _ in range(4)]
+    for _ in range(5):
+        m.step()
+    m.add(500)
+    out = m.step()
+    assert _prefill_tokens(out, {r.request_id for r in streams}) == MIN_PREFILL
+
+
+def test_no_target_keeps_the_token_budget():
+    m = Machine(max_step_ms=None, budget=256)
+    streams = [m.add(20) for _ in range(4)]
+    for _ in range(5):
+        m.step()
+    m.add(2000)
+    out = m.step()
+    assert _prefill_tokens(out, {r.request_id for r in streams}) == 256 - 4
+
+
+def test_the_cost_follows_a_machine_that_slows_down():
+    c = StepCost()
+    for n in [8, 200, 8, 120, 8, 64] * 3:
+        c.observe(n, 0.2 + 0.005 * n)
+    assert c.tokens_within(1.0) == 160
+    for n in [8, 200, 8, 120, 8, 64] * 5:  # another process takes half the CPU: every part costs twice
+        c.observe(n, 2 * (0.2 + 0.005 * n))
+    assert c.tokens_within(1.0) == pytest.approx(60, abs=3)
+
+
+def test_steps_of_one_size_teach_nothing():
+    c = StepCost()
+    for _ in range(20):
+        c.observe(16, 0.4)
+    assert c.tokens_within(1.0) is None
+
+
+def test_defaults_by_device():
+    assert resolve_max_step_ms(None, "cpu") == 1000.0
+    assert resolve_max_step_ms(None, "cuda") is None
+    assert resolve_max_step_ms(0, "cpu") is None
+    assert resolve_max_step_ms(250, "cuda") == 250
