@@ -41,7 +41,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # in bfloat16 (default: where oneDNN reports AVX512-BF16 or AMX, bfloat16 weights run through its bf16 matmul
     # with float32 activations, llmserve/model/bf16.py, and auto picks them). The test suite sets "0": greedy
     # parity is checked in float32 on every machine kind.
-    "LLMSERVE_CPU_BF16": lambda: os.environ.get("LLMSERVE_CPU_BF16", "1") != "0",
+    # "emulate": the bfloat16 mode on any CPU through its portable twin (bfloat16 rows and weights, products summed
+    # in float32 by PyTorch's own matmul, the output rounded to bfloat16): the tests run the default path of
+    # bf16 CPUs on every CPU with it.
+    "LLMSERVE_CPU_BF16": lambda: {"0": False, "emulate": "emulate"}.get(os.environ.get("LLMSERVE_CPU_BF16", "1"), True),
     # images in requests (llmserve/server/media.py): seconds to fetch an http(s) image (vLLM's
     # VLLM_IMAGE_FETCH_TIMEOUT), the most bytes of an encoded image, the most pixels of a decoded one
     "LLMSERVE_IMAGE_FETCH_TIMEOUT": lambda: float(os.environ.get("LLMSERVE_IMAGE_FETCH_TIMEOUT", "5")),

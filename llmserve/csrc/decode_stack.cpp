@@ -2,6 +2,7 @@
 #include "decode_stack.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 
 #include "gemm.h"
 #include "kernels.h"
@@ -41,7 +42,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     }
     if (kind == kBF16) {   // bfloat16 weight packed for oneDNN: rows rounded to bfloat16, the output widened
       at_w += 1;
-      return onednn_linear(in.to(at::kBFloat16).contiguous(), w[at_w - 1]).to(at::kFloat);
+      const at::Tensor& wb = w[at_w - 1];
+      if (!wb.is_mkldnn())   // the portable twin (LLMSERVE_CPU_BF16=emulate): the plain weight, at::linear in bf16
+        return at::linear(in.to(at::kBFloat16), wb).to(at::kFloat);
+      return onednn_linear(in.to(at::kBFloat16).contiguous(), wb).to(at::kFloat);
     }
     if (kind == kF32Packed) {   // the GEMV on the plain weight below many_rows, oneDNN on the packed copy from there
       at_w += 2;

@@ -29,8 +29,16 @@ from llmserve.model.kinds import ProjectionKind
 
 def supported() -> bool:
     """Native bfloat16 dot products on this CPU (AVX512-BF16 or AMX), as oneDNN reports them, and not turned
-    off (LLMSERVE_CPU_BF16=0)."""
-    return envs.LLMSERVE_CPU_BF16 and _cpu_has_bf16()
+    off (LLMSERVE_CPU_BF16=0); or the portable twin asked for (LLMSERVE_CPU_BF16=emulate)."""
+    return emulated() or (bool(envs.LLMSERVE_CPU_BF16) and _cpu_has_bf16())
+
+
+def emulated() -> bool:
+    """LLMSERVE_CPU_BF16=emulate: the bfloat16 mode runs its portable twin (PyTorch's bfloat16 matmul: bfloat16
+    rows and weights, products summed in float32, the output rounded to bfloat16; the same rounding as oneDNN's
+    `vdpbf16ps` / AMX path up to the order of the sums) on any CPU, so the default path of bf16 CPUs is tested
+    on every CPU. Slower: for tests."""
+    return envs.LLMSERVE_CPU_BF16 == "emulate"
 
 
 @functools.cache
@@ -49,7 +57,7 @@ def native(dtype: torch.dtype, device: torch.device) -> bool:
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` (bfloat16 [N, K]) in oneDNN's blocked layout for its bf16 matmul, or None without it."""
-    if not supported() or weight.device.type != "cpu":
+    if not supported() or emulated() or weight.device.type != "cpu":
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
@@ -85,7 +93,7 @@ class BF16Linear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.packed is not None and x2.shape[0] > 0:
             y = torch.ops.mkldnn._linear_pointwise(_rows_bf16(x2).contiguous(), self.packed, None, "none", [], "")
-        else:  # no native bf16 (or no rows): at::linear in bfloat16
+        else:  # the portable twin (no native bf16, emulated, or no rows): at::linear in bfloat16
             y = F.linear(_rows_bf16(x2), self.weight)
         y = y.to(x.dtype)
         if self.bias is not None:
@@ -93,10 +101,13 @@ class BF16Linear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
-        """(BF16, 0, [packed weight]): this layer as the fused decode stack reads it; None without the packed
-        layout or with a bias."""
-        if self.packed is None or self.bias is not None:
+        """(BF16, 0, [packed weight]): this layer as the fused decode stack reads it (emulated: the plain weight,
+        which the stack multiplies through at::linear in bfloat16, the twin's arithmetic); None with a bias, or
+        without native bfloat16 and not emulated."""
+        if self.bias is not None:
             return None
+        if self.packed is None:
+            return (ProjectionKind.BF16, 0, [self._plain]) if emulated() else None
         return ProjectionKind.BF16, 0, [self.packed]
 
     def extra_repr(self) -> str:

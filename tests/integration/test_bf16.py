@@ -1,5 +1,6 @@
 """`--dtype bfloat16` (and `auto`) on a CPU with native bfloat16 matmuls: bfloat16 weights in oneDNN's layout,
-float32 activations, the fused decode stack; its greedy agreement with float32 (docs/engine.md)."""
+float32 activations, the fused decode stack; its greedy agreement with float32 (docs/engine.md). Every test runs
+on every CPU through the emulated twin, and on a bf16 CPU through the native matmul too."""
 
 from __future__ import annotations
 
@@ -8,19 +9,24 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model import bf16
+from llmserve.model.evaluate import top_k_divergence
 from tests.integration.prompts import CHATS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engines():
+@pytest.fixture(scope="module", params=["native", "emulate"])
+def engines(request):
+    """`--dtype auto` as a CPU with native bfloat16 runs it: oneDNN's bf16 matmul (only where this CPU has
+    AVX512-BF16 / AMX), and its portable twin on every CPU (LLMSERVE_CPU_BF16=emulate: the same rounding through
+    PyTorch's bf16 matmul), so the default path of bf16 CPUs is tested on every CPU.
+    tests/unit/test_bf16_linear.py holds the twin to the native matmul where both run."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("LLMSERVE_CPU_BF16", "1")
+    mp.setenv("LLMSERVE_CPU_BF16", "1" if request.param == "native" else "emulate")
     if not bf16.supported():
         mp.undo()
-        pytest.skip("this CPU has no native bfloat16 matmul")
-    auto = LLM(kv_cache_memory=0.5, max_model_len=1024)  # auto: bfloat16 on this CPU
+        pytest.skip("this CPU has no native bfloat16 matmul (the emulated twin runs in its place)")
+    auto = LLM(kv_cache_memory=0.5, max_model_len=1024)  # auto: bfloat16 on this CPU (or its twin)
     f32 = LLM(dtype="float32", kv_cache_memory=0.5, max_model_len=1024)
     yield auto, f32
     mp.undo()
@@ -47,16 +53,26 @@ def test_quantization_keeps_auto_on_float32():
         assert resolve_dtype("auto", cpu) is (torch.bfloat16 if bf16.supported() else torch.float32)
         mp.setenv("LLMSERVE_CPU_BF16", "0")
         assert resolve_dtype("auto", cpu) is torch.float32
+        mp.setenv("LLMSERVE_CPU_BF16", "emulate")  # the twin: auto picks bfloat16 on any CPU, as a bf16 CPU does
+        assert resolve_dtype("auto", cpu) is torch.bfloat16
+        assert resolve_dtype("auto", cpu, plain=False) is torch.float32
 
 
 def test_greedy_agreement_with_float32(engines):
-    """bfloat16 weights change the logits by ~0.4%: greedy paths may part after a near tie, but the first
-    tokens agree on most prompts (measured: docs/engine.md, "bfloat16")."""
+    """bfloat16 weights change the logits by ~0.4%: greedy paths may part after a near tie; judged as vLLM judges
+    reduced precision: at the first token where they part, each side's token is in the other's top-5
+    (docs/engine.md, "bfloat16")."""
     auto, f32 = engines
-    a = [o.outputs[0].token_ids for o in auto.generate(CHATS, GREEDY)]
-    b = [o.outputs[0].token_ids for o in f32.generate(CHATS, GREEDY)]
-    first = sum(x[0] == y[0] for x, y in zip(a, b))
-    assert first >= len(CHATS) - 1, (a, b)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    a = [o.outputs[0] for o in auto.generate(CHATS, params)]
+    b = [o.outputs[0] for o in f32.generate(CHATS, params)]
+    broken = {}
+    for i, (x, y) in enumerate(zip(a, b)):
+        tops = [[[t.token_id for t in lp.top] for lp in o.logprobs] for o in (x, y)]
+        why = top_k_divergence(list(x.token_ids), tops[0], list(y.token_ids), tops[1], k=5)
+        if why:
+            broken[i] = why
+    assert not broken, broken
 
 
 def test_batch_and_alone_agree(engines):

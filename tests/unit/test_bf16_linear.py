@@ -10,6 +10,16 @@ from llmserve.model import bf16
 from llmserve.model.kinds import ProjectionKind
 
 
+@pytest.fixture(params=["native", "emulate"])
+def mode(request, monkeypatch):
+    """Each path the bfloat16 mode can take: oneDNN's native matmul (only where the CPU has AVX512-BF16 / AMX) and
+    the portable twin (LLMSERVE_CPU_BF16=emulate, on every CPU)."""
+    monkeypatch.setenv("LLMSERVE_CPU_BF16", "1" if request.param == "native" else "emulate")
+    if not bf16.supported():
+        pytest.skip("this CPU has no native bfloat16 matmul (the emulated twin runs in its place)")
+    return request.param
+
+
 @pytest.fixture
 def native(monkeypatch):
     monkeypatch.setenv("LLMSERVE_CPU_BF16", "1")
@@ -25,22 +35,47 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_bf16_reference(native, rows, bias):
+def test_linear_matches_bf16_reference(mode, rows, bias):
     torch.manual_seed(rows)
     w, x = torch.randn(96, 64), torch.randn(rows, 64)
     b = torch.randn(96) if bias else None
     lin = bf16.BF16Linear(w, b)
-    assert lin.packed is not None and lin.packed.is_mkldnn and lin._plain is None  # one copy: the packed one
+    if mode == "native":
+        assert lin.packed is not None and lin.packed.is_mkldnn and lin._plain is None  # one copy: the packed one
+    else:
+        assert lin.packed is None and lin._plain.dtype is torch.bfloat16
     y = lin(x)
     assert y.dtype is torch.float32 and y.shape == (rows, 96)
     ref = reference(x, w, b)
     # the output is rounded to bfloat16 (8 bits of mantissa) before it is widened
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     assert torch.equal(lin.weight, w.bfloat16())
-    assert lin.kernel_args() == (ProjectionKind.BF16, 0, [lin.packed]) if not bias else lin.kernel_args() is None
+    args = lin.kernel_args()
+    if bias:
+        assert args is None
+    else:
+        assert args[:2] == (ProjectionKind.BF16, 0) and args[2][0] is (lin.packed if mode == "native" else lin._plain)
 
 
-def test_linear_keeps_leading_dims_and_empty_rows(native):
+@pytest.mark.parametrize("rows", [1, 7, 64, 200])
+def test_native_and_twin_agree(native, monkeypatch, rows):
+    """On a CPU with the instruction, the twin that stands in for it elsewhere computes the same values: both round
+    rows and weights to bfloat16 and the output to bfloat16, so they differ only where float32 sums in another order
+    round to a neighbouring bfloat16 (one step: 2^-8 relative); at the bundled model's projection size."""
+    torch.manual_seed(rows)
+    w, x = torch.randn(768, 576), torch.randn(rows, 576)
+    y_native = bf16.BF16Linear(w, None)(x)
+    monkeypatch.setenv("LLMSERVE_CPU_BF16", "emulate")
+    twin = bf16.BF16Linear(w, None)
+    assert twin.packed is None
+    y_twin = twin(x)
+    # one bfloat16 step of the value, or for a value near zero (a sum that cancels) float32's error of the sum
+    bound = 2**-7 * y_twin.abs() + 1e-4 * y_twin.abs().max()
+    assert ((y_native - y_twin).abs() <= bound).all(), ((y_native - y_twin).abs() - bound).max()
+    assert (y_native != y_twin).float().mean().item() < 0.05  # most outputs round to the same bfloat16
+
+
+def test_linear_keeps_leading_dims_and_empty_rows(mode):
     lin = bf16.BF16Linear(torch.randn(32, 16), None)
     assert lin(torch.randn(2, 5, 16)).shape == (2, 5, 32)
     assert lin(torch.randn(0, 16)).shape == (0, 32)
@@ -67,7 +102,7 @@ class Tiny(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight  # tied
 
 
-def test_to_bf16_replaces_layers_and_widens_the_rest(native):
+def test_to_bf16_replaces_layers_and_widens_the_rest(mode):
     m = Tiny()
     emb = m.embed_tokens.weight.detach().clone()
     assert bf16.to_bf16(m) == 3
