@@ -1,6 +1,7 @@
 """Schemathesis against the server's own /openapi.json (issue #8): every operation, positive and negative
 examples, sent as JSON and as text/plain, with and without the API key. No 5xx, no hang, every 4xx in
-OpenAI's error shape, and 2xx JSON answers conform to the documented response schema.
+OpenAI's error shape, every status and content type is declared for its operation (issue #55), and 2xx JSON
+answers conform to the documented response schema.
 
 Generation lengths are clamped (max_tokens <= 4 when the example gives a valid one or none) and the
 server runs with --max-model-len 256, so that the run fits CI's time budget; FUZZ_EXAMPLES sets the
@@ -24,7 +25,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from llmserve.testing.launcher import ServerProcess
 
@@ -119,15 +124,17 @@ def _check_case(case, url: str, tally: dict) -> None:
     key = (f"{case.method.upper()} {case.path}", f"{resp.status_code // 100}xx")
     tally[key] = tally.get(key, 0) + 1
     _check_shape(resp, f"{case.method} {case.path} with key", case.path)
-    checks = [not_a_server_error]
+    # every status and content type declared (issue #55: 400 / 404 on /api/*, SSE and NDJSON streams)
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance]
     ctype = resp.headers.get("content-type") or ""
     ctype = ctype[0] if isinstance(ctype, list) else ctype  # schemathesis' Response: lists of values
     if resp.status_code < 300 and ctype.startswith("application/json"):
-        checks += [content_type_conformance, response_schema_conformance]
+        checks += [response_schema_conformance]
     case.validate_response(resp, checks=checks)
     # without the key: 401 for the API, the probes stay open
     resp = case.call(base_url=url, headers={}, timeout=TIMEOUT)
     _check_shape(resp, f"{case.method} {case.path} without key", case.path)
+    case.validate_response(resp, checks=[status_code_conformance, content_type_conformance])
     if case.path not in OPEN:
         assert resp.status_code == 401, (case.path, resp.status_code)
     tally["calls"] = tally.get("calls", 0) + 2
