@@ -31,6 +31,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from llmserve.testing.fuzz import clamp_budget
 from llmserve.testing.launcher import ServerProcess
 
 KEY = "fuzz-key"
@@ -78,28 +79,6 @@ def server(tmp_path_factory):
         srv.kill()
 
 
-def _clamp(body, path: str = ""):
-    """Keep generations short: a positive max_tokens (the Responses API's max_output_tokens) above 4 becomes 4;
-    none given becomes 4."""
-    if isinstance(body, dict) and path in ("/api/chat", "/api/generate"):  # Ollama's: options.num_predict
-        opts = body.get("options")
-        if isinstance(opts, dict):
-            v = opts.get("num_predict")
-            if not isinstance(v, int) or isinstance(v, bool) or v > 4 or v < 0:
-                opts["num_predict"] = 4
-        elif opts is None:
-            body["options"] = {"num_predict": 4}
-        return
-    if isinstance(body, dict) and path != "/v1/embeddings":
-        keys = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
-        for k in keys:
-            v = body.get(k)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 4:
-                body[k] = 4
-        if not any(k in body for k in keys):
-            body[keys[0]] = 4
-
-
 def _check_shape(resp, label: str, path: str = "") -> None:
     assert resp.status_code < 500, f"{label}: {resp.status_code} {resp.text[:400]}"
     if 400 <= resp.status_code < 500 and path.startswith("/v1/messages"):
@@ -118,7 +97,7 @@ def _check_shape(resp, label: str, path: str = "") -> None:
 
 def _check_case(case, url: str, tally: dict) -> None:
     if not isinstance(case.body, schemathesis.core.NotSet):
-        _clamp(case.body, case.path)
+        clamp_budget(case.body, case.path)
     # with the key, as JSON: schemathesis' own checks plus ours
     resp = case.call(base_url=url, headers=H, timeout=TIMEOUT)
     key = (f"{case.method.upper()} {case.path}", f"{resp.status_code // 100}xx")
