@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import platform
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from llmserve.server.openapi import STREAMED
 from llmserve.testing.fuzz import clamp_budget
 from llmserve.testing.launcher import ServerProcess
 
@@ -85,6 +87,9 @@ def run_operation(op, url: str, tally: Tally, examples: int, deadline: float, ma
             extra = (response_schema_conformance,) if resp.status_code < 300 and "json" in ctype else ()
             tally.check(case, resp, CHECKS + extra)
             tally.check(case, case.call(base_url=url, headers={}, timeout=300), CHECKS)
+            if case.path in STREAMED and isinstance(case.body, dict) and case.body.get("stream") is not True:
+                case.body["stream"] = True  # the same body streamed: SSE or NDJSON, declared too
+                tally.check(case, case.call(base_url=url, headers=H, timeout=300), CHECKS)
 
         try:
             run()
@@ -92,6 +97,15 @@ def run_operation(op, url: str, tally: Tally, examples: int, deadline: float, ma
             pass  # an operation without parameters or body has no negative cases
         except Exception as e:  # noqa: BLE001 - a case that could not be sent: reported, the run goes on
             tally.failures["client"].append(f"{op.method.upper()} {op.path}: {e!r}"[:300])
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.machine()
+    return f"{name}, {os.cpu_count()} CPUs"
 
 
 def main(argv=None) -> int:
@@ -114,9 +128,12 @@ def main(argv=None) -> int:
             run_operation(op, srv.url, tally, args.examples, time.time() + share, args.max_tokens)
         elapsed = time.time() - t0
         alive = srv.proc.poll() is None
-    print(f"# schemathesis {schemathesis.__version__} against llmserve serve ({platform.processor() or 'cpu'})")
+    print(
+        f"# schemathesis {schemathesis.__version__} against llmserve serve ({cpu_name()}), {time.strftime('%Y-%m-%d')}"
+    )
     print(f"operations: {len(ops)}; requests: {tally.requests} in {elapsed:.0f} s; server alive at the end: {alive}")
     print("answers: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.answers.items())))
+    print(f"examples per operation and mode: {args.examples}; token budget: {args.max_tokens}")
     print("200 content types: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.media.items())))
     for name in [c.__name__ for c in CHECKS] + ["response_schema_conformance", "client"]:
         found = tally.failures.get(name, [])
