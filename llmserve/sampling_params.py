@@ -26,6 +26,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the last N tokens (prompt and output) repetition_penalty looks at (llama.cpp's and Ollama's repeat_last_n);
+    # None: all of them, as vLLM
+    repetition_last_n: int | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -90,6 +93,9 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not 0 < self.repetition_penalty <= 10:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        n = self.repetition_last_n
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise bad("repetition_last_n", f"must be None (all tokens) or an integer >= 1, got {n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -81,8 +81,16 @@ def _weight(name: str, qtype: str, rows: int, cols: int, rng) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: str, types: dict[str, str] = MIXED, tied: bool = False, seed: int = 0, arch: str = "llama"
+    path: str,
+    types: dict[str, str] = MIXED,
+    tied: bool = False,
+    seed: int = 0,
+    arch: str = "llama",
+    file_type: int | None = None,
+    sampling: dict | None = None,
 ) -> str:
+    """`file_type`: general.file_type (llama.cpp's LlamaFileType: 15 Q4_K_M); `sampling`: general.sampling.* keys
+    (temp, top_k, top_p, min_p, penalty_repeat, penalty_last_n), the maker's recommended sampling."""
     import os
 
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
@@ -102,6 +110,11 @@ def write_tiny_gguf(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
+    if file_type is not None:
+        w.add_file_type(file_type)
+    for key, value in (sampling or {}).items():
+        add_value = w.add_int32 if key in ("top_k", "penalty_last_n") else w.add_float32
+        add_value(f"general.sampling.{key}", value)
     for key, (value, vtypes) in tok.items():
         sub = vtypes[1] if vtypes[0] == GGUFValueType.ARRAY else None
         w.add_key_value(key, value, vtypes[0], sub_type=sub)

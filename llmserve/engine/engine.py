@@ -35,6 +35,7 @@ from llmserve.engine.state_pool import hybrid_config, plan_state_pool
 from llmserve.engine.step_budget import resolve_max_step_ms
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
+from llmserve.model.loader.gguf_facts import gguf_facts
 from llmserve.model.registry import image_processing
 from llmserve.model.vision.inputs import mrope_positions, prompt_images
 from llmserve.tokenizer import Tokenizer
@@ -105,6 +106,7 @@ class LLMEngine:
         self.default_sampling = default_sampling(
             config.generation_config, source.path if source.kind == "hf" else None, config.override_generation_config
         )
+        self.gguf_facts = gguf_facts(reader)  # a GGUF's file type, parameter count, recommended sampling; or None
         self.tokenizer = Tokenizer(source.path, gguf=source.kind == "gguf")
         # a vision-language model's image processing (llmserve.model.vision.processing); None: text only
         self.image_processing = image_processing(mc, source.path)

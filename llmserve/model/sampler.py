@@ -51,7 +51,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         if len(out) and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(row.prompt_ids + row.output_ids, dtype=torch.long, device=logits.device)
+            recent = row.prompt_ids + row.output_ids
+            recent = recent[-p.repetition_last_n :] if p.repetition_last_n else recent
+            seen = torch.tensor(recent, dtype=torch.long, device=logits.device)
             mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             mask[seen[seen < vocab]] = True
             x = logits[i]

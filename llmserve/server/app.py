@@ -14,6 +14,7 @@ token ids and SamplingParams to the engine, and turns the engine's outputs into 
     tool_parsers/, reasoning.py  tool calls (prompt, grammar, one parser per model format) and thinking
                    models' reasoning, for all APIs
     errors.py      APIError (the shape is llmserve/errors.py's)
+    openapi.py     /openapi.json: each operation's statuses, error models and streamed media types declared
     faults.py      fault injection, a test facility
 
 This module assembles the app: `build_app(settings)`.
@@ -34,6 +35,7 @@ from llmserve.server.errors import APIError, from_validation_errors
 from llmserve.server.faults import FAULT_LOOP_MARKER, FAULT_REQUEST_MARKER
 from llmserve.server.middleware import BodyRefused, install_middleware
 from llmserve.server.models_dir import InFlight, ModelPool
+from llmserve.server.openapi import install as install_openapi
 from llmserve.server.state import ServerSettings, ServerState
 
 # what other modules and the tests import from here
@@ -104,5 +106,5 @@ def build_app(settings: ServerSettings, load_in_background: bool = True) -> Fast
         log.exception("unhandled error")
         return APIError(500, f"internal error: {type(exc).__name__}").response(request.url.path)
 
-    include_apis(app, state)
+    install_openapi(app, include_apis(app, state))  # every status and streamed media type declared (server/openapi.py)
     return app

@@ -172,13 +172,15 @@ class ServerState:
             m.finished(out, num_prompt_tokens)
         met = out.metrics
         comp = out.outputs[0]
+        # the first token as the client got it; an aborted request has no stream's times: the engine's own
+        first = times[0] if times else (met.first_token_time if met and comp.token_ids else None)
         fields = {
             "request_id": out.request_id,
             "prompt_tokens": num_prompt_tokens,
             "output_tokens": len(comp.token_ids),
             "cached_tokens": out.num_cached_tokens,
             "queue_time": round((met.first_scheduled_time or met.arrival_time) - met.arrival_time, 4) if met else None,
-            "ttft": round(times[0] - met.arrival_time, 4) if met and times else None,
+            "ttft": round(first - met.arrival_time, 4) if met and first is not None else None,
             "total_time": round((met.finished_time or time.time()) - met.arrival_time, 4) if met else None,
             "finish_reason": comp.finish_reason,
             "preemptions": met.num_preemptions if met else 0,

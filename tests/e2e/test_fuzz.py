@@ -1,6 +1,7 @@
 """Schemathesis against the server's own /openapi.json (issue #8): every operation, positive and negative
 examples, sent as JSON and as text/plain, with and without the API key. No 5xx, no hang, every 4xx in
-OpenAI's error shape, and 2xx JSON answers conform to the documented response schema.
+OpenAI's error shape, every status and content type is declared for its operation (issue #55), and 2xx JSON
+answers conform to the documented response schema.
 
 Generation lengths are clamped (max_tokens <= 4 when the example gives a valid one or none) and the
 server runs with --max-model-len 256, so that the run fits CI's time budget; FUZZ_EXAMPLES sets the
@@ -24,8 +25,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
+from llmserve.testing.fuzz import clamp_budget
 from llmserve.testing.launcher import ServerProcess
 
 KEY = "fuzz-key"
@@ -73,28 +79,6 @@ def server(tmp_path_factory):
         srv.kill()
 
 
-def _clamp(body, path: str = ""):
-    """Keep generations short: a positive max_tokens (the Responses API's max_output_tokens) above 4 becomes 4;
-    none given becomes 4."""
-    if isinstance(body, dict) and path in ("/api/chat", "/api/generate"):  # Ollama's: options.num_predict
-        opts = body.get("options")
-        if isinstance(opts, dict):
-            v = opts.get("num_predict")
-            if not isinstance(v, int) or isinstance(v, bool) or v > 4 or v < 0:
-                opts["num_predict"] = 4
-        elif opts is None:
-            body["options"] = {"num_predict": 4}
-        return
-    if isinstance(body, dict) and path != "/v1/embeddings":
-        keys = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
-        for k in keys:
-            v = body.get(k)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 4:
-                body[k] = 4
-        if not any(k in body for k in keys):
-            body[keys[0]] = 4
-
-
 def _check_shape(resp, label: str, path: str = "") -> None:
     assert resp.status_code < 500, f"{label}: {resp.status_code} {resp.text[:400]}"
     if 400 <= resp.status_code < 500 and path.startswith("/v1/messages"):
@@ -113,21 +97,23 @@ def _check_shape(resp, label: str, path: str = "") -> None:
 
 def _check_case(case, url: str, tally: dict) -> None:
     if not isinstance(case.body, schemathesis.core.NotSet):
-        _clamp(case.body, case.path)
+        clamp_budget(case.body, case.path)
     # with the key, as JSON: schemathesis' own checks plus ours
     resp = case.call(base_url=url, headers=H, timeout=TIMEOUT)
     key = (f"{case.method.upper()} {case.path}", f"{resp.status_code // 100}xx")
     tally[key] = tally.get(key, 0) + 1
     _check_shape(resp, f"{case.method} {case.path} with key", case.path)
-    checks = [not_a_server_error]
+    # every status and content type declared (issue #55: 400 / 404 on /api/*, SSE and NDJSON streams)
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance]
     ctype = resp.headers.get("content-type") or ""
     ctype = ctype[0] if isinstance(ctype, list) else ctype  # schemathesis' Response: lists of values
     if resp.status_code < 300 and ctype.startswith("application/json"):
-        checks += [content_type_conformance, response_schema_conformance]
+        checks += [response_schema_conformance]
     case.validate_response(resp, checks=checks)
     # without the key: 401 for the API, the probes stay open
     resp = case.call(base_url=url, headers={}, timeout=TIMEOUT)
     _check_shape(resp, f"{case.method} {case.path} without key", case.path)
+    case.validate_response(resp, checks=[status_code_conformance, content_type_conformance])
     if case.path not in OPEN:
         assert resp.status_code == 401, (case.path, resp.status_code)
     tally["calls"] = tally.get("calls", 0) + 2

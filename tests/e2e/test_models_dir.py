@@ -155,7 +155,12 @@ def test_two_models_under_concurrent_mixed_load(server):
         return httpx.post(server.url + "/v1/completions", json=body, timeout=600).json()
 
     def ollama_smol(_):
-        body = {"model": "smol", "messages": PROMPT, "stream": False, "options": {"temperature": 0, "num_predict": 8}}
+        body = {
+            "model": "smol",
+            "messages": PROMPT,
+            "stream": False,
+            "options": {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0},
+        }
         return httpx.post(server.url + "/api/chat", json=body, timeout=600).json()
 
     with ThreadPoolExecutor(8) as ex:

@@ -17,7 +17,8 @@ from PIL import Image
 
 NAME = "smol"
 Q = [{"role": "user", "content": "Write a long story about a cat."}]
-GREEDY = {"temperature": 0, "num_predict": 12}
+# greedy, without Ollama's default repeat penalty (1.1 over the last 64 tokens): the OpenAI routes' greedy answer
+GREEDY = {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0}
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},

@@ -23,7 +23,8 @@ NAME = "smol"
 MODEL = f"{NAME}:latest"
 STORY = "Write a long story about a cat."
 Q = [{"role": "user", "content": STORY}]
-GREEDY = {"temperature": 0, "seed": 1, "num_predict": 12}
+# greedy without Ollama's default repeat penalty (1.1 over the last 64 tokens): the most likely token each step
+GREEDY = {"temperature": 0, "seed": 1, "num_predict": 12, "repeat_penalty": 1.0}
 KEY = "sk-apis"  # the reasoning_server fixture's key (tests/e2e/conftest.py)
 
 
@@ -88,7 +89,7 @@ def test_chat_plain_and_streamed(client, greedy):
     last = parts[-1]
     assert last.done_reason == "length" and last.eval_count == 12 and last.prompt_eval_count == greedy.prompt_eval_count
     # options as the client's typed Options; top_k 1 is greedy whatever the temperature
-    top1 = client.chat(MODEL, Q, options=ollama.Options(top_k=1, num_predict=12))
+    top1 = client.chat(MODEL, Q, options=ollama.Options(top_k=1, num_predict=12, repeat_penalty=1.0))
     assert top1.message.content == greedy.message.content
 
 
@@ -149,7 +150,7 @@ def test_a_python_function_as_a_tool(client):
         ollama.Message(role="assistant", content="", tool_calls=[call]),
         ollama.Message(role="tool", content="5", tool_name="add"),
     ]
-    opts = {"temperature": 0, "num_predict": 40}
+    opts = {"temperature": 0, "num_predict": 40, "repeat_penalty": 1.0}
     r = client.chat(MODEL, history, tools=[add], options=opts)
     (c,) = r.message.tool_calls
     assert isinstance(c, ollama.Message.ToolCall) and c.function.name == "add"
@@ -254,7 +255,13 @@ def test_async_client(server, greedy):
 
 def test_langchain_ollama(server, client, greedy):
     llm = ChatOllama(
-        model=NAME, base_url=server.url, temperature=0, seed=1, num_predict=12, validate_model_on_init=True
+        model=NAME,
+        base_url=server.url,
+        temperature=0,
+        repeat_penalty=1.0,
+        seed=1,
+        num_predict=12,
+        validate_model_on_init=True,
     )
     m = llm.invoke(STORY)
     assert m.content == greedy.message.content and m.response_metadata["done_reason"] == "length"
@@ -267,7 +274,8 @@ def test_langchain_ollama(server, client, greedy):
         AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1"}]),
         ToolMessage("5", tool_call_id="call_1"),
     ]
-    tooled = ChatOllama(model=NAME, base_url=server.url, temperature=0, num_predict=40).bind_tools([add])
+    tooled = ChatOllama(model=NAME, base_url=server.url, temperature=0, repeat_penalty=1.0, num_predict=40)
+    tooled = tooled.bind_tools([add])
     (call,) = tooled.invoke(history).tool_calls
     assert call["name"] == "add" and isinstance(add(**call["args"]), int)
     structured = ChatOllama(model=NAME, base_url=server.url, temperature=0, num_predict=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
 import time
@@ -224,6 +225,9 @@ def test_disconnect_aborts(server):
     # counted as vLLM does: request_success_total{finished_reason="abort"} (recorded on the engine
     # thread just after the blocks are freed: allow it a moment)
     _wait_metric(server, _aborted, before + 1)
+    # its log line carries the tokens it produced and the time to the first (issue #55)
+    (line,) = [json.loads(x[x.index("{") :]) for x in server.log().splitlines() if '"finish_reason": "abort"' in x][-1:]
+    assert line["output_tokens"] >= 2 and 0 < line["ttft"] <= line["total_time"]
     # a non-streamed request whose client gives up (a read timeout closes the connection): aborted too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(

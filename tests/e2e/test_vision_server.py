@@ -234,7 +234,7 @@ def test_ollama_client_sends_images(server, client, reference):
 
     picture = pictures(1, 0, size=SIZES[0])[0]
     oc = ollama.Client(host=server.url, timeout=120)
-    opts = {"temperature": 0, "num_predict": MAX_TOKENS}
+    opts = {"temperature": 0, "num_predict": MAX_TOKENS, "repeat_penalty": 1.0}  # (Ollama's default: 1.1)
     r = oc.chat(model="vlm", messages=[{"role": "user", "content": QUESTION, "images": [_png(picture)]}], options=opts)
     parts = [_image(_data_url(picture)), {"type": "text", "text": QUESTION}]
     same = client.chat.completions.create(

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve.errors import error_body_for
+from llmserve.model.loader.gguf_facts import file_type_name
 from llmserve.sampling_params import Logprob, TokenLogprobs
 from llmserve.server import tool_parsers
 from llmserve.server.api import ollama as O
-from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls, parameter_count, tagged
+from llmserve.server.api.ollama_options import OLLAMA_DEFAULTS, parameters_text, sampling_fields
+from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls, parameter_count, size_label, tagged
 from llmserve.server.errors import APIError
 from llmserve.server.reasoning import ReasoningParser
 
@@ -34,15 +36,55 @@ def test_options_map_onto_sampling_fields():
         },
         format="json",
     )
-    sf, predict, ctx = O.sampling_fields(body)
+    s = sampling_fields(body)
+    sf = s.fields
     assert (sf.temperature, sf.top_k, sf.top_p, sf.stop, sf.seed) == (0, 5, 0.5, ["\n"], 7)
     assert sf.repetition_penalty == 1.2 and sf.response_format == {"type": "json_object"}
-    assert (predict, ctx) == (9, 256)
-    sf, predict, _ = O.sampling_fields(O.ChatRequest(model="m", options={"seed": -1, "num_predict": -1}))
-    assert sf.seed is None and predict is None
+    assert (s.predict, s.ctx, s.last_n) == (9, 256, 64)
+    s = sampling_fields(O.ChatRequest(model="m", options={"seed": -1, "num_predict": -1}))
+    assert s.fields.seed is None and s.predict is None
     schema = {"type": "object"}
-    sf, _, _ = O.sampling_fields(O.ChatRequest(model="m", format=schema))
+    sf = sampling_fields(O.ChatRequest(model="m", format=schema)).fields
     assert sf.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def test_without_options_ollamas_defaults_then_the_models_own_parameters():
+    s = sampling_fields(O.ChatRequest(model="m"))
+    sf = s.fields
+    assert (sf.temperature, sf.top_k, sf.top_p, sf.min_p, sf.repetition_penalty, s.last_n) == (0.8, 40, 0.9, 0, 1.1, 64)
+    # the model's parameters over Ollama's defaults, the request's options over both
+    defaults = {**OLLAMA_DEFAULTS, "temperature": 0.6, "top_k": 20}
+    s = sampling_fields(O.ChatRequest(model="m", options={"top_k": 5}), defaults)
+    assert (s.fields.temperature, s.fields.top_k, s.fields.top_p) == (0.6, 5, 0.9)
+    # repeat_last_n: -1 the whole context, 0 no repeat penalty
+    s = sampling_fields(O.ChatRequest(model="m", options={"repeat_last_n": -1}))
+    assert s.last_n is None and s.fields.repetition_penalty == 1.1
+    s = sampling_fields(O.ChatRequest(model="m", options={"repeat_last_n": 0}))
+    assert s.last_n is None and s.fields.repetition_penalty == 1.0
+
+
+def test_show_parameters_text_is_ollamas_layout():
+    text = parameters_text({"temperature": 0.8, "stop": "<|im_end|>", "top_k": 40})
+    assert text.splitlines() == [f'{"stop":<30} "<|im_end|>"', f"{'temperature':<30} 0.8", f"{'top_k':<30} 40"]
+
+
+@pytest.mark.parametrize(
+    "number, name", [(0, "F32"), (1, "F16"), (3, "Q4_1"), (7, "Q8_0"), (15, "Q4_K_M"), (32, "BF16"), (38, "MXFP4")]
+)
+def test_file_type_names_are_llama_cpps(number, name):
+    assert file_type_name(number) == name
+
+
+def test_file_type_unknown_or_guessed_is_none():
+    assert file_type_name(1024) is None and file_type_name(9999) is None and file_type_name(None) is None
+
+
+@pytest.mark.parametrize(
+    "n, label",
+    [(134_515_008, "134.52M"), (135_000_000, "135M"), (8_030_261_248, "8.0B"), (3_000_000_000, "3B"), (22_500, "22K")],
+)
+def test_parameter_size_is_ollamas_human_number(n, label):
+    assert size_label(n) == label
 
 
 @pytest.mark.parametrize(
@@ -55,7 +97,7 @@ def test_options_map_onto_sampling_fields():
 )
 def test_bad_options_are_400_naming_the_option(options, where):
     with pytest.raises(APIError) as e:
-        O.sampling_fields(O.ChatRequest(model="m", options=options))
+        sampling_fields(O.ChatRequest(model="m", options=options))
     assert e.value.status == 400 and e.value.message.startswith(where)
 
 

@@ -8,6 +8,7 @@ import math
 import pathlib
 from collections import Counter
 
+import pytest
 import torch
 
 from llmserve.model.sampler import SamplingRow, apply_penalties, sample
@@ -50,6 +51,11 @@ def test_penalties():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     row = SamplingRow(SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1])
     assert apply_penalties(logits.clone(), [row]).tolist() == [[1.0, -4.0, 1.0, 0.5]]  # seen: 0 and 1
+    # repetition_last_n (Ollama's repeat_last_n): only the last N tokens count; the prompt's 0 is out of reach
+    row = SamplingRow(SamplingParams(repetition_penalty=2.0, repetition_last_n=2), prompt_ids=[0], output_ids=[2, 1])
+    assert apply_penalties(logits.clone(), [row]).tolist() == [[2.0, -4.0, 0.5, 0.5]]
+    with pytest.raises(ValueError, match="repetition_last_n"):
+        SamplingParams(repetition_last_n=0)
     row = SamplingRow(
         SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt_ids=[3], output_ids=[2, 2, 0]
     )

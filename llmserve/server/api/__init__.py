@@ -68,8 +68,12 @@ APIS = (
 )
 
 
-def include_apis(app: FastAPI, state: ServerState) -> None:
+def include_apis(app: FastAPI, state: ServerState) -> list:
+    """Include the enabled APIs' routers; their routes (for server/openapi.py)."""
+    routes = []
     for api in APIS:
         enabled = getattr(api, "enabled", None)
         if enabled is None or enabled(state):
             app.include_router(api.router)
+            routes += api.router.routes
+    return routes

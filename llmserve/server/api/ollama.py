@@ -8,7 +8,8 @@
 
 Names are Ollama's `name:tag`: the served model is `NAME:latest` (NAME alone works too). `options` map onto
 sampling (num_predict, temperature, top_k, top_p, min_p, stop, seed, num_ctx, repeat_penalty,
-presence_penalty, frequency_penalty; others such as num_gpu or num_thread are ignored); `format` ("json" or a
+repeat_last_n, presence_penalty, frequency_penalty; others such as num_gpu or num_thread are ignored), over the
+model's own parameters and Ollama's defaults (ollama_options.py: temperature 0.8, top_k 40, ...); `format` ("json" or a
 JSON schema) is the structured-output path; `tools` are the chat API's (server/tool_parsers/), the calls come
 back with `arguments` as an object; `images` (base64) go to a vision-language model as image parts; `think` sets
 the template's enable_thinking and, with --reasoning-parser, the reasoning comes back in `thinking`; `logprobs`
@@ -35,6 +36,7 @@ from llmserve import __version__
 from llmserve.server import media
 from llmserve.server import protocol as P
 from llmserve.server.api import embeddings as E
+from llmserve.server.api.ollama_options import effective_parameters, parameters_text, sampling_fields, with_last_n
 from llmserve.server.api.ollama_render import (
     NDJSON,
     NEVER,
@@ -155,51 +157,6 @@ def resolve(state: ServerState, name: str) -> str:
         raise
 
 
-# option -> SamplingFields field (the same checks and defaults as the OpenAI-style APIs)
-OPTIONS = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "stop": "stop",
-    "seed": "seed",
-    "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
-
-
-def response_format(fmt) -> dict | None:
-    if fmt in (None, ""):
-        return None
-    if fmt == "json":
-        return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt}}
-
-
-def sampling_fields(body: _Generating) -> tuple[P.SamplingFields, int | None, int | None]:
-    """(the sampling fields, num_predict or None, num_ctx or None) of `options` and `format`."""
-    o = {k: v for k, v in (body.options or {}).items() if v is not None}
-    fields = {OPTIONS[k]: v for k, v in o.items() if k in OPTIONS}
-    if isinstance(fields.get("seed"), int) and fields["seed"] < 0:  # Ollama's -1: a random seed
-        fields.pop("seed")
-    try:
-        sf = P.SamplingFields(**fields, response_format=response_format(body.format))
-        predict, ctx = o.get("num_predict"), o.get("num_ctx")
-        for k, v in (("num_predict", predict), ("num_ctx", ctx)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"options.{k}: must be an integer")
-    except ValidationError as e:
-        err = e.errors()[0]
-        inv = {v: k for k, v in OPTIONS.items()}
-        where = ".".join(str(x) for x in err.get("loc", ()))
-        where = "format" if where.startswith("response_format") else f"options.{inv.get(where, where)}"
-        raise APIError(400, f"{where}: {err.get('msg')}", param=where.split(".")[0]) from e
-    except ValueError as e:
-        raise from_value_error(e) from e
-    return sf, (predict if predict is not None and predict > 0 else None), (ctx if ctx and ctx > 0 else None)
-
-
 def with_images(text: str, images: list[str] | None, where: str) -> str | list:
     """A content with Ollama's `images` (bare base64) as image parts before its text, where Ollama puts them."""
     return [*media.base64_image_parts(images, where), P.TextPart(text=text)] if images else text
@@ -274,19 +231,20 @@ async def chat(body: ChatRequest, request: Request, state: State):
         tool_plan = state.plan_tools(body.tools, None)
     except ValueError as e:
         raise from_value_error(e) from e
-    sf, predict, ctx = sampling_fields(body)
+    s = sampling_fields(body, effective_parameters(eng.engine))
     runs = await chat_runs(
         eng,
         state.settings,
-        sf,
+        s.fields,
         chat_messages(body.messages),
-        predict,
+        s.predict,
         tool_plan,
         logprobs=body.logprob_count(),
         template_kwargs=_template_kwargs(state, body, body.model),
         max_tokens_param="options.num_predict",
-        context=ctx,
+        context=s.ctx,
     )
+    with_last_n(runs, s.last_n)
     reasoning = state.reasoning if body.think is not False else None
     rendering = OllamaRendering(
         "chat",
@@ -312,18 +270,18 @@ async def generate(body: GenerateRequest, request: Request, state: State):
     keep = keep_alive(state, body.keep_alive)
     if not body.prompt:
         return _loaded(body.model, "generate", keep)
-    sf, predict, ctx = sampling_fields(body)
+    s = sampling_fields(body, effective_parameters(eng.engine))
     if body.raw:
         ids = await asyncio.to_thread(eng.tokenizer.encode, body.prompt)
         params = sampling_params(
-            sf,
+            s.fields,
             eng,
             len(ids),
-            predict,
+            s.predict,
             body.logprob_count(),
             prompt_param="prompt",
             max_tokens_param="options.num_predict",
-            context=ctx,
+            context=s.ctx,
         )
         await compile_guided(eng, params)
         runs = [(i, 0, ids, p) for i, p in enumerate(fan_out(params))]
@@ -335,15 +293,16 @@ async def generate(body: GenerateRequest, request: Request, state: State):
         runs = await chat_runs(
             eng,
             state.settings,
-            sf,
+            s.fields,
             msgs,
-            predict,
+            s.predict,
             logprobs=body.logprob_count(),
             template_kwargs=_template_kwargs(state, body, body.model),
             prompt_param="prompt",
             max_tokens_param="options.num_predict",
-            context=ctx,
+            context=s.ctx,
         )
+    with_last_n(runs, s.last_n)
     reasoning = state.reasoning if body.think is not False and not body.raw else None
     rendering = OllamaRendering(
         "generate",
@@ -461,7 +420,7 @@ async def show(body: NameRequest, state: State):
     capabilities += ["vision"] if eng.engine.image_processing is not None else []
     return {
         "modelfile": f"FROM {eng.engine.model_path}\n",
-        "parameters": "",
+        "parameters": parameters_text(effective_parameters(eng.engine)),
         "template": template if isinstance(template, str) else "",
         "details": d["details"],
         "model_info": d["model_info"],

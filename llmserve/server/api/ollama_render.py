@@ -195,12 +195,13 @@ def parameter_count(mc) -> int:
     return embed + mc.num_layers * (attn + mlp + 2 * mc.hidden_size) + mc.hidden_size
 
 
-def _size_label(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+def size_label(n: int) -> str:
+    """Ollama's parameter_size (its format.HumanNumber): 8B, 3.2B, 134.52M, 135M, 22K."""
+    for unit, scale, digits in (("B", 10**9, 1), ("M", 10**6, 2)):
         if n >= scale:
             v = n / scale
-            return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
-    return str(n)
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.{digits}f}{unit}"
+    return f"{n / 1000:.0f}K" if n >= 1000 else str(n)
 
 
 def family(mc) -> str:
@@ -208,9 +209,31 @@ def family(mc) -> str:
     return kind or mc.architecture.lower().removesuffix("forcausallm")
 
 
+_FILE_FACTS: dict[tuple, object] = {}  # (path, size, mtime) -> GGUFFacts or None, read once per file version
+
+
+def _file_facts(path: str, size: int, mtime: float):
+    """A GGUF file's facts (its metadata only: a memory map, no weights read); None for a folder or a bad file."""
+    key = (path, size, mtime)
+    if key not in _FILE_FACTS:
+        facts = None
+        if path.endswith(".gguf"):
+            from llmserve.model.loader.gguf import open_gguf
+            from llmserve.model.loader.gguf_facts import gguf_facts
+
+            try:
+                facts = gguf_facts(open_gguf(path))
+            except (ValueError, OSError):
+                facts = None  # (loading it says why)
+        _FILE_FACTS[key] = facts
+    return _FILE_FACTS[key]
+
+
 def describe_file(path: str) -> dict:
-    """What /api/tags says of a model of --models-dir that is not loaded: its file's size, digest and date."""
+    """What /api/tags says of a model of --models-dir that is not loaded: its file's size, digest and date, and
+    a GGUF file's family, parameter size and quantization level from its metadata."""
     size, mtime = _disk(path)
+    facts = _file_facts(path, size, mtime)
     return {
         "size": size,
         "digest": hashlib.sha256(f"{path}:{size}:{mtime}".encode()).hexdigest(),
@@ -218,12 +241,16 @@ def describe_file(path: str) -> dict:
         "details": {
             "parent_model": "",
             "format": "gguf" if path.endswith(".gguf") else "safetensors",
-            "family": "",
-            "families": None,
-            "parameter_size": "",
-            "quantization_level": "",
+            "family": facts.architecture if facts else "",
+            "families": [facts.architecture] if facts else None,
+            "parameter_size": size_label(facts.parameter_count) if facts else "",
+            "quantization_level": facts.file_type if facts else "",
         },
     }
+
+
+# the weights' dtype as Ollama names an unquantized model's quantization_level
+_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
 
 
 def rfc3339(t: float) -> str:
@@ -238,9 +265,14 @@ def describe(engine) -> dict:
         return cached
     mc = engine.model_config
     size, mtime = _disk(engine.model_path)
-    gguf = engine.source.kind == "gguf"
-    quant = engine.config.quantization or ("gguf" if gguf else str(engine.dtype).removeprefix("torch."))
-    fam, params = family(mc), parameter_count(mc)
+    facts = getattr(engine, "gguf_facts", None)  # a GGUF file's own type and count (model/loader/gguf_facts.py)
+    gguf = facts is not None
+    if gguf:
+        quant, fam, params = facts.file_type, facts.architecture or family(mc), facts.parameter_count
+    else:
+        quant = engine.config.quantization or _DTYPES.get(str(engine.dtype), str(engine.dtype))
+        fam, params = family(mc), parameter_count(mc)
+    families = [fam, "clip"] if getattr(engine.source, "mmproj", None) else [fam]
     desc = {
         "size": size,
         "digest": hashlib.sha256(f"{engine.model_path}:{size}:{mtime}".encode()).hexdigest(),
@@ -249,8 +281,8 @@ def describe(engine) -> dict:
             "parent_model": "",
             "format": "gguf" if gguf else "safetensors",
             "family": fam,
-            "families": [fam],
-            "parameter_size": _size_label(params),
+            "families": families,
+            "parameter_size": size_label(params),
             "quantization_level": quant.upper(),
         },
         "model_info": {
