@@ -119,7 +119,7 @@ podman build --format docker -f deploy/Dockerfile --build-arg BASE="$BASE" --bui
   die "build (see $WORK/build.log)"
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 log "build: $(($(date +%s) - t)) s, image $((size / 1000000)) MB ($(grep -c 'Using cache' "$WORK/build.log" || true) steps from cache)"
-user=$(podman run --rm "$IMAGE" id -un)
+user=$(podman run --rm "$IMAGE" id -un 2>/dev/null)
 [ "$user" = llmserve ] || die "the image runs as $user, not llmserve"
 log "image: runs as $user; layer sizes, newest first: $(podman history --format '{{.Size}}' "$IMAGE" | grep -v '^0 B' | paste -sd, | sed 's/,/, /g')"
 # the kernels compiled at build time are used as they are: a start must not compile them again
@@ -222,7 +222,7 @@ load_small() {
 # recreate_llm2 LIMIT OVERRIDE: llm2 removed (the router ejects it) and brought up again under LIMIT with
 # deploy/podman/OVERRIDE over the compose file (none: the compose file as it is)
 recreate_llm2() {
-  podman rm -f "${PROJECT}_llm2_1" >/dev/null
+  podman rm -f "${PROJECT}_llm2_1" >/dev/null 2>&1
   wait_backends "$ROUTER" 1 60 || die "oom: the router did not eject the removed llm2"
   local args=()
   [ -n "$2" ] && args=(-f "deploy/podman/$2")
@@ -258,15 +258,15 @@ if [[ " $PHASES " == *" compose "* ]]; then
   ip=$(podman inspect --format "{{(index .NetworkSettings.Networks \"${PROJECT}_default\").IPAddress}}" "$c")
   blocks=$(metric "http://$ip:8000" 'llmserve:kv_cache_num_blocks')
   tokens=$((blocks * 16))
-  # 8 prompts of a third of the pool each, 128 tokens out, all at once: three fit, and their growth
+  # 6 prompts of a third of the pool each, 64 tokens out, all at once: three fill it, and their growth
   # preempts; sent to llm2 itself (on the compose network), not spread by the router
   input=$((tokens / 3))
   restarts=$(podman inspect --format '{{.RestartCount}}' "$c")
   preempted=$(metric "http://$ip:8000" 'llmserve:num_preemptions_total')
-  log "oom: llm2's pool: $blocks blocks ($tokens tokens); bursts of 8 prompts of $input tokens, 128 out, at once"
+  log "oom: llm2's pool: $blocks blocks ($tokens tokens); bursts of 6 prompts of $input tokens, 64 out, at once"
   for burst in 1 2; do
-    llmserve bench --base-url "http://$ip:8000" --dataset random --input-len "$input" --output-len 128 \
-      --ignore-eos --concurrency 8 --num-requests 8 --seed "$burst" --timeout 600 --no-progress \
+    llmserve bench --base-url "http://$ip:8000" --dataset random --input-len "$input" --output-len 64 \
+      --ignore-eos --concurrency 6 --num-requests 6 --seed "$burst" --timeout 600 --no-progress \
       --extra-body '{"stream": false}' --output-json "$WORK/oom-$burst.json" >"$WORK/oom-$burst.txt" 2>&1 || true
     check_bench "$WORK/oom-$burst.json" "oom burst $burst" || die "oom: burst $burst failed on llm2 (see $WORK/oom-$burst.txt)"
   done

@@ -42,9 +42,7 @@ def check_fits(path: str, weights: int, kv_bytes: int, root: str = CGROUP_ROOT, 
     runtime = RUNTIME_HOST if limit is None else RUNTIME_CGROUP
     if weights + kv_bytes + runtime > available:
         where = (
-            f"under the cgroup memory limit of {limit.limit / GiB:.2f} GiB ({limit.path})"
-            if limit
-            else "the host's RAM"
+            f"under the cgroup memory limit of {limit.limit / GiB:.2f} GiB, {limit.path}" if limit else "the host's RAM"
         )
         free = "raise the container's memory limit" if limit else "free memory"
         raise DoesNotFit(
