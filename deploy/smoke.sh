@@ -94,8 +94,9 @@ if [ "$BASE" = localhost/llmserve-base:bookworm ] && ! podman image exists "$BAS
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
     http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 || die "debootstrap (see $WORK/debootstrap.log)"
   tar -C "$WORK/rootfs" -c . | podman import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
+    --change 'CMD ["/bin/bash"]' - "$BASE" >>"$WORK/debootstrap.log" 2>&1 || die "podman import (see $WORK/debootstrap.log)"
   rm -rf "$WORK/rootfs"
+  log "base image: $(($(date +%s) - T0)) s, $(($(podman image inspect --format '{{.Size}}' "$BASE") / 1000000)) MB"
 fi
 # the wheelhouse, kept while what it was downloaded for (constraints.txt, pyproject.toml's dependencies,
 # torch's pin) is the same: a .stamp in it holds their hash
