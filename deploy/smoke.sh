@@ -212,7 +212,7 @@ kill_under_load() {
 
 # metric URL NAME: the value of an unlabelled or single-series metric on URL/metrics (0 when absent)
 metric() {
-  curl -sf "$1/metrics" | awk -v n="$2" '$1 == n || index($1, n "{") == 1 {v = $2} END {print v + 0}'
+  { curl -sf "$1/metrics" || true; } | awk -v n="$2" '$1 == n || index($1, n "{") == 1 {v = $2} END {print v + 0}'
 }
 # load_small URL NAME: 5 requests, 5 at once, all to succeed
 load_small() {
@@ -258,6 +258,7 @@ if [[ " $PHASES " == *" compose "* ]]; then
   log "oom: llm2 ready at $(podman stats --no-stream --format '{{.MemUsage}}' "$c"), logged '$budget'"
   ip=$(podman inspect --format "{{(index .NetworkSettings.Networks \"${PROJECT}_default\").IPAddress}}" "$c")
   blocks=$(metric "http://$ip:8000" 'llmserve:kv_cache_num_blocks')
+  [ "$blocks" -gt 0 ] || die "oom: llm2's /metrics ($ip) gave no llmserve:kv_cache_num_blocks"
   tokens=$((blocks * 16))
   # 6 prompts of a third of the pool each, 64 tokens out, all at once: three fill it, and their growth
   # preempts; sent to llm2 itself (on the compose network), not spread by the router
