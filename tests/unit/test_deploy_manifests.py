@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 
@@ -175,11 +176,16 @@ def _entrypoint_args(cmd: list[str]) -> argparse.Namespace:
     return p.parse_args(cmd[2:])
 
 
-def _compose() -> dict:
-    """docker-compose.yml with every ${VAR:-default} at its default (what `docker compose` does)."""
-    with open(os.path.join(ROOT, "deploy", "docker-compose.yml")) as f:
+def _compose(name: str = "docker-compose.yml") -> dict:
+    """A compose file under deploy/ with every ${VAR:-default} at its default (what `docker compose` does)
+    and each string `command` split into its arguments (as compose splits it: no shell)."""
+    with open(os.path.join(ROOT, "deploy", name)) as f:
         text = f.read()
-    return yaml.safe_load(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text))
+    out = yaml.safe_load(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text))
+    for svc in out["services"].values():
+        if isinstance(svc.get("command"), str):
+            svc["command"] = shlex.split(svc["command"])
+    return out
 
 
 def _dockerfile() -> tuple[str, dict[str, list[str]]]:
@@ -236,9 +242,11 @@ def test_compose_commands_and_healthchecks_match_the_image_entrypoint():
     assert published == {router.port}
     servers = [s for n, s in services.items() if n != "router"]
     assert all("mem_limit" in s for s in servers)  # the OOM path: a limit the restart policy recovers from
-    with open(os.path.join(ROOT, "deploy", "podman", "compose.oom.yml")) as f:
-        oom = yaml.safe_load(f)
+    oom = _compose("podman/compose.oom.yml")
     assert set(oom["services"]) <= set(services)
+    for name, svc in oom["services"].items():  # the smoke's memory-limit path: the KV budget sized to the limit
+        args = _entrypoint_args(svc["command"])
+        assert svc["mem_limit"] and args.kv_cache_memory is None and args.port == ports[name], name
 
 
 def test_dockerfile_base_user_healthcheck_and_layers():
