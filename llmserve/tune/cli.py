@@ -248,6 +248,9 @@ def finish(args, outcome, bounds, wl, budget, rdir: Path, out_path: Path, resume
     (rdir / "report.md").write_text(md, encoding="utf-8")
     data = {"measured": outcome.measured, "pruned": outcome.pruned, "capacity": cap, "slo": slo.text(bounds)}
     (rdir / "candidates.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    if best is None and outcome.interrupted and not outcome.measured:
+        console.print("llmserve tune: interrupted before any candidate was measured", highlight=False)
+        return 130
     if best is None:
         c = outcome.closest(bounds)
         msg = "no candidate met the SLO " + slo.text(bounds)

@@ -18,7 +18,7 @@ import asyncio
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 import httpx
@@ -31,6 +31,7 @@ from llmserve.bench.scrape import MetricsScraper
 from . import quality, slo
 from .space import changes_answers, serve_argv
 
+WARMUP_TOKENS = 16
 START_SECONDS = 45.0  # what a candidate's server start is budgeted (the bundled model starts in ~10-20 s)
 
 
@@ -60,13 +61,15 @@ async def rate_search(
     tol: float = 1.2,
     deadline: float = math.inf,
     clock: Callable[[], float] = time.monotonic,
+    lose_fast: bool = False,
 ) -> dict:
-    """The highest rate meeting the SLO: `probe(rate)` returns a bench summary (with goodput)."""
+    """The highest rate meeting the SLO: `probe(rate)` returns a bench summary (with goodput). `lose_fast`: `start`
+    is the best candidate's rate; one that fails it and its half is worse, and is not searched further."""
     lo: dict | None = None  # highest passing probe
     hi: dict | None = None  # lowest failing probe
     probes: list[dict] = []
     rate = max(start, 1e-3)
-    for _ in range(max_probes):
+    for i in range(max_probes):
         if clock() >= deadline:
             break
         summary = await probe(rate)
@@ -79,6 +82,8 @@ async def rate_search(
         else:
             hi = c if hi is None or rate < hi["rate"] else hi
         if lo and hi and hi["rate"] / lo["rate"] <= tol:
+            break
+        if lose_fast and i >= 1 and lo is None:  # failed the best rate so far and its half: a worse candidate
             break
         if lo and hi:
             rate = math.sqrt(lo["rate"] * hi["rate"])
@@ -219,8 +224,12 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
                     "quality": q,
                     "refused": True,
                 }
-        warm = await run_phase(client, LoadPhase("concurrency", 2, ctx.warmup), ctx.pool[: ctx.warmup])
-        warm_rate = summarize(warm)["request_throughput"] or 0.05
+        # warm-up (not measured): short answers; their per-token time guesses the first search's start
+        short = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS)) for r in ctx.pool[: ctx.warmup]]
+        warm = summarize(await run_phase(client, LoadPhase("concurrency", 2, ctx.warmup), short))
+        per_token = ((warm["tpot_ms"]["median"] or 100.0) + 1e-3) / 1000.0
+        mean_out = sum(r.output_len for r in ctx.pool) / len(ctx.pool)
+        guess = 0.5 / (per_token * mean_out)  # about half of what 1 stream at a time would do
         scraper = MetricsScraper(client.http, "/metrics", 1.0)
         use_scraper = await scraper.probe()
         rates_of_pool = ctx.workload.native_rate() if ctx.workload.replay else None
@@ -246,8 +255,10 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
             )
             return summary
 
-        start = ctx.hint or max(0.05, 0.7 * warm_rate)
-        found = await rate_search(probe, ctx.bounds, start, ctx.max_probes, deadline=ctx.deadline)
+        start = ctx.hint or max(0.02, guess)
+        found = await rate_search(
+            probe, ctx.bounds, start, ctx.max_probes, deadline=ctx.deadline, lose_fast=ctx.hint is not None
+        )
         found["quality"] = q
         found["refused"] = False
         return found

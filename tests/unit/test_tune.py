@@ -206,3 +206,14 @@ def test_bad_input_is_refused_before_any_server(tmp_path, capsys, argv, message)
 
     assert main(["tune", *argv, "--port", "1"]) == 2  # port 1: a server start would fail loudly
     assert message in capsys.readouterr().err
+
+
+def test_rate_search_gives_up_on_a_worse_candidate():
+    rates = []
+
+    async def probe(rate):
+        rates.append(rate)
+        return {"completed": 20, "failed": 0, "goodput": 0.1, "ttft_ms": {"p95": 5000}, "tpot_ms": {"p95": 50}}
+
+    found = asyncio.run(rate_search(probe, BOUNDS, 1.0, max_probes=5, lose_fast=True))
+    assert rates == [1.0, 0.5] and found["goodput"] == 0.0 and found["fail"]["rate"] == 0.5
