@@ -173,7 +173,7 @@ class Tuner:
         stale = 0
         try:
             if self.space.key(self.space.defaults) not in self.seen:
-                self.study.enqueue_trial(self.space.defaults, skip_if_exists=True)
+                self.study.enqueue_trial(self.space.defaults, skip_if_exists=False)
             while self._time_left_for_one() and len(self.seen) < self.space.size() and stale < 50:
                 turn += 1
                 if turn % 4 != 0 and not self._queued():

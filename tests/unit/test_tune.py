@@ -217,3 +217,24 @@ def test_rate_search_gives_up_on_a_worse_candidate():
 
     found = asyncio.run(rate_search(probe, BOUNDS, 1.0, max_probes=5, lose_fast=True))
     assert rates == [1.0, 0.5] and found["goodput"] == 0.0 and found["fail"]["rate"] == 0.5
+
+
+def test_ctrl_c_keeps_what_was_measured_and_a_resume_starts_from_the_defaults(tmp_path):
+    clock = [0.0]
+    fake = FakeMeasure(clock)
+
+    def interrupted_first(params, tag):
+        raise KeyboardInterrupt
+
+    _, out, _ = run_tuner(tmp_path, 500.0, clock, measure=interrupted_first)
+    assert out.interrupted and not out.measured
+    _, out, measure = run_tuner(tmp_path, 300.0, clock, measure=fake)
+    assert measure.calls[0] == out.space.defaults and len(out.measured) == 3
+
+    def interrupted_third(params, tag):
+        if len(fake.calls) == 4:
+            raise KeyboardInterrupt
+        return fake(params, tag)
+
+    _, out, _ = run_tuner(tmp_path, 1000.0, clock, measure=interrupted_third)
+    assert out.interrupted and len(out.measured) == 4 and out.best  # the best so far, the earlier ones kept
