@@ -28,9 +28,9 @@ def capacity(best: dict, cores: int, users: int | None, think: float, rate: floa
     per_machine = r["goodput"]
     if per_machine <= 0:
         return None
-    need = rate
-    how = f"{rate:g} requests/s"
-    if users is not None:
+    if users is None:
+        need, how = rate, f"{rate:g} requests/s"
+    else:
         e2e = (r.get("best") or {}).get("e2el_mean") or 0.0
         need = users / (think + e2e / 1000.0)
         how = f"{users} users ({think:g} s think time + {e2e / 1000:.1f} s per answer: {need:.2f} requests/s)"
