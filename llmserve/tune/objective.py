@@ -111,7 +111,7 @@ class Context:
     out_dir: str
     port: int
     probe_seconds: float = 20.0
-    min_requests: int = 10
+    min_requests: int = 6
     max_requests: int = 64
     max_probes: int = 5
     warmup: int = 4
@@ -224,12 +224,11 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
                     "quality": q,
                     "refused": True,
                 }
-        # warm-up (not measured): short answers; their per-token time guesses the first search's start
+        # warm-up (not measured): short answers; their throughput guesses the first search's start
         short = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS)) for r in ctx.pool[: ctx.warmup]]
         warm = summarize(await run_phase(client, LoadPhase("concurrency", 2, ctx.warmup), short))
-        per_token = ((warm["tpot_ms"]["median"] or 100.0) + 1e-3) / 1000.0
         mean_out = sum(r.output_len for r in ctx.pool) / len(ctx.pool)
-        guess = 0.5 / (per_token * mean_out)  # about half of what 1 stream at a time would do
+        guess = warm["request_throughput"] * min(1.0, WARMUP_TOKENS / mean_out)  # 2 streams at the asked length
         scraper = MetricsScraper(client.http, "/metrics", 1.0)
         use_scraper = await scraper.probe()
         rates_of_pool = ctx.workload.native_rate() if ctx.workload.replay else None
@@ -255,7 +254,7 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
             )
             return summary
 
-        start = ctx.hint or max(0.02, guess)
+        start = ctx.hint or max(0.01, guess)
         found = await rate_search(
             probe, ctx.bounds, start, ctx.max_probes, deadline=ctx.deadline, lose_fast=ctx.hint is not None
         )
