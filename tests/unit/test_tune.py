@@ -238,3 +238,31 @@ def test_ctrl_c_keeps_what_was_measured_and_a_resume_starts_from_the_defaults(tm
 
     _, out, _ = run_tuner(tmp_path, 1000.0, clock, measure=interrupted_third)
     assert out.interrupted and len(out.measured) == 4 and out.best  # the best so far, the earlier ones kept
+
+
+def test_tuned_yaml_with_replicas_is_read_by_launch_and_serve(tmp_path, capsys):
+    import argparse
+
+    from llmserve.router import launch
+    from llmserve.serve_config import add_serve_arguments
+    from llmserve.server.cli import _apply_config_file
+
+    sp = make_space()
+    params = {**sp.defaults, "replicas": 2, "quantization": "int8"}
+    path = tmp_path / "tuned.yaml"
+    from llmserve.tune import report
+
+    report.write_yaml(path, params, 2, None, ["test"])
+    p = argparse.ArgumentParser()
+    launch.add_arguments(p)
+    args = p.parse_args(["--config", str(path)])
+    launch.apply_fleet_config(args, set())
+    assert args.replicas == 2 and args.num_threads == 2
+    cmds = launch.replica_commands(args, args.replicas, 9000)
+    assert all("--config" in c and c[c.index("--num-threads") + 1] == "1" for c in cmds)
+    s = argparse.ArgumentParser()
+    add_serve_arguments(s)
+    sargs = s.parse_args(["--config", str(path)])
+    _apply_config_file(sargs, set())  # replicas: noted, one server; the rest read
+    assert sargs.quantization == "int8" and sargs.num_threads == 2
+    assert "starts one" in capsys.readouterr().err
