@@ -32,6 +32,9 @@ from . import quality, slo
 from .space import changes_answers, serve_argv
 
 WARMUP_TOKENS = 16
+# a probe sends at least this many requests; rates at which they would span more than 2 x --probe-seconds are not
+# probed (too few requests for a percentile: such a candidate fails at any usable load; slow models: raise it)
+MIN_PROBE_REQUESTS = 6
 START_SECONDS = 45.0  # what a candidate's server start is budgeted (the bundled model starts in ~10-20 s)
 
 
@@ -62,15 +65,18 @@ async def rate_search(
     deadline: float = math.inf,
     clock: Callable[[], float] = time.monotonic,
     lose_fast: bool = False,
+    min_rate: float = 1e-3,
 ) -> dict:
     """The highest rate meeting the SLO: `probe(rate)` returns a bench summary (with goodput). `lose_fast`: `start`
     is the best candidate's rate; one that fails it and its half is worse, and is not searched further."""
     lo: dict | None = None  # highest passing probe
     hi: dict | None = None  # lowest failing probe
     probes: list[dict] = []
-    rate = max(start, 1e-3)
+    rate = max(start, min_rate)
     for i in range(max_probes):
         if clock() >= deadline:
+            break
+        if rate < min_rate:  # too few requests fit a probe to read a percentile: it fails at a usable load
             break
         summary = await probe(rate)
         summary["rate"] = rate
@@ -111,7 +117,6 @@ class Context:
     out_dir: str
     port: int
     probe_seconds: float = 20.0
-    min_requests: int = 6
     max_requests: int = 64
     max_probes: int = 5
     warmup: int = 4
@@ -235,7 +240,7 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
         offset = [ctx.warmup]
 
         async def probe(rate: float) -> dict:
-            n = int(min(ctx.max_requests, max(ctx.min_requests, math.ceil(rate * ctx.probe_seconds))))
+            n = int(min(ctx.max_requests, max(MIN_PROBE_REQUESTS, math.ceil(rate * ctx.probe_seconds))))
             start = offset[0] % len(ctx.pool)
             reqs = (ctx.pool[start:] + ctx.pool[:start])[:n] if not rates_of_pool else ctx.pool
             offset[0] += n
@@ -256,7 +261,13 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
 
         start = ctx.hint or max(0.01, guess)
         found = await rate_search(
-            probe, ctx.bounds, start, ctx.max_probes, deadline=ctx.deadline, lose_fast=ctx.hint is not None
+            probe,
+            ctx.bounds,
+            start,
+            ctx.max_probes,
+            deadline=ctx.deadline,
+            lose_fast=ctx.hint is not None,
+            min_rate=MIN_PROBE_REQUESTS / (2 * ctx.probe_seconds),
         )
         found["quality"] = q
         found["refused"] = False
