@@ -65,7 +65,8 @@ def check(summary: dict, bounds: tuple[Bound, ...]) -> list[str]:
     """What broke in a phase: '' list when it meets the SLO. Failed requests break it too."""
     broken = []
     if summary.get("failed"):
-        broken.append(f"{summary['failed']} failed requests")
+        kinds = ", ".join(f"{k}: {v}" for k, v in (summary.get("errors") or {}).items())
+        broken.append(f"{summary['failed']} failed requests" + (f" ({kinds})" if kinds else ""))
     if not summary.get("completed"):
         return broken or ["no request completed"]
     for b in bounds:
