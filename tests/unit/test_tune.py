@@ -266,3 +266,32 @@ def test_tuned_yaml_with_replicas_is_read_by_launch_and_serve(tmp_path, capsys):
     _apply_config_file(sargs, set())  # replicas: noted, one server; the rest read
     assert sargs.quantization == "int8" and sargs.num_threads == 2
     assert "starts one" in capsys.readouterr().err
+
+
+def test_request_log_is_replayed_in_its_order_and_sped_up(tmp_path):
+    import time
+
+    from llmserve.bench.client import RequestRecord
+    from llmserve.bench.loadgen import LoadPhase, run_phase
+    from llmserve.tune.workload import read_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        '{"prompt": "c", "max_tokens": 4, "arrival": 10.4}\n'
+        '{"messages": [{"role": "user", "content": "a"}], "max_tokens": 8, "arrival": 10.0}\n'
+        '{"prompt": "b", "max_tokens": 4, "offset": 10.2}\n'
+    )
+    reqs = read_log(str(log))
+    assert [r.prompt for r in reqs] == ["a", "b", "c"] and reqs[0].arrival == 0.0 and reqs[0].messages
+
+    class Recorder:  # the client's interface: what loadgen calls, and when
+        sent: list = []
+
+        async def send(self, req, index, on_chunk=None):
+            self.sent.append((req.prompt, time.perf_counter()))
+            return RequestRecord(index=index, prompt_len=1, max_tokens=req.output_len, success=True)
+
+    client = Recorder()
+    run = asyncio.run(run_phase(client, LoadPhase("replay", 2.0, 3), reqs))
+    assert [p for p, _ in client.sent] == ["a", "b", "c"] and len(run.records) == 3
+    assert client.sent[2][1] - client.sent[0][1] >= 0.19  # 0.4 s of log at 2x: 0.2 s
