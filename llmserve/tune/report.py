@@ -141,9 +141,7 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
         q = r.get("quality") or {}
         cells = [
             str(m["number"]),
-            flags_text(m["params"], d)
-            + (" (refused)" if r.get("refused") else "")
-            + (" (error)" if r.get("error") else ""),
+            flags_text(m["params"], d) + _verdict(r),
             f"{r['goodput']:.3g}",
             f"{r.get('rate', 0):.3g}",
             *[f"{p.get(b.key):.0f}" if p.get(b.key) is not None else "-" for b in bounds],
@@ -159,6 +157,18 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
     if effects:
         lines += ["", "What each knob did here (one flag changed from the defaults):", ""] + effects
     return "\n".join(lines) + "\n"
+
+
+def _verdict(r: dict) -> str:
+    """Why a candidate has no goodput: refused, an error, or the SLO broken at its lowest probe."""
+    if r.get("refused"):
+        return " (refused by the quality guard)"
+    if r.get("error"):
+        return f" (error: {r['error'][:80]})"
+    fail = r.get("fail")
+    if not r.get("goodput") and fail:
+        return f" (fails at {fail['rate']:.3g}/s: {'; '.join(fail.get('broken') or [])})"
+    return ""
 
 
 def knob_effects(out: Outcome) -> list[str]:
