@@ -74,7 +74,7 @@ async def rate_search(
     probes: list[dict] = []
     rate = max(start, min_rate)
     for i in range(max_probes):
-        if clock() >= deadline:
+        if clock() >= deadline and probes:  # a started candidate gets one probe, however late
             break
         if rate < min_rate:  # too few requests fit a probe to read a percentile: it fails at a usable load
             break
