@@ -1,4 +1,4 @@
-"""`llmserve` command line: serve | run-batch | route | launch | bench | chat | generate.
+"""`llmserve` command line: serve | run-batch | route | launch | bench | tune | chat | generate.
 
 Each subcommand lives with the component it drives; this file only wires them together so that
 `llmserve --help` stays fast (heavy modules are imported when a subcommand runs).
@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "route": ("llmserve.router.cli", "Route OpenAI API requests over several servers"),
     "launch": ("llmserve.router.launch", "Start N servers and a router on this machine"),
     "bench": ("llmserve.bench.cli", "Load-test an OpenAI-compatible server"),
+    "tune": ("llmserve.tune.cli", "Search the serve flags with the highest goodput under an SLO"),
     "generate": ("llmserve.engine.cli", "Generate text offline for one prompt"),
     "chat": ("llmserve.engine.cli_chat", "Chat with a model in the terminal (streaming)"),
 }

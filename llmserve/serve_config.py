@@ -164,6 +164,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, ModelsDirSettings)
 
 
+def read_config_file(path: str) -> dict:
+    """--config's YAML: a mapping of settings (keys as flag names); SystemExit for anything else."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config: {path} must hold a mapping of settings")
+    return data
+
+
 def serve_settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return from_args(
         ServerSettings, args, engine=engine_config_from_args(args), models=from_args(ModelsDirSettings, args)

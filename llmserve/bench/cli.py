@@ -38,9 +38,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     pass
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = __doc__.split("\n", 2)[2]
+def describe(p: argparse.ArgumentParser, doc: str) -> None:
+    """A subcommand's --help: its module docstring's examples as the epilog, defaults shown (bench, tune)."""
+    p.epilog = doc.split("\n", 2)[2]
     p.formatter_class = _HelpFormatter
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(p, __doc__)
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
     g.add_argument(

@@ -29,6 +29,7 @@ class BenchRequest:
     prompt_len: int  # prompt tokens as the bench's tokenizer counts the text (chat adds a template)
     output_len: int  # max_tokens asked for
     messages: list[dict] | None = None  # for chat: the whole conversation, else [user: prompt]
+    arrival: float | None = None  # replay: seconds after the phase's start (a request log's timing)
 
 
 @dataclass

@@ -4,7 +4,8 @@ Load modes (each `LoadPhase` is one of them):
   concurrency  closed loop: C workers, each sends its next request when the previous one finishes;
   rate         open loop: arrivals with gamma-distributed gaps (burstiness 1 = Poisson), or all at
                once when the rate is inf; optionally capped by max_concurrency;
-  users        like locust: N users, each sends a request, waits a think time, and repeats.
+  users        like locust: N users, each sends a request, waits a think time, and repeats;
+  replay       a request log's arrivals (`BenchRequest.arrival`), sped up level times (llmserve tune).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from .client import BenchRequest, OpenAIClient, RequestRecord
 
 @dataclass
 class LoadPhase:
-    mode: str  # "concurrency" | "rate" | "users"
-    level: float  # concurrency, requests per second (inf = burst) or users
+    mode: str  # "concurrency" | "rate" | "users" | "replay"
+    level: float  # concurrency, requests per second (inf = burst), users or replay speed-up
     num_requests: int | None = None  # stop after this many requests ...
     duration: float | None = None  # ... or after this many seconds (in-flight requests finish)
     burstiness: float = 1.0  # rate mode: gamma shape; 1 = Poisson, < 1 burstier, > 1 steadier
@@ -32,7 +33,12 @@ class LoadPhase:
     @property
     def name(self) -> str:
         level = "inf" if math.isinf(self.level) else f"{self.level:g}"
-        return {"concurrency": f"concurrency={level}", "rate": f"rate={level}/s", "users": f"users={level}"}[self.mode]
+        return {
+            "concurrency": f"concurrency={level}",
+            "rate": f"rate={level}/s",
+            "users": f"users={level}",
+            "replay": f"replay x{level}",
+        }[self.mode]
 
 
 @dataclass
@@ -102,8 +108,8 @@ async def run_phase(
                 await asyncio.sleep(rng.uniform(lo, hi))
 
         await asyncio.gather(*(user() for _ in range(int(phase.level))))
-    elif phase.mode == "rate":
-        gaps = _arrival_gaps(phase.level, phase.burstiness, seed)
+    elif phase.mode in ("rate", "replay"):
+        gaps = _arrival_gaps(phase.level, phase.burstiness, seed) if phase.mode == "rate" else None
         cap = asyncio.Semaphore(phase.max_concurrency) if phase.max_concurrency else None
 
         async def capped(i: int) -> None:
@@ -115,7 +121,16 @@ async def run_phase(
         tasks, due = [], time.perf_counter()
         while (i := budget.take()) is not None:
             tasks.append(asyncio.create_task(capped(i)))
-            due += next(gaps)  # absolute schedule: sleep overshoot does not accumulate
+            if gaps is not None:
+                due += next(gaps)  # absolute schedule: sleep overshoot does not accumulate
+            else:  # the log's own gaps: the next request's offset within its cycle through the log
+                nxt = budget.next
+                cycle_len = (requests[-1].arrival or 0.0) + 1.0
+                due = (
+                    start
+                    + ((nxt // len(requests)) * cycle_len + (requests[nxt % len(requests)].arrival or 0.0))
+                    / phase.level
+                )
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
         await asyncio.gather(*tasks)
     else:

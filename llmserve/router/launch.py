@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 
-from llmserve.serve_config import add_serve_arguments
+from llmserve.serve_config import add_serve_arguments, read_config_file
 
 log = logging.getLogger("llmserve.launch")
 
@@ -136,15 +136,28 @@ def replica_commands(args, n: int, base_port: int) -> list[list[str]]:
     return cmds
 
 
+def apply_fleet_config(args, argv_flags: set[str]) -> None:
+    """`replicas` and `num_threads` (the total) from --config (what `llmserve tune` writes), unless given as flags;
+    the replicas read the rest of the file themselves (--config is passed on)."""
+    if not args.config:
+        return
+    data = read_config_file(args.config)
+    for key in ("replicas", "num_threads"):
+        if key in data and key not in argv_flags:
+            setattr(args, key, int(data[key]))
+
+
 def run(args) -> int:
     import uvicorn
 
+    from llmserve.config import flag_dests
     from llmserve.security import resolve_api_keys, uvicorn_ssl
 
     from .app import Router, RouterConfig, build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    apply_fleet_config(args, flag_dests(sys.argv[2:]))
     n = max(1, args.replicas)
     base = args.base_port or args.port + 1
     replicas = [Replica(i, cmd, base + i) for i, cmd in enumerate(replica_commands(args, n, base))]

@@ -7,22 +7,25 @@ import logging
 import signal
 import sys
 
-import yaml
-
 from llmserve.config import flag_dests
 from llmserve.serve_config import add_serve_arguments as add_arguments  # noqa: F401 (the subcommand's flags)
-from llmserve.serve_config import serve_settings_from_args
+from llmserve.serve_config import read_config_file, serve_settings_from_args
 
 
 def _apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
     if not args.config:
         return
-    with open(args.config) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise SystemExit(f"--config: {args.config} must hold a mapping of settings")
+    data = read_config_file(args.config)
     for key, value in data.items():
         attr = key.replace("-", "_")
+        if attr == "replicas":  # `llmserve tune`'s fleet size: `llmserve launch --config` reads it
+            if value and int(value) > 1:
+                print(
+                    f"llmserve serve: {args.config} asks for {value} replicas; this starts one "
+                    f"(`llmserve launch --config {args.config}` starts them behind the router)",
+                    file=sys.stderr,
+                )
+            continue
         if not hasattr(args, attr):
             raise SystemExit(f"--config: unknown setting {key!r}")
         if attr not in argv_flags:

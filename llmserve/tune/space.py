@@ -1,0 +1,192 @@
+"""The flags `llmserve tune` searches, derived from the model and the machine (not fixed lists).
+
+A candidate is a dict of these parameters (the names Optuna records):
+  replicas                servers on this machine behind the router (`llmserve launch`); each gets cores / replicas
+                          threads (1 x 2 threads vs 2 x 1 on two cores)
+  max_num_seqs            powers of two from 8 up to what the KV cache holds at the workload's request length
+  max_num_batched_tokens  the engine's own default for the model's cost per token at that thread count
+                          (llmserve/engine/scheduler.py), halved and doubled
+  dtype                   float32, and bfloat16 where the CPU computes it natively (AVX512-BF16, AMX) or on CUDA
+  quantization            none, int8, int4 (weight-only)
+  kv_cache_dtype          auto (= dtype), int8
+  speculative_ngram       0 or 4 (prompt lookup, verified in one forward)
+  enable_prefix_caching   on, off
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+KNOBS = (
+    "replicas",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "speculative_ngram",
+    "enable_prefix_caching",
+)
+# the order the coordinate moves try the knobs in (the articles' order of what pays most on a CPU first)
+MOVE_ORDER = (
+    "quantization",
+    "replicas",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "dtype",
+    "kv_cache_dtype",
+    "speculative_ngram",
+    "enable_prefix_caching",
+)
+ENGINE_DEFAULT_SEQS = 64  # EngineConfig.max_num_seqs
+KV_GIB_DEFAULT = 8.0  # the CPU cache's ceiling (EngineConfig.kv_cache_memory's default, at most 8 GiB)
+
+
+@dataclass
+class Space:
+    """Each knob's choices (Optuna categorical), the defaults `llmserve serve` would use, and the machine."""
+
+    choices: dict[str, list]
+    defaults: dict
+    cores: int
+    notes: list[str] = field(default_factory=list)
+
+    def size(self) -> int:
+        return math.prod(len(v) for v in self.choices.values())
+
+    def key(self, params: dict) -> str:
+        return ",".join(f"{k}={params[k]}" for k in KNOBS)
+
+    def moves(self, base: dict) -> list[dict]:
+        """Every candidate one knob away from `base`, in MOVE_ORDER: the articles' change-one-flag steps."""
+        out = []
+        for k in MOVE_ORDER:
+            for v in self.choices[k]:
+                if v != base[k]:
+                    out.append({**base, k: v})
+        return out
+
+
+def changes_answers(params: dict) -> bool:
+    """Whether a candidate's answers can differ from float32's (what the quality guard measures)."""
+    return (
+        params["dtype"] != "float32"
+        or params["quantization"] != "none"
+        or params["kv_cache_dtype"] not in ("auto", "float32")
+    )
+
+
+def threads_per_replica(params: dict, cores: int) -> int:
+    return max(1, cores // params["replicas"])
+
+
+def serve_settings(params: dict, cores: int) -> dict:
+    """The `llmserve serve` settings of a candidate (YAML keys: flag names with underscores); `replicas` and
+    the total `num_threads` for `llmserve launch` when there are several."""
+    out = {
+        "max_num_seqs": params["max_num_seqs"],
+        "max_num_batched_tokens": params["max_num_batched_tokens"],
+        "dtype": params["dtype"],
+        "quantization": params["quantization"],
+        "kv_cache_dtype": params["kv_cache_dtype"],
+        "enable_prefix_caching": params["enable_prefix_caching"],
+    }
+    if params["speculative_ngram"]:
+        out["speculative_ngram"] = params["speculative_ngram"]
+    if params["replicas"] > 1:
+        out["replicas"] = params["replicas"]
+        out["num_threads"] = threads_per_replica(params, cores) * params["replicas"]  # launch splits the total
+    else:
+        out["num_threads"] = cores
+    return out
+
+
+def serve_argv(params: dict, cores: int) -> list[str]:
+    """The candidate's settings as `llmserve serve` / `llmserve launch` flags."""
+    argv: list[str] = []
+    for key, value in serve_settings(params, cores).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _pow2_around(center: int, lo: int, hi: int) -> list[int]:
+    return sorted({min(hi, max(lo, v)) for v in (center // 2, center, center * 2)})
+
+
+def derive(
+    flops_per_token: int,
+    kv_bytes_per_token: int,
+    request_tokens: float,
+    cores: int,
+    bf16: bool,
+    max_replicas: int | None = None,
+    device: str = "cpu",
+) -> Space:
+    """The space for a model (its projections' FLOPs per token, its KV bytes per token in float32), a workload
+    (mean prompt + output tokens of a request) and a machine (cores, native bfloat16)."""
+    from llmserve.engine.scheduler import default_token_budget
+
+    notes = []
+    limit = max(1, min(cores, max_replicas or cores))
+    replicas = [r for r in range(1, limit + 1) if cores % r == 0]
+    if device == "cuda":
+        replicas = [1]
+    budgets: set[int] = set()
+    for r in replicas:
+        budgets.update(_pow2_around(default_token_budget(flops_per_token, device, cores // r), 64, 4096))
+    default_budget = default_token_budget(flops_per_token, device, cores)
+    kv_tokens = KV_GIB_DEFAULT * 2**30 / max(1, kv_bytes_per_token)
+    fit = max(8, int(kv_tokens / max(1.0, request_tokens)))
+    seqs = [s for s in (8, 16, 32, 64, 128, 256) if s <= fit] or [8]
+    if fit < 256:
+        notes.append(
+            f"max_num_seqs up to {seqs[-1]}: the KV cache holds ~{fit} requests of {request_tokens:.0f} tokens"
+        )
+    dtypes = ["float32", "bfloat16"] if bf16 or device == "cuda" else ["float32"]
+    if len(dtypes) == 1:
+        notes.append("no bfloat16: this CPU has no native bfloat16 matmuls (AVX512-BF16 or AMX)")
+    choices = {
+        "replicas": replicas,
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": sorted(budgets),
+        "dtype": dtypes,
+        "quantization": ["none", "int8", "int4"],
+        "kv_cache_dtype": ["auto", "int8"],
+        "speculative_ngram": [0, 4],
+        "enable_prefix_caching": [True, False],
+    }
+    defaults = {
+        "replicas": 1,
+        "max_num_seqs": min(ENGINE_DEFAULT_SEQS, seqs[-1]) if ENGINE_DEFAULT_SEQS in seqs else seqs[-1],
+        "max_num_batched_tokens": default_budget,
+        "dtype": "bfloat16" if bf16 or device == "cuda" else "float32",  # what --dtype auto picks
+        "quantization": "none",
+        "kv_cache_dtype": "auto",
+        "speculative_ngram": 0,
+        "enable_prefix_caching": True,
+    }
+    for k, v in defaults.items():  # the defaults are always a point of the space
+        if v not in choices[k]:
+            choices[k] = (
+                sorted([*choices[k], v]) if isinstance(v, int) and not isinstance(v, bool) else [*choices[k], v]
+            )
+    return Space(choices, defaults, cores, notes)
+
+
+def for_model(model: str | None, request_tokens: float, max_replicas: int | None = None) -> Space:
+    """`derive` for a model as `llmserve serve --model` takes it, on this machine (its config only, no weights)."""
+    from llmserve.model import bf16
+    from llmserve.model.loader.load import load_model_config
+    from llmserve.model.loader.lookup import resolve_model
+
+    mc, _ = load_model_config(resolve_model(model))
+    kv_layers = mc.num_layers - sum(mc.recurrent_layers) if mc.recurrent_layers else mc.num_layers
+    kv_bytes = 2 * kv_layers * mc.num_kv_heads * mc.head_dim * 4
+    cores = len(os.sched_getaffinity(0))
+    return derive(mc.matmul_flops_per_token(), kv_bytes, request_tokens, cores, bf16.supported(), max_replicas)

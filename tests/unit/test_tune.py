@@ -1,0 +1,297 @@
+"""llmserve tune's search on a synthetic measured landscape (a function from flags to figures, no model): it finds
+the optimum within its budget, a resumed run measures nothing twice, an SLO that nothing meets names the closest
+candidate and the percentile that failed, the engine-metric pruning rules, the rate bisection, and the bad input
+refused before any server starts."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from llmserve.tune import cli, slo, space
+from llmserve.tune.objective import rate_search
+from llmserve.tune.search import Tuner, prune_rule
+
+BOUNDS = slo.parse_slo("ttft_p95=2000,tpot_p95=100")
+
+
+def make_space() -> space.Space:
+    # 2 cores with native bfloat16; a 135M-like model (0.2 GFLOP a token, 46 KB of KV a token)
+    return space.derive(2 * 10**8 // 1, 46080, 700, cores=2, bf16=True)
+
+
+def landscape(params: dict) -> float:
+    """Goodput (req/s) of a candidate: separable, one best value per knob, int4 best but refused below."""
+    g = 1.0
+    g *= {"none": 1.0, "int8": 1.5, "int4": 1.8}[params["quantization"]]
+    g *= {1: 1.0, 2: 1.3}[params["replicas"]]
+    g *= {8: 0.7, 16: 0.9, 32: 1.1, 64: 1.0, 128: 0.95, 256: 0.9}[params["max_num_seqs"]]
+    g *= 1.1 if params["max_num_batched_tokens"] == 256 else 1.0
+    g *= 0.9 if params["dtype"] == "float32" else 1.0
+    g *= 0.95 if params["speculative_ngram"] else 1.0
+    g *= 1.0 if params["enable_prefix_caching"] else 0.97
+    g *= 1.02 if params["kv_cache_dtype"] == "int8" else 1.0
+    return g
+
+
+class FakeMeasure:
+    """Each measurement takes 100 s of a fake clock and returns the landscape's figures; int4 is refused."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.calls = clock, []
+
+    def __call__(self, params: dict, tag: str) -> dict:
+        self.calls.append(dict(params))
+        self.clock[0] += 100.0
+        refused = params["quantization"] == "int4"
+        g = 0.0 if refused else landscape(params)
+        probe = {"rate": g, "goodput": g, "ttft_p95": 500.0, "tpot_p95": 50.0, "broken": [], "kv_usage_max": 0.2}
+        return {
+            "goodput": g,
+            "rate": g,
+            "best": None if refused else probe,
+            "fail": None,
+            "probes": [] if refused else [probe],
+            "refused": refused,
+            "quality": {"agreement": 0.5 if refused else 0.99, "logprob_diff": 0.1, "positions": 10},
+            "seconds": 100.0,
+        }
+
+
+def optimum(sp: space.Space) -> float:
+    import itertools
+
+    best = 0.0
+    for combo in itertools.product(*sp.choices.values()):
+        p = dict(zip(sp.choices, combo))
+        if p["quantization"] != "int4":
+            best = max(best, landscape(p))
+    return best
+
+
+def run_tuner(tmp_path, budget: float, clock: list[float], measure=None, sampler="tpe"):
+    sp = make_space()
+    measure = measure or FakeMeasure(clock)
+    t = Tuner(
+        sp,
+        measure,
+        BOUNDS,
+        f"sqlite:///{tmp_path / 'tune.db'}",
+        "s",
+        budget,
+        sampler=sampler,
+        clock=lambda: clock[0],
+        log=lambda s: None,
+        estimate_s=100.0,
+    )
+    return t, t.run(), measure
+
+
+def test_space_is_derived_from_model_and_machine():
+    sp = make_space()
+    assert sp.choices["replicas"] == [1, 2]
+    assert "bfloat16" in sp.choices["dtype"] and sp.defaults["dtype"] == "bfloat16"
+    assert sp.defaults["max_num_batched_tokens"] in sp.choices["max_num_batched_tokens"]
+    no_bf16 = space.derive(2 * 10**8, 46080, 700, cores=4, bf16=False, max_replicas=2)
+    assert no_bf16.choices["dtype"] == ["float32"] and no_bf16.choices["replicas"] == [1, 2]
+    # a model whose KV cache holds few requests gets no large max_num_seqs
+    big_kv = space.derive(2 * 10**9, 8 * 2**20, 2000, cores=2, bf16=False)
+    assert max(big_kv.choices["max_num_seqs"]) <= 64 and big_kv.notes
+
+
+def test_search_finds_the_optimum_within_budget(tmp_path):
+    clock = [0.0]
+    tuner, out, measure = run_tuner(tmp_path, 3000.0, clock)
+    assert len(measure.calls) <= 30  # the budget: 30 measurements of 100 s
+    assert out.best["result"]["goodput"] == pytest.approx(optimum(out.space))
+    assert measure.calls[0] == out.space.defaults  # the defaults first, the baseline
+    # int4 was refused by the (fake) guard, and its answer-changing twin pruned rather than measured
+    assert all(m["params"]["quantization"] != "int4" or m["result"]["refused"] for m in out.measured)
+    assert out.best["params"]["quantization"] == "int8"
+
+
+def test_grid_sampler_also_runs(tmp_path):
+    clock = [0.0]
+    _, out, measure = run_tuner(tmp_path, 1000.0, clock, sampler="grid")
+    assert 1 <= len(measure.calls) <= 10 and out.best
+
+
+def test_resumed_run_measures_nothing_twice(tmp_path):
+    clock = [0.0]
+    _, first, m1 = run_tuner(tmp_path, 800.0, clock)
+    assert len(m1.calls) == 8
+    tuner, second, m2 = run_tuner(tmp_path, 800.0, clock)
+    assert tuner.resumed == 8
+    keys1 = {first.space.key(p) for p in m1.calls}
+    keys2 = [second.space.key(p) for p in m2.calls]
+    assert len(m2.calls) == 8 and not keys1 & set(keys2) and len(set(keys2)) == len(keys2)
+    assert len(second.measured) == 16
+    assert second.best["result"]["goodput"] >= first.best["result"]["goodput"]
+
+
+def test_slo_nothing_meets_names_closest_and_percentile(tmp_path):
+    clock = [0.0]
+
+    def measure(params, tag):
+        clock[0] += 100.0
+        tpot = 300.0 if params["quantization"] == "none" else 150.0  # int8 comes closer; TPOT always fails
+        probe = {"rate": 0.1, "goodput": 0.0, "ttft_p95": 900.0, "tpot_p95": tpot, "broken": [f"tpot_p95 {tpot}"]}
+        return {"goodput": 0.0, "rate": 0.0, "best": None, "fail": probe, "probes": [probe], "seconds": 100.0}
+
+    _, out, _ = run_tuner(tmp_path, 500.0, clock, measure=measure)
+    assert out.best is None
+    c = out.closest(BOUNDS)
+    assert c["params"]["quantization"] != "none" and c["failed"] == ["tpot_p95"]
+    args = types.SimpleNamespace(users=None, think_time=10.0, rate=None, model=None, budget="500s")
+    rdir = tmp_path / "r"
+    rdir.mkdir()
+    console = types.SimpleNamespace(printed=[])
+    console.print = lambda s, **k: console.printed.append(s)
+    rc = cli.finish(args, out, BOUNDS, types.SimpleNamespace(label="w"), 500, rdir, tmp_path / "t.yaml", 0, console)
+    assert rc == 3 and not (tmp_path / "t.yaml").exists()
+    assert "closest" in console.printed[-1] and "tpot_p95" in console.printed[-1]
+    assert "No candidate met the SLO" in (rdir / "report.md").read_text()
+
+
+def test_pruning_rules_read_the_engine_metrics():
+    sp = make_space()
+    d = sp.defaults
+    full = {"probes": [{"rate": 1, "kv_usage_max": 1.0, "preemptions": 3}], "goodput": 1.0}
+    measured = [{"params": {**d, "max_num_seqs": 32}, "result": full}]
+    assert prune_rule({**d, "max_num_seqs": 64}, measured, BOUNDS).startswith("kv")
+    assert prune_rule({**d, "max_num_seqs": 16}, measured, BOUNDS) is None
+    ttft_broke = {"probes": [], "goodput": 1.0, "fail": {"broken": ["ttft_p95 2500 ms > 2000"], "ttft_p95": 2500}}
+    measured = [{"params": {**d, "max_num_batched_tokens": 256}, "result": ttft_broke}]
+    assert prune_rule({**d, "max_num_batched_tokens": 128}, measured, BOUNDS).startswith("ttft")
+    assert prune_rule({**d, "max_num_batched_tokens": 512}, measured, BOUNDS) is None
+    refused = {"probes": [], "goodput": 0.0, "refused": True}
+    measured = [{"params": {**d, "quantization": "int4"}, "result": refused}]
+    assert prune_rule({**d, "quantization": "int4", "replicas": 2}, measured, BOUNDS).startswith("quality")
+
+
+def test_rate_search_bisects_to_where_the_slo_breaks():
+    capacity = 3.0  # the SLO holds up to 3 req/s
+
+    async def probe(rate):
+        ok = rate <= capacity
+        return {
+            "completed": 20,
+            "failed": 0,
+            "goodput": min(rate, capacity) * 0.95,
+            "ttft_ms": {"p95": 500 if ok else 5000},
+            "tpot_ms": {"p95": 50},
+        }
+
+    found = asyncio.run(rate_search(probe, BOUNDS, 0.5, max_probes=8, tol=1.1))
+    assert 3.0 / 1.1 <= found["rate"] <= 3.0
+    assert found["fail"]["rate"] > 3.0 and "ttft_p95" in found["fail"]["broken"][0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--slo", "latency_p95=100"], "unknown key 'latency_p95'"),
+        (["--slo", "ttft_p95=2000", "--budget", "10s"], "too small for one candidate"),
+        (["--slo", "ttft_p95=2000", "--budget", "soon"], "not a duration"),
+        (["--slo", "ttft_p95=2000", "--workload", "BAD"], "line 2 does not parse"),
+    ],
+)
+def test_bad_input_is_refused_before_any_server(tmp_path, capsys, argv, message):
+    bad = tmp_path / "log.jsonl"
+    bad.write_text('{"prompt": "hi", "max_tokens": 8, "arrival": 0}\n{not json\n')
+    argv = [str(bad) if a == "BAD" else a for a in argv]
+    from llmserve.cli import main
+
+    assert main(["tune", *argv, "--port", "1"]) == 2  # port 1: a server start would fail loudly
+    assert message in capsys.readouterr().err
+
+
+def test_rate_search_gives_up_on_a_worse_candidate():
+    rates = []
+
+    async def probe(rate):
+        rates.append(rate)
+        return {"completed": 20, "failed": 0, "goodput": 0.1, "ttft_ms": {"p95": 5000}, "tpot_ms": {"p95": 50}}
+
+    found = asyncio.run(rate_search(probe, BOUNDS, 1.0, max_probes=5, lose_fast=True))
+    assert rates == [1.0, 0.5] and found["goodput"] == 0.0 and found["fail"]["rate"] == 0.5
+
+
+def test_ctrl_c_keeps_what_was_measured_and_a_resume_starts_from_the_defaults(tmp_path):
+    clock = [0.0]
+    fake = FakeMeasure(clock)
+
+    def interrupted_first(params, tag):
+        raise KeyboardInterrupt
+
+    _, out, _ = run_tuner(tmp_path, 500.0, clock, measure=interrupted_first)
+    assert out.interrupted and not out.measured
+    _, out, measure = run_tuner(tmp_path, 300.0, clock, measure=fake)
+    assert measure.calls[0] == out.space.defaults and len(out.measured) == 3
+
+    def interrupted_third(params, tag):
+        if len(fake.calls) == 4:
+            raise KeyboardInterrupt
+        return fake(params, tag)
+
+    _, out, _ = run_tuner(tmp_path, 1000.0, clock, measure=interrupted_third)
+    assert out.interrupted and len(out.measured) == 4 and out.best  # the best so far, the earlier ones kept
+
+
+def test_tuned_yaml_with_replicas_is_read_by_launch_and_serve(tmp_path, capsys):
+    import argparse
+
+    from llmserve.router import launch
+    from llmserve.serve_config import add_serve_arguments
+    from llmserve.server.cli import _apply_config_file
+
+    sp = make_space()
+    params = {**sp.defaults, "replicas": 2, "quantization": "int8"}
+    path = tmp_path / "tuned.yaml"
+    from llmserve.tune import report
+
+    report.write_yaml(path, params, 2, None, ["test"])
+    p = argparse.ArgumentParser()
+    launch.add_arguments(p)
+    args = p.parse_args(["--config", str(path)])
+    launch.apply_fleet_config(args, set())
+    assert args.replicas == 2 and args.num_threads == 2
+    cmds = launch.replica_commands(args, args.replicas, 9000)
+    assert all("--config" in c and c[c.index("--num-threads") + 1] == "1" for c in cmds)
+    s = argparse.ArgumentParser()
+    add_serve_arguments(s)
+    sargs = s.parse_args(["--config", str(path)])
+    _apply_config_file(sargs, set())  # replicas: noted, one server; the rest read
+    assert sargs.quantization == "int8" and sargs.num_threads == 2
+    assert "starts one" in capsys.readouterr().err
+
+
+def test_request_log_is_replayed_in_its_order_and_sped_up(tmp_path):
+    import time
+
+    from llmserve.bench.client import RequestRecord
+    from llmserve.bench.loadgen import LoadPhase, run_phase
+    from llmserve.tune.workload import read_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        '{"prompt": "c", "max_tokens": 4, "arrival": 10.4}\n'
+        '{"messages": [{"role": "user", "content": "a"}], "max_tokens": 8, "arrival": 10.0}\n'
+        '{"prompt": "b", "max_tokens": 4, "offset": 10.2}\n'
+    )
+    reqs = read_log(str(log))
+    assert [r.prompt for r in reqs] == ["a", "b", "c"] and reqs[0].arrival == 0.0 and reqs[0].messages
+
+    class Recorder:  # the client's interface: what loadgen calls, and when
+        sent: list = []
+
+        async def send(self, req, index, on_chunk=None):
+            self.sent.append((req.prompt, time.perf_counter()))
+            return RequestRecord(index=index, prompt_len=1, max_tokens=req.output_len, success=True)
+
+    client = Recorder()
+    run = asyncio.run(run_phase(client, LoadPhase("replay", 2.0, 3), reqs))
+    assert [p for p, _ in client.sent] == ["a", "b", "c"] and len(run.records) == 3
+    assert client.sent[2][1] - client.sent[0][1] >= 0.19  # 0.4 s of log at 2x: 0.2 s
