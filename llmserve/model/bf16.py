@@ -153,7 +153,7 @@ def to_bf16(model: nn.Module) -> int:
                     if (
                         t is not None
                         and t.is_floating_point()
-                        and t.dtype is not torch.float32
+                        and t.dtype is torch.bfloat16  # (an int4 layer's float16 scales stay as its kernels read them)
                         and not (isinstance(m, (BF16Linear, BF16Embedding)) and k == "weight")
                     ):
                         table[k] = nn.Parameter(t.float(), requires_grad=False) if table is m._parameters else t.float()

@@ -100,6 +100,7 @@ class Tiny(nn.Module):
         self.proj = nn.Linear(16, 16, bias=True)
         self.lm_head = nn.Linear(16, 50, bias=False)
         self.lm_head.weight = self.embed_tokens.weight  # tied
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float16))  # a quantized layer's (int4: float16)
 
 
 def test_to_bf16_replaces_layers_and_widens_the_rest(mode):
@@ -109,6 +110,7 @@ def test_to_bf16_replaces_layers_and_widens_the_rest(mode):
     assert isinstance(m.embed_tokens, bf16.BF16Embedding) and isinstance(m.lm_head, bf16.BF16Linear)
     assert isinstance(m.proj, bf16.BF16Linear) and m.proj.bias.dtype is torch.float32
     assert m.norm.dtype is torch.float32  # the activations' type
+    assert m.scale.dtype is torch.float16  # as an int4 layer's kernels read it (--dtype bfloat16 --quantization int4)
     ids = torch.tensor([[1, 7, 49]])
     assert m.embed_tokens(ids).dtype is torch.float32
     assert torch.equal(m.embed_tokens(ids), emb[ids].bfloat16().float())
