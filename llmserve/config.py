@@ -27,6 +27,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 # --kv-cache-dtype: the dtypes, int8 (a scale per token and head) and fp8 (float8 e4m3, on GPUs that have it)
 KV_CACHE_DTYPES = (*DTYPES, "int8", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -132,9 +133,12 @@ class EngineConfig:
     )
     device: str = field(default="auto", metadata=flag("where the model runs", choices=("auto", "cpu", "cuda")))
     quantization: str | None = field(
-        default=None,
-        metadata=flag(  # None or "none" | int8 | int4
-            "weight-only quantization", choices=("none", "int8", "int4"), default="none"
+        default="auto",
+        metadata=flag(  # "auto" until the engine resolves it (model/loader/mode.py); None or "none" | gguf | int8 | int4
+            "weights: auto = a quantized GGUF on its own blocks (gguf: llama.cpp's integer dots, as llama-server), "
+            "float elsewhere; none = float weights (with --dtype float32: the exact mode); int8 / int4 = rounded "
+            "weight-only",
+            choices=QUANTIZATIONS,
         ),
     )
     block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
@@ -329,11 +333,11 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.quantization in ("none", ""):
             self.quantization = None
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization: must be none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        if self.quantization and self.tensor_parallel_size > 1:
+        if self.quantization not in (None, "auto") and self.tensor_parallel_size > 1:
             raise ValueError("quantization: int8/int4 weights are not supported with tensor_parallel_size > 1 yet")
         if self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram}")

@@ -45,6 +45,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # in float32 by PyTorch's own matmul, the output rounded to bfloat16): the tests run the default path of
     # bf16 CPUs on every CPU with it.
     "LLMSERVE_CPU_BF16": lambda: {"0": False, "emulate": "emulate"}.get(os.environ.get("LLMSERVE_CPU_BF16", "1"), True),
+    # "0": `--quantization auto` widens a quantized GGUF (float32-exact, or bfloat16 by --dtype) instead of serving
+    # its own blocks (llmserve/model/loader/mode.py); the test suite's parity default, as LLMSERVE_CPU_BF16=0
+    "LLMSERVE_GGUF_BLOCKS": lambda: os.environ.get("LLMSERVE_GGUF_BLOCKS", "1") != "0",
     # images in requests (llmserve/server/media.py): seconds to fetch an http(s) image (vLLM's
     # VLLM_IMAGE_FETCH_TIMEOUT), the most bytes of an encoded image, the most pixels of a decoded one
     "LLMSERVE_IMAGE_FETCH_TIMEOUT": lambda: float(os.environ.get("LLMSERVE_IMAGE_FETCH_TIMEOUT", "5")),

@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # greedy parity is checked in float32 on every machine kind: `--dtype auto` must not pick bfloat16 where the
 # CPU has it (tests/integration/test_bf16.py turns it back on)
 os.environ.setdefault("LLMSERVE_CPU_BF16", "0")
+# ... and `--quantization auto` must not serve the bundled GGUF on its own blocks (integer dots): the same parity
+# default; tests/integration/test_weight_mode.py turns it back on
+os.environ.setdefault("LLMSERVE_GGUF_BLOCKS", "0")
 
 LAYERS = ("unit", "integration", "e2e")
 

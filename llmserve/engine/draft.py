@@ -25,6 +25,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.runner import ModelRunner
 from llmserve.model import rejection
 from llmserve.model.loader import load_model_config, resolve_model
+from llmserve.model.loader.mode import weight_mode
 
 log = logging.getLogger("llmserve.draft")
 
@@ -51,7 +52,11 @@ class DraftProposer:
             )
         if any(mc.recurrent_layers):  # (its state would have to roll back with each rejected proposal)
             raise ValueError(f"speculative_model: {mc.architecture} is a hybrid model (recurrent state), not a draft")
-        draft_config = replace(config, model=config.speculative_model, tensor_parallel_size=1, enable_lora=False)
+        asked = "auto" if config.quantization == "gguf" else config.quantization  # (the target's own blocks)
+        draft_config = replace(
+            config, model=config.speculative_model, tensor_parallel_size=1, enable_lora=False, quantization=asked
+        )
+        draft_config = weight_mode(draft_config, source, reader, mc, device)
         self.executor = make_executor(draft_config, mc, device)
         positions = (config.max_model_len or target_cfg.max_position_embeddings) + self.k + 1
         self.model = self.executor.load_model(source, reader, dtype, positions, 0)

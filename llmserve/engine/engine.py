@@ -36,6 +36,7 @@ from llmserve.engine.step_budget import resolve_max_step_ms
 from llmserve.model import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.loader.gguf_facts import gguf_facts
+from llmserve.model.loader.mode import weight_mode
 from llmserve.model.registry import image_processing
 from llmserve.model.vision.inputs import mrope_positions, prompt_images
 from llmserve.tokenizer import Tokenizer
@@ -78,11 +79,6 @@ class LLMEngine:
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
-        plain = not config.quantization and not config.enable_lora and config.tensor_parallel_size == 1
-        self.dtype = resolve_dtype(config.dtype, self.device, plain)  # the weights'
-        self.act_dtype = activation_dtype(self.dtype, self.device)  # float32 around bfloat16 weights on CPU
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.act_dtype, self.device)
-        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, int8, ...
         t0 = time.time()
 
         source = resolve_model(config.model, config.mmproj)
@@ -92,6 +88,12 @@ class LLMEngine:
         self.model_config, reader = load_model_config(source)
         mc = self.model_config
         self.config = config = hybrid_config(config, mc)  # (a hybrid model: prefix caching off, refusals)
+        self.config = config = weight_mode(config, source, reader, mc, self.device)  # --quantization auto -> a mode
+        plain = not config.quantization and not config.enable_lora and config.tensor_parallel_size == 1
+        self.dtype = resolve_dtype(config.dtype, self.device, plain)  # the weights'
+        self.act_dtype = activation_dtype(self.dtype, self.device)  # float32 around bfloat16 weights on CPU
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.act_dtype, self.device)
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, int8, ...
         log.info(
             "%s: %s, %d layers; config read in %.1fs",
             source.name,

@@ -35,7 +35,7 @@ def test_every_flagged_field_has_its_flag_and_the_rest_have_none():
         assert (f.name in dests) == ("help" in f.metadata), f.name
     assert "kernels" not in dests and "enforce_eager" not in dests
     assert dests["dtype"].choices == ["auto", "float32", "bfloat16", "float16"]
-    assert dests["quantization"].default == "none"
+    assert dests["quantization"].default == "auto"
     assert isinstance(dests["enable_prefix_caching"], argparse.BooleanOptionalAction)
     assert dests["kv_cache_memory"].type is float and dests["max_num_seqs"].type is int
 

@@ -86,7 +86,7 @@ def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: tor
     for name in tensors:
         if tensors.qtype(name) not in FLOAT_TYPES:
             total += tensors.nbytes(name) * (9 if tensors.qtype(name) == 8 and quantization else 8) // 8
-        elif quantization and name.endswith(".weight") and "norm" not in name:
+        elif quantization in ("int8", "int4") and name.endswith(".weight") and "norm" not in name:
             total += tensors.numel(name) * (3 if quantization == "int8" else 1)  # int8: + fbgemm's float16
         else:
             total += tensors.numel(name) * torch.empty((), dtype=dtype).element_size()
@@ -110,7 +110,8 @@ def load_gguf_model(
     Q4_0 / Q4_1 / Q8_0 tensors go into llmserve's packed layers (its fused decode kernels) and the other types
     run llama.cpp's integer dots on their own blocks; only float tensors (F32 / F16 / BF16) are rounded to
     int8 / int4, and under int8 the Q4_0 / Q4_1 tensors (int8 is the accurate mode: int16 activations,
-    which the Q4 kernels lack), rounded to int8 per channel from the file's values.
+    which the Q4 kernels lack), rounded to int8 per channel from the file's values. `gguf` (the default for
+    a quantized file, loader.mode): int4's handling of the blocks, float tensors kept float.
     Elsewhere (CUDA), and on CPU without `quantization` for a model whose float32 weights take at most
     WIDEN_GGUF_BYTES, tensors are dequantized one at a time into the model's dtype: the same values as
     GGUFLinear's, served by the fused float32 decode kernels (the bundled model: the fast default)."""
@@ -124,6 +125,11 @@ def load_gguf_model(
     check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
     with torch.device("meta"):
         model = make_model(cfg, max_positions)
+    # gguf: the file's blocks only (int4's packed layers for Q4_0 / Q4_1 / Q8_0, llama.cpp's dots for the rest);
+    # its float tensors stay float, as llama.cpp keeps them
+    mode, blocks_only = quantization, quantization == "gguf"
+    if blocks_only:
+        quantization = "int4"
     if not widen:
         skip = set()
         if quantization:
@@ -138,7 +144,7 @@ def load_gguf_model(
                 path,
                 len(kept),
                 "/".join(sorted({GGUF_TYPE_NAMES[q] for _, q in kept.values()})),
-                quantization,
+                mode,
             )
         skip |= adopt_gguf(model, kept, exact=quantization is None, floats=tensors)
     else:
@@ -146,4 +152,5 @@ def load_gguf_model(
     weights = Lazy(tensors, {n: None for n in tensors if n not in skip})
     if tower is not None:
         weights = ChainMap(weights, tower)
-    return build_model(cfg, checkpoint_names(cfg, weights), device, dtype, max_positions, quantization, model)
+    rest = None if blocks_only else quantization  # the layers no block covered: rounded (int8 / int4) or float
+    return build_model(cfg, checkpoint_names(cfg, weights), device, dtype, max_positions, rest, model)
