@@ -134,7 +134,7 @@ class EngineConfig:
     device: str = field(default="auto", metadata=flag("where the model runs", choices=("auto", "cpu", "cuda")))
     quantization: str | None = field(
         default="auto",
-        metadata=flag(  # "auto" until the engine resolves it (model/loader/mode.py); None or "none" | gguf | int8 | int4
+        metadata=flag(  # "auto" until the engine resolves it (model/loader/mode.py), then None | gguf | int8 | int4
             "weights: auto = a quantized GGUF on its own blocks (gguf: llama.cpp's integer dots, as llama-server), "
             "float elsewhere; none = float weights (with --dtype float32: the exact mode); int8 / int4 = rounded "
             "weight-only",
