@@ -20,6 +20,7 @@ Without --gguf: the bundled Q4_1 file and its Q4_K_M and Q8_0 requantizations by
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -86,7 +87,7 @@ def llama_continuations(path: str, prompts: list[list[int]], n: int, threads: in
 
 def llama_perplexity(path: str, text: str, ctx: int, threads: int) -> tuple[float, int]:
     r = subprocess.run(
-        [os.path.join(BIN, "llama-perplexity"), "-m", path, "-f", text, "-c", str(ctx), "-t", str(threads), "-b", "512"],
+        [os.path.join(BIN, "llama-perplexity"), "-m", path, "-f", text, "-c", str(ctx), "-t", str(threads)],
         capture_output=True,
         text=True,
         check=True,
@@ -124,7 +125,7 @@ def llmserve_scores(llm, prompts, conts, text_ids: list[int], ctx: int, chunks: 
             w = [bos] + w[1:]
         windows.append(w)
     score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    for w, o in zip(windows, llm.generate(windows, score, use_tqdm=False)):
+    for o in llm.generate(windows, score, use_tqdm=False):
         for lp in o.prompt_logprobs[ctx // 2 + 1 :]:  # tokens ctx/2+1 .. ctx-1: llama-perplexity's second half
             nll -= lp.logprob
             count += 1
@@ -145,6 +146,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llm-args", default="{}", help="more LLM(...) settings, JSON")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
     from llmserve import LLM
@@ -157,17 +159,24 @@ def main() -> None:
         b = bundled_model_path()
         files = [b, requantize(b, "Q4_K_M", tmp), requantize(b, "Q8_0", tmp)]
     rows = []
+    extra = json.loads(a.llm_args)
     for path in files:
         name = os.path.basename(path)
-        ppl_ref, chunks = llama_perplexity(path, a.text, a.ctx, a.threads)
-        conts = None
+        # llama.cpp's figures, kept per file (its size and time) so that a rerun of llmserve's side skips them
+        cache = os.path.join(tempfile.gettempdir(), f"gguf-quality-{name}-{os.path.getsize(path)}-{a.tokens}.json")
+        ref = json.load(open(cache)) if os.path.exists(cache) else {}
+        if "ppl" not in ref:
+            ref["ppl"], ref["chunks"] = llama_perplexity(path, a.text, a.ctx, a.threads)
+        ppl_ref, chunks = ref["ppl"], ref["chunks"]
+        conts = ref.get("conts")
         for mode in a.modes.split(","):
             kw = {"quantization": mode} if mode != "none" else {"quantization": "none", "dtype": "float32"}
-            llm = LLM(model=path, kv_cache_memory=1.0, max_model_len=4096, **kw)
+            llm = LLM(model=path, kv_cache_memory=1.0, max_model_len=4096, **kw, **extra)
             tok = llm.engine.tokenizer
             prompts = [tok.encode(t) for t in PROMPTS]
             if conts is None:
-                conts = llama_continuations(path, prompts, a.tokens, a.threads)
+                conts = ref["conts"] = llama_continuations(path, prompts, a.tokens, a.threads)
+                json.dump(ref, open(cache, "w"))
             text_ids = tok.encode(open(a.text).read())
             bos = tok.bos_token_id if tok.encode("a")[:1] == [tok.bos_token_id] else None  # llama.cpp's add_bos
             s = llmserve_scores(llm, prompts, conts, text_ids, a.ctx, chunks, a.tokens, bos)

@@ -1,0 +1,124 @@
+"""A GGUF file served as it comes: `llmserve serve --model FILE` (its defaults) against `llama-server -m FILE -np N`
+on the same file, every server read by the same client (`llmserve bench`: chat, random prompts of --input-len
+tokens, --output-len tokens out, EOS ignored). One server at a time; engines in turn, --rounds times over (ABAB),
+so a machine whose speed drifts weighs on all; the table gives each run and the ratios of the medians. Never in CI.
+
+    python -m benchmarks.peers.gguf_serving --gguf ~/ckpt/llama-1b-gguf/model-Q4_K_M.gguf --concurrency 1 16 \\
+        --engines llama llmserve "llmserve:--quantization none" [--rounds 2] [--no-write]
+
+Engines: `llama` (llama-server with -np = the concurrency, continuous batching, the threads given), `llmserve`
+(serve's defaults) or `llmserve:FLAGS` (more serve flags). llama.cpp from shared/peers/llama-cpp.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.common import machine, start_llama_server, write_section
+from benchmarks.peers.servers import PEERS
+from llmserve.testing.launcher import ServerProcess
+
+LLAMA_SERVER = os.path.join(PEERS, "llama.cpp", "build", "bin", "llama-server")
+
+
+def bench(url: str, a, c: int, out: str) -> dict:
+    n = max(a.num_requests, 2 * c)
+    subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--concurrency", str(c)]
+        + ["--num-requests", str(n), "--dataset", "random", "--input-len", str(a.input_len)]
+        + ["--output-len", str(a.output_len), "--ignore-eos", "--temperature", "0", "--no-progress"]
+        + ["--tokenizer", a.tokenizer, "--warmup", "1", "--output-json", out],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    s = json.load(open(out))["phases"][0]["summary"]
+    return {
+        "tok_s": s["output_throughput"],
+        "ttft_median": s["ttft_ms"]["median"],
+        "itl_p99": s["itl_ms"]["p99"],
+        "failed": s.get("failed", 0),
+    }
+
+
+def run_engine(engine: str, a, c: int, out: str) -> dict:
+    if engine == "llama":
+        ctx = c * (a.input_len + a.output_len + 64)
+        proc, url = start_llama_server(LLAMA_SERVER, a.threads, c, ctx, model=a.gguf)
+        try:
+            return bench(url, a, c, out)
+        finally:
+            proc.terminate()
+            proc.wait()
+    flags = engine.partition(":")[2].split()
+    with ServerProcess("--model", a.gguf, "--num-threads", str(a.threads), *flags) as srv:
+        srv.wait_ready(timeout=1800)
+        return bench(srv.url, a, c, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--engines", nargs="+", default=["llama", "llmserve"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokenizer", default=None, help="tokenizer for the random prompts (default: the GGUF's folder)")
+    p.add_argument("--no-write", action="store_true")
+    a = p.parse_args()
+    a.gguf = os.path.expanduser(a.gguf)
+    a.tokenizer = a.tokenizer or os.path.dirname(a.gguf)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    tmp = tempfile.mkdtemp()
+    for rnd in range(a.rounds):
+        for c in a.concurrency:
+            for i, engine in enumerate(a.engines):
+                r = run_engine(engine, a, c, os.path.join(tmp, f"{i}-{c}-{rnd}.json"))
+                runs.setdefault((engine, c), []).append(r)
+                print(engine, c, rnd, r, flush=True)
+    lines = [
+        "| engine | concurrency | output tok/s (each run) | median TTFT ms | p99 ITL ms | failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    med = {
+        k: {f: statistics.median(r[f] for r in v) for f in ("tok_s", "ttft_median", "itl_p99")} for k, v in runs.items()
+    }
+    for (engine, c), v in runs.items():
+        tok, ttft, itl = (
+            " / ".join(f"{r[f]:.{d}f}" for r in v) for f, d in (("tok_s", 2), ("ttft_median", 0), ("itl_p99", 0))
+        )
+        lines.append(f"| `{engine}` | {c} | {tok} | {ttft} | {itl} | {sum(r['failed'] for r in v)} |")
+    base = a.engines[0]
+    ratios = []
+    for engine in a.engines[1:]:
+        for c in a.concurrency:
+            m, b = med[(engine, c)], med[(base, c)]
+            ratios.append(
+                f"- `{engine}` against `{base}` at {c} concurrent (medians): "
+                f"throughput {m['tok_s'] / b['tok_s']:.2f}x, "
+                f"median TTFT {m['ttft_median'] / b['ttft_median']:.2f}x, p99 ITL {m['itl_p99'] / b['itl_p99']:.2f}x"
+            )
+    body = (
+        f"`python -m benchmarks.peers.gguf_serving {' '.join(sys.argv[1:])}` on {machine()}: `llmserve bench` for "
+        f"every server, chat, random {a.input_len} / {a.output_len} tokens, EOS ignored, at least "
+        f"{a.num_requests} requests a run (2 per user), engines in turn ({a.rounds} rounds).\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + "\n".join(ratios)
+        + "\n"
+    )
+    print(body)
+    if not a.no_write:
+        write_section(f"GGUF served as it comes: {os.path.basename(a.gguf)} against llama-server", body)
+
+
+if __name__ == "__main__":
+    main()
