@@ -53,6 +53,14 @@ class ServerSettings:
             parse=comma_list,
         ),
     )
+    log_requests: str | None = field(  # server/request_log.py
+        default=None,
+        metadata=flag(
+            "append every generating request (its prompt as the engine saw it, max_tokens, arrival time) to this "
+            "JSONL file: the request log `llmserve tune --workload FILE` replays with its timing",
+            metavar="FILE",
+        ),
+    )
     request_timeout: float | None = field(  # seconds; past it a request is aborted
         default=None,
         metadata=flag("seconds after which a request is aborted and answered with a timeout error"),

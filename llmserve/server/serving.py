@@ -70,6 +70,8 @@ class Generation:
             rid = f"{self.rid}-{index}"
             if tracer is not None:  # the span is made when the request finishes (state.record_finished)
                 tracer.begin(rid, self.request.headers if self.request is not None else None, params, self.model)
+            if self.state.request_log is not None:
+                self.state.request_log.write(self.eng.tokenizer, self.model, ids, params.max_tokens, self.arrival)
             try:
                 async for out in self.eng.generate(ids, params, rid, self.priority, self.lora):
                     if out.outputs[0].delta_token_ids:

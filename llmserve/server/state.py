@@ -25,6 +25,7 @@ from llmserve.server.errors import APIError
 from llmserve.server.faults import install_fault_injection
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.reasoning import ReasoningParser
+from llmserve.server.request_log import RequestLog
 from llmserve.server.tracing import make_tracer
 
 log = logging.getLogger("llmserve.server")
@@ -50,6 +51,7 @@ class ServerState:
         self.tool_parser = tool_parsers.get_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         self.chat_template = read_chat_template(settings.chat_template)
         self.tracer = make_tracer(settings.otlp_traces_endpoint)  # --otlp-traces-endpoint, else None
+        self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None  # --log-requests
         # the Files and Batches APIs' state (--batch-dir), batches run at most half max_num_seqs at a time
         self.batches = (
             BatchStore(settings.batch_dir, settings.max_batch_file_bytes, settings.engine.max_num_seqs // 2)

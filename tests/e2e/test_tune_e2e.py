@@ -83,3 +83,27 @@ def test_tune_budget_90s_writes_a_yaml_serve_starts_with(tmp_path):
         assert r.status_code == 200
         info = srv.metrics()
         assert any(k.startswith("llmserve:cache_config_info") for k in info)
+
+
+def test_serve_log_requests_writes_the_log_tune_replays(tmp_path):
+    """`serve --log-requests FILE`: one JSONL line per engine request (chat template applied, max_tokens, arrival
+    in order), which `llmserve tune --workload FILE` reads as a replay with its timing."""
+    from llmserve.tune.workload import read_log
+
+    log = tmp_path / "requests.jsonl"
+    with ServerProcess("--num-threads", "1", "--max-model-len", "512", "--log-requests", str(log), port=_port()) as srv:
+        srv.wait_ready()
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        chat = {"model": model, "messages": [{"role": "user", "content": "What is Docker?"}], "max_tokens": 5}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+        body = {"model": model, "prompt": ["Hello there", "Once upon a time"], "max_tokens": 3}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        bad = {"model": model, "messages": "not a list"}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=bad, timeout=120).status_code == 400
+    lines = [__import__("json").loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == 3  # the chat, the two prompts; nothing for the refused request
+    assert "What is Docker?" in lines[0]["prompt"] and "<|im_start|>" in lines[0]["prompt"]  # the template applied
+    assert [x["max_tokens"] for x in lines] == [5, 3, 3] and lines[1]["prompt"] == "Hello there"
+    assert 0 <= lines[0]["arrival"] <= lines[1]["arrival"] == lines[2]["arrival"]
+    replay = read_log(str(log))
+    assert [r.output_len for r in replay] == [5, 3, 3] and replay[0].arrival == 0.0
