@@ -126,3 +126,54 @@ def write_section(title: str, body: str, path: str | None = None) -> None:
         text = text.rstrip() + "\n\n" + section
     with open(path, "w") as f:
         f.write(text)
+
+
+def llmserve_bench(url: str, c: int, num_requests: int, input_len: int, output_len: int, out: str, *extra) -> dict:
+    """`llmserve bench` against a server at `url` (any OpenAI-compatible one): chat, random prompts, EOS ignored,
+    greedy, one warm-up; its summary's output tok/s, median TTFT, p99 ITL and failed requests."""
+    import json
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--concurrency", str(c)]
+        + ["--num-requests", str(num_requests), "--dataset", "random", "--input-len", str(input_len)]
+        + ["--output-len", str(output_len), "--ignore-eos", "--temperature", "0", "--no-progress"]
+        + ["--output-json", out, *extra],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    s = json.load(open(out))["phases"][0]["summary"]
+    return {
+        "tok_s": s["output_throughput"],
+        "ttft_median": s["ttft_ms"]["median"],
+        "itl_p99": s["itl_ms"]["p99"],
+        "failed": s.get("failed", 0),
+    }
+
+
+def ab_table(runs: dict, settings: list, concurrency: list, label: str) -> str:
+    """A Markdown table of `runs` ({(setting, concurrency): [llmserve_bench results, one per round]}) and the ratios
+    of each setting's medians to the first setting's."""
+    import statistics
+
+    lines = [
+        f"| {label} | concurrency | output tok/s (each run) | median TTFT ms | p99 ITL ms | failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    fields = ("tok_s", "ttft_median", "itl_p99")
+    med = {k: {f: statistics.median(r[f] for r in v) for f in fields} for k, v in runs.items()}
+    for (setting, c), v in runs.items():
+        tok, ttft, itl = (" / ".join(f"{r[f]:.{d}f}" for r in v) for f, d in zip(fields, (2, 0, 0)))
+        lines.append(f"| `{setting}` | {c} | {tok} | {ttft} | {itl} | {sum(r['failed'] for r in v)} |")
+    lines.append("")
+    base = settings[0]
+    for setting in settings[1:]:
+        for c in concurrency:
+            m, b = med[(setting, c)], med[(base, c)]
+            lines.append(
+                f"- `{setting}` against `{base}` at {c} concurrent (medians): "
+                f"throughput {m['tok_s'] / b['tok_s']:.2f}x, median TTFT {m['ttft_median'] / b['ttft_median']:.2f}x, "
+                f"p99 ITL {m['itl_p99'] / b['itl_p99']:.2f}x"
+            )
+    return "\n".join(lines)

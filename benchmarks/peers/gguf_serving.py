@@ -13,14 +13,11 @@ Engines: `llama` (llama-server with -np = the concurrency, continuous batching, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import machine, start_llama_server, write_section
+from benchmarks.common import ab_table, llmserve_bench, machine, start_llama_server, write_section
 from benchmarks.peers.servers import PEERS
 from llmserve.testing.launcher import ServerProcess
 
@@ -29,21 +26,7 @@ LLAMA_SERVER = os.path.join(PEERS, "llama.cpp", "build", "bin", "llama-server")
 
 def bench(url: str, a, c: int, out: str) -> dict:
     n = max(a.num_requests, 2 * c)
-    subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--concurrency", str(c)]
-        + ["--num-requests", str(n), "--dataset", "random", "--input-len", str(a.input_len)]
-        + ["--output-len", str(a.output_len), "--ignore-eos", "--temperature", "0", "--no-progress"]
-        + ["--tokenizer", a.tokenizer, "--warmup", "1", "--output-json", out],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    s = json.load(open(out))["phases"][0]["summary"]
-    return {
-        "tok_s": s["output_throughput"],
-        "ttft_median": s["ttft_ms"]["median"],
-        "itl_p99": s["itl_ms"]["p99"],
-        "failed": s.get("failed", 0),
-    }
+    return llmserve_bench(url, c, n, a.input_len, a.output_len, out, "--tokenizer", a.tokenizer, "--warmup", "1")
 
 
 def run_engine(engine: str, a, c: int, out: str) -> dict:
@@ -84,36 +67,11 @@ def main() -> None:
                 r = run_engine(engine, a, c, os.path.join(tmp, f"{i}-{c}-{rnd}.json"))
                 runs.setdefault((engine, c), []).append(r)
                 print(engine, c, rnd, r, flush=True)
-    lines = [
-        "| engine | concurrency | output tok/s (each run) | median TTFT ms | p99 ITL ms | failed |",
-        "|---|---|---|---|---|---|",
-    ]
-    med = {
-        k: {f: statistics.median(r[f] for r in v) for f in ("tok_s", "ttft_median", "itl_p99")} for k, v in runs.items()
-    }
-    for (engine, c), v in runs.items():
-        tok, ttft, itl = (
-            " / ".join(f"{r[f]:.{d}f}" for r in v) for f, d in (("tok_s", 2), ("ttft_median", 0), ("itl_p99", 0))
-        )
-        lines.append(f"| `{engine}` | {c} | {tok} | {ttft} | {itl} | {sum(r['failed'] for r in v)} |")
-    base = a.engines[0]
-    ratios = []
-    for engine in a.engines[1:]:
-        for c in a.concurrency:
-            m, b = med[(engine, c)], med[(base, c)]
-            ratios.append(
-                f"- `{engine}` against `{base}` at {c} concurrent (medians): "
-                f"throughput {m['tok_s'] / b['tok_s']:.2f}x, "
-                f"median TTFT {m['ttft_median'] / b['ttft_median']:.2f}x, p99 ITL {m['itl_p99'] / b['itl_p99']:.2f}x"
-            )
+    table = ab_table(runs, a.engines, a.concurrency, "engine")
     body = (
         f"`python -m benchmarks.peers.gguf_serving {' '.join(sys.argv[1:])}` on {machine()}: `llmserve bench` for "
         f"every server, chat, random {a.input_len} / {a.output_len} tokens, EOS ignored, at least "
-        f"{a.num_requests} requests a run (2 per user), engines in turn ({a.rounds} rounds).\n\n"
-        + "\n".join(lines)
-        + "\n\n"
-        + "\n".join(ratios)
-        + "\n"
+        f"{a.num_requests} requests a run (2 per user), engines in turn ({a.rounds} rounds).\n\n" + table + "\n"
     )
     print(body)
     if not a.no_write:

@@ -11,33 +11,16 @@ machine whose speed drifts weighs on both; the table gives each run and the rati
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import machine, write_section
+from benchmarks.common import ab_table, llmserve_bench, machine, write_section
 from llmserve.testing.launcher import ServerProcess
 
 
 def bench(url: str, a, c: int, out: str) -> dict:
-    subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", url, "--concurrency", str(c)]
-        + ["--num-requests", str(a.num_requests), "--dataset", "random", "--input-len", str(a.input_len)]
-        + ["--output-len", str(a.output_len), "--ignore-eos", "--temperature", "0", "--no-progress"]
-        + ["--warmup", "2", "--output-json", out],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    s = json.load(open(out))["phases"][0]["summary"]
-    return {
-        "tok_s": s["output_throughput"],
-        "ttft_median": s["ttft_ms"]["median"],
-        "itl_p99": s["itl_ms"]["p99"],
-        "failed": s.get("failed", 0),
-    }
+    return llmserve_bench(url, c, a.num_requests, a.input_len, a.output_len, out, "--warmup", "2")
 
 
 def main() -> None:
@@ -71,31 +54,11 @@ def main() -> None:
                     r = bench(srv.url, a, c, os.path.join(tmp, f"{ms}-{c}-{rnd}.json"))
                     runs.setdefault((ms, c), []).append(r)
                     print(ms, c, rnd, r, flush=True)
-    lines = [
-        "| --max-step-ms | concurrency | output tok/s (each run) | median TTFT ms | p99 ITL ms |",
-        "|---|---|---|---|---|",
-    ]
-    med = {
-        k: {f: statistics.median(r[f] for r in v) for f in ("tok_s", "ttft_median", "itl_p99")} for k, v in runs.items()
-    }
-    for (ms, c), v in runs.items():
-        tok, ttft, itl = (
-            " / ".join(f"{r[f]:.{d}f}" for r in v) for f, d in (("tok_s", 2), ("ttft_median", 0), ("itl_p99", 0))
-        )
-        lines.append(f"| {ms} | {c} | {tok} | {ttft} | {itl} |")
-    base = settings[0]
-    ratios = []
-    for ms in settings[1:]:
-        for c in a.concurrency:
-            m, b = med[(ms, c)], med[(base, c)]
-            ratios.append(
-                f"- {ms} ms against {base} at {c} concurrent (medians): throughput {m['tok_s'] / b['tok_s']:.2f}x, "
-                f"median TTFT {m['ttft_median'] / b['ttft_median']:.2f}x, p99 ITL {m['itl_p99'] / b['itl_p99']:.2f}x"
-            )
+    table = ab_table(runs, settings, a.concurrency, "--max-step-ms")
     body = (
         f"`python -m benchmarks.serving.step_budget {' '.join(sys.argv[1:])}` on {machine()}: chat, random "
         f"{a.input_len} / {a.output_len} tokens, EOS ignored, {a.num_requests} requests a run, settings in turn "
-        f"({a.rounds} rounds).\n\n" + "\n".join(lines) + "\n\n" + "\n".join(ratios) + "\n"
+        f"({a.rounds} rounds).\n\n" + table + "\n"
     )
     print(body)
     if not a.no_write:

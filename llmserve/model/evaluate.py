@@ -74,3 +74,15 @@ def top_k_divergence(
         ]
         return f"position {i}: " + "; ".join(missing) if missing else None
     return None
+
+
+def top_k_broken(a_outputs, b_outputs, k: int = 5) -> dict[int, str]:
+    """`top_k_divergence` over two lists of greedy completions generated with `logprobs >= k` (CompletionOutput:
+    `token_ids`, `logprobs[i].top`), pair by pair: {index: what broke the rule} for the pairs where it broke."""
+    broken = {}
+    for i, (a, b) in enumerate(zip(a_outputs, b_outputs)):
+        tops = [[[t.token_id for t in lp.top] for lp in o.logprobs] for o in (a, b)]
+        why = top_k_divergence(list(a.token_ids), tops[0], list(b.token_ids), tops[1], k=k)
+        if why:
+            broken[i] = why
+    return broken

@@ -266,7 +266,7 @@ def test_bfloat16_default_within_top5_of_float32(checkpoint, monkeypatch):
     vLLM judges reduced precision: at the first one where they part from float32's, each side's is in the other's
     top-5 (FLAT rows: the first token's top-20 logprobs within 0.05 of float32's)."""
     from llmserve.model import bf16
-    from llmserve.model.evaluate import top_k_divergence
+    from llmserve.model.evaluate import top_k_broken
 
     name, d = checkpoint[0], checkpoint[1]
     monkeypatch.setenv("LLMSERVE_CPU_BF16", "1")
@@ -286,12 +286,7 @@ def test_bfloat16_default_within_top5_of_float32(checkpoint, monkeypatch):
             la, lb = ({t.token_id: t.logprob for t in o.logprobs[0].top} for o in (a, b))
             assert max(abs(la[t] - lb[t]) for t in la.keys() & lb.keys()) <= 0.05, name
         return
-    broken = {}
-    for i, (a, b) in enumerate(zip(outs["auto"], outs["float32"])):
-        tops = [[[t.token_id for t in lp.top] for lp in o.logprobs] for o in (a, b)]
-        why = top_k_divergence(list(a.token_ids), tops[0], list(b.token_ids), tops[1], k=5)
-        if why:
-            broken[i] = why
+    broken = top_k_broken(outs["auto"], outs["float32"], k=5)
     assert not broken, (name, broken)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model import bf16
-from llmserve.model.evaluate import top_k_divergence
+from llmserve.model.evaluate import top_k_broken
 from tests.integration.prompts import CHATS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -66,12 +66,7 @@ def test_greedy_agreement_with_float32(engines):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
     a = [o.outputs[0] for o in auto.generate(CHATS, params)]
     b = [o.outputs[0] for o in f32.generate(CHATS, params)]
-    broken = {}
-    for i, (x, y) in enumerate(zip(a, b)):
-        tops = [[[t.token_id for t in lp.top] for lp in o.logprobs] for o in (x, y)]
-        why = top_k_divergence(list(x.token_ids), tops[0], list(y.token_ids), tops[1], k=5)
-        if why:
-            broken[i] = why
+    broken = top_k_broken(a, b, k=5)
     assert not broken, broken
 
 

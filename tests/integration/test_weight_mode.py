@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.evaluate import top_k_divergence
+from llmserve.model.evaluate import top_k_broken
 from llmserve.model.gguf_layers import GGUFLinear
 from llmserve.model.quant import QuantLinear
 from tests.gguf_files import MIXED, write_tiny_gguf
@@ -45,12 +45,7 @@ def test_default_mode_within_top5_of_float32(engines):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
     a = [o.outputs[0] for o in auto.generate(CHATS, params, use_tqdm=False)]
     b = [o.outputs[0] for o in exact.generate(CHATS, params, use_tqdm=False)]
-    broken = {}
-    for i, (x, y) in enumerate(zip(a, b)):
-        tops = [[[t.token_id for t in lp.top] for lp in o.logprobs] for o in (x, y)]
-        why = top_k_divergence(list(x.token_ids), tops[0], list(y.token_ids), tops[1], k=5)
-        if why:
-            broken[i] = why
+    broken = top_k_broken(a, b, k=5)
     assert not broken, broken
     assert auto.engine.kv.usage == 0
 
