@@ -285,6 +285,28 @@ def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
+def test_default_mode_serves_every_architecture_on_its_blocks(checkpoint, monkeypatch):
+    """`--quantization auto` on every architecture's Q8_0 file picks the file's own blocks (gguf: the packed int8
+    layers), and its greedy tokens keep vLLM's top-5 rule against the float32-exact mode on the same file."""
+    from llmserve.model.evaluate import top_k_broken
+    from llmserve.model.quant import QuantLinear
+
+    name, d, arch, _ = checkpoint
+    path = write_checkpoint_gguf(d, str(d / "Q8_0-auto.gguf"), arch, "Q8_0")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    exact = LLM(model=path, kv_cache_memory=0.05, quantization="none", dtype="float32")
+    want = [o.outputs[0] for o in exact.generate(_prompts(), params, use_tqdm=False)]
+    del exact
+    monkeypatch.setenv("LLMSERVE_GGUF_BLOCKS", "1")  # the default outside the test suite (tests/conftest.py)
+    llm = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32)
+    assert llm.engine.config.quantization == "gguf"
+    assert any(isinstance(m, QuantLinear) for m in llm.engine.model.modules()), name
+    got = [o.outputs[0] for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    broken = top_k_broken(got, want, k=5)
+    assert not broken, (name, broken)
+    assert llm.engine.kv.usage == 0
+
+
 def test_gguf_tensor_names():
     """llama.cpp's names per architecture, including the ones no test file above holds: older Mixtral files'
     one tensor per expert, and tensors llmserve does not read (longrope factors, refused apart)."""
