@@ -47,13 +47,15 @@ def _die_with_parent() -> None:
 
 
 def free_port(*hosts: str) -> int:
-    """A TCP port free on every one of `hosts` (default 127.0.0.1)."""
+    """A TCP port free on every one of `hosts` (default 127.0.0.1); from the range LLMSERVE_TEST_PORTS=LOW-HIGH
+    where that is set (a machine shared by several runs, each given its own range)."""
     hosts = hosts or ("127.0.0.1",)
+    span = os.environ.get("LLMSERVE_TEST_PORTS")
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
         try:
+            with socket.socket() as s:
+                s.bind((hosts[0], random.randint(*map(int, span.split("-"))) if span else 0))
+                port = s.getsockname()[1]
             for h in hosts[1:]:
                 with socket.socket() as s:
                     s.bind((h, port))
