@@ -2,8 +2,8 @@
 
 Below RAM and `--kv-cache-dir`, modelled on the disk tier (kv_disk.py) with the same interface (`load`,
 `save`, `stats`, `close`). A full block is keyed by the model's fingerprint and the block's chained name
-(`kv:<fingerprint>:<name>`); its value is the disk tier's header (magic, fingerprint, name, payload size,
-SHA-256 of the payload) and the payload, so that an entry of another model, a torn or a tampered one is
+(`llmserve:kv:<fingerprint>:<name>`); its value is a header (magic, fingerprint, name, payload size, CRC-32
+of the payload) and the payload, so that an entry of another model, a torn or a tampered one is
 recomputed, never trusted (and deleted). Blocks are copied out of the pool as steps complete them and a
 writer thread sends them (one pipelined EXISTS, then one pipelined SET of the missing ones per batch); a
 prompt whose blocks miss in RAM (and on disk) reads the following ones in pipelined runs, unless the run is
@@ -17,22 +17,23 @@ thread retries the store (PING) later and closes the breaker when it answers.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import queue
+import struct
 import threading
 import time
+import warnings
+import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
 from llmserve.breaker import CircuitBreaker
 from llmserve.engine.kv_disk import (
-    HEADER,
-    MAGIC,
     block_name,
     completed_blocks,
     install_blocks,
@@ -44,8 +45,13 @@ from llmserve.engine.kv_disk import (
 
 log = logging.getLogger("llmserve.kv_remote")
 
+# an entry's header: magic, fingerprint, block name, payload bytes, CRC-32 of the payload. A checksum, not a
+# signature: whoever may write to the store could forge either; it catches torn and corrupted entries, the
+# fingerprint another model's (a CRC-32 reads the 92 MB of a 2,000-token prompt 2.5x faster than SHA-256 here)
+MAGIC = b"LLMSKV02"
+ENTRY = struct.Struct("<8s32s16sQI")
 MAX_PENDING_BYTES = 256 << 20  # blocks copied out and not sent yet; more are dropped (counted)
-READ_RUN_BYTES = 32 << 20  # one pipelined read asks for at most this much
+READ_RUN_BYTES = 8 << 20  # one pipelined read asks for at most this much (the next is read meanwhile)
 WRITE_BATCH_BYTES = 16 << 20
 KNOWN_NAMES = 1 << 17  # names this process wrote or read lately (not copied out again)
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -72,20 +78,21 @@ def block_key(fingerprint: bytes, name: bytes) -> bytes:
 
 
 def pack_block(fingerprint: bytes, name: bytes, payload) -> bytes:
-    """A store entry: the disk tier's header, then the payload (bytes-like)."""
+    """A store entry: a header (magic, fingerprint, name, payload size, CRC-32 of the payload), the payload."""
     view = memoryview(payload).cast("B")
-    return HEADER.pack(MAGIC, fingerprint, name, view.nbytes, hashlib.sha256(view).digest()) + view
+    return ENTRY.pack(MAGIC, fingerprint, name, view.nbytes, zlib.crc32(view)) + view
 
 
-def unpack_block(value: bytes | None, fingerprint: bytes, name: bytes, nbytes: int) -> bytearray | None:
-    """The payload of an entry that checks out (this model's, this block's, whole, its checksum right)."""
-    if value is None or len(value) != HEADER.size + nbytes:
+def unpack_block(value: bytes | None, fingerprint: bytes, name: bytes, nbytes: int) -> memoryview | None:
+    """The payload (a view of `value`) of an entry that checks out: this model's, this block's, whole, its
+    checksum right."""
+    if value is None or len(value) != ENTRY.size + nbytes:
         return None
-    magic, fp, key, n, checksum = HEADER.unpack_from(value)
+    magic, fp, key, n, checksum = ENTRY.unpack_from(value)
     if magic != MAGIC or fp != fingerprint or key != name or n != nbytes:
         return None
-    payload = bytearray(memoryview(value)[HEADER.size :])
-    return payload if hashlib.sha256(payload).digest() == checksum else None
+    payload = memoryview(value)[ENTRY.size :]
+    return payload if zlib.crc32(payload) == checksum else None
 
 
 class BreakEven:
@@ -148,7 +155,7 @@ class RemoteTier:
         self.block_bytes = kv_caches[0][:, 0].numel() * kv_caches[0].element_size() * len(kv_caches)
         self.step_started = step_started  # when the engine's current step began (prefill time per token)
         self.breaker = CircuitBreaker(f"kv store {self.url}", log)
-        self.break_even = BreakEven(block_size, self.block_bytes + HEADER.size)
+        self.break_even = BreakEven(block_size, self.block_bytes + ENTRY.size)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._saved: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -161,6 +168,7 @@ class RemoteTier:
         self.errors = self.corrupt_blocks = self.dropped_writes = self.refused_writes = self.skipped_fetches = 0
         self.fetch_buckets = [0] * (len(FETCH_BUCKETS) + 1)
         self.fetch_sum = 0.0
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-remote-reader")
         self._writer = threading.Thread(target=self._write_loop, name="kv-remote-writer", daemon=True)
         self._writer.start()
 
@@ -207,12 +215,16 @@ class RemoteTier:
             names = [block_name(request, d) for d in digests[start : start + n]]
             t0 = time.perf_counter()
             payloads = self._fetch(names)
-            blocks = install_blocks(kv, request, start, payloads, self.kv_caches, self.block_shape) if payloads else []
+            with warnings.catch_warnings():  # read-only views of the values: copied into the pool, not written
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = (
+                    install_blocks(kv, request, start, payloads, self.kv_caches, self.block_shape) if payloads else []
+                )
             elapsed = time.perf_counter() - t0
             self._observe(elapsed)
             if not blocks:
                 return []
-            self.break_even.fetched(elapsed, len(payloads) * (self.block_bytes + HEADER.size))
+            self.break_even.fetched(elapsed, len(payloads) * (self.block_bytes + ENTRY.size))
             for name in names[: len(payloads)]:
                 self._remember(name)
             self.hits += len(blocks) * self.block_size
@@ -220,25 +232,34 @@ class RemoteTier:
         finally:
             pool.free(hits)
 
-    def _fetch(self, names: list[bytes]) -> list[bytearray]:
-        """The payloads of the leading `names` present and sound, read in pipelined runs."""
-        per_run = max(1, READ_RUN_BYTES // (self.block_bytes + HEADER.size))
-        out: list[bytearray] = []
-        for i in range(0, len(names), per_run):
-            run = names[i : i + per_run]
-            t0 = time.perf_counter()
+    def _get(self, run: list[bytes]) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for name in run:
+            pipe.get(block_key(self.fingerprint, name))
+        return pipe.execute()
+
+    def _fetch(self, names: list[bytes]) -> list[memoryview]:
+        """The payloads of the leading `names` present and sound, read in pipelined runs: the next run is read
+        (by a thread) while this one is checked."""
+        per_run = max(1, READ_RUN_BYTES // (self.block_bytes + ENTRY.size))
+        runs = [names[i : i + per_run] for i in range(0, len(names), per_run)]
+        out: list[memoryview] = []
+        t0 = time.perf_counter()
+        ahead = self._reader.submit(self._get, runs[0])
+        for k, run in enumerate(runs):
             try:
-                pipe = self.client.pipeline(transaction=False)
-                for name in run:
-                    pipe.get(block_key(self.fingerprint, name))
-                values = pipe.execute()
+                values = ahead.result()
             except (self.redis.RedisError, OSError) as e:
                 self.errors += 1
                 self._failed(e)
                 return out
-            self.breaker.success()
-            if values and values[0] is None:
-                self.break_even.round_trip(time.perf_counter() - t0)
+            if k == 0:
+                self.breaker.success()
+                if values[0] is None:
+                    self.break_even.round_trip(time.perf_counter() - t0)
+            whole = values[-1] is not None
+            if whole and k + 1 < len(runs):
+                ahead = self._reader.submit(self._get, runs[k + 1])
             for name, value in zip(run, values):
                 if value is None:
                     return out
@@ -251,6 +272,8 @@ class RemoteTier:
                     self._queue.put(("delete", name))
                     return out
                 out.append(payload)
+            if not whole:
+                return out
         return out
 
     # -- writing: the step copies blocks out, the writer thread sends them ----------------------
@@ -371,6 +394,7 @@ class RemoteTier:
         self.flush(timeout=5.0)
         self._queue.put(None)
         self._writer.join(timeout=5)
+        self._reader.shutdown(wait=False)
         try:
             self.client.close()
         except Exception:  # noqa: BLE001 - closing a dead connection
