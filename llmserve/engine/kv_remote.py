@@ -214,36 +214,38 @@ class RemoteTier:
             digests = request_digests(request, self.block_size, start + n)
             names = [block_name(request, d) for d in digests[start : start + n]]
             t0 = time.perf_counter()
-            payloads = self._fetch(names)
+            blocks: list = []
             with warnings.catch_warnings():  # read-only views of the values: copied into the pool, not written
                 warnings.simplefilter("ignore", UserWarning)
-                blocks = (
-                    install_blocks(kv, request, start, payloads, self.kv_caches, self.block_shape) if payloads else []
-                )
+                for payloads in self._runs(names):  # each run copied in while the next one is read
+                    got = install_blocks(kv, request, start + len(blocks), payloads, self.kv_caches, self.block_shape)
+                    blocks += got
             elapsed = time.perf_counter() - t0
             self._observe(elapsed)
             if not blocks:
                 return []
-            self.break_even.fetched(elapsed, len(payloads) * (self.block_bytes + ENTRY.size))
-            for name in names[: len(payloads)]:
+            self.break_even.fetched(elapsed, len(blocks) * (self.block_bytes + ENTRY.size))
+            for name in names[: len(blocks)]:
                 self._remember(name)
             self.hits += len(blocks) * self.block_size
             return blocks
         finally:
             pool.free(hits)
 
-    def _get(self, run: list[bytes]) -> list:
+    def _get(self, run: list[bytes]) -> list[tuple[bytes | None, memoryview | None]]:
+        """(value, its payload if it checks out) for each of `run`'s names: read and checked by the reader thread."""
         pipe = self.client.pipeline(transaction=False)
         for name in run:
             pipe.get(block_key(self.fingerprint, name))
-        return pipe.execute()
+        values = pipe.execute()
+        return [(v, unpack_block(v, self.fingerprint, n, self.block_bytes)) for n, v in zip(run, values)]
 
-    def _fetch(self, names: list[bytes]) -> list[memoryview]:
-        """The payloads of the leading `names` present and sound, read in pipelined runs: the next run is read
-        (by a thread) while this one is checked."""
+    def _runs(self, names: list[bytes]):
+        """The payloads of the leading `names` present and sound, one list per pipelined run, up to the first
+        missing or unsound entry or a failed call: the next run is read and checked (by a thread) while the
+        caller copies this one into the pool."""
         per_run = max(1, READ_RUN_BYTES // (self.block_bytes + ENTRY.size))
         runs = [names[i : i + per_run] for i in range(0, len(names), per_run)]
-        out: list[memoryview] = []
         t0 = time.perf_counter()
         ahead = self._reader.submit(self._get, runs[0])
         for k, run in enumerate(runs):
@@ -252,29 +254,31 @@ class RemoteTier:
             except (self.redis.RedisError, OSError) as e:
                 self.errors += 1
                 self._failed(e)
-                return out
+                return
             if k == 0:
                 self.breaker.success()
-                if values[0] is None:
+                if values[0][0] is None:
                     self.break_even.round_trip(time.perf_counter() - t0)
-            whole = values[-1] is not None
+            whole = all(p is not None for _, p in values)
             if whole and k + 1 < len(runs):
                 ahead = self._reader.submit(self._get, runs[k + 1])
-            for name, value in zip(run, values):
+            out = []
+            for name, (value, payload) in zip(run, values):
                 if value is None:
-                    return out
+                    break
                 self.bytes_read += len(value)
-                payload = unpack_block(value, self.fingerprint, name, self.block_bytes)
                 if payload is None:  # another model's, torn or tampered: recomputed, and deleted
                     self.corrupt_blocks += 1
                     self._forget([name])
                     log.warning("kv store: entry %s does not check out; its block is recomputed", name.hex())
                     self._queue.put(("delete", name))
-                    return out
+                    whole = False
+                    break
                 out.append(payload)
-            if not whole:
-                return out
-        return out
+            if out:
+                yield out
+            if not whole or len(out) < len(run):
+                return
 
     # -- writing: the step copies blocks out, the writer thread sends them ----------------------
     def save(self, sched, kv) -> None:
