@@ -342,12 +342,13 @@ class RemoteTier:
                 pipe.exists(k)
             present = pipe.execute()
             pipe = self.client.pipeline(transaction=False)
-            sizes = []
+            sizes, sent = [], []
             for (_, name, data), k, there in zip(sets, keys, present):
                 if not there:  # another replica may have sent it already
                     value = pack_block(self.fingerprint, name, data.contiguous().view(torch.uint8).numpy())
                     pipe.set(k, value)
                     sizes.append(len(value))
+                    sent.append(name)
             results = pipe.execute(raise_on_error=False) if sizes else []
         except (self.redis.RedisError, OSError) as e:
             self.errors += 1
@@ -359,6 +360,7 @@ class RemoteTier:
         refused = [r for r in results if isinstance(r, Exception)]
         self.bytes_written += sum(n for n, r in zip(sizes, results) if not isinstance(r, Exception))
         self.refused_writes += len(refused)
+        self._forget(n for n, r in zip(sent, results) if isinstance(r, Exception))  # sent again if computed again
         if refused and not self._full:
             self._full = True
             log.warning(
