@@ -25,6 +25,7 @@ class RedisServer:
         maxmemory: str | None = None,
         policy: str = "allkeys-lru",
         log_path: str | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.password = password
@@ -32,17 +33,21 @@ class RedisServer:
         self.policy = policy
         self.dir = tempfile.mkdtemp(prefix="llmserve-redis-")
         self.log_path = log_path or os.path.join(self.dir, "redis.log")
+        self.tls = tls  # (key file, certificate file, its own CA): TLS only, rediss://
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[1]}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
+        tls = dict(ssl=True, ssl_ca_certs=self.tls[1]) if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **tls)
 
     def start(self) -> RedisServer:
         args = [
@@ -62,6 +67,9 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-key-file", self.tls[0]]
+            args += ["--tls-cert-file", self.tls[1], "--tls-ca-cert-file", self.tls[1], "--tls-auth-clients", "no"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
         self.proc = subprocess.Popen(

@@ -178,3 +178,21 @@ def test_a_full_store_and_a_wrong_password_fail_no_request(redis_factory, tmp_pa
         _settled(p)  # the password from the file opens the store
         assert p.metrics()[M + "kv_remote_breaker_state"] == 0
         assert locked.client().dbsize() > 0
+
+
+def test_a_tls_store_with_the_password_from_a_file(redis_factory, tmp_path):
+    """rediss:// (the store's certificate checked against its CA) and AUTH from --kv-cache-url-password-file."""
+    from tests.e2e.test_tls_keys import make_cert
+
+    key, cert = make_cert(tmp_path)
+    store = redis_factory(tls=(key, cert), password="tls-secret")
+    secret = tmp_path / "password"
+    secret.write_text("tls-secret\n")
+    url = f"rediss://127.0.0.1:{store.port}/0?ssl_ca_certs={cert}"
+    with ServerProcess(*FLAGS, "--kv-cache-url", url, "--kv-cache-url-password-file", str(secret)) as srv:
+        srv.wait_ready()
+        _complete(srv, TEXT[:1200])
+        _settled(srv)
+        assert srv.metrics()[M + "kv_remote_breaker_state"] == 0
+        assert store.client().dbsize() > 0
+        assert "tls-secret" not in srv.log()
