@@ -93,8 +93,13 @@ class RedisServer:
     def kill(self) -> None:
         """SIGKILL: the store vanishes at once (connections reset), as a crashed pod does."""
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+
+    def pause(self, paused: bool = True) -> None:
+        """SIGSTOP / SIGCONT: a store that accepts nothing and answers nothing (a hung host), then recovers."""
+        self.proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
     def stop(self) -> None:
         self.kill()

@@ -143,6 +143,24 @@ def test_a_store_killed_during_a_run_fails_no_request(redis_factory):
         assert wait_until(lambda: a.metrics()[M + "kv_remote_bytes_written_total"] > before, timeout=60)
 
 
+def test_a_store_that_stops_answering_fails_no_request(redis_factory):
+    """A hung store (SIGSTOP: connections open, no answers): each call gives up at --kv-cache-url-timeout, three
+    timeouts in a row open the breaker, requests go on computing; answering again, it is used again."""
+    store = redis_factory()
+    with ServerProcess(*FLAGS, "--kv-cache-url", store.url, "--kv-cache-url-timeout", "0.3") as a:
+        a.wait_ready()
+        _complete(a, "Warm the connection. " + TEXT[:300], 2)
+        store.pause()
+        for i in range(4):
+            _complete(a, f"Prompt {i} while the store hangs. " + TEXT[i * 100 :], 4)
+        assert wait_until(lambda: a.metrics()[M + "kv_remote_breaker_state"] == 1, timeout=60, interval=0.5)
+        log = a.log()
+        assert log.count("breaker open") == 1 and "TimeoutError" in log
+        store.pause(False)
+        assert wait_until(lambda: a.metrics()[M + "kv_remote_breaker_state"] == 0, timeout=90, interval=0.5)
+        assert a.log().count("reachable again") == 1
+
+
 def test_a_full_store_and_a_wrong_password_fail_no_request(redis_factory, tmp_path):
     full = redis_factory(maxmemory="1mb", policy="noeviction")
     locked = redis_factory(password="right-password")

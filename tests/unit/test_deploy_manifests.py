@@ -358,6 +358,8 @@ def test_podman_overlay_is_what_smoke_runs():
         smoke = f.read()
     assert "deploy/overlays/podman" in smoke
     assert re.search(r'IMAGE="\$\{LLMSERVE_IMAGE:-' + re.escape(c["image"]) + '}"', smoke)
+    (store,) = _named(docs, "Deployment", "llmserve-kvstore")["spec"]["template"]["spec"]["containers"]
+    assert re.search(r'STORE_IMAGE="\$\{LLMSERVE_STORE_IMAGE:-' + re.escape(store["image"]) + '}"', smoke)
     settings = yaml.safe_load(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
     assert settings["num-threads"] == 1
     # podman 4.3 publishes every containerPort on the host: two replicas would collide on :8000
