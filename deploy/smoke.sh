@@ -5,8 +5,9 @@
 #   1. image: deploy/Dockerfile built FROM $LLMSERVE_BASE (default: a Debian image made here with
 #      debootstrap, for hosts without a registry), the dependencies from a wheelhouse ($SMOKE_WHEELS,
 #      .whl/) downloaded by the host's pip; build time and image size logged; HEALTHCHECK run once.
-#   2. compose: deploy/docker-compose.yml (2 servers + router) with podman-compose; load through the
-#      router (10 serial, 5 and 20 at once); one server's process killed (SIGKILL) under load: no
+#   2. compose: deploy/docker-compose.yml (2 servers + the shared KV store + router) with podman-compose; load
+#      through the router (10 serial, 5 and 20 at once); a prompt llm1 computed answered by llm2 from the
+#      store (its store hits, the same greedy text); one server's process killed (SIGKILL) under load: no
 #      request lost (the router retries before the first byte), the restart policy brings the
 #      container back, the router re-admits it. Then the memory limit: llm2 under $SMOKE_OOM_LIMIT
 #      with the default KV budget (deploy/podman/compose.oom.yml) sizes it to the cgroup (logged),
@@ -16,7 +17,8 @@
 #      under the compose file's limit.
 #   3. kube: the kustomize overlay deploy/overlays/podman rendered and run with `podman kube
 #      play` (Deployments, ConfigMap, the models volume); the router finds the server pods through
-#      the DNS name of the headless Service (a network alias here); probes, the same load and kill.
+#      the DNS name of the headless Service (a network alias here); the KV store under its Service's
+#      name; probes, the same load, the shared prefix (pod 1 answers what pod 0 computed) and kill.
 # Needs: podman, podman-compose, runc, kubectl (for kustomize), debootstrap (for the default base), root,
 # and `llmserve` (the load generator, `llmserve bench`) on PATH. Everything is stopped on exit.
 # Environment: LLMSERVE_PORT (router on the host, 8080), LLMSERVE_BASE, SMOKE_DIR (logs, the base's root),
@@ -34,6 +36,7 @@ PORT="${LLMSERVE_PORT:-8080}"
 WORK="${SMOKE_DIR:-/var/tmp/llmserve-smoke}"
 BASE="${LLMSERVE_BASE:-localhost/llmserve-base:bookworm}"
 IMAGE="${LLMSERVE_IMAGE:-localhost/llmserve:smoke}"
+STORE_IMAGE="${LLMSERVE_STORE_IMAGE:-localhost/llmserve-kvstore:smoke}"
 PHASES="${SMOKE_PHASES:-compose kube}"
 OOM_LIMIT="${SMOKE_OOM_LIMIT:-1400m}"
 SMALL_LIMIT="${SMOKE_SMALL_LIMIT:-800m}"
@@ -62,12 +65,13 @@ compose() {
     files+=(-f "$2")
     shift 2
   fi
-  LLMSERVE_IMAGE="$IMAGE" LLMSERVE_PORT="$PORT" LLMSERVE_NUM_THREADS=1 LLMSERVE_KV_CACHE_MEMORY=1 \
+  LLMSERVE_IMAGE="$IMAGE" LLMSERVE_STORE_IMAGE="$STORE_IMAGE" LLMSERVE_STORE_MEMORY=256mb \
+    LLMSERVE_STORE_MEMORY_LIMIT=512m LLMSERVE_PORT="$PORT" LLMSERVE_NUM_THREADS=1 LLMSERVE_KV_CACHE_MEMORY=1 \
     LLMSERVE_MEMORY_LIMIT=3g LLMSERVE_OOM_LIMIT="$OOM_LIMIT" podman-compose -p "$PROJECT" "${files[@]}" "$@"
 }
 kube_down() {
   local f
-  for f in "$WORK/kube-router.yaml" "$WORK/kube-servers.yaml"; do
+  for f in "$WORK/kube-router.yaml" "$WORK/kube-servers.yaml" "$WORK/kube-kvstore.yaml"; do
     [ -f "$f" ] && podman kube down "$f" >/dev/null 2>&1
   done
   return 0
@@ -135,6 +139,11 @@ done
 podman healthcheck run llmserve-smoke-image >/dev/null 2>&1 || die "the image's HEALTHCHECK (/health) never passed"
 log "image: its HEALTHCHECK passes $(podman inspect --format '{{.State.StartedAt}}' llmserve-smoke-image | cut -c12-19) -> $(date -u +%T)"
 podman rm -f llmserve-smoke-image >/dev/null 2>&1
+# the shared KV store's image (deploy/kvstore.Dockerfile: Debian's redis-server on the same base); cached
+t=$(date +%s)
+podman build --format docker -f deploy/kvstore.Dockerfile --build-arg BASE="$BASE" -t "$STORE_IMAGE" deploy \
+  >"$WORK/build-kvstore.log" 2>&1 || die "build of the KV store's image (see $WORK/build-kvstore.log)"
+log "build: the KV store's image $STORE_IMAGE in $(($(date +%s) - t)) s"
 
 # -- helpers -------------------------------------------------------------------------------------
 # since T0 T1: seconds from T0 to T1, one decimal
@@ -210,6 +219,42 @@ kill_under_load() {
   curl -sf "$url/metrics" | grep -E '^llmserve_router:(retries|ejections|readmissions)_total' | sed 's/^/  /' | tee -a "$LOG"
 }
 
+# shared_prefix NAME URL_A URL_B: a new ~600-token prompt replica A computes (its blocks written to the
+# shared KV store in the background), then replica B, which never saw it, answers it from the store: B's
+# store hits must be > 0 and its greedy text A's
+shared_prefix() {
+  python3 - "$@" <<'EOF' | tee -a "$LOG"
+import json, sys, time, urllib.request
+name, a, b = sys.argv[1:4]
+M = "llmserve:kv_remote_"
+def post(url, prompt):
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t = time.time()
+    return json.load(urllib.request.urlopen(req, timeout=600)), time.time() - t
+def metric(url, n):
+    lines = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith((n + "{", n + " ")))
+prompt = f"Smoke run {time.time()}. " + " ".join(f"Rule {i}: the order {i * 7 % 97} ships after payment." for i in range(60))
+ra, ta = post(a, prompt)
+last = -1.0
+for _ in range(120):  # A's writer thread has sent every block: the figure stops moving
+    now = metric(a, M + "bytes_written_total")
+    if now > 0 and now == last:
+        break
+    last = now
+    time.sleep(1)
+h0 = metric(b, M + "hits_total")
+rb, tb = post(b, prompt)
+hits = metric(b, M + "hits_total") - h0
+same = ra["choices"][0]["text"] == rb["choices"][0]["text"]
+print(f"  {name}: A computed {ra['usage']['prompt_tokens']} prompt tokens in {ta:.1f} s, wrote {last / 1e6:.1f} MB; "
+      f"B answered in {tb:.1f} s with {hits:.0f} prompt tokens from the store; same greedy text: {same}; "
+      f"B's breaker state {metric(b, M + 'breaker_state'):.0f}")
+sys.exit(0 if hits > 0 and same else 1)
+EOF
+}
+
 # metric URL NAME: the value of an unlabelled or single-series metric on URL/metrics (0 when absent)
 metric() {
   { curl -sf "$1/metrics" || true; } | awk -v n="$2" '$1 == n || index($1, n "{") == 1 {v = $2} END {print v + 0}'
@@ -244,6 +289,11 @@ if [[ " $PHASES " == *" compose "* ]]; then
   done
   log "compose: healthchecks pass (servers /ready, router /ready)"
   load "$ROUTER" compose
+  net="{{(index .NetworkSettings.Networks \"${PROJECT}_default\").IPAddress}}"
+  ip1=$(podman inspect --format "$net" "${PROJECT}_llm1_1")
+  ip2=$(podman inspect --format "$net" "${PROJECT}_llm2_1")
+  shared_prefix "compose shared prefix" "http://$ip1:8000" "http://$ip2:8000" ||
+    die "compose: llm2 did not answer llm1's prompt from the shared KV store"
   kill_under_load "$ROUTER" compose "${PROJECT}_llm1_1"
 
   # the memory limit: llm2 recreated under $OOM_LIMIT with no --kv-cache-memory (compose.oom.yml): it
@@ -330,16 +380,21 @@ import sys, yaml
 work = sys.argv[1]
 docs = [d for d in yaml.safe_load_all(open(f"{work}/kube.yaml")) if d]
 played = {"ConfigMap", "PersistentVolumeClaim", "Deployment"}  # what podman kube play runs
-servers = [d for d in docs if d["kind"] in played and d["metadata"]["name"] != "llmserve-router"]
+own = {"llmserve-router", "llmserve-kvstore"}  # played on their own
+servers = [d for d in docs if d["kind"] in played and d["metadata"]["name"] not in own]
 router = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "llmserve-router"]
+store = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "llmserve-kvstore"]
 yaml.safe_dump_all(servers, open(f"{work}/kube-servers.yaml", "w"))
 yaml.safe_dump_all(router, open(f"{work}/kube-router.yaml", "w"))
+yaml.safe_dump_all(store, open(f"{work}/kube-kvstore.yaml", "w"))
 print(" ".join(sorted({d["kind"] for d in docs} - played)) or "-")
 EOF
   podman network create "$KNET" >/dev/null
   alias=$(python3 -c "import sys, yaml; print([d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d.get('spec', {}).get('clusterIP') == 'None'][0]['metadata']['name'])" "$WORK/kube.yaml")
-  log "kube: podman kube play (servers on network $KNET as '$alias', then the router)"
-  podman kube play --network "$KNET:alias=$alias" "$WORK/kube-servers.yaml" >"$WORK/kube-play.log" 2>&1 || die "kube play servers (see $WORK/kube-play.log)"
+  log "kube: podman kube play (the KV store as 'llmserve-kvstore', servers on network $KNET as '$alias', then the router)"
+  podman kube play --network "$KNET:alias=llmserve-kvstore" "$WORK/kube-kvstore.yaml" >"$WORK/kube-play.log" 2>&1 ||
+    die "kube play of the KV store (see $WORK/kube-play.log)"
+  podman kube play --network "$KNET:alias=$alias" "$WORK/kube-servers.yaml" >>"$WORK/kube-play.log" 2>&1 || die "kube play servers (see $WORK/kube-play.log)"
   podman kube play --network "$KNET" "$WORK/kube-router.yaml" >>"$WORK/kube-play.log" 2>&1 || die "kube play router"
   podman pod ps --format '{{.Name}} {{.Status}} {{.NumberOfContainers}}' | grep llmserve | sed 's/^/  pod: /' | tee -a "$LOG"
   rip=$(podman inspect --format "{{(index .NetworkSettings.Networks \"$KNET\").IPAddress}}" llmserve-router-pod-0-router)
@@ -373,6 +428,10 @@ for d in (d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] ==
 EOF
   podman exec llmserve-server-pod-0-server ls /models /etc/llmserve >/dev/null || die "kube: volumes not mounted"
   load "$KROUTER" kube
+  knet="{{(index .NetworkSettings.Networks \"$KNET\").IPAddress}}"
+  shared_prefix "kube shared prefix" "http://$(podman inspect --format "$knet" llmserve-server-pod-0-server):8000" \
+    "http://$(podman inspect --format "$knet" llmserve-server-pod-1-server):8000" ||
+    die "kube: pod 1 did not answer pod 0's prompt from the shared KV store"
   kill_under_load "$KROUTER" kube llmserve-server-pod-0-server
   kube_down
   log "kube: stopped"

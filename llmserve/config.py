@@ -186,6 +186,20 @@ class EngineConfig:
     kv_cache_dir_size: float = field(
         default=10.0, metadata=flag("GiB --kv-cache-dir may hold (least recently used go)")
     )
+    kv_cache_url: str | None = field(
+        default=None,
+        metadata=flag(
+            "a Redis-protocol store every replica shares, below RAM and --kv-cache-dir: redis://[:PASSWORD@]HOST:PORT[/DB]"
+            " (rediss:// for TLS, valkey://, valkeys://); its maxmemory + LRU policy evicts (docs/distributed.md)",
+            metavar="URL",
+        ),
+    )
+    kv_cache_url_password_file: str | None = field(
+        default=None, metadata=flag("a file holding the password (AUTH) of --kv-cache-url", metavar="PATH")
+    )
+    kv_cache_url_timeout: float = field(
+        default=0.5, metadata=flag("seconds one call to --kv-cache-url may take before it counts as failed")
+    )
     disable_hybrid_kv_cache_manager: bool = field(
         default=False,
         metadata=flag(
@@ -329,6 +343,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
         if self.kv_cache_dir_size <= 0:
             raise ValueError(f"kv_cache_dir_size: must be positive GiB, got {self.kv_cache_dir_size}")
+        if self.kv_cache_url and self.kv_cache_url.split("://")[0] not in ("redis", "rediss", "valkey", "valkeys"):
+            raise ValueError(
+                "kv_cache_url: must be redis://, rediss://, valkey:// or valkeys://, "
+                f"got {self.kv_cache_url.split(':')[0]!r}"
+            )
+        if self.kv_cache_url_timeout <= 0:
+            raise ValueError(f"kv_cache_url_timeout: must be positive seconds, got {self.kv_cache_url_timeout}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.quantization in ("none", ""):

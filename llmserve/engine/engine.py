@@ -23,8 +23,8 @@ from llmserve.engine.executor import make_executor
 from llmserve.engine.generation_config import default_sampling
 from llmserve.engine.guided import GuidedDecoding
 from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.kv_disk import open_disk_tier
 from llmserve.engine.kv_events import KVEventLog, parse_kv_events_config
+from llmserve.engine.kv_tiers import open_kv_tiers
 from llmserve.engine.kv_window import WindowGroup
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
@@ -66,7 +66,7 @@ class EngineStats:
     max_lora: int | None = None  # --max-loras with --enable-lora (else None: no LoRA metrics)
     running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests
     waiting_lora_adapters: tuple[str, ...] = ()  # ... and of waiting ones
-    kv_disk: dict | None = None  # --kv-cache-dir: the disk tier's counters (kv_disk.DiskTier.stats)
+    kv_disk: dict | None = None  # --kv-cache-dir / --kv-cache-url: the tiers' counters (kv_tiers.py)
 
 
 class LLMEngine:
@@ -271,13 +271,13 @@ class LLMEngine:
         return nf, WindowGroup(nw, block_size, window, config.enable_prefix_caching)
 
     def _init_kv_tiers(self, config) -> None:
-        """--kv-events-config: the pool's block events; --kv-cache-dir: the disk tier."""
+        """--kv-events-config: the pool's block events; --kv-cache-dir, --kv-cache-url: the tiers below RAM."""
         events = parse_kv_events_config(config.kv_events_config)
         if events is not None:
             self.kv.events = KVEventLog(self.block_size, events.get("max_events", 10_000))
             self.kv.pool.on_removed = self.kv.events.removed
-        if config.kv_cache_dir:
-            self.kv.disk = open_disk_tier(self)
+        if config.kv_cache_dir or config.kv_cache_url:
+            self.kv.disk = open_kv_tiers(self)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""

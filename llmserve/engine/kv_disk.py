@@ -96,6 +96,71 @@ def _atomic_write(path: str, *parts) -> int:
     return n
 
 
+def block_name(request, digest: bytes) -> bytes:
+    """A block's name outside the process: its chained digest, and under an adapter its folder too."""
+    if request.lora is None:
+        return digest
+    return hashlib.blake2b(digest + str(request.lora.path).encode(), digest_size=len(digest)).digest()
+
+
+def completed_blocks(sched, kv, saved: dict[str, int], block_size: int):
+    """(name, block id) of each full block the step `sched` completed (prompt hits included) that `saved`
+    (request id -> blocks seen, updated) has not seen: what a tier below RAM may store."""
+    for r in sched.requests:
+        done = min(r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id], r.num_tokens) // block_size
+        start = saved.get(r.request_id, 0)
+        if done <= start:
+            continue
+        saved[r.request_id] = done
+        blocks = kv.req_blocks.get(r.request_id, [])
+        digests = request_digests(r, block_size, done)
+        for i in range(start, min(done, len(blocks))):
+            yield block_name(r, digests[i]), blocks[i].block_id
+    if len(saved) > 4 * max(len(kv.req_blocks), 16):  # forget finished requests
+        for k in [k for k in saved if k not in kv.req_blocks]:
+            del saved[k]
+
+
+def install_blocks(kv, request, start: int, payloads: list, kv_caches: list[torch.Tensor], block_shape) -> list:
+    """Copy checked payloads (a block's KV of every layer) into free blocks of `kv`'s pool as blocks `start`..
+    of `request`, cached and free like any block no request holds: the caller takes them as hits."""
+    pool = kv.pool
+    blocks = pool.allocate(len(payloads))
+    for j, (block, buf) in enumerate(zip(blocks, payloads)):
+        data = torch.frombuffer(buf, dtype=kv_caches[0].dtype).view(block_shape)
+        for layer, cache in enumerate(kv_caches):
+            cache[:, block.block_id].copy_(data[layer])
+        kv.cache_block(request, start + j, block, request.block_hashes[start + j])
+    pool.free(reversed(blocks))
+    return blocks
+
+
+def unsupported(engine) -> str | None:
+    """Why a tier below RAM cannot run with this engine (None: it can)."""
+    if not engine.config.enable_prefix_caching:
+        return "it needs prefix caching (drop --no-enable-prefix-caching)"
+    if engine.tp is not None:
+        return "not supported with --tensor-parallel-size > 1 yet"
+    if engine.draft is not None:
+        return "not supported with --speculative-model yet (the draft's KV is not stored)"
+    return None
+
+
+def tier_settings(engine) -> dict:
+    """The settings a block's numbers depend on besides the model's files (part of the fingerprint)."""
+    mc = engine.model_config
+    return dict(
+        format=1,
+        dtype=str(engine.dtype),
+        quantization=engine.config.quantization or "none",
+        kv_dtype=engine.kv_dtype_name,
+        block_size=engine.block_size,
+        layers=mc.num_layers,
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+    )
+
+
 class DiskTier:
     def __init__(self, root: str, max_bytes: int, fingerprint: bytes, kv_caches: list[torch.Tensor], block_size: int):
         self.root = root
@@ -132,12 +197,6 @@ class DiskTier:
     def _path(self, name: bytes) -> str:
         h = name.hex()
         return os.path.join(self.dir, h[:2], h + ".kv")
-
-    @staticmethod
-    def _name(request, digest: bytes) -> bytes:
-        if request.lora is None:
-            return digest
-        return hashlib.blake2b(digest + str(request.lora.path).encode(), digest_size=len(digest)).digest()
 
     def _read(self, name: bytes) -> bytearray | None:
         path = self._path(name)
@@ -185,21 +244,15 @@ class DiskTier:
             digests = request_digests(request, self.block_size, max_blocks)
             found: list[tuple[bytes, bytearray]] = []
             for i in range(start, min(max_blocks, start + room)):
-                name = self._name(request, digests[i])
+                name = block_name(request, digests[i])
                 buf = self._read(name)
                 if buf is None:
                     break
                 found.append((name, buf))
             if not found:
                 return []
-            blocks = pool.allocate(len(found))
-            for j, (block, (name, buf)) in enumerate(zip(blocks, found)):
-                data = torch.frombuffer(buf, dtype=self.dtype).view(self.block_shape)
-                for layer, cache in enumerate(self.kv_caches):
-                    cache[:, block.block_id].copy_(data[layer])
-                kv.cache_block(request, start + j, block, request.block_hashes[start + j])
-                self._on_disk.add(name)
-            pool.free(reversed(blocks))  # free and cached, like any block no request holds
+            blocks = install_blocks(kv, request, start, [buf for _, buf in found], self.kv_caches, self.block_shape)
+            self._on_disk.update(name for name, _ in found)
             self.hits += len(blocks) * self.block_size
             return blocks
         finally:
@@ -212,30 +265,17 @@ class DiskTier:
         if not self.enabled:
             return
         t0 = time.perf_counter()
-        bs = self.block_size
-        for r in sched.requests:
-            done = min(r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id], r.num_tokens) // bs
-            start = self._saved.get(r.request_id, 0)
-            if done <= start:
+        for name, block_id in completed_blocks(sched, kv, self._saved, self.block_size):
+            if name in self._on_disk:
                 continue
-            self._saved[r.request_id] = done
-            blocks = kv.req_blocks.get(r.request_id, [])
-            digests = request_digests(r, bs, done)
-            for i in range(start, min(done, len(blocks))):
-                name = self._name(r, digests[i])
-                if name in self._on_disk:
-                    continue
-                if self._pending + self.block_bytes > MAX_PENDING_BYTES:
-                    self.dropped_writes += 1
-                    continue
-                block_id = blocks[i].block_id
-                data = torch.stack([c[:, block_id] for c in self.kv_caches]).cpu()
-                self._on_disk.add(name)
-                with self._lock:
-                    self._pending += self.block_bytes
-                self._queue.put((name, data))
-        if len(self._saved) > 4 * max(len(kv.req_blocks), 16):  # forget finished requests
-            self._saved = {k: v for k, v in self._saved.items() if k in kv.req_blocks}
+            if self._pending + self.block_bytes > MAX_PENDING_BYTES:
+                self.dropped_writes += 1
+                continue
+            data = torch.stack([c[:, block_id] for c in self.kv_caches]).cpu()
+            self._on_disk.add(name)
+            with self._lock:
+                self._pending += self.block_bytes
+            self._queue.put((name, data))
         self.copy_seconds += time.perf_counter() - t0
 
     def _write_loop(self) -> None:
@@ -336,28 +376,12 @@ class DiskTier:
 def open_disk_tier(engine) -> DiskTier | None:
     """The engine's disk tier, or None (with one warning) where it cannot run or the folder cannot be written."""
     cfg = engine.config
-    why = None
-    if not cfg.enable_prefix_caching:
-        why = "it needs prefix caching (drop --no-enable-prefix-caching)"
-    elif engine.tp is not None:
-        why = "not supported with --tensor-parallel-size > 1 yet"
-    elif engine.draft is not None:
-        why = "not supported with --speculative-model yet (the draft's KV is not stored)"
+    why = unsupported(engine)
     if why:
         log.warning("kv disk: --kv-cache-dir ignored: %s", why)
         return None
     root = os.path.abspath(os.path.expanduser(cfg.kv_cache_dir))
-    mc = engine.model_config
-    settings = dict(
-        format=1,
-        dtype=str(engine.dtype),
-        quantization=cfg.quantization or "none",
-        kv_dtype=engine.kv_dtype_name,
-        block_size=engine.block_size,
-        layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-    )
+    settings = tier_settings(engine)
     try:
         os.makedirs(os.path.join(root, ".fingerprints"), exist_ok=True)
         fp = model_fingerprint(engine.model_path, settings, os.path.join(root, ".fingerprints"))

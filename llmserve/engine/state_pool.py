@@ -101,6 +101,8 @@ def hybrid_config(config, mc):
         what = "LoRA adapters (--enable-lora)"
     elif config.kv_cache_dir:
         what = "the disk KV tier (--kv-cache-dir)"
+    elif config.kv_cache_url:
+        what = "the shared KV store (--kv-cache-url)"
     if what is not None:
         raise ValueError(
             f"model: {mc.architecture} keeps a recurrent state per sequence (a hybrid model); {what} is not "

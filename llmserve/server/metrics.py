@@ -10,7 +10,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 P = "llmserve:"
@@ -51,7 +51,22 @@ KV_DISK_DOCS = {
     "kv_disk_load_seconds": "Seconds spent looking up and loading blocks from the disk tier.",
     "kv_disk_corrupt_files": "Disk tier files that did not check out (their blocks were recomputed).",
     "kv_disk_dropped_writes": "Blocks not written because the writer was too far behind.",
+    # --kv-cache-url (kv_remote.py)
+    "kv_remote_queries": "Prompt tokens looked up in the shared KV store (after a miss in RAM and on disk).",
+    "kv_remote_hits": "Prompt tokens loaded from the shared KV store instead of computed.",
+    "kv_remote_misses": "Prompt tokens looked up in the shared KV store and not loaded from it.",
+    "kv_remote_bytes_read": "Bytes of KV blocks read from the shared KV store.",
+    "kv_remote_bytes_written": "Bytes of KV blocks written to the shared KV store.",
+    "kv_remote_errors": "Calls to the shared KV store that failed (timeout, refused, wrong password).",
+    "kv_remote_corrupt_blocks": "Store entries that did not check out (another model's, torn): recomputed.",
+    "kv_remote_dropped_writes": "Blocks not sent to the store (writer behind, or the breaker open).",
+    "kv_remote_refused_writes": "Blocks the store refused (full: maxmemory with noeviction).",
+    "kv_remote_skipped_fetches": "Look-ups not fetched: the run was too short to beat recomputing it.",
+    "kv_remote_breaker_state": "The store's circuit breaker: 0 closed (used), 1 open (not asked), 2 half-open.",
+    "kv_remote_min_fetch_blocks": "The shortest run of blocks worth fetching now (-1: none is).",
+    "kv_remote_fetch_seconds": "Time of a look-up in the shared KV store (read, check, copy into the pool).",
 }
+KV_TIER_GAUGES = ("kv_remote_breaker_state", "kv_remote_min_fetch_blocks")
 
 
 class _EngineCollector:
@@ -100,8 +115,13 @@ class _EngineCollector:
             "Speculative tokens accepted by verification.",
             s.spec_decode_num_accepted_tokens,
         )
-        for name, value in (s.kv_disk or {}).items():  # --kv-cache-dir
-            yield counter(name, KV_DISK_DOCS[name], value)
+        for name, value in (s.kv_disk or {}).items():  # --kv-cache-dir, --kv-cache-url
+            if isinstance(value, tuple):  # (bucket bounds, counts per bucket, sum): a histogram
+                yield _histogram(P + name, KV_DISK_DOCS[name], labels, v, *value)
+            elif name in KV_TIER_GAUGES:
+                yield gauge(name, KV_DISK_DOCS[name], value)
+            else:
+                yield counter(name, KV_DISK_DOCS[name], value)
         info = GaugeMetricFamily(
             P + "cache_config_info",
             "KV cache configuration (labels; the value is 1).",
@@ -120,6 +140,16 @@ class _EngineCollector:
             )
             yield lora
         yield from _cuda_metrics(labels, v)
+
+
+def _histogram(name, doc, labels, values, bounds, counts, total):
+    h = HistogramMetricFamily(name, doc, labels=labels)
+    cumulative, buckets = 0, []
+    for bound, n in zip((*map(str, bounds), "+Inf"), counts):
+        cumulative += n
+        buckets.append((bound, cumulative))
+    h.add_metric(values, buckets, total)
+    return h
 
 
 def _cuda_metrics(labels, values):
@@ -249,6 +279,12 @@ class ServerMetrics:
                 running_lora_adapters=list(s.running_lora_adapters),
                 waiting_lora_adapters=list(s.waiting_lora_adapters),
             )
+            tiers = s.kv_disk or {}
+            if "kv_remote_queries" in tiers:  # --kv-cache-url: the dashboard's shared-store card
+                out["kv_remote"] = {
+                    k.removeprefix("kv_remote_"): v for k, v in tiers.items() if k.startswith("kv_remote_")
+                }
+                out["kv_remote"].pop("fetch_seconds")
         return out
 
     def finished(self, out, num_prompt_tokens: int) -> None:

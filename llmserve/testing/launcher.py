@@ -47,20 +47,33 @@ def _die_with_parent() -> None:
 
 
 def free_port(*hosts: str) -> int:
-    """A TCP port free on every one of `hosts` (default 127.0.0.1)."""
+    """A TCP port free on every one of `hosts` (default 127.0.0.1); from the range LLMSERVE_TEST_PORTS=LOW-HIGH
+    where that is set (a machine shared by several runs, each given its own range)."""
     hosts = hosts or ("127.0.0.1",)
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
+    span = os.environ.get("LLMSERVE_TEST_PORTS")
+    for _ in range(200):
         try:
+            want = random.randint(*map(int, span.split("-"))) if span else 0
+            if want in _HANDED_OUT:  # free now, but given to a server that has not bound it yet
+                continue
+            with socket.socket() as s:
+                s.bind((hosts[0], want))
+                port = s.getsockname()[1]
             for h in hosts[1:]:
                 with socket.socket() as s:
                     s.bind((h, port))
+            if span:
+                low, high = map(int, span.split("-"))
+                if len(_HANDED_OUT) > (high - low) // 2:  # most given out: the earliest servers are long gone
+                    _HANDED_OUT.clear()
+                _HANDED_OUT.add(port)
             return port
         except OSError:
             continue
     raise RuntimeError(f"no port free on all of {hosts}")
+
+
+_HANDED_OUT: set[int] = set()  # ports of LLMSERVE_TEST_PORTS given out by this process (never twice)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> int:

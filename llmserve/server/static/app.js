@@ -292,8 +292,31 @@ async function poll() {
   cards.cpu.push([cpu === null ? null : cpu * 100], [cpu === null ? "–" : fmt(cpu * 100, 0) + " %"]);
   const mib = s.process_resident_memory_bytes === null ? null : s.process_resident_memory_bytes / 1048576;
   cards.mem.push([mib], [fmtBytes(s.process_resident_memory_bytes)]);
+  if (s.kv_remote) pushStore(s.kv_remote, old.kv_remote || s.kv_remote);
   $("updated").textContent = "updated " + new Date(s.time * 1000).toLocaleTimeString();
   prev = s;
+}
+
+// --kv-cache-url: the shared store's card, made on the first /stats that has it
+const BREAKER = ["closed", "open", "half-open"];
+function pushStore(k, old) {
+  if (!cards.store) {
+    cards.store = makeCard($("cards"), "kv-store", "Shared KV store hit rate (10 s)",
+      ["hit %", "read MiB/s"], { unit: "" });
+    const p = document.createElement("p");
+    p.id = "kv-store-state";
+    p.setAttribute("aria-live", "polite");
+    cards.store.element.appendChild(p);
+  }
+  const dq = k.queries - old.queries;
+  const hit = dq > 0 ? (100 * (k.hits - old.hits)) / dq : (k.queries > 0 ? (100 * k.hits) / k.queries : null);
+  const dt = hist.length > 1 ? hist[hist.length - 1].time - hist[0].time : 0;
+  const mibs = dt > 0 ? (k.bytes_read - old.bytes_read) / dt / 1048576 : null;
+  cards.store.push([hit, mibs], [hit === null ? "–" : fmt(hit, 1) + " %", mibs === null ? "–" : fmt(mibs, 1)]);
+  $("kv-store-state").textContent = `breaker ${BREAKER[k.breaker_state] || k.breaker_state} · ` +
+    `hits ${k.hits} · misses ${k.misses} tokens · read ${fmtBytes(k.bytes_read)} · ` +
+    `written ${fmtBytes(k.bytes_written)} · errors ${k.errors} · bad entries ${k.corrupt_blocks}`;
+  $("kv-store-state").className = k.breaker_state ? "warn" : "";
 }
 
 // -- wiring ------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""The shared store's entries and decisions (llmserve/engine/kv_remote.py), without a store: keys name the
+model and the block, an entry is trusted only whole, of this model and block, with its checksum; the
+break-even fetches only runs long enough to beat recomputing them; URLs are logged without passwords."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.engine.kv_remote import BreakEven, block_key, client_url, pack_block, redacted, unpack_block
+
+FP = bytes(range(32))
+OTHER = bytes(32)
+NAME = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def test_a_key_names_the_model_and_the_block():
+    key = block_key(FP, NAME)
+    assert key == b"llmserve:kv:" + FP.hex()[:32].encode() + b":" + NAME.hex().encode()
+    assert block_key(OTHER, NAME) != key and block_key(FP, NAME[::-1]) != key
+
+
+def test_an_entry_is_trusted_only_when_everything_checks_out():
+    payload = bytes(range(256)) * 8
+    entry = pack_block(FP, NAME, payload)
+    assert unpack_block(entry, FP, NAME, len(payload)) == payload
+    assert unpack_block(None, FP, NAME, len(payload)) is None
+    assert unpack_block(pack_block(OTHER, NAME, payload), FP, NAME, len(payload)) is None  # another model's
+    assert unpack_block(pack_block(FP, NAME[::-1], payload), FP, NAME, len(payload)) is None  # another block
+    assert unpack_block(entry[:-1], FP, NAME, len(payload)) is None  # torn
+    assert unpack_block(entry + b"x", FP, NAME, len(payload)) is None
+    flipped = bytearray(entry)
+    flipped[-10] ^= 1
+    assert unpack_block(bytes(flipped), FP, NAME, len(payload)) is None  # the checksum
+    assert unpack_block(entry, FP, NAME, len(payload) + 1) is None  # another block size
+
+
+def test_the_break_even_skips_runs_too_short_to_pay():
+    be = BreakEven(block_size=16, block_bytes=1_000_000)
+    assert be.min_blocks() == 1  # nothing measured: fetch
+    be.round_trip(0.010)  # 10 ms a call
+    be.fetched(0.010 + 0.001, 1_000_000)  # 1 ms a block beyond it
+    be.step(0.64, 640)  # 1 ms a token: 16 ms to recompute a block, 15 ms saved per block fetched
+    assert be.min_blocks() == 1
+    be.rtt = 0.100  # a far store: 100 ms a round trip needs 7 blocks (7 x 15 ms > 100 ms)
+    assert be.min_blocks() == 7
+    be.seconds_per_token = 0.00005  # a fast accelerator: 0.8 ms a block, below the 1 ms transfer
+    assert be.min_blocks() is None
+    be.step(0.5, 8)  # a decode step says nothing about prefill
+    assert be.seconds_per_token == 0.00005
+
+
+@pytest.mark.parametrize(
+    "url, want",
+    [
+        ("valkey://h:6379/0", "redis://h:6379/0"),
+        ("valkeys://h:6380", "rediss://h:6380"),
+        ("rediss://h:6380/2", "rediss://h:6380/2"),
+    ],
+)
+def test_valkey_urls_are_redis_urls(url, want):
+    assert client_url(url) == want
+
+
+def test_urls_are_logged_without_their_password():
+    assert redacted("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
+    assert redacted("rediss://user:s3cret@h:6380") == "rediss://user:***@h:6380"
+    assert redacted("redis://h:6379") == "redis://h:6379"
