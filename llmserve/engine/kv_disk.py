@@ -333,34 +333,14 @@ class DiskTier:
         )
 
 
-def open_disk_tier(engine) -> DiskTier | None:
-    """The engine's disk tier, or None (with one warning) where it cannot run or the folder cannot be written."""
-    cfg = engine.config
-    why = None
-    if not cfg.enable_prefix_caching:
-        why = "it needs prefix caching (drop --no-enable-prefix-caching)"
-    elif engine.tp is not None:
-        why = "not supported with --tensor-parallel-size > 1 yet"
-    elif engine.draft is not None:
-        why = "not supported with --speculative-model yet (the draft's KV is not stored)"
-    if why:
-        log.warning("kv disk: --kv-cache-dir ignored: %s", why)
-        return None
-    root = os.path.abspath(os.path.expanduser(cfg.kv_cache_dir))
-    mc = engine.model_config
-    settings = dict(
-        format=1,
-        dtype=str(engine.dtype),
-        quantization=cfg.quantization or "none",
-        kv_dtype=engine.kv_dtype_name,
-        block_size=engine.block_size,
-        layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-    )
+def open_disk_tier(disk, model_path: str, weights_dtype, kv_caches: list[torch.Tensor]) -> DiskTier | None:
+    """The disk tier the plan's `disk` settings (kv_plan.DiskPlan) ask for over the runner's `kv_caches`, or None
+    (with one warning) where the folder cannot be written."""
+    root = disk.root
+    settings = dict(disk.settings, dtype=str(weights_dtype))
     try:
         os.makedirs(os.path.join(root, ".fingerprints"), exist_ok=True)
-        fp = model_fingerprint(engine.model_path, settings, os.path.join(root, ".fingerprints"))
+        fp = model_fingerprint(model_path, settings, os.path.join(root, ".fingerprints"))
         tier = os.path.join(root, fp.hex()[:32])
         os.makedirs(tier, exist_ok=True)
         _atomic_write(os.path.join(tier, ".probe"), b"ok")
@@ -368,6 +348,5 @@ def open_disk_tier(engine) -> DiskTier | None:
     except OSError as e:
         log.warning("kv disk: cannot use %s (%s); serving goes on without the disk tier", root, e)
         return None
-    size = int(cfg.kv_cache_dir_size * (1 << 30))
-    log.info("kv disk: %s (model %s, up to %.1f GiB)", root, fp.hex()[:12], cfg.kv_cache_dir_size)
-    return DiskTier(root, size, fp, engine.runner.kv_caches, engine.block_size)
+    log.info("kv disk: %s (model %s, up to %.1f GiB)", root, fp.hex()[:12], disk.size_gib)
+    return DiskTier(root, disk.max_bytes, fp, kv_caches, settings["block_size"])
