@@ -9,7 +9,7 @@ llmserve/serve_config.py) are `serve`'s and `launch`'s (`add_serve_arguments`); 
 `RouterConfig` (llmserve/router/config.py) declares its flags the same way.
 
 `KernelConfig` holds the model layer's kernel settings (row limits of the CPU kernels, the in-place
-decode attention); the engine applies them at start-up (`llmserve.model.ops.configure`).
+decode attention); the engine applies them at start-up (`llmserve.model.kernels.ops.configure`).
 """
 
 from __future__ import annotations

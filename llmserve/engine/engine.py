@@ -37,7 +37,7 @@ from llmserve.engine.request import Request, RequestOutput, RequestStatus, Sampl
 from llmserve.engine.scheduler import QueueFullError, Scheduler, default_token_budget  # noqa: F401 (re-exported)
 from llmserve.engine.state_pool import hybrid_config
 from llmserve.engine.step_budget import resolve_max_step_ms
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.loader.gguf_facts import gguf_facts
 from llmserve.model.registry import image_processing

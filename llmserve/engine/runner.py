@@ -25,9 +25,10 @@ from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
 from llmserve.engine.state_pool import StatePool, step_states
-from llmserve.model import ops, rejection
+from llmserve.model import rejection
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape
-from llmserve.model.llama import LlamaModel
+from llmserve.model.families.llama import LlamaModel
+from llmserve.model.kernels import ops
 from llmserve.model.sampler import SamplingRow, _top_logprobs, sample
 
 log = logging.getLogger("llmserve.runner")

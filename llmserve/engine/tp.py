@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from llmserve import envs
 from llmserve.engine.runner import ModelRunner
-from llmserve.model import ops
 from llmserve.model.config import ModelConfig
+from llmserve.model.kernels import ops
 from llmserve.model.parallel import load_sharded_model, local_config, plan_heads
 
 log = logging.getLogger("llmserve.tp")

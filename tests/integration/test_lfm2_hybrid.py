@@ -66,7 +66,7 @@ def test_preemption_recomputes_the_state(lfm2):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_conv_layers_run(lfm2, mode):
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     llm = _llm(lfm2[0], quantization=mode, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

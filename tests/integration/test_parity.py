@@ -95,7 +95,7 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy_output(llm, ll
     all but unchanged. Not exact by contract, so the bar is agreement; the fused decode path and the
     SDPA path read the same stored values and must agree with each other."""
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     half = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, kv_cache_dtype="float16")
     assert half.engine.runner.kv_caches[0].dtype is torch.float16
@@ -250,7 +250,7 @@ def test_greedy_matches_transformers_with_gemm_in_the_fused_decode(llm, prompt_i
     crossover on (measured per shape, ops.gemm_rows); forced there at every row count, greedy output
     still equals transformers'."""
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     model = llm.engine.model
     saved = ops.configure(KernelConfig(gemv_rows=0))
@@ -271,7 +271,7 @@ def test_greedy_matches_transformers_with_packed_weights(prompt_ids, reference):
     fused decode stack and on the prefill path. Greedy output, batched and alone, still equals transformers'."""
     from llmserve import LLM
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     if not torch.backends.mkldnn.is_available() or ops.cpu_kernels() is None:
         pytest.skip("needs the CPU kernels and oneDNN")

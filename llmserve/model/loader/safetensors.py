@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from llmserve.model.gguf_layers import adopt_gguf
+from llmserve.model.formats.gguf_layers import adopt_gguf
+from llmserve.model.formats.quant import quantize_model
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names, release_freed_memory
 from llmserve.model.loader.request import LoadRequest
-from llmserve.model.quant import quantize_model
 from llmserve.model.registry import make_model
 
 

@@ -1,0 +1,2 @@
+"""The kernel seam: ops.py (every kernel call, with PyTorch fallbacks), cpu_ext.py (the C++ extension's loader and
+process-wide kernel settings), kinds.py (the fused decode stack's projection kinds)."""
