@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from llmserve.model.formats import gguf_kernels as gk
+from llmserve.model.kernels import gguf_kernels as gk
 from llmserve.model.kernels import ops
 
 SHAPES = {"gate/up 4096->14336": (14336, 4096), "down 14336->4096": (4096, 14336)}

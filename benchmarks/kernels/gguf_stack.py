@@ -27,7 +27,7 @@ import time
 import torch
 
 from benchmarks.common import CKPT
-from llmserve.model.formats import gguf_kernels as gk
+from llmserve.model.kernels import gguf_kernels as gk
 from llmserve.model.kernels import ops
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.model.formats import gguf_kernels as gk
+from llmserve.model.kernels import gguf_kernels as gk
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

@@ -40,4 +40,4 @@ def test_kernel_modules_form_no_cycle():
     cpu_ext and never imports ops.py, which imports it."""
     for leaf in ("cpu_ext.py", "kinds.py"):
         assert not {n for n in _imports(MODEL / leaf) if n.startswith("llmserve.model")}, leaf
-    assert "llmserve.model.kernels.ops" not in _imports(MODEL.parent / "formats" / "gguf_kernels.py")
+    assert "llmserve.model.kernels.ops" not in _imports(MODEL / "gguf_kernels.py")

@@ -86,7 +86,7 @@ class ExpertTensors(Mapping):
             return self.source[name]
         fused, e, half = where
         if fused.endswith("_blocks"):  # (widened: only where the blocks were not adopted)
-            from llmserve.model.formats import gguf_kernels
+            from llmserve.model.kernels import gguf_kernels
 
             raw = self.raw(fused, e, half)
             return gguf_kernels.dequantize(raw, MXFP4, raw.shape[1] // 17 * 32)

@@ -45,9 +45,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmserve.model.formats.gguf_kernels import packed_dequantize, unpack_int4  # noqa: F401 (unpack_int4: quant's API)
 from llmserve.model.formats.gguf_layers import GGUFEmbedding, GGUFLinear, linear_sources
 from llmserve.model.kernels import ops
+from llmserve.model.kernels.gguf_kernels import packed_dequantize, unpack_int4  # noqa: F401 (unpack_int4: quant's API)
 from llmserve.model.kernels.kinds import ProjectionKind
 from llmserve.model.kernels.ops import quantize_int8_per_channel
 

@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.formats import gguf_kernels
+from llmserve.model.kernels import gguf_kernels
 from llmserve.model.kernels.cpu_ext import calibrate_gemv as calibrate_gemv
 from llmserve.model.kernels.cpu_ext import configure as configure
 from llmserve.model.kernels.cpu_ext import cpu_has_int8_dots as cpu_has_int8_dots
@@ -387,7 +387,7 @@ def decode_stack_fits(x: torch.Tensor) -> bool:
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, K: int, exact: bool) -> torch.Tensor:
-    """x [M, K] @ W.T, float32, W a GGUF tensor's blocks (uint8 [N, row_bytes], llmserve.model.formats.gguf_kernels):
+    """x [M, K] @ W.T, float32, W a GGUF tensor's blocks (uint8 [N, row_bytes], llmserve.model.kernels.gguf_kernels):
     `exact` in float32 throughout (W widened, x as it is), otherwise llama.cpp's arithmetic (integer dots
     on the blocks, x rounded to int8 per block)."""
     return gguf_kernels.linear_f32(x, raw, qtype, K) if exact else gguf_kernels.linear(x, raw, qtype, K)

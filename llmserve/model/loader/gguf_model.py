@@ -11,10 +11,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from llmserve.model.formats.gguf_kernels import NAMES as GGUF_TYPE_NAMES
-from llmserve.model.formats.gguf_kernels import PACKED, repack
 from llmserve.model.formats.gguf_layers import adopt_gguf
 from llmserve.model.formats.quant import quantize_model
+from llmserve.model.kernels.gguf_kernels import NAMES as GGUF_TYPE_NAMES
+from llmserve.model.kernels.gguf_kernels import PACKED, repack
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
 from llmserve.model.loader.gguf import GGUFTensors
 from llmserve.model.loader.mmproj import MmprojTensors
