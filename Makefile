@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK) $(wildcard llmserve/csrc/*)
 	# deps are in the set already, so it goes in without them (tests/e2e/test_agent_clients.py uses it)
 	$(BIN)/pip install -q --no-deps -c $(LOCK) instructor
 	# build llmserve's CPU kernels now (about a minute, cached) rather than in the first server start
-	$(BIN)/python -c "from llmserve.model.ops import cpu_kernels; cpu_kernels()"
+	$(BIN)/python -c "from llmserve.model.kernels.ops import cpu_kernels; cpu_kernels()"
 	touch $@
 
 lock:

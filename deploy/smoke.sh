@@ -128,7 +128,7 @@ user=$(podman run --rm "$IMAGE" id -un 2>/dev/null)
 [ "$user" = llmserve ] || die "the image runs as $user, not llmserve"
 log "image: runs as $user; layer sizes, newest first: $(podman history --format '{{.Size}}' "$IMAGE" | grep -v '^0 B' | paste -sd, | sed 's/,/, /g')"
 # the kernels compiled at build time are used as they are: a start must not compile them again
-podman run --rm "$IMAGE" python -c "import time; from llmserve.model.cpu_ext import cpu_kernels; t = time.time(); \
+podman run --rm "$IMAGE" python -c "import time; from llmserve.model.kernels.cpu_ext import cpu_kernels; t = time.time(); \
 assert cpu_kernels() is not None; assert time.time() - t < 20, 'the kernels were rebuilt'" >/dev/null 2>&1 ||
   die "the image's compiled kernels are not used at start-up"
 podman run -d --name llmserve-smoke-image "$IMAGE" >/dev/null 2>&1

@@ -6,10 +6,10 @@ command-line flag. A field without metadata has no flag (set it from Python: `LL
 `EngineConfig(...)`). `EngineConfig`'s flags (`add_engine_arguments`) are
 `llmserve serve`'s, `generate`'s, `chat`'s and `launch`'s; `ServerSettings`' (the HTTP server's, in
 llmserve/serve_config.py) are `serve`'s and `launch`'s (`add_serve_arguments`); the router's
-`RouterConfig` (llmserve/router/state.py) declares its flags the same way.
+`RouterConfig` (llmserve/router/config.py) declares its flags the same way.
 
 `KernelConfig` holds the model layer's kernel settings (row limits of the CPU kernels, the in-place
-decode attention); the engine applies them at start-up (`llmserve.model.ops.configure`).
+decode attention); the engine applies them at start-up (`llmserve.model.kernels.ops.configure`).
 """
 
 from __future__ import annotations

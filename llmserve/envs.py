@@ -39,7 +39,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LLMSERVE_AVX512": lambda: os.environ.get("LLMSERVE_AVX512", "1") != "0",
     # "0": no native bfloat16 on CPU: `--dtype auto` stays float32 and `--dtype bfloat16` runs plain PyTorch ops
     # in bfloat16 (default: where oneDNN reports AVX512-BF16 or AMX, bfloat16 weights run through its bf16 matmul
-    # with float32 activations, llmserve/model/bf16.py, and auto picks them). The test suite sets "0": greedy
+    # with float32 activations, llmserve/model/formats/bf16.py, and auto picks them). The test suite sets "0": greedy
     # parity is checked in float32 on every machine kind.
     # "emulate": the bfloat16 mode on any CPU through its portable twin (bfloat16 rows and weights, products summed
     # in float32 by PyTorch's own matmul, the output rounded to bfloat16): the tests run the default path of

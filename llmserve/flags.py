@@ -3,7 +3,7 @@
 A field's metadata (`flag(...)`: help, choices, aliases, group) makes its command-line flag;
 `add_arguments(parser, cls)` adds a dataclass's flags to a parser and `from_args(cls, args)` builds the
 dataclass back from the parsed arguments. A field without metadata has no flag (it is set from Python).
-llmserve/config.py (engine, server) and llmserve/router/state.py (router) declare their settings so.
+llmserve/config.py (engine, server) and llmserve/router/config.py (router) declare their settings so.
 """
 
 from __future__ import annotations

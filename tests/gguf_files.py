@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from llmserve.model.gguf_kernels import random_blocks
+from llmserve.model.kernels.gguf_kernels import random_blocks
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
 

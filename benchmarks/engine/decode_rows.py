@@ -43,7 +43,7 @@ def measure(
     import random
 
     from llmserve import LLM, SamplingParams
-    from llmserve.model import cpu_ext, ops
+    from llmserve.model.kernels import cpu_ext, ops
 
     llm = LLM(model=model, num_threads=threads, quantization=None if mode == "none" else mode)
     eng = llm.engine

@@ -1,4 +1,4 @@
-"""Weight modes side by side: float32, bfloat16 (llmserve/model/bf16.py: oneDNN's bf16 matmul, float32
+"""Weight modes side by side: float32, bfloat16 (llmserve/model/formats/bf16.py: oneDNN's bf16 matmul, float32
 activations), int8 and int4, engine to engine (`LLM.generate`), each mode in its own process, the modes
 interleaved over `--rounds` so that a noisy minute hits them alike. Per mode: load time, decode tok/s at
 each concurrency (prompts of `--prompt-len` random tokens, `--max-tokens` out, EOS ignored, after a warm-up

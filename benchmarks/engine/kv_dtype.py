@@ -73,7 +73,7 @@ def int8_offline(concurrency: int) -> dict[str, float]:
 
 def int8_vs_float16(threads: int, concurrency: int, write: bool) -> None:
     """Part 3: the server at `concurrency` with float16 and int8 KV in turn; the section 'KV cache dtype (int8)'."""
-    from llmserve.engine.runner import kv_bytes_per_block
+    from llmserve.engine.kv_plan import bytes_per_block, config_kinds
     from llmserve.model.loader import load_model_config, resolve_model
 
     prompts = chat_prompts(64)
@@ -84,7 +84,8 @@ def int8_vs_float16(threads: int, concurrency: int, write: bool) -> None:
         for d in ("float16", "int8")
     }
     mc = load_model_config(resolve_model(None))[0]
-    blocks = {d: (1 << 30) // kv_bytes_per_block(mc, 16, torch.int8 if d == "int8" else torch.float16) for d in srv}
+    dtypes = {d: torch.int8 if d == "int8" else torch.float16 for d in srv}
+    blocks = {d: (1 << 30) // bytes_per_block(config_kinds(mc, mc.num_kv_heads, dtypes[d]), 16) for d in srv}
     key = f"c{concurrency}"
     rows = [f"| KV cache | server int8, {concurrency} concurrent tok/s | RSS after the load | blocks in 1 GiB |"]
     rows.append("|---|---|---|---|")

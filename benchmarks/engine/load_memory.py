@@ -26,7 +26,7 @@ def child(args) -> None:
     from llmserve import LLM, SamplingParams
 
     if args.child == "runtime":
-        from llmserve.model.ops import cpu_kernels
+        from llmserve.model.kernels.ops import cpu_kernels
 
         cpu_kernels()
         print("RESULT " + json.dumps({}), flush=True)

@@ -62,7 +62,7 @@ def decode_steps(llm, prompts, n_steps: int = 24) -> tuple[float, float, int]:
 def use_kernel(llm, on: bool) -> None:
     """Switch decode attention between the in-place kernel and gather + SDPA."""
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     llm.engine.runner.in_place_decode = on and ops.cpu_kernels() is not None
     ops.configure(KernelConfig(in_place_decode=on))

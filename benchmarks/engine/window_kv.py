@@ -58,7 +58,6 @@ def run(folder: str, context: int, threads: int, **kw) -> dict:
 
     from llmserve import SamplingParams
     from llmserve.engine.engine import LLMEngine
-    from llmserve.engine.runner import kv_bytes_per_block, window_layers
 
     eng = LLMEngine(
         model=folder,
@@ -69,9 +68,9 @@ def run(folder: str, context: int, threads: int, **kw) -> dict:
         **kw,
     )
     mc, bs = eng.model.cfg, eng.block_size
-    layer_block = kv_bytes_per_block(mc, bs, eng.kv_dtype) // mc.num_layers
+    layer_block = eng.plan.bytes_per_block // mc.num_layers
     kv, group = eng.kv, eng.kv.window
-    nw = sum(window_layers(eng.model)) if group is not None else 0
+    nw = sum(eng.plan.window_layers)
     nf = mc.num_layers - nw
     ids = torch.randint(3, 49152, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     eng.add_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

@@ -23,7 +23,7 @@ from benchmarks.common import write_section
 
 def weight_bytes(model) -> int:
     """Bytes of every projection and the LM head: what one decode step reads (the embedding: one row)."""
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     total = 0
     for mod in model.modules():
@@ -39,8 +39,8 @@ def weight_bytes(model) -> int:
 
 def measure(mode: str, threads: int, ctx: int = 200, n: int = 200) -> dict:
     from llmserve import LLM
-    from llmserve.model import cpu_ext, ops
     from llmserve.model.attention import AttentionMetadata, DecodeGroup
+    from llmserve.model.kernels import cpu_ext, ops
 
     llm = LLM(num_threads=threads, quantization=None if mode == "none" else mode, kv_cache_memory=0.25)
     m, kv = llm.engine.model, llm.engine.runner.kv_caches

@@ -36,7 +36,7 @@ def best_of(repeats: int, fn, *args) -> float:
 
 
 def shapes_table(model, rows: list[int], repeats: int) -> list[str]:
-    from llmserve.model import cpu_ext, ops
+    from llmserve.model.kernels import cpu_ext, ops
 
     ext = ops.cpu_kernels()
     layer = model.layers[0]
@@ -79,7 +79,7 @@ def main() -> None:
 
     from llmserve import LLM, SamplingParams
     from llmserve.config import KernelConfig
-    from llmserve.model import cpu_ext, ops
+    from llmserve.model.kernels import cpu_ext, ops
 
     llm = LLM(model=a.model, num_threads=a.threads, enable_prefix_caching=False)
     model = llm.engine.runner.model

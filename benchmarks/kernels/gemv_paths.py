@@ -30,7 +30,7 @@ def child(shapes: list[str], rows: list[int], repeats: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     ext = ops.cpu_kernels()
 

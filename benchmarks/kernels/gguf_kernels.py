@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from llmserve.model import gguf_kernels as gk
-from llmserve.model import ops
+from llmserve.model.kernels import gguf_kernels as gk
+from llmserve.model.kernels import ops
 
 SHAPES = {"gate/up 4096->14336": (14336, 4096), "down 14336->4096": (4096, 14336)}
 STREAM_BYTES = 128 << 20
@@ -54,7 +54,7 @@ def weights(n: int, k: int, types: tuple[str, ...] = ("Q4_K", "Q6_K")) -> dict:
             copies_of(lambda i, qt=qt: gk.random_blocks(qt, n, k, seed=i), size),
             lambda x, w, mr, qt=qt: gg.linear(x, w, gk.qtype_number(qt), k, mr),
         )
-    from llmserve.model.quant import pack_int4, quantize_int4
+    from llmserve.model.formats.quant import pack_int4, quantize_int4
 
     q, scale, lo = quantize_int4(torch.randn(n, k) * 0.02)
     int4 = (pack_int4(q), scale.half(), lo.half())

@@ -27,8 +27,8 @@ import time
 import torch
 
 from benchmarks.common import CKPT
-from llmserve.model import gguf_kernels as gk
-from llmserve.model import ops
+from llmserve.model.kernels import gguf_kernels as gk
+from llmserve.model.kernels import ops
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)
 STREAM_BYTES = 256 << 20
@@ -54,7 +54,7 @@ def best_of(variants: dict, rounds: int, calls) -> dict:
 
 def kernels(threads: list[int], rounds: int) -> None:
     from llmserve import envs
-    from llmserve.model.quant import pack_int4, quantize_int4
+    from llmserve.model.formats.quant import pack_int4, quantize_int4
 
     cpu = ops.cpu_kernels()
     gg = gk.gguf_kernels()

@@ -39,8 +39,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
 
-    from llmserve.model import ops
-    from llmserve.model.quant import pack_int4, quantize_int4
+    from llmserve.model.formats.quant import pack_int4, quantize_int4
+    from llmserve.model.kernels import ops
 
     ext = ops.cpu_kernels()
     assert ext is not None and ext.uses_vnni(), "needs the C++ kernels on a CPU with AVX-512 VNNI"

@@ -23,7 +23,7 @@ PATHS = {"integer GEMM": True, "fbgemm float16": False}
 
 
 def layer_bytes(model) -> int:
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     total = 0
     for m in model.modules():
@@ -48,7 +48,7 @@ def main() -> None:
 
     from llmserve import LLM, SamplingParams
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     llms = {}
     for name, on in PATHS.items():

@@ -50,7 +50,7 @@ def main() -> None:
 
     from llmserve import LLM, SamplingParams
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     llm = LLM(model=a.model, num_threads=a.threads, enable_prefix_caching=False)
     cfg = llm.engine.runner.model.cfg

@@ -56,8 +56,9 @@ def probe(rows: int, runs: int) -> dict:
     del big
     k, n = 2048, 8192
     flop = 2 * rows * k * n
-    from llmserve.model import bf16, ops
-    from llmserve.model.cpu_ext import cpu_has_int8_dots
+    from llmserve.model.formats import bf16
+    from llmserve.model.kernels import ops
+    from llmserve.model.kernels.cpu_ext import cpu_has_int8_dots
 
     peaks = {}
     dtypes = (("float32", torch.float32),) + ((("bfloat16", torch.bfloat16),) if bf16.supported() else ())
@@ -157,7 +158,7 @@ def main() -> None:
         return child(args)
     import torch
 
-    from llmserve.model import bf16
+    from llmserve.model.formats import bf16
 
     torch.set_num_threads(args.threads)
     args.modes = args.modes or ("bfloat16" if bf16.supported() else "float32") + ",int8,int4"

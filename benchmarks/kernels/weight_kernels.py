@@ -37,7 +37,7 @@ def bench(fn, seconds: float = 0.5) -> float:
 
 
 def kernels(w: torch.Tensor):
-    from llmserve.model.quant import quantize_int8_per_channel
+    from llmserve.model.formats.quant import quantize_int8_per_channel
 
     q, scale = quantize_int8_per_channel(w)
     n, k = w.shape
@@ -53,7 +53,7 @@ def kernels(w: torch.Tensor):
     q4 = torch.clamp(torch.round((grp - lo[..., None]) / s4[..., None]), 0, 15).to(torch.int32).reshape(n, k)
     packed4 = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
     sz = torch.stack([s4.t(), (lo + 8 * s4).t()], -1).contiguous()
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     ours4 = QuantLinear.from_float(w, None, "int4", fp16_gemm=False)
     ours8 = QuantLinear.from_float(w, None, "int8", fp16_gemm=False)

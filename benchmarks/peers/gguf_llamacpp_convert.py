@@ -101,7 +101,7 @@ def main() -> int:
     import transformers
 
     from llmserve import LLM
-    from llmserve.model.gguf_layers import GGUFLinear
+    from llmserve.model.formats.gguf_layers import GGUFLinear
     from llmserve.model.loader import bundled_model_path, gguf_model
     from llmserve.tokenizer import Tokenizer
     from tests.gguf_files import round_trip_model

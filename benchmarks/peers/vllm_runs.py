@@ -44,7 +44,7 @@ def vllm_dtype(a) -> str:
     there), float32 elsewhere."""
     dtype = getattr(a, "vllm_dtype", "auto")
     if dtype == "auto":
-        from llmserve.model import bf16
+        from llmserve.model.formats import bf16
 
         dtype = "bfloat16" if bf16.supported() else "float32"
     return dtype

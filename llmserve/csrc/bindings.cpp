@@ -1,4 +1,4 @@
-// Every Python binding of the extension module (llmserve/model/cpu_ext.py builds it from csrc/*.cpp; ops.py and
+// Every Python binding of the extension module (llmserve/model/kernels/cpu_ext.py builds it from csrc/*.cpp; ops.py and
 // gguf_kernels.py are the seams that call it). The only file that includes pybind11, with torch's casters for tensors (torch/extension.h,
 // the whole torch C++ API, takes three times as long to compile: not needed).
 #include <torch/csrc/utils/pybind.h>
@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict kinds;
     for (const auto& k : kProjectionKinds) kinds[k.name] = static_cast<int64_t>(k.kind);
     return kinds;
-  }, "decode_layer's projection kinds, {name: value} (llmserve/model/kinds.py's ProjectionKind holds the same)");
+  }, "decode_layer's projection kinds, {name: value} (llmserve/model/kernels/kinds.py's ProjectionKind holds the same)");
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows, all in C++", kNoGIL);
   m.def("lora_linear_add_", &lora_linear_add_, "out[adapter rows] += x[rows] @ A^T @ B^T (one projection)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")

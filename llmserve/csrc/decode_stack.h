@@ -20,7 +20,7 @@ namespace llmserve {
 // kinds[i] for each projection: a ProjectionKind (projection_kinds.h), which says the tensors it takes.
 // act_bits[i]: int8's activation width. many_rows[i]: the rows from which projection i leaves its
 // few-rows kernel for the many-rows path (float32: at::linear, i.e. MKL/oneDNN's GEMM; the crossover is
-// measured per weight shape, llmserve/model/cpu_ext.py). Returns (layer output, running residual sum);
+// measured per weight shape, llmserve/model/kernels/cpu_ext.py). Returns (layer output, running residual sum);
 // `residual` undefined means x is the embeddings (the first layer).
 // `lora`: the step's adapter rows (nullptr: none), `layer` this layer's index among the adapters' weights.
 std::tuple<at::Tensor, at::Tensor> decode_layer_lora(

@@ -297,7 +297,7 @@ bool with_quant_type(int64_t qtype, F&& f) {
 }
 
 // Q4_0, Q4_1 and Q8_0 have llmserve's own kernel family (linear.cpp's q4_linear / q8_linear, on the blocks
-// repacked at load: llmserve/model/gguf_kernels.py's repack): their structs above serve dequantization only.
+// repacked at load: llmserve/model/formats/gguf_kernels.py's repack): their structs above serve dequantization only.
 // f(T{}) for the types whose integer dots are gguf_dots.cpp's (Q5_0, Q5_1, IQ4_NL, MXFP4, the K-quants, IQ4_XS); false
 // otherwise.
 template <typename F>

@@ -1,13 +1,13 @@
 // The instruction sets llmserve's kernels are built for, what this CPU has, and the process-wide switches.
 //
-// Every file is compiled for AVX2 + FMA + F16C (llmserve/model/cpu_ext.py's flags): that is the floor, and a CPU
+// Every file is compiled for AVX2 + FMA + F16C (llmserve/model/kernels/cpu_ext.py's flags): that is the floor, and a CPU
 // without AVX2 never loads the module. Wider variants are compiled per function with one of the target
 // macros below (the rest of a file stays AVX2) and chosen at run time: a kernel calls use_avx512() or
 // use_vnni() and keeps an AVX2 path beside the wide one. One meaning for each macro:
 //   LLMSERVE_AVX512       AVX-512 F/BW/DQ/VL                 (use_avx512())
 //   LLMSERVE_AVX512_VNNI  the same + VNNI (vpdpbusd, vpdpwssd) (use_vnni())
 //   LLMSERVE_AVX512_BF16  the same + BF16 (vdpbf16ps)          (cpu_has_avx512_bf16(); no kernel of ours yet:
-//                         bfloat16 projections run oneDNN's matmul, llmserve/model/bf16.py)
+//                         bfloat16 projections run oneDNN's matmul, llmserve/model/formats/bf16.py)
 #pragma once
 
 #include <immintrin.h>
@@ -18,7 +18,7 @@
 
 namespace llmserve {
 
-// The four process-wide switches, one instance for the module: set from Python (llmserve/model/cpu_ext.py, through
+// The four process-wide switches, one instance for the module: set from Python (llmserve/model/kernels/cpu_ext.py, through
 // bindings.cpp's set_* functions) when the module loads and whenever configure (cpu_ext.py) changes them.
 struct Toggles {
   bool avx512 = true;         // envs.LLMSERVE_AVX512: the AVX-512 variants may run (where the CPU has them)

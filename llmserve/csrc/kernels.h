@@ -1,4 +1,4 @@
-// Every kernel Python calls (bindings.cpp binds them; llmserve/model/ops.py and gguf_kernels.py call them), by the
+// Every kernel Python calls (bindings.cpp binds them; llmserve/model/kernels/ops.py and gguf_kernels.py call them), by the
 // file that defines it. The tensors are CPU tensors; activations float32 unless said otherwise.
 #pragma once
 

@@ -1,6 +1,6 @@
 // How the fused decode stack (decode_stack.cpp) reads a layer's projection: the kind a Python layer hands over
-// with its tensors (its kernel_args(), gathered by llmserve/model/ops.py's decode_layer_args). Python's twin is
-// llmserve/model/kinds.py's ProjectionKind; bindings.cpp's projection_kinds() exports this table so that a unit
+// with its tensors (its kernel_args(), gathered by llmserve/model/kernels/ops.py's decode_layer_args). Python's twin is
+// llmserve/model/kernels/kinds.py's ProjectionKind; bindings.cpp's projection_kinds() exports this table so that a unit
 // test holds the two equal.
 #pragma once
 
@@ -12,7 +12,7 @@ namespace llmserve {
 enum ProjectionKind : int64_t {
   kF32 = 0,         // float32 weight, plain or packed in oneDNN's layout: the GEMV, then gemm()
   kF32Packed = 1,   // float32, plain weight and its oneDNN-packed copy: the GEMV below many_rows, oneDNN from there
-  kBF16 = 2,        // bfloat16 weight packed for oneDNN (llmserve/model/bf16.py): rows rounded to bfloat16
+  kBF16 = 2,        // bfloat16 weight packed for oneDNN (llmserve/model/formats/bf16.py): rows rounded to bfloat16
   kInt4 = 4,        // int4 (q, scale, min): q4_linear
   kInt8 = 8,        // int8 (q, scale): q8_linear
   kInt8VNNI = 9,    // int8 in the VNNI layout (q, channel sums, scale): q8_vnni_gemm at every row count

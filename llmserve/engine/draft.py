@@ -19,10 +19,9 @@ from dataclasses import replace
 import torch
 
 from llmserve.engine.executor import make_executor
-from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.kv_plan import kv_manager
 from llmserve.engine.outputs import SchedulerOutput
 from llmserve.engine.request import Request
-from llmserve.engine.runner import ModelRunner
 from llmserve.model import rejection
 from llmserve.model.loader import load_model_config, resolve_model
 from llmserve.model.loader.mode import weight_mode
@@ -40,7 +39,8 @@ class _Shadow:
 
 
 class DraftProposer:
-    def __init__(self, config, target_cfg, device, dtype, act_dtype, kv_dtype, num_blocks: int, block_size: int):
+    def __init__(self, config, target_cfg, device, dtype, act_dtype, kv_dtype, plan):
+        """`plan`: the target's KV plan; the draft's pool has as many blocks as the target's budget holds."""
         t0 = time.time()
         self.k = config.num_speculative_tokens
         source = resolve_model(config.speculative_model)
@@ -61,8 +61,9 @@ class DraftProposer:
         positions = (config.max_model_len or target_cfg.max_position_embeddings) + self.k + 1
         self.model = self.executor.load_model(source, reader, dtype, positions, 0)
         del reader
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-        self.runner = ModelRunner(self.model, self.model.cfg, num_blocks, block_size, device, act_dtype, kv_dtype)
+        plan = plan.for_draft(mc.num_layers, self.executor.kv_heads, mc.head_dim)
+        self.kv = kv_manager(plan)
+        self.runner = self.executor.start(self.model, plan, act_dtype, kv_dtype)
         self.shadows: dict[str, _Shadow] = {}
         log.info(
             "draft model %s: %d layers, proposing %d tokens a step (loaded in %.1f s)",
@@ -104,7 +105,8 @@ class DraftProposer:
             sched.num_scheduled_tokens[s.req.request_id] = n
             sched.requests.append(s.req)
         greedy = all(r.params.greedy for r, _ in active)
-        sampling, logits, _ = self.runner._forward(sched, self.kv, argmax=greedy)
+        self.kv.fill_tables(sched)
+        sampling, logits, _ = self.runner.forward(self.runner.prepare(sched), argmax=greedy)
         by_id = {q.request_id: i for i, q in enumerate(sampling)}
         order = [by_id[s.req.request_id] for _, s in active]
         if greedy:

@@ -19,21 +19,25 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine import kv_plan
 from llmserve.engine.executor import make_executor
 from llmserve.engine.generation_config import default_sampling
 from llmserve.engine.guided import GuidedDecoding
-from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.kv_events import KVEventLog, parse_kv_events_config
+from llmserve.engine.kv_events import open_event_log
+from llmserve.engine.kv_memory import measure_memory, profile_activations
+from llmserve.engine.kv_plan import (
+    kv_manager,
+    layer_kinds,
+    requested_bytes,
+)
 from llmserve.engine.kv_tiers import open_kv_tiers
-from llmserve.engine.kv_window import WindowGroup
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from llmserve.engine.runner import GiB, ModelRunner, num_kv_blocks, profile_activations, split_kv_blocks, window_layers
 from llmserve.engine.scheduler import QueueFullError, Scheduler, default_token_budget  # noqa: F401 (re-exported)
-from llmserve.engine.state_pool import hybrid_config, plan_state_pool
+from llmserve.engine.state_pool import hybrid_config
 from llmserve.engine.step_budget import resolve_max_step_ms
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 from llmserve.model.loader import activation_dtype, load_model_config, resolve_dtype, resolve_kv_dtype, resolve_model
 from llmserve.model.loader.gguf_facts import gguf_facts
 from llmserve.model.loader.mode import weight_mode
@@ -71,16 +75,66 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        config = config or EngineConfig(**kwargs)
-        self.config = config
+        """config -> model -> layer kinds -> memory -> KV plan -> allocate -> scheduler."""
+        self.config = config = config or EngineConfig(**kwargs)
         torch.set_num_threads(config.resolved_num_threads())
         ops.configure(config.kernels)  # the model layer's kernel settings, before any layer is built
+        t0 = time.time()
+        mc, reader = self._read_config(config, t0)
+        config = self.config  # (a hybrid model's: prefix caching off)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or self._token_budget(config, mc)
+        # one process, or tensor parallelism (plans the split or refuses it, starts the workers)
+        self.executor = make_executor(config, mc, self.device)
+        self.device, kv_heads = self.executor.device, self.executor.kv_heads
+        try:
+            # the model (the loader refuses one that does not fit beside the KV bytes asked for explicitly)
+            positions = (config.max_model_len or mc.max_position_embeddings) + config.num_lookahead_tokens + 1
+            kv_bytes = requested_bytes(config, mc, kv_heads, self.kv_dtype)
+            self.model = self.executor.load_model(self.source, reader, self.dtype, positions, kv_bytes)
+            del reader
+            log.info(
+                "%s: weights built (%s) at %.1fs; sizing the KV cache", self.source.name, self.dtype, time.time() - t0
+            )
+            # layer kinds -> memory -> plan
+            kinds = layer_kinds(self.model, kv_heads, self.kv_dtype, self.act_dtype)
+            memory = measure_memory(config, self.device, self._profile_activations)
+            self.plan = plan = kv_plan.plan(
+                config, kinds, memory, model_max=mc.max_position_embeddings, token_budget=self.max_num_batched_tokens
+            )
+            plan.log(log)
+            self.block_size, self.num_blocks, self.max_model_len = plan.block_size, plan.num_blocks, plan.max_model_len
+            # allocate: the runner's tensors (and the workers'), the draft's, the tiers, the KV cache manager
+            self.lora = self._lora_registry(config)  # LoRARegistry with --enable-lora: the adapters, by name
+            self.executor.start(self.model, plan, self.act_dtype, self.kv_dtype, self.lora and self.lora.layers)
+            self.draft = self._draft_proposer(config, mc, plan)  # DraftProposer with --speculative-model
+            events = open_event_log(config.kv_events_config, plan.block_size)
+            tiers = open_kv_tiers(plan, self.model_path, self.dtype, self.runner.kv_caches, lambda: self.last_step_time)
+            self.kv = kv_manager(plan, events, tiers)
+            # the scheduler
+            max_step_ms = resolve_max_step_ms(config.max_step_ms, self.device.type)
+            self.scheduler = Scheduler(
+                self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                config.scheduling_policy, config.max_queued_requests, max_step_ms,
+            )  # fmt: skip
+        except BaseException:
+            self.shutdown()
+            raise
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
+        self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)  # --seed: the seeds of requests that bring none
+        self.steps = 0
+        self.last_step_time = time.time()
+        self.load_time = time.time() - t0
+        self._log_loaded()
+
+    def _read_config(self, config: EngineConfig, t0: float):
+        """(the model's config, its GGUF reader or None): the device and dtypes resolved, the engine's config for
+        this model, the model's names, tokenizer, sampling defaults and image processing read."""
         dev = config.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(dev)
-        t0 = time.time()
-
         source = resolve_model(config.model, config.mmproj)
         self.model_path = source.path
         self.source = source
@@ -95,11 +149,7 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.act_dtype, self.device)
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")  # float32, float16, int8, ...
         log.info(
-            "%s: %s, %d layers; config read in %.1fs",
-            source.name,
-            mc.architecture,
-            mc.num_layers,
-            time.time() - t0,
+            "%s: %s, %d layers; config read in %.1fs", source.name, mc.architecture, mc.num_layers, time.time() - t0
         )
         # every name the model answers to (--served-model-name a b); the first is its name in answers
         self.served_model_names = list(dict.fromkeys(config.served_model_name or [source.name]))
@@ -115,169 +165,61 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        return mc, reader
 
-        # KV pool size and max_model_len
-        block_size = config.block_size
-        # one process, or tensor parallelism (plans the split or refuses it, starts the workers)
-        self.executor = make_executor(config, mc, self.device)
-        per_block = self.executor.kv_bytes_per_block(block_size, self.kv_dtype)
-        self.device = self.executor.device
-        try:
-            self._init_rest(config, source, mc, reader, block_size, per_block, t0)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def _init_rest(self, config, source, mc, reader, block_size, per_block, t0) -> None:
-        model_max = mc.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len: {config.max_model_len} is more than the model's "
-                f"{model_max} positions; lower --max-model-len"
-            )
-        images = self.image_processing  # (Gemma 3's image is computed in one step: at least its run)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_token_budget(
+    def _token_budget(self, config, mc) -> int:
+        """--max-num-batched-tokens' default for this model on this device (Gemma 3's image is computed in one step:
+        at least its run)."""
+        images = self.image_processing
+        return default_token_budget(
             mc.matmul_flops_per_token(),
             self.device.type,
             config.resolved_num_threads() * config.tensor_parallel_size,
             images.seq_len if getattr(images, "bidirectional", False) else 0,
         )
-        max_positions = config.max_model_len or model_max
-        rotary_positions = max_positions + config.num_lookahead_tokens + 1  # room for verified proposals
-        kv_bytes = int((config.kv_cache_memory or 0) * GiB) or (config.num_kv_blocks or 0) * per_block
-        self.model = self.executor.load_model(source, reader, self.dtype, rotary_positions, kv_bytes)
-        del reader
-        log.info("%s: weights built (%s) at %.1fs; sizing the KV cache", source.name, self.dtype, time.time() - t0)
-        num_blocks, budget = num_kv_blocks(
-            config, per_block, self.device, lambda: self._profile_activations(block_size)
-        )
-        # a hybrid model's recurrent state pool, its bytes out of the budget (engine/state_pool.py)
-        states, num_blocks = plan_state_pool(config, self.model, self.act_dtype, num_blocks, budget, per_block)
-        self.num_blocks = num_blocks  # (the draft model's pool, and the window split's whole budget)
-        num_blocks, window = self._window_group(config, num_blocks, block_size, min(model_max, max_positions))
-        capacity = num_blocks * block_size
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len: {config.max_model_len} tokens do not fit in the KV cache "
-                f"({num_blocks} blocks of {block_size} = {capacity} tokens, {budget / GiB:.2f} GiB); "
-                f"raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len"
-            )
-        self.max_model_len = config.max_model_len or min(model_max, capacity)
-        self.block_size = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.kv.window, self.kv.states = window, states
-        self.scheduler = Scheduler(
-            self.kv,
-            config.max_num_seqs,
-            self.max_num_batched_tokens,
-            self.max_model_len,
-            config.scheduling_policy,
-            config.max_queued_requests,
-            resolve_max_step_ms(config.max_step_ms, self.device.type),
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.model.cfg,
-            num_blocks,
-            block_size,
-            self.device,
-            self.act_dtype,
-            self.kv_dtype,
-            window.num_blocks if window is not None else None,
-            states,
-        )
-        self.executor.attach(self.runner, num_blocks, block_size)
-        self.lora = None  # LoRARegistry with --enable-lora: the adapters loaded, by name
-        if config.enable_lora:
-            from llmserve.engine.lora import LoRARegistry, parse_lora_modules
 
-            self.lora = LoRARegistry(
-                self.model,
-                config.max_loras,
-                config.max_lora_rank,
-                self.act_dtype,
-                reserved=tuple(self.served_model_names),
-            )
-            self.runner.lora = self.lora.layers
-            for name, path in parse_lora_modules(config.lora_modules):
-                self.lora.load(name, path)
-        self.draft = None  # DraftProposer (engine/draft.py) with --speculative-model
-        if config.speculative_model:
-            from llmserve.engine.draft import DraftProposer
+    def _draft_proposer(self, config, mc, plan):
+        if not config.speculative_model:
+            return None
+        from llmserve.engine.draft import DraftProposer
 
-            self.draft = DraftProposer(
-                config, mc, self.device, self.dtype, self.act_dtype, self.kv_dtype, self.num_blocks, block_size
-            )
-        self.num_blocks = num_blocks
-        self._init_kv_tiers(config)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.guided = GuidedDecoding(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids))
-        self._ids = itertools.count()
-        self._seeds = random.Random(config.seed)  # --seed: the seeds of requests that bring none
-        self.steps = 0
-        self.last_step_time = time.time()
-        self.load_time = time.time() - t0
+        return DraftProposer(config, mc, self.device, self.dtype, self.act_dtype, self.kv_dtype, plan)
+
+    def _lora_registry(self, config):
+        """LoRARegistry with --enable-lora (the adapters of --lora-modules loaded), else None."""
+        if not config.enable_lora:
+            return None
+        from llmserve.engine.lora import LoRARegistry, parse_lora_modules
+
+        registry = LoRARegistry(
+            self.model, config.max_loras, config.max_lora_rank, self.act_dtype, reserved=tuple(self.served_model_names)
+        )
+        for name, path in parse_lora_modules(config.lora_modules):
+            registry.load(name, path)
+        return registry
+
+    def _log_loaded(self) -> None:
+        plan, config = self.plan, self.config
         log.info(
             "loaded %s (%s, %s, %s) in %.1fs; KV cache (%s): %.2f GiB = %d blocks x %d tokens "
             "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
             "max_num_batched_tokens %d, prefix caching %s",
             self.served_model_name,
-            mc.architecture,
+            self.model_config.architecture,
             self.dtype,
             self.device,
             self.load_time,
             self.kv_dtype_name,
-            budget / GiB,
-            num_blocks,
-            block_size,
-            capacity,
+            plan.budget / kv_plan.GiB,
+            plan.num_blocks,
+            plan.block_size,
+            plan.capacity,
             self.max_model_len,
-            capacity // self.max_model_len,
+            plan.capacity // self.max_model_len,
             config.max_num_seqs,
             self.max_num_batched_tokens,
             "on" if config.enable_prefix_caching else "off",
         )
-
-    def _window_group(self, config, num_blocks: int, block_size: int, length: int) -> tuple[int, WindowGroup | None]:
-        """A model with sliding-window layers: (the full-attention layers' pool size, the window layers' group,
-        kv_window.WindowGroup), the budget of `num_blocks` blocks of every layer split between them for sequences
-        of `length` tokens. (num_blocks, None) where every layer keeps its blocks: one kind of layer, or
-        --disable-hybrid-kv-cache-manager, --kv-cache-dir (its files hold every layer's block), tensor parallelism."""
-        layers = window_layers(self.model)
-        if not any(layers) or config.disable_hybrid_kv_cache_manager:
-            return num_blocks, None
-        if config.kv_cache_dir or self.tp is not None:
-            why = "--kv-cache-dir" if config.kv_cache_dir else "tensor parallelism"
-            log.info("sliding-window layers keep every block (not with %s)", why)
-            return num_blocks, None
-        window = self.model.cfg.sliding_window
-        if not all(layers):  # (with every layer windowed, a sequence's length costs no KV: the model's)
-            length = min(length, num_blocks * block_size)
-        length = config.max_model_len or length
-        full_need = -(-length // block_size)
-        probe = WindowGroup(0, block_size, window, False)
-        window_need = min(full_need, probe.blocks_per_sequence(min(self.max_num_batched_tokens, length)))
-        most = config.max_num_seqs * full_need
-        nf, nw = split_kv_blocks(num_blocks, layers, full_need, window_need, most)
-        log.info(
-            "%d of %d layers attend to a window of %d: their own pool of %d blocks (their passed blocks go back), "
-            "%d blocks for the others",
-            sum(layers),
-            len(layers),
-            window,
-            nw,
-            nf,
-        )
-        return nf, WindowGroup(nw, block_size, window, config.enable_prefix_caching)
-
-    def _init_kv_tiers(self, config) -> None:
-        """--kv-events-config: the pool's block events; --kv-cache-dir, --kv-cache-url: the tiers below RAM."""
-        events = parse_kv_events_config(config.kv_events_config)
-        if events is not None:
-            self.kv.events = KVEventLog(self.block_size, events.get("max_events", 10_000))
-            self.kv.pool.on_removed = self.kv.events.removed
-        if config.kv_cache_dir or config.kv_cache_url:
-            self.kv.disk = open_kv_tiers(self)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine is unusable after."""
@@ -288,10 +230,15 @@ class LLMEngine:
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
 
-    def _profile_activations(self, block_size: int) -> int:
+    def _profile_activations(self) -> int:
         n = min(self.max_num_batched_tokens, self.config.max_model_len or self.model_config.max_position_embeddings)
         with self.executor.local_only():  # rank 0's shard alone: no all-reduce
-            return profile_activations(self.model, n, block_size, self.kv_dtype, self.device)
+            return profile_activations(self.model, n, self.config.block_size, self.kv_dtype, self.device)
+
+    @property
+    def runner(self):
+        """The model runner (the executor's; rank 0's under tensor parallelism)."""
+        return self.executor.runner
 
     @property
     def tp(self):
@@ -421,7 +368,7 @@ class LLMEngine:
         self.steps += 1
         # every row plain greedy (no logprobs): the model answers tokens, not logits (cheaper for a float32 head)
         argmax = all(r.next_token_is_argmax and r.params.logprobs is None for r in sched.requests)
-        sampled = self.runner.execute(sched, self.kv, argmax=argmax)
+        sampled = self.executor.execute(sched, argmax=argmax)
         if self.kv.disk is not None:  # blocks this step completed: copied out for the disk writer
             self.kv.disk.save(sched, self.kv)
         appended = self.scheduler.update_from_output(sched, sampled)

@@ -1,10 +1,12 @@
 """Where the model runs: in this process (`LocalExecutor`), or split over tensor-parallel ranks
-(`engine/tp.py`'s `TensorParallel`). The engine talks to either through the same methods:
+(`engine/tp.py`'s `TensorParallel`). The executor owns the runner; the engine talks to either through the
+same methods:
 
-    kv_bytes_per_block(block_size, dtype)   one KV block's bytes (per rank)
+    kv_heads                                the KV heads one rank holds (the largest share): what a block costs
     load_model(source, reader, dtype, max_positions, kv_bytes)   the model (rank 0's shard)
     local_only()                            a context: rank 0 alone (activation profiling)
-    attach(runner, num_blocks, block_size)  the runner is ready (the workers make their KV pools)
+    start(model, plan, dtype, kv_dtype, lora)   the runner, with the KV tensors of the plan (and the workers')
+    execute(sched, argmax)                  one step: the sampled tokens (the workers run it too)
     shutdown()                              workers stopped; a no-op in one process
 """
 
@@ -14,9 +16,11 @@ import contextlib
 
 import torch
 
-from llmserve.engine.runner import kv_bytes_per_block
+from llmserve.engine.kv_plan import KVPlan
+from llmserve.engine.outputs import SampledTokens, SchedulerOutput
+from llmserve.engine.runner import ModelRunner
 from llmserve.model.config import ModelConfig
-from llmserve.model.loader import load_model
+from llmserve.model.loader import LoadRequest, load_model
 
 
 class LocalExecutor:
@@ -28,19 +32,22 @@ class LocalExecutor:
         self.config = config
         self.mc = mc
         self.device = device
-
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return kv_bytes_per_block(self.mc, block_size, dtype)
+        self.kv_heads = mc.num_kv_heads
+        self.runner: ModelRunner | None = None
 
     def load_model(self, source, reader, dtype: torch.dtype, max_positions: int, kv_bytes: int):
         q = self.config.quantization
-        return load_model(source, self.mc, reader, self.device, dtype, max_positions, q, kv_bytes=kv_bytes)
+        return load_model(LoadRequest(source, self.mc, reader, self.device, dtype, max_positions, q, kv_bytes))
 
     def local_only(self):
         return contextlib.nullcontext()
 
-    def attach(self, runner, num_blocks: int, block_size: int) -> None:
-        pass
+    def start(self, model, plan: KVPlan, dtype: torch.dtype, kv_dtype: torch.dtype, lora=None) -> ModelRunner:
+        self.runner = ModelRunner(model, plan, self.device, dtype, kv_dtype, lora)
+        return self.runner
+
+    def execute(self, sched: SchedulerOutput, argmax: bool = False) -> list[SampledTokens]:
+        return self.runner.execute(sched, argmax=argmax)
 
     def shutdown(self) -> None:
         pass

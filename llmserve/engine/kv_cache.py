@@ -76,12 +76,12 @@ class FreeBlockQueue:
 class BlockPool:
     """All blocks, the free list, and the map from block hash to a cached block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, on_removed=None) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.enable_caching = enable_caching
-        self.on_removed = None  # called with a block whose hash is dropped (KV events)
+        self.on_removed = on_removed  # called with a block whose hash is dropped (KV events)
 
     @property
     def num_free(self) -> int:
@@ -148,24 +148,48 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Blocks per request: prefix-cache look-up, allocation for the tokens of a step, freeing."""
+    """Blocks per request: prefix-cache look-up, allocation for the tokens of a step, freeing.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    Beside the main pool, each optional part is given at construction (kv_plan.kv_manager builds them from a KVPlan):
+    `window`, a WindowGroup (kv_window.py): the sliding-window layers' own pool, where they give back the blocks
+    their window has passed (None: every layer's blocks are this pool's); `states`, a StatePool (state_pool.py):
+    a hybrid model's recurrent state slots, one per sequence it schedules; `events`, a KVEventLog (kv_events.py,
+    --kv-events-config): the blocks named and dropped; `disk`, a tier below RAM (kv_disk.DiskTier, --kv-cache-dir):
+    `load` after a miss in RAM, `save` after each step, `stats`, `close`."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        *,
+        window=None,
+        states=None,
+        events=None,
+        disk=None,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = events
+        self.pool = BlockPool(num_blocks, enable_caching, events.removed if events is not None else None)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
-        self.events = None  # KVEventLog (kv_events.py) with --kv-events-config
-        self.disk = None  # DiskTier (kv_disk.py) with --kv-cache-dir: looked up after a miss in RAM
-        # WindowGroup (kv_window.py): the sliding-window layers' own pool, where they give back the blocks
-        # their window has passed; None: every layer's blocks are this pool's (one kind of layer)
-        self.window = None
-        # StatePool (state_pool.py): a hybrid model's recurrent state slots, one per sequence it schedules; None: none
-        self.states = None
+        self.disk = disk
+        self.window = window
+        self.states = states
+
+    def fill_tables(self, out) -> None:
+        """The block tables of the requests a SchedulerOutput runs, written into it (what the runner reads)."""
+        for r in out.requests:
+            rid = r.request_id
+            out.block_ids[rid] = self.get_block_ids(rid)
+            if self.window is not None:
+                out.window_tables[rid] = self.window.table(rid)
+            if self.states is not None:
+                out.state_slots[rid] = self.states.slot(rid)
 
     # -- hashing -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:

@@ -135,32 +135,6 @@ def install_blocks(kv, request, start: int, payloads: list, kv_caches: list[torc
     return blocks
 
 
-def unsupported(engine) -> str | None:
-    """Why a tier below RAM cannot run with this engine (None: it can)."""
-    if not engine.config.enable_prefix_caching:
-        return "it needs prefix caching (drop --no-enable-prefix-caching)"
-    if engine.tp is not None:
-        return "not supported with --tensor-parallel-size > 1 yet"
-    if engine.draft is not None:
-        return "not supported with --speculative-model yet (the draft's KV is not stored)"
-    return None
-
-
-def tier_settings(engine) -> dict:
-    """The settings a block's numbers depend on besides the model's files (part of the fingerprint)."""
-    mc = engine.model_config
-    return dict(
-        format=1,
-        dtype=str(engine.dtype),
-        quantization=engine.config.quantization or "none",
-        kv_dtype=engine.kv_dtype_name,
-        block_size=engine.block_size,
-        layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-    )
-
-
 class DiskTier:
     def __init__(self, root: str, max_bytes: int, fingerprint: bytes, kv_caches: list[torch.Tensor], block_size: int):
         self.root = root
@@ -373,18 +347,14 @@ class DiskTier:
         )
 
 
-def open_disk_tier(engine) -> DiskTier | None:
-    """The engine's disk tier, or None (with one warning) where it cannot run or the folder cannot be written."""
-    cfg = engine.config
-    why = unsupported(engine)
-    if why:
-        log.warning("kv disk: --kv-cache-dir ignored: %s", why)
-        return None
-    root = os.path.abspath(os.path.expanduser(cfg.kv_cache_dir))
-    settings = tier_settings(engine)
+def open_disk_tier(disk, model_path: str, weights_dtype, kv_caches: list[torch.Tensor]) -> DiskTier | None:
+    """The disk tier the plan's `disk` settings (kv_plan.DiskPlan) ask for over the runner's `kv_caches`, or None
+    (with one warning) where the folder cannot be written."""
+    root = disk.root
+    settings = dict(disk.settings, dtype=str(weights_dtype))
     try:
         os.makedirs(os.path.join(root, ".fingerprints"), exist_ok=True)
-        fp = model_fingerprint(engine.model_path, settings, os.path.join(root, ".fingerprints"))
+        fp = model_fingerprint(model_path, settings, os.path.join(root, ".fingerprints"))
         tier = os.path.join(root, fp.hex()[:32])
         os.makedirs(tier, exist_ok=True)
         _atomic_write(os.path.join(tier, ".probe"), b"ok")
@@ -392,6 +362,5 @@ def open_disk_tier(engine) -> DiskTier | None:
     except OSError as e:
         log.warning("kv disk: cannot use %s (%s); serving goes on without the disk tier", root, e)
         return None
-    size = int(cfg.kv_cache_dir_size * (1 << 30))
-    log.info("kv disk: %s (model %s, up to %.1f GiB)", root, fp.hex()[:12], cfg.kv_cache_dir_size)
-    return DiskTier(root, size, fp, engine.runner.kv_caches, engine.block_size)
+    log.info("kv disk: %s (model %s, up to %.1f GiB)", root, fp.hex()[:12], disk.size_gib)
+    return DiskTier(root, disk.max_bytes, fp, kv_caches, settings["block_size"])

@@ -146,3 +146,9 @@ def parse_kv_events_config(text: str | None) -> dict | None:
     if not isinstance(n, int) or n < 1:
         raise ValueError("kv_events_config: max_events must be a positive integer")
     return cfg if cfg.get("enable_kv_cache_events", False) else None
+
+
+def open_event_log(text: str | None, block_size: int) -> KVEventLog | None:
+    """The event log --kv-events-config asks for, or None."""
+    cfg = parse_kv_events_config(text)
+    return KVEventLog(block_size, cfg.get("max_events", 10_000)) if cfg is not None else None

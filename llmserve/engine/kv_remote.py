@@ -39,8 +39,6 @@ from llmserve.engine.kv_disk import (
     install_blocks,
     model_fingerprint,
     request_digests,
-    tier_settings,
-    unsupported,
 )
 
 log = logging.getLogger("llmserve.kv_remote")
@@ -427,11 +425,12 @@ class RemoteTier:
         )
 
 
-def _fingerprint_memo(cfg) -> str | None:
-    """Where model file digests are remembered (a restart does not read the weights again), if anywhere."""
+def _fingerprint_memo(disk_root: str | None) -> str | None:
+    """Where model file digests are remembered (a restart does not read the weights again), if anywhere: beside
+    the disk tier's files (`disk_root`), else in the user's cache."""
     memo = (
-        os.path.join(os.path.abspath(os.path.expanduser(cfg.kv_cache_dir)), ".fingerprints")
-        if cfg.kv_cache_dir
+        os.path.join(disk_root, ".fingerprints")
+        if disk_root
         else os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "fingerprints")
     )
     try:
@@ -441,24 +440,22 @@ def _fingerprint_memo(cfg) -> str | None:
         return None
 
 
-def open_remote_tier(engine) -> RemoteTier | None:
-    """The engine's shared tier, or None (one warning) where it cannot run. An unreachable store or a wrong
-    password does not stop the start: the tier starts with its breaker open and retries."""
+def open_remote_tier(
+    store, model_path: str, weights_dtype, kv_caches: list[torch.Tensor], step_started, disk_root: str | None = None
+) -> RemoteTier:
+    """The shared tier the plan's `store` settings (kv_plan.StorePlan) ask for over the runner's `kv_caches`;
+    `step_started()`: when the engine's current step began. An unreachable store or a wrong password does not stop
+    the start: the tier starts with its breaker open and retries."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    cfg = engine.config
-    why = unsupported(engine)
-    if why:
-        log.warning("kv store: --kv-cache-url ignored: %s", why)
-        return None
-    url = client_url(cfg.kv_cache_url)
+    url = client_url(store.url)
     password = None
-    if cfg.kv_cache_url_password_file:
-        with open(cfg.kv_cache_url_password_file) as f:
+    if store.password_file:
+        with open(store.password_file) as f:
             password = f.read().strip()
-    timeout = cfg.kv_cache_url_timeout
+    timeout = store.timeout
     client = redis.Redis.from_url(
         url,
         password=password,
@@ -467,10 +464,9 @@ def open_remote_tier(engine) -> RemoteTier | None:
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
     )
-    fp = model_fingerprint(engine.model_path, tier_settings(engine), _fingerprint_memo(cfg))
-    tier = RemoteTier(
-        client, url, fp, engine.runner.kv_caches, engine.block_size, step_started=lambda: engine.last_step_time
-    )
+    settings = dict(store.settings, dtype=str(weights_dtype))
+    fp = model_fingerprint(model_path, settings, _fingerprint_memo(disk_root))
+    tier = RemoteTier(client, url, fp, kv_caches, settings["block_size"], step_started=step_started)
     try:
         t0 = time.perf_counter()
         client.ping()

@@ -48,15 +48,16 @@ class TierStack:
         return out
 
 
-def open_kv_tiers(engine):
-    """The tiers the config turns on (None, one tier, or a TierStack); a tier that cannot run is left out
-    with one warning (serving goes on)."""
-    cfg = engine.config
+def open_kv_tiers(plan, model_path: str, weights_dtype, kv_caches: list, step_started):
+    """The tiers the plan turns on (kv_plan.KVPlan's `disk`, `store`) over the runner's `kv_caches`: None, one
+    tier, or a TierStack; a disk tier that cannot write its folder is left out with one warning (serving goes
+    on). `step_started()`: when the engine's current step began (the store's reads give way to a late step)."""
     tiers = []
-    if cfg.kv_cache_dir:
-        tiers.append(open_disk_tier(engine))
-    if cfg.kv_cache_url:
-        tiers.append(open_remote_tier(engine))
+    if plan.disk is not None:
+        tiers.append(open_disk_tier(plan.disk, model_path, weights_dtype, kv_caches))
+    if plan.store is not None:
+        root = plan.disk.root if plan.disk is not None else None
+        tiers.append(open_remote_tier(plan.store, model_path, weights_dtype, kv_caches, step_started, root))
     tiers = [t for t in tiers if t is not None]
     if not tiers:
         return None

@@ -24,6 +24,10 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # request_id -> number of speculative tokens (beyond the first) scheduled for verification
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
+    # the KV cache manager's tables for the step (KVCacheManager.fill_tables): what the runner reads
+    block_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> its blocks in the main pool
+    window_tables: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # ... in the window pool
+    state_slots: dict[str, int] = field(default_factory=dict)  # ... its recurrent state slot
 
     @property
     def total_tokens(self) -> int:

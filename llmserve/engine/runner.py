@@ -1,4 +1,9 @@
-"""Batch -> tensors -> model -> logits -> sampled tokens. Owns the model and the KV cache tensors.
+"""Batch -> tensors -> model -> logits -> sampled tokens. Owns the model and the KV cache tensors (shaped as the
+KV plan says); reads the step's block tables from the scheduler output, never the KV cache manager.
+
+    prepare(sched) -> StepBatch     the step's tensors (what tensor parallelism broadcasts: executor.py)
+    forward(batch, argmax)          the model: logits (or greedy tokens) of the rows that sample
+    sample(batch, argmax)           forward, then each request's tokens; execute(sched) = sample(prepare(sched))
 
 Rows of the flat batch: decode requests first (one token each), then prefill chunks. Only the last
 row of a request that has reached the end of its known tokens yields logits (the others are
@@ -10,125 +15,23 @@ from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from llmserve.engine import prompt_logprobs
-from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.kv_plan import KVPlan
 from llmserve.engine.outputs import SampledTokens, SchedulerOutput
 from llmserve.engine.pooling import pool
 from llmserve.engine.request import Request
-from llmserve.engine.state_pool import StatePool, state_shapes, step_states
-from llmserve.model import ops, rejection
-from llmserve.model.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillChunk,
-    StateMetadata,
-    kv_cache_shape,
-    kv_row_width,
-)
-from llmserve.model.config import ModelConfig
-from llmserve.model.llama import LlamaModel
-from llmserve.model.memory import available_memory
+from llmserve.engine.state_pool import StatePool, step_states
+from llmserve.model import rejection
+from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, kv_cache_shape
+from llmserve.model.families.llama import LlamaModel
+from llmserve.model.kernels import ops
 from llmserve.model.sampler import SamplingRow, _top_logprobs, sample
 
 log = logging.getLogger("llmserve.runner")
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """One block of every attention layer's keys and values (an int8 cache's rows with their scales); a hybrid
-    model's recurrent layers keep a state per sequence instead (engine/state_pool.py)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    layers = cfg.num_layers - sum(cfg.recurrent_layers)
-    return layers * 2 * block_size * cfg.num_kv_heads * kv_row_width(cfg.head_dim, dtype) * elem
-
-
-GiB = 1 << 30
-
-
-def num_kv_blocks(config, per_block: int, device: torch.device, profile) -> tuple[int, int]:
-    """How many KV blocks of `per_block` bytes the pool holds, and its budget in bytes: --num-kv-blocks,
-    --kv-cache-memory, on CUDA --gpu-memory-utilization less other processes' memory and the activations'
-    peak (`profile()`), on CPU a quarter of the available memory (the host's, or less under a container's
-    memory limit: llmserve.model.memory) up to 8 GiB."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks, config.num_kv_blocks * per_block
-    if config.kv_cache_memory is not None:
-        budget = int(config.kv_cache_memory * GiB)
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free
-        budget = int(total * config.gpu_memory_utilization) - used_by_others - profile()
-    else:
-        available, limit = available_memory()
-        budget = min(int(available * 0.25), 8 * GiB)
-        log.info(
-            "KV budget: a quarter of the %.2f GiB available (%s), at most 8 GiB: %.2f GiB",
-            available / GiB,
-            f"under the cgroup memory limit of {limit.limit / GiB:.2f} GiB, {limit.path}"
-            if limit
-            else "the host's RAM",
-            budget / GiB,
-        )
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory: the KV budget ({budget / GiB:.3f} GiB) holds no block of "
-            f"{per_block / (1 << 20):.2f} MiB; raise --kv-cache-memory or --gpu-memory-utilization"
-        )
-    return int(num_blocks), int(budget)
-
-
-@torch.inference_mode()
-def profile_activations(model, n: int, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> int:
-    """CUDA: peak memory of one forward of `n` prompt tokens (without KV), with a margin."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    mc = model.cfg  # this rank's head counts under tensor parallelism
-    nb = (n + block_size - 1) // block_size
-    shape = kv_cache_shape(nb, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
-    cache = torch.zeros(shape, dtype=kv_dtype, device=device)
-    ids = torch.zeros(n, dtype=torch.long, device=device)
-    pos = torch.arange(n, device=device)
-    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb, device=device))])
-    caches = [cache] * mc.num_layers
-    shapes = state_shapes(model)
-    if any(s is not None for s in shapes):  # a hybrid model's recurrent layers: one fresh state slot each
-        one = StatePool(1, shapes)
-        caches = [cache if s is None else one.tensors(i, torch.float32, device) for i, s in enumerate(shapes)]
-        flags = torch.ones(1, dtype=torch.bool, device=device)
-        meta.states = StateMetadata(torch.zeros(1, dtype=torch.long, device=device), [0], [0], [n], flags)
-    model(ids, pos, caches, meta, torch.tensor([n - 1], device=device))
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del cache
-    torch.cuda.empty_cache()
-    return int(peak * 1.2)
-
-
-def window_layers(model) -> list[bool]:
-    """Per layer: whether it attends to a sliding window in effect (shorter than the model's positions)."""
-    return [getattr(getattr(layer, "self_attn", None), "window", None) is not None for layer in model.layers]
-
-
-def split_kv_blocks(
-    num_blocks: int, layers: list[bool], full_need: int, window_need: int, most_full: int
-) -> tuple[int, int]:
-    """A budget of `num_blocks` blocks of every layer split into (full-attention pool blocks, window pool
-    blocks) in proportion to what one sequence needs of each at its longest (`full_need`, `window_need`
-    blocks); the window pool holds at least one sequence. Without full-attention layers the first pool is
-    bookkeeping only (no tensors): as large as the window pool's sequences need, at most `most_full`."""
-    num_window = sum(layers)
-    num_full = len(layers) - num_window
-    units = num_blocks * len(layers)  # the budget in blocks of one layer
-    if num_full == 0:
-        nw = num_blocks
-        return max(full_need, min(-(-nw * full_need // window_need), most_full)), nw
-    nf = units * full_need // (num_full * full_need + num_window * window_need)
-    nw = max(window_need, (units - nf * num_full) // num_window)
-    return (units - nw * num_window) // num_full, nw
 
 
 def decode_groups(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]:
@@ -156,59 +59,78 @@ def _zero_pages(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
+@dataclass
+class StepBatch:
+    """One step's inputs, built by `ModelRunner.prepare`: the model's tensors, and which rows mean what."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # the rows whose logits are computed
+    sampling: list[Request] = field(default_factory=list)  # requests that sample, with their rows each
+    rows_per_req: list[int] = field(default_factory=list)
+    pooled: list[tuple[Request, int, int, int]] = field(default_factory=list)  # (request, first row, rows, start)
+    scored: list[tuple[Request, int, int, int]] = field(default_factory=list)  # prompt logprobs: the same
+    lora_rows: list[tuple] = field(default_factory=list)  # requests for a LoRA adapter: (adapter, first row, rows)
+    extra: dict = field(default_factory=dict)  # the vision tower's rows: the model's `embeds`
+
+
 class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
-        cfg: ModelConfig,
-        num_blocks: int,
-        block_size: int,
+        plan: KVPlan,
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
-        window_blocks: int | None = None,
-        states: StatePool | None = None,
+        lora=None,
     ) -> None:
-        """`window_blocks`: the sliding-window layers' own pool (kv_window.WindowGroup) of that many blocks;
-        None: every layer's cache has `num_blocks`. `states`: a hybrid model's recurrent state pool, whose layers
-        get their state tensors in place of a KV cache (engine/state_pool.py)."""
+        """The KV tensors of `plan` (kv_plan.py): per attention layer a cache of the main pool's blocks, or of the
+        window pool's for a sliding-window layer the plan split off; per recurrent layer its state tensors, one row
+        per state slot (engine/state_pool.py). `lora`: LoRALayers (model/lora.py) with --enable-lora."""
         self.model = model
-        self.cfg = cfg
-        self.block_size = block_size
+        self.cfg = cfg = model.cfg
+        self.block_size = block_size = plan.block_size
         self.device = device
         self.dtype = dtype
         kv_dtype = kv_dtype or dtype
-        shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        shape = kv_cache_shape(plan.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         # On CPU each layer's cache is an anonymous mapping: zero pages that become resident only as
         # blocks are written, so memory grows with use up to the budget. (torch.empty is not enough:
         # after large frees malloc recycles old memory, and a NaN bit pattern in a masked-out slot
         # still poisons attention's weighted sum. Stale values in reused blocks are finite.)
         alloc = torch.zeros if device.type == "cuda" else _zero_pages
-        window = window_layers(model) if window_blocks is not None else [False] * cfg.num_layers
-        wshape = kv_cache_shape(window_blocks or 0, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        nw = plan.window.num_blocks if plan.window is not None else 0
+        wshape = kv_cache_shape(nw, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        window = plan.window_layers if plan.layers else [False] * cfg.num_layers
+        states = StatePool(plan.state_slots, plan.state_shapes) if plan.state_slots else None
         self.kv_caches = [
             alloc(wshape if w else shape, dtype=kv_dtype, device=device)
             if states is None or states.shapes[i] is None
             else states.tensors(i, dtype, device)
             for i, w in enumerate(window)
         ]
+        self.has_window = plan.window is not None
+        self.has_states = states is not None
         self.in_place_decode = (
             device.type == "cpu"
             and dtype == torch.float32
             and ops.cpu_kernels() is not None
             and kv_dtype in ops.KV_DTYPES
         )
-        self.lora = None  # LoRALayers (model/lora.py) with --enable-lora
-        self.tp = None  # tensor parallelism (llmserve.engine.tp): each step is broadcast to the workers
+        self.lora = lora
         # the last step's final hidden states of pooling requests: (request, first position, [rows, hidden])
         self.pooled: list[tuple[Request, int, torch.Tensor]] = []
 
+    def execute(self, sched: SchedulerOutput, argmax: bool = False) -> list[SampledTokens]:
+        return self.sample(self.prepare(sched), argmax)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager, argmax: bool = False) -> list[SampledTokens]:
+    def sample(self, batch: StepBatch, argmax: bool = False) -> list[SampledTokens]:
         """Run one step and sample: the tokens of each request that reached the end of its known tokens.
         With `argmax` (the caller has checked that every row is plain greedy), the model answers its
         greedy tokens instead of logits and they are taken as they are."""
-        sampling, logits, rows_per_req = self._forward(sched, kv, argmax)
+        sampling, logits, rows_per_req = self.forward(batch, argmax)
         pooled = [SampledTokens(r, [], pooling=True, embedding=pool(r, h, c)) for r, c, h in self.pooled]
         if not sampling:
             return pooled
@@ -221,14 +143,12 @@ class ModelRunner:
             out = _sample_requests(logits, sampling, rows_per_req)
         return out + pooled
 
-    def _forward(
-        self, sched: SchedulerOutput, kv: KVCacheManager, argmax: bool = False
-    ) -> tuple[list[Request], torch.Tensor | None, list[int]]:
-        """Run the model. Returns (requests that sample, their logits [n, vocab], rows per request);
-        with `argmax` (every row plain greedy), the rows' greedy tokens [n] instead of the logits.
+    @torch.inference_mode()
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's batch: decodes first, then prefill chunks; each request's blocks from `sched.block_ids`.
 
         With speculative tokens a request yields several logits rows (one per verified position);
-        `rows` says how many each sampling request has."""
+        `rows_per_req` says how many each sampling request has."""
         bs = self.block_size
         # A speculative verify chunk (the next token + K proposals of a decoding request) runs as decode
         # rows with the in-place kernel: row i attends to the first c + i + 1 positions of the request's
@@ -245,21 +165,17 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         logits_rows: list[int] = []
-        sampling: list[Request] = []
-        rows_per_req: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        pooled: list[tuple[Request, int, int, int]] = []  # pooling requests: (request, first row, rows, start)
-        scored: list[tuple[Request, int, int, int]] = []  # prompt logprobs: (request, first row, rows, start)
-        lora_rows: list[tuple] = []  # requests for a LoRA adapter: (adapter, first row, rows)
+        batch = StepBatch(None, None, None, None)
         image_rows: list[tuple[list[int], torch.Tensor]] = []  # the step's rows at image placeholders, their embeddings
         rope: list[torch.Tensor | None] = []  # multimodal rotary (Request.mrope): each request's [3, n] positions
         row = 0
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
             c = req.num_computed_tokens
-            block_ids = kv.get_block_ids(req.request_id)
+            block_ids = sched.block_ids[req.request_id]
             spec = sched.num_spec_tokens.get(req.request_id, 0)
             known = req.all_token_ids[c : c + n - spec] + (req.spec_token_ids[:spec] if spec else [])
             tokens.extend(known)
@@ -277,17 +193,17 @@ class ModelRunner:
                 )
                 prefills.append(PrefillChunk(row, n, c + n, table.to(self.device), both))
             if req.lora is not None:
-                lora_rows.append((req.lora, row, n))
+                batch.lora_rows.append((req.lora, row, n))
             if req.images:
                 image_rows.extend(_image_rows(self.model, req, c, n, row))
             if k := prompt_logprobs.rows(req, c, n):  # prompt logprobs: the hidden states of its prompt rows
-                scored.append((req, row, k, c))
+                batch.scored.append((req, row, k, c))
             if req.params.pooling is not None:  # embeddings: every row's hidden state, nothing to sample
-                pooled.append((req, row, n, c))
+                batch.pooled.append((req, row, n, c))
             elif c + n - spec >= req.num_tokens:  # reached the end of the known tokens: sample
-                sampling.append(req)
+                batch.sampling.append(req)
                 logits_rows.extend(range(row + n - 1 - spec, row + n))
-                rows_per_req.append(spec + 1)
+                batch.rows_per_req.append(spec + 1)
             row += n
 
         dev = self.device
@@ -295,47 +211,54 @@ class ModelRunner:
         # The in-place decode kernel reads each request's own length: one group. The gather + SDPA
         # path reads every padded position: groups of similar lengths.
         meta.decode_groups = _decode_groups(decode_tables, decode_lens, self.in_place_decode, dev)
-        if kv.window is not None:  # the window layers' blocks: their own slots and tables
-            meta.window = self._window_meta(order, sched, kv, as_decode)
-        if kv.states is not None:  # a hybrid model's recurrent layers: each sequence's state slot
-            meta.states = step_states(order, sched, kv.states, dev, self.kv_caches)
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos = torch.cat(positions).to(dev)
+        if self.has_window:  # the window layers' blocks: their own slots and tables
+            meta.window = self._window_meta(order, sched, as_decode)
+        if self.has_states:  # a hybrid model's recurrent layers: each sequence's state slot
+            meta.states = step_states(order, sched, dev, self.kv_caches)
+        batch.meta = meta
+        batch.input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        batch.positions = torch.cat(positions).to(dev)
         if any(r is not None for r in rope):  # a request with images under M-RoPE: [3, T], the others' thrice
-            pos = torch.cat([p.expand(3, -1) if r is None else r for p, r in zip(positions, rope)], dim=1).to(dev)
+            batch.positions = torch.cat([p.expand(3, -1) if r is None else r for p, r in zip(positions, rope)], dim=1)
+            batch.positions = batch.positions.to(dev)
         if not logits_rows:
             logits_rows = [len(tokens) - 1]  # the model needs at least one row; it is discarded
-        rows_t = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        if self.tp is not None:
-            self.tp.broadcast_step(input_ids, pos, meta, rows_t)
-        if self.lora is not None:  # the step's adapter index, read by the projections' LoRA hooks
-            self.lora.set_step(lora_rows, dev)
-        self.pooled = []
-        extra = {}
+        batch.logits_rows = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         if image_rows:  # the vision tower's rows in place of the placeholders' token embeddings
             at = torch.tensor([r for rows, _ in image_rows for r in rows], dtype=torch.long, device=dev)
-            extra["embeds"] = (at, torch.cat([e for _, e in image_rows]).to(dev))
-        if pooled or scored:
+            batch.extra["embeds"] = (at, torch.cat([e for _, e in image_rows]).to(dev))
+        return batch
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, argmax: bool = False) -> tuple[list[Request], torch.Tensor | None, list[int]]:
+        """Run the model. Returns (requests that sample, their logits [n, vocab], rows per request);
+        with `argmax` (every row plain greedy), the rows' greedy tokens [n] instead of the logits."""
+        dev = self.device
+        if self.lora is not None:  # the step's adapter index, read by the projections' LoRA hooks
+            self.lora.set_step(batch.lora_rows, dev)
+        self.pooled = []
+        args = (batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_rows)
+        if batch.pooled or batch.scored:
             hidden_rows = torch.tensor(
-                [r for _, first, n, _ in pooled + scored for r in range(first, first + n)], dtype=torch.long, device=dev
+                [r for _, first, n, _ in batch.pooled + batch.scored for r in range(first, first + n)],
+                dtype=torch.long,
+                device=dev,
             )
-            logits, hidden = self.model(
-                input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, hidden_indices=hidden_rows, **extra
-            )
+            logits, hidden = self.model(*args, argmax=argmax, hidden_indices=hidden_rows, **batch.extra)
             k = 0
-            for req, _, n, c in pooled:
+            for req, _, n, c in batch.pooled:
                 self.pooled.append((req, c, hidden[k : k + n]))
                 k += n
-            for req, _, n, c in scored:
+            for req, _, n, c in batch.scored:
                 prompt_logprobs.record(self.model, req, c, hidden[k : k + n])
                 k += n
         else:
-            logits = self.model(input_ids, pos, self.kv_caches, meta, rows_t, argmax=argmax, **extra)
-        if not sampling:
+            logits = self.model(*args, argmax=argmax, **batch.extra)
+        if not batch.sampling:
             return [], None, []
-        return sampling, logits, rows_per_req
+        return batch.sampling, logits, batch.rows_per_req
 
-    def _window_meta(self, order: list[Request], sched: SchedulerOutput, kv: KVCacheManager, as_decode):
+    def _window_meta(self, order: list[Request], sched: SchedulerOutput, as_decode):
         """The step's attention metadata for the sliding-window layers (kv_window.WindowGroup): each request's
         held blocks from its first one, its positions shifted down by that block's start (a window's mask is
         relative to the query, so the shift changes nothing the layers compute), rows as in the main metadata."""
@@ -345,7 +268,7 @@ class ModelRunner:
         for req in order:
             n = sched.num_scheduled_tokens[req.request_id]
             c = req.num_computed_tokens
-            first, ids = kv.window.table(req.request_id)
+            first, ids = sched.window_tables[req.request_id]
             off = first * bs
             table = torch.tensor(ids, dtype=torch.long)
             pos = torch.arange(c - off, c + n - off)

@@ -168,6 +168,7 @@ class Scheduler:
         started = self._clock()
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         out = self._schedule(self.step_budget.budget(sum(1 + len(r.spec_token_ids) for r in decoding)), decoding)
+        self.kv.fill_tables(out)  # the block tables the runner reads
         self._step_started = (started, sum(out.num_scheduled_tokens.values()))
         return out
 

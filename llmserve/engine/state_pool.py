@@ -22,14 +22,13 @@ The contract, for the engine and for model files:
     vLLM's hybrid allocator checkpoints the state at block boundaries instead); speculative decoding (n-gram or a
     draft model, whose rejected tokens would have to be taken back out of the state), tensor parallelism, LoRA and
     the disk KV tier are refused at start-up.
-  * The pool's bytes (slots x every layer's state) come out of the KV budget.
+  * The pool's bytes (slots x every layer's state) come out of the KV budget (kv_plan.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import torch
 
@@ -73,10 +72,6 @@ class StatePool:
     def slot(self, request_id: str) -> int:
         return self.slot_of[request_id]
 
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return sum(math.prod(s) * elem for layer in self.shapes if layer for s in layer)
-
     def tensors(self, layer: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Layer `layer`'s state tensors, [num_slots, *shape] each, zeroed."""
         return tuple(torch.zeros((self.num_slots, *s), dtype=dtype, device=device) for s in self.shapes[layer])
@@ -114,15 +109,16 @@ def hybrid_config(config, mc):
     return config
 
 
-def step_states(order, sched, pool: StatePool, device: torch.device, caches: list) -> StateMetadata:
-    """The step's StateMetadata for the requests in `order` (the runner's batch order: decodes first), and the slots
+def step_states(order, sched, device: torch.device, caches: list) -> StateMetadata:
+    """The step's StateMetadata for the requests in `order` (the runner's batch order: decodes first; their slots in
+    `sched.state_slots`), and the slots
     of those starting fresh (first chunk, or recomputed after preemption) zeroed in every state tensor `caches`
     holds (the per-layer caches: a tuple of state tensors for a recurrent layer)."""
     slots, starts, lens, fresh = [], [], [], []
     row = num_decodes = 0
     for req in order:
         n = sched.num_scheduled_tokens[req.request_id]
-        slots.append(pool.slot(req.request_id))
+        slots.append(sched.state_slots[req.request_id])
         starts.append(row)
         lens.append(n)
         fresh.append(req.num_computed_tokens == 0)
@@ -143,31 +139,3 @@ def step_states(order, sched, pool: StatePool, device: torch.device, caches: lis
         fresh=torch.tensor(fresh, dtype=torch.bool, device=device),
         num_decodes=num_decodes,
     )
-
-
-def plan_state_pool(config, model, dtype: torch.dtype, num_blocks: int, budget: int, per_block: int):
-    """(the state pool, or None for a model without recurrent layers; the KV blocks left beside it). The pool has a
-    slot per running sequence (--max-num-seqs; a preempted sequence gives its slot back first); its bytes come out
-    of the KV budget (not out of an explicit --num-kv-blocks)."""
-    shapes = state_shapes(model)
-    if not any(s is not None for s in shapes):
-        return None, num_blocks
-    pool = StatePool(config.max_num_seqs, shapes)
-    nbytes = pool.num_slots * pool.bytes_per_slot(dtype)
-    if config.num_kv_blocks is None:
-        num_blocks = (budget - nbytes) // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: the recurrent state of {pool.num_slots} sequences takes {nbytes / (1 << 20):.1f} "
-                f"MiB of the KV budget ({budget / (1 << 20):.1f} MiB), which leaves no KV block; raise "
-                "--kv-cache-memory or lower --max-num-seqs"
-            )
-    log.info(
-        "%d of %d layers keep a recurrent state: a pool of %d slots x %.1f KiB = %.2f MiB, out of the KV budget",
-        sum(s is not None for s in shapes),
-        len(shapes),
-        pool.num_slots,
-        pool.bytes_per_slot(dtype) / 1024,
-        nbytes / (1 << 20),
-    )
-    return pool, int(num_blocks)

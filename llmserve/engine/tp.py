@@ -1,7 +1,7 @@
 """Tensor-parallel workers on torch.distributed: rank 0 is the engine, ranks 1..N-1 run the model.
 
     rank 0 (LLMEngine)                         rank r (worker)
-    scheduler -> runner builds the batch
+    scheduler -> runner builds the batch (TensorParallel.execute)
     broadcast (ids, positions, metadata) ----> receive
     forward on its shard  <== all-reduce ==>   forward on its shard (own heads, own KV cache)
     sample from its logits                     (logits discarded)
@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from llmserve import envs
-from llmserve.model import ops
-from llmserve.model.attention import kv_row_width
+from llmserve.engine.runner import ModelRunner
 from llmserve.model.config import ModelConfig
+from llmserve.model.kernels import ops
 from llmserve.model.parallel import load_sharded_model, local_config, plan_heads
 
 log = logging.getLogger("llmserve.tp")
@@ -159,6 +159,7 @@ class TensorParallel:
         self.config = config
         self.procs: list = []
         self.closed = False
+        self.runner = None  # rank 0's ModelRunner (start)
         ext = external_launch()
         if ext is not None:
             rank, world, local_rank = ext
@@ -204,11 +205,10 @@ class TensorParallel:
     def local_config(self) -> ModelConfig:
         return local_config(self.mc, self.shards[0])
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+    @property
+    def kv_heads(self) -> int:
         """Per rank: the largest share (ranks hold different numbers of KV heads when they split unevenly)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        row = kv_row_width(self.mc.head_dim, dtype)  # an int8 cache's rows carry their scales
-        return self.mc.num_layers * 2 * block_size * max(s.num_kv_heads for s in self.shards) * row * elem
+        return max(s.num_kv_heads for s in self.shards)
 
     def load_model(self, source, reader, dtype: torch.dtype, max_positions: int, kv_bytes: int = 0):
         """Rank 0's shard (its weights read from `source`'s files; each worker reads its own)."""
@@ -225,18 +225,24 @@ class TensorParallel:
         finally:
             self.all_reduce.enabled = True
 
-    def attach(self, runner, num_blocks: int, block_size: int) -> None:
-        """Tell the workers the KV pool size, wait until every rank has loaded its shard, then hook
-        the runner so that each step is broadcast before rank 0's forward."""
-        self._send(("init", num_blocks, block_size))
+    def start(self, model, plan, dtype: torch.dtype, kv_dtype: torch.dtype, lora=None):
+        """Rank 0's runner; tell the workers the KV plan and wait until every rank has loaded its shard."""
+        self.runner = ModelRunner(model, plan, self.device, dtype, kv_dtype, lora)
+        self._send(("init", plan))
         done = torch.zeros(1)
         work = dist.all_reduce(done, group=self.ctrl, async_op=True)  # "loaded" barrier
         while not work.is_completed():
             self.check_workers()
             time.sleep(0.05)
         work.wait()
-        runner.tp = self
         log.info("tensor parallel: all %d ranks loaded", self.world_size)
+        return self.runner
+
+    def execute(self, sched, argmax: bool = False):
+        """One step: its batch broadcast to the workers, then run on rank 0's shard (all-reducing with them)."""
+        batch = self.runner.prepare(sched)
+        self.broadcast_step(batch.input_ids, batch.positions, batch.meta, batch.logits_rows)
+        return self.runner.sample(batch, argmax)
 
     # -- every step ----------------------------------------------------------------------------
     def dead_workers(self) -> str:
@@ -314,7 +320,6 @@ def _spawned_worker(config, rank: int, world: int, init_method: str, ppid: int) 
 
 def run_worker(config, rank: int, world: int, local_rank: int, init_method: str) -> int:
     """A worker rank: load its shard, then run every step rank 0 broadcasts until told to stop."""
-    from llmserve.engine.runner import ModelRunner
     from llmserve.model.loader import activation_dtype, resolve_dtype, resolve_kv_dtype
 
     torch.set_num_threads(config.resolved_num_threads())
@@ -348,10 +353,10 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
     msg = recv()
     if msg[0] == "stop":
         return 0
-    _, num_blocks, block_size = msg
+    _, plan = msg
     act = activation_dtype(dtype, device)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, act, device)
-    runner = ModelRunner(model, model.cfg, num_blocks, block_size, device, act, kv_dtype)
+    runner = ModelRunner(model, plan, device, act, kv_dtype)
     dist.all_reduce(torch.zeros(1), group=ctrl)  # "loaded" barrier
     with torch.inference_mode():
         while True:

@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from llmserve.model import lfm2
+from llmserve.model.families import lfm2
+from llmserve.model.families.gpt_oss import checkpoint_tensors as gpt_oss_tensors
+from llmserve.model.families.granite_hybrid import GraniteHybridModel, hybrid_fields
+from llmserve.model.families.granite_hybrid import checkpoint_tensors as granite_hybrid_tensors
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.gguf_specs import (
     GGUF_GEMMA_LAYERS,
     GGUF_GLM4_LAYERS,
@@ -44,9 +48,6 @@ from llmserve.model.gguf_specs import (
     gguf_qwen3_moe,
     gguf_smollm3,
 )
-from llmserve.model.gpt_oss import checkpoint_tensors as gpt_oss_tensors
-from llmserve.model.granite_hybrid import GraniteHybridModel, hybrid_fields
-from llmserve.model.granite_hybrid import checkpoint_tensors as granite_hybrid_tensors
 from llmserve.model.hf_fields import (
     gemma_fields,
     gpt_oss_fields,
@@ -57,7 +58,6 @@ from llmserve.model.hf_fields import (
     qwen3_moe_fields,
     smollm3_fields,
 )
-from llmserve.model.llama import LlamaModel
 from llmserve.model.vision.gemma3 import Gemma3VisionModel
 from llmserve.model.vision.idefics3 import Idefics3Model
 from llmserve.model.vision.processing import (
@@ -263,7 +263,7 @@ ARCHITECTURES = {
         ),
         # gpt-oss: attention sinks, alternating sliding-window layers, q / k / v / o biases; experts in every layer
         # (router with a bias, softmax over the top-k logits, biased experts, the clamped SwiGLU); the checkpoint's
-        # fused expert tensors split per expert (llmserve.model.gpt_oss)
+        # fused expert tensors split per expert (llmserve.model.families.gpt_oss)
         ArchSpec(
             "gpt_oss",
             ("GptOssForCausalLM",),
@@ -278,7 +278,7 @@ ARCHITECTURES = {
             tensor_parallel=False,
             **_NO_STACK,
         ),
-        # Granite 4.0-H: Mamba-2 mixers and attention layers (llmserve.model.granite_hybrid), each sequence's mixer
+        # Granite 4.0-H: Mamba-2 mixers and attention layers (families/granite_hybrid.py), each sequence's mixer
         # states in the engine's recurrent-state pool; the checkpoint's stacked experts split per expert
         ArchSpec(
             "granitemoehybrid",
@@ -307,7 +307,7 @@ ARCHITECTURES = {
             **_NO_STACK,
         ),
         # LFM2: gated short-convolution layers that keep a state per sequence (engine/state_pool.py) among attention
-        # layers with q / k norms per head (llmserve.model.lfm2); its names onto Llama's
+        # layers with q / k norms per head (llmserve.model.families.lfm2); its names onto Llama's
         ArchSpec(
             "lfm2",
             ("Lfm2ForCausalLM",),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 
 
 @dataclass

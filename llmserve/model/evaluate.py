@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from llmserve.model.llama import LlamaModel
+from llmserve.model.families.llama import LlamaModel
 
 
 @torch.inference_mode()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 from llmserve.model.layers.linear import PACKED_PROJECTIONS
 from llmserve.model.layers.rotary import head_order, head_rows
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.model.config import ModelConfig
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers.linear import PACKED_PROJECTIONS
-from llmserve.model.llama import LlamaModel
 from llmserve.model.loader import build_model, checkpoint_names
 from llmserve.model.registry import arch_spec
 

@@ -1,6 +1,6 @@
 """From logits to next tokens for a whole batch: penalties, banned tokens, grammar masks, temperature,
 top-k, top-p, min-p, seeds, and logprobs. Works on tensors and per-row parameter lists; knows nothing of
-requests or of the engine (it imports only `llmserve.sampling_params`, and `llmserve.model.ops` for the
+requests or of the engine (it imports only `llmserve.sampling_params`, and `llmserve.model.kernels.ops` for the
 fused CPU draw).
 
 Each sampled row draws its randomness from its own generator (the engine seeds it with the request's
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 from llmserve.sampling_params import Logprob, SamplingParams, TokenLogprobs
 
 

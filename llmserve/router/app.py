@@ -16,9 +16,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from .config import RouterConfig
 from .proxy import ProxyEndpoint
 from .routes import add_routes
-from .state import Router, RouterConfig
+from .state import Router
 
 # what the CLI, the launcher, the fake backend and the tests import from here
 __all__ = ["PROXY_PATHS", "Router", "RouterApp", "RouterConfig", "build_app"]

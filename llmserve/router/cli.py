@@ -18,8 +18,8 @@ from llmserve.flags import from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """RouterConfig's flags (llmserve/router/state.py)."""
-    from .state import RouterConfig
+    """RouterConfig's flags (llmserve/router/config.py)."""
+    from .config import RouterConfig
 
     config_arguments(p, RouterConfig)
 

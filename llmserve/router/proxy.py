@@ -28,9 +28,10 @@ from starlette.datastructures import Headers
 
 from llmserve.errors import is_ollama_path
 
+from .config import RouterConfig
 from .errors import RouterError, send_error
 from .policies import Backend, RouteRequest
-from .state import Router, RouterConfig
+from .state import Router
 from .upstream import ConnectFailed, ConnectionLost, UpstreamResponse
 
 log = logging.getLogger("llmserve.router")

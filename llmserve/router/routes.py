@@ -5,11 +5,12 @@ and Ollama's GET /api/tags, /api/ps (merged by name) and /api/version (the lowes
 from __future__ import annotations
 
 import asyncio
-import os
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from llmserve import web
 
 from .errors import RouterError
 from .state import Router
@@ -63,19 +64,14 @@ def add_routes(app: FastAPI, router: Router) -> None:
             "recent": list(router.recent_decisions)[::-1],
         }
 
-    # the web page (docs/web.md): shares the server's static files; no engine import here
-    static = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server", "static")
-
+    # the web page (docs/web.md): the server's page with the router's dashboard (llmserve/web/)
     @app.get("/", include_in_schema=False)
     async def index():
-        from fastapi.responses import FileResponse
+        from fastapi.responses import HTMLResponse
 
-        return FileResponse(os.path.join(static, "router.html"), media_type="text/html")
+        return HTMLResponse(web.page("router"))
 
-    if os.path.isdir(static):
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount("/static", StaticFiles(directory=static), name="static")
+    web.mount_static(app)
 
     @app.get("/v1/models")
     async def models(request: Request):

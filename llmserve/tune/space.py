@@ -181,7 +181,7 @@ def derive(
 
 def for_model(model: str | None, request_tokens: float, max_replicas: int | None = None) -> Space:
     """`derive` for a model as `llmserve serve --model` takes it, on this machine (its config only, no weights)."""
-    from llmserve.model import bf16
+    from llmserve.model.formats import bf16
     from llmserve.model.loader.load import load_model_config
     from llmserve.model.loader.lookup import resolve_model
 

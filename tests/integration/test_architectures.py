@@ -265,8 +265,8 @@ def test_bfloat16_default_within_top5_of_float32(checkpoint, monkeypatch):
     LLMSERVE_CPU_BF16=emulate): every architecture loads and runs in bfloat16, and its greedy tokens are judged as
     vLLM judges reduced precision: at the first one where they part from float32's, each side's is in the other's
     top-5 (FLAT rows: the first token's top-20 logprobs within 0.05 of float32's)."""
-    from llmserve.model import bf16
     from llmserve.model.evaluate import top_k_broken
+    from llmserve.model.formats import bf16
 
     name, d = checkpoint[0], checkpoint[1]
     monkeypatch.setenv("LLMSERVE_CPU_BF16", "1")
@@ -303,7 +303,7 @@ def test_quantized_new_layers_run(checkpoint, mode):
         _prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
     )
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     layer = llm.engine.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
@@ -403,7 +403,7 @@ def test_gpt_oss_mxfp4_experts(checkpoint, tmp_path):
     blocks (GGUFLinear, read by the GGUF kernels, float32-exact without --quantization) and its greedy tokens equal
     transformers' on the same experts dequantized by transformers' own MXFP4 code; with --quantization int8 the
     blocks stay and run llama.cpp's integer dots."""
-    from llmserve.model.gguf_layers import GGUFLinear
+    from llmserve.model.formats.gguf_layers import GGUFLinear
 
     name, d = checkpoint[:2]
     if name != "gpt-oss":

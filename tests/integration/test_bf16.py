@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model import bf16
 from llmserve.model.evaluate import top_k_broken
+from llmserve.model.formats import bf16
 from tests.integration.prompts import CHATS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -15,13 +15,13 @@ def chat_ids(llm, text):
 def test_new_request_joins_running_batch(llm):
     eng = llm.engine
     steps = []
-    orig = eng.runner.execute
+    orig = eng.executor.execute
 
-    def spy(sched, kv, **kw):
+    def spy(sched, **kw):
         steps.append(dict(sched.num_scheduled_tokens))
-        return orig(sched, kv, **kw)
+        return orig(sched, **kw)
 
-    eng.runner.execute = spy
+    eng.executor.execute = spy
     try:
         p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         a = eng.add_request(chat_ids(llm, "Tell me about dragons."), p)
@@ -46,7 +46,7 @@ def test_new_request_joins_running_batch(llm):
         # some step ran the late request's prompt (several tokens) together with decodes (one token each)
         assert any(s.get(late, 0) > 1 and s.get(a) == 1 and s.get(b) == 1 for s in steps), steps
     finally:
-        eng.runner.execute = orig
+        eng.executor.execute = orig
 
 
 def test_seeded_request_same_alone_and_in_batch(llm):

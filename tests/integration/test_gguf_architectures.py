@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.gguf_layers import GGUFLinear
+from llmserve.model.formats.gguf_layers import GGUFLinear
 from tests.gguf_files import round_trip_model, write_checkpoint_gguf
 from tests.integration.test_architectures import GRANITE, SMALL, _longrope, greedy_batched_and_alone
 
@@ -234,7 +234,7 @@ def test_gemma3_rope_scaling_and_layer_pattern_from_gguf(tmp_path):
     10000, and the five-sliding-one-global pattern come from the file as llama.cpp reads them."""
     import transformers
 
-    from llmserve.model.llama import LlamaModel
+    from llmserve.model.families.llama import LlamaModel
     from llmserve.model.loader import gguf_hf_config, open_gguf
     from llmserve.model.registry import config_from_hf
 
@@ -261,7 +261,7 @@ def test_quantization_flag_keeps_the_files_q8_0_blocks(checkpoint, mode):
     """--quantization on a Q8_0 file: Phi-3's packed attn_qkv / ffn_up and each expert's rows of the merged
     tensors go into llmserve's int8 layers with the file's values (never rounded again); the router stays
     float; tokens come back."""
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     name, d, arch, _ = checkpoint
     if name not in ("phi3", "qwen3moe", "glm4"):
@@ -289,7 +289,7 @@ def test_default_mode_serves_every_architecture_on_its_blocks(checkpoint, monkey
     """`--quantization auto` on every architecture's Q8_0 file picks the file's own blocks (gguf: the packed int8
     layers), and its greedy tokens keep vLLM's top-5 rule against the float32-exact mode on the same file."""
     from llmserve.model.evaluate import top_k_broken
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     name, d, arch, _ = checkpoint
     path = write_checkpoint_gguf(d, str(d / "Q8_0-auto.gguf"), arch, "Q8_0")

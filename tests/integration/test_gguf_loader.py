@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.gguf_layers import GGUFEmbedding, GGUFLinear
-from llmserve.model.quant import QuantLinear
+from llmserve.model.formats.gguf_layers import GGUFEmbedding, GGUFLinear
+from llmserve.model.formats.quant import QuantLinear
 from tests.gguf_files import LOW, MIXED, Q8, write_tiny_gguf
 
 MAX_TOKENS = 16
@@ -113,8 +113,8 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2). The low-bit
     mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots."""
     from llmserve import envs
-    from llmserve.model import ops
     from llmserve.model.evaluate import sequence_logits
+    from llmserve.model.kernels import ops
 
     cpu = ops.cpu_kernels()
     if cpu is None:

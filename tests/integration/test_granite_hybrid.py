@@ -1,4 +1,4 @@
-"""Granite 4.0-H (Mamba-2 mixers among attention layers: llmserve.model.granite_hybrid) on tiny random checkpoints
+"""Granite 4.0-H (Mamba-2 mixers among attention layers: model/families/granite_hybrid.py) on tiny random checkpoints
 written by transformers: greedy tokens equal transformers' alone and batched (prompts of 5-49 tokens), with prompts
 in chunks of a few tokens (the mixers' conv and scan states carried from chunk to chunk, decodes batched with
 prefills) and whole, under a KV pool small enough to preempt (the states recomputed from the tokens), quantized,
@@ -103,7 +103,7 @@ def test_preemption_recomputes_the_states(granite_h):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_mixers_and_experts_run(granite_h, mode):
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     name, d, _ = granite_h
     llm = _llm(d, quantization=mode, max_num_batched_tokens=16)

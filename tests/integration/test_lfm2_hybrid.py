@@ -66,7 +66,7 @@ def test_preemption_recomputes_the_state(lfm2):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_conv_layers_run(lfm2, mode):
-    from llmserve.model.quant import QuantLinear
+    from llmserve.model.formats.quant import QuantLinear
 
     llm = _llm(lfm2[0], quantization=mode, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -106,13 +106,14 @@ def test_refused_at_start_up(lfm2, kw, what):
 
 
 def test_state_pool_comes_out_of_the_kv_budget(lfm2):
-    from llmserve.engine.runner import kv_bytes_per_block
+    from llmserve.engine.kv_plan import bytes_per_block, config_kinds
 
     eng = _llm(lfm2[0], kv_cache_memory=0.01, max_num_seqs=64).engine
     pool = eng.kv.states
     assert pool.shapes == [((2, 64),), None, ((2, 64),), None]  # (kernel 3 - 1 inputs of 64 channels)
-    per_block = kv_bytes_per_block(eng.model_config, eng.block_size, torch.float32)
-    state = 64 * pool.bytes_per_slot(torch.float32)
+    mc = eng.model_config
+    per_block = bytes_per_block(config_kinds(mc, mc.num_kv_heads, torch.float32), eng.block_size)
+    state = 64 * 2 * (2 * 64 * 4)  # two conv layers' float32 state each
     assert eng.num_blocks == (int(0.01 * (1 << 30)) - state) // per_block
     assert [type(c) for c in eng.runner.kv_caches] == [tuple, torch.Tensor, tuple, torch.Tensor]
     assert eng.runner.kv_caches[0][0].shape == (64, 2, 64)

@@ -260,7 +260,7 @@ def test_lora_decode_steps_run_in_the_fused_stack(lora_setup, lora_llm, monkeypa
     decode stack (DecodeStack.run_lora) and give the same tokens as the module path's hooks, with the fused
     stack off (KernelConfig.fused_decode_rows = 0) and with LoRA kept out of it (lora.FUSED = False)."""
     from llmserve.model import lora as lora_mod
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     model = lora_llm.engine.model
     prompts = lora_setup["prompts"]

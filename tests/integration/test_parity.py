@@ -64,13 +64,13 @@ def test_greedy_tokens_and_logits_paths_agree(llm, prompt_ids, reference):
     alone and in one batch."""
     eng = llm.engine
     paths = []
-    orig = eng.runner.execute
+    orig = eng.executor.execute
 
-    def spy(sched, kv, **kw):
+    def spy(sched, **kw):
         paths.append(kw.get("argmax"))
-        return orig(sched, kv, **kw)
+        return orig(sched, **kw)
 
-    eng.runner.execute = spy
+    eng.executor.execute = spy
     try:
         ids = prompt_ids[:4]
         params = [
@@ -83,7 +83,7 @@ def test_greedy_tokens_and_logits_paths_agree(llm, prompt_ids, reference):
         alone = _greedy(llm, ids[:1])
         assert paths and all(paths)
     finally:
-        eng.runner.execute = orig
+        eng.executor.execute = orig
     assert _strip_eos(alone[0]) == _strip_eos(reference[0])
     for i, g in enumerate(together):
         assert _strip_eos(g) == _strip_eos(reference[i]), f"prompt {i}"
@@ -95,7 +95,7 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_greedy_output(llm, ll
     all but unchanged. Not exact by contract, so the bar is agreement; the fused decode path and the
     SDPA path read the same stored values and must agree with each other."""
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     half = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, kv_cache_dtype="float16")
     assert half.engine.runner.kv_caches[0].dtype is torch.float16
@@ -216,20 +216,20 @@ def test_shared_prefix_is_served_from_cache(llm):
     common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert common >= 300
     scheduled: dict[str, int] = {}
-    orig = eng.runner.execute
+    orig = eng.executor.execute
 
-    def spy(sched, kv, **kw):
+    def spy(sched, **kw):
         for rid, n in sched.num_scheduled_tokens.items():
             scheduled[rid] = scheduled.get(rid, 0) + n
-        return orig(sched, kv, **kw)
+        return orig(sched, **kw)
 
-    eng.runner.execute = spy
+    eng.executor.execute = spy
     try:
         llm.generate([first], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         hits = eng.kv.prefix_cache_hits
         out = llm.generate([second], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     finally:
-        eng.runner.execute = orig
+        eng.executor.execute = orig
     assert out.num_cached_tokens >= 288 and out.num_cached_tokens >= (common // 16) * 16
     assert eng.kv.prefix_cache_hits - hits == out.num_cached_tokens
     rid = [r for r in scheduled if r.startswith("llm-")][-1]
@@ -250,7 +250,7 @@ def test_greedy_matches_transformers_with_gemm_in_the_fused_decode(llm, prompt_i
     crossover on (measured per shape, ops.gemm_rows); forced there at every row count, greedy output
     still equals transformers'."""
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     model = llm.engine.model
     saved = ops.configure(KernelConfig(gemv_rows=0))
@@ -271,7 +271,7 @@ def test_greedy_matches_transformers_with_packed_weights(prompt_ids, reference):
     fused decode stack and on the prefill path. Greedy output, batched and alone, still equals transformers'."""
     from llmserve import LLM
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     if not torch.backends.mkldnn.is_available() or ops.cpu_kernels() is None:
         pytest.skip("needs the CPU kernels and oneDNN")

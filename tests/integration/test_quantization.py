@@ -15,7 +15,7 @@ import torch
 
 from llmserve.engine.request import SamplingParams
 from llmserve.model.evaluate import greedy_agreement, perplexity
-from llmserve.model.quant import Int8Embedding, QuantLinear
+from llmserve.model.formats.quant import Int8Embedding, QuantLinear
 from tests.integration.prompts import CHATS
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "alice.txt")
@@ -134,8 +134,8 @@ def test_packed_int8_weights_keep_the_int8_numbers(llm_factory, reference, layou
     run through the int16 dots, stay within int8's agreement and perplexity bounds."""
     from llmserve import LLM
     from llmserve.config import KernelConfig
-    from llmserve.model import ops
     from llmserve.model.evaluate import sequence_logits
+    from llmserve.model.kernels import ops
 
     ref_model, seqs, text_ids = reference
     saved = ops.kernel_config()

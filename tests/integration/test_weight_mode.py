@@ -10,8 +10,8 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.evaluate import top_k_broken
-from llmserve.model.gguf_layers import GGUFLinear
-from llmserve.model.quant import QuantLinear
+from llmserve.model.formats.gguf_layers import GGUFLinear
+from llmserve.model.formats.quant import QuantLinear
 from tests.gguf_files import MIXED, write_tiny_gguf
 from tests.integration.prompts import CHATS
 

@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 
 
 @pytest.fixture(scope="module")

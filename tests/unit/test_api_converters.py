@@ -401,8 +401,8 @@ def test_error_shapes_by_path():
 def test_router_reads_responses_and_messages_bodies():
     from starlette.datastructures import Headers
 
+    from llmserve.router.config import RouterConfig
     from llmserve.router.proxy import route_request
-    from llmserve.router.state import RouterConfig
 
     cfg = RouterConfig(chars_per_token=1.0)
     msgs = route_request(
@@ -455,8 +455,8 @@ def test_router_keys_image_parts_by_their_content():
     short hash in the prompt text the policies key on (the same picture, the same key; another, another)."""
     from starlette.datastructures import Headers
 
+    from llmserve.router.config import RouterConfig
     from llmserve.router.proxy import route_request
-    from llmserve.router.state import RouterConfig
 
     cfg = RouterConfig()
 

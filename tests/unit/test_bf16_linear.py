@@ -1,4 +1,4 @@
-"""llmserve.model.bf16: bfloat16 weights in oneDNN's layout, float32 activations (CPUs with AVX512-BF16/AMX)."""
+"""llmserve.model.formats.bf16: bfloat16 weights in oneDNN's layout, float32 activations (CPUs with AVX512-BF16/AMX)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from llmserve.model import bf16
-from llmserve.model.kinds import ProjectionKind
+from llmserve.model.formats import bf16
+from llmserve.model.kernels.kinds import ProjectionKind
 
 
 @pytest.fixture(params=["native", "emulate"])

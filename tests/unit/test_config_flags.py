@@ -151,9 +151,9 @@ for m in (cli, cli_chat, launch):
     m.add_arguments(argparse.ArgumentParser())
 assert "llmserve.server.cli" not in sys.modules, "a CLI imports llmserve.server.cli"
 import torch
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 ops.head_screen(torch.randn(8, 32))
-assert "llmserve.model.quant" not in sys.modules, "ops imports quant"
+assert "llmserve.model.formats.quant" not in sys.modules, "ops imports quant"
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

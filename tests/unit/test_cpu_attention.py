@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import envs
-from llmserve.model import ops
 from llmserve.model.attention import dequantize_kv, kv_row_width, quantize_kv
+from llmserve.model.kernels import ops
 from llmserve.model.layers.rotary import _rotate
 
 CACHE_DTYPES = [torch.float32, torch.float16, torch.int8]

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_ext, ops
-from llmserve.model.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
+from llmserve.model.formats.quant import QuantLinear, pack_int4, quantize_int4, unpack_int4
+from llmserve.model.kernels import cpu_ext, ops
 
 
 def close(a, b, rel=1e-5):
@@ -163,7 +163,7 @@ def test_int4_vnni_gemm_gives_the_dots_result(ext):
     result up to the order of the float sums, at row counts around its 4-row blocks and 256-row tasks. Off (or a
     channel count that is not a multiple of 64), many rows take the float32 tiles: the exact float32 product."""
     from llmserve.config import KernelConfig
-    from llmserve.model.quant import pack_int4, quantize_int4, unpack_int4
+    from llmserve.model.formats.quant import pack_int4, quantize_int4, unpack_int4
 
     if not ext.uses_vnni():
         pytest.skip("no AVX-512 VNNI on this CPU")
@@ -303,7 +303,7 @@ def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
     x = torch.randn(13, 576)
     torch.save((x, q, s), tmp_path / "in.pt")
     code = (
-        "import sys, torch; sys.path.insert(0, '.'); from llmserve.model import ops; e = ops.cpu_kernels(); "
+        "import sys, torch; sys.path.insert(0, '.'); from llmserve.model.kernels import ops; e = ops.cpu_kernels(); "
         f"x, q, s = torch.load('{tmp_path}/in.pt'); assert not e.uses_avx512(); "
         f"torch.save(e.q8_linear(x, q, s, 10**9, 16), '{tmp_path}/out.pt')"
     )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.model import gguf_kernels as gk
+from llmserve.model.kernels import gguf_kernels as gk
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -50,7 +50,7 @@ def ext():
 def variant(ext, request):
     """Both variants of the K-quant dots: AVX-512 VNNI (Q4_K, Q6_K; where the CPU has it) and AVX2."""
     from llmserve import envs
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     cpu = ops.cpu_kernels()
     cpu.set_avx512(request.param == "avx512")
@@ -133,7 +133,7 @@ def test_linear_extreme_blocks(ext, variant, qtype, fill):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_avx512_and_avx2_dots_agree(ext, qtype):
     """The AVX-512 VNNI dots sum the same integers as the AVX2 ones; only the float sums' order differs."""
-    from llmserve.model import ops
+    from llmserve.model.kernels import ops
 
     if not ext.uses_avx512():
         pytest.skip("this CPU has no AVX-512 VNNI (or LLMSERVE_AVX512=0)")
@@ -157,7 +157,7 @@ def test_linear_parts_side_by_side(ext, variant, rows):
     """A packed projection's parts of different types (Q4_K_M's q, k, v; a Q5_0 part; Q8_0 and Q4_0 parts
     repacked for llmserve's own int8 / int4 kernels) in one call: the same bits as each part's linear, side by
     side."""
-    from llmserve.model.kinds import PACKED_PART, ProjectionKind
+    from llmserve.model.kernels.kinds import PACKED_PART, ProjectionKind
 
     k = 512
     tensors, codes, want = [], [], []
@@ -307,12 +307,12 @@ def test_linear_f32_is_float32_exact(ext, qtype, rows):
 
 def test_mxfp4_checkpoint_rows_are_transformers_values():
     """gpt-oss's Hugging Face MXFP4 experts (blocks [E, N, G, 16], E8M0 exponents [E, N, G]) as GGUF MXFP4 rows
-    (llmserve.model.gpt_oss.mxfp4_rows) stand for transformers' own dequantization value for value (subnormal
+    (llmserve.model.families.gpt_oss.mxfp4_rows) stand for transformers' own dequantization value for value (subnormal
     exponents 0 and 1 included; bit for bit but E2M1's -0, which GGUF's table holds as +0), and for the gguf
     package's bit for bit."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from llmserve.model.gpt_oss import MXFP4, mxfp4_rows
+    from llmserve.model.families.gpt_oss import MXFP4, mxfp4_rows
 
     g = torch.Generator().manual_seed(5)
     blocks = torch.randint(0, 256, (2, 6, 3, 16), generator=g, dtype=torch.uint8)

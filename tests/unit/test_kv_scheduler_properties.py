@@ -22,8 +22,11 @@ from llmserve.engine.scheduler import QueueFullError, Scheduler
 
 
 class Sim:
-    def __init__(self, num_blocks, block_size, max_seqs, budget, caching, policy="fcfs", max_queued=None, spec=0):
-        self.kv = KVCacheManager(num_blocks, block_size, caching)
+    def __init__(
+        self, num_blocks, block_size, max_seqs, budget, caching, policy="fcfs", max_queued=None, spec=0, **parts
+    ):
+        """`parts`: the KV cache manager's window group or state pool."""
+        self.kv = KVCacheManager(num_blocks, block_size, caching, **parts)
         self.max_model_len = num_blocks * block_size
         self.sched = Scheduler(self.kv, max_seqs, budget, self.max_model_len, policy, max_queued)
         self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token written there

@@ -12,18 +12,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kv_scheduler_properties import Sim
 
+from llmserve.engine.kv_plan import split_kv_blocks
 from llmserve.engine.kv_window import WindowGroup
 from llmserve.engine.outputs import SchedulerOutput
 from llmserve.engine.request import RequestStatus
-from llmserve.engine.runner import split_kv_blocks
 
 
 class WindowSim(Sim):
     def __init__(self, num_blocks, block_size, max_seqs, budget, caching, window, window_blocks=None, **kw):
-        super().__init__(num_blocks, block_size, max_seqs, budget, caching, **kw)
         group = WindowGroup(0, block_size, window, caching)
-        need = group.blocks_per_sequence(min(budget, self.max_model_len))
-        self.kv.window = WindowGroup(window_blocks or need, block_size, window, caching)
+        need = group.blocks_per_sequence(min(budget, num_blocks * block_size))
+        group = WindowGroup(window_blocks or need, block_size, window, caching)
+        super().__init__(num_blocks, block_size, max_seqs, budget, caching, window=group, **kw)
         self.wslots: dict[tuple[int, int], int] = {}
         self.window = window
         self.most_held = 0

@@ -264,9 +264,9 @@ def test_stream_error_is_an_error_line():
 def test_router_reads_ollamas_bodies_and_answers_its_errors():
     from starlette.datastructures import Headers
 
+    from llmserve.router.config import RouterConfig
     from llmserve.router.errors import RouterError
     from llmserve.router.proxy import route_request
-    from llmserve.router.state import RouterConfig
 
     cfg = RouterConfig(chars_per_token=1.0)
     body = {"model": "smol:latest", "messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 5}}

@@ -1,4 +1,4 @@
-"""The fused decode stack's projection kinds: Python's ProjectionKind (llmserve/model/kinds.py) and the C++ enum
+"""The fused decode stack's projection kinds: Python's ProjectionKind (llmserve/model/kernels/kinds.py) and the C++ enum
 (llmserve/csrc/projection_kinds.h) are one table; every layer's kernel_args names one of them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from llmserve.model import ops
-from llmserve.model.kinds import PACKED_PART, ProjectionKind
+from llmserve.model.kernels import ops
+from llmserve.model.kernels.kinds import PACKED_PART, ProjectionKind
 
 MODEL = pathlib.Path(ops.__file__).parent
 
@@ -40,4 +40,4 @@ def test_kernel_modules_form_no_cycle():
     cpu_ext and never imports ops.py, which imports it."""
     for leaf in ("cpu_ext.py", "kinds.py"):
         assert not {n for n in _imports(MODEL / leaf) if n.startswith("llmserve.model")}, leaf
-    assert "llmserve.model.ops" not in _imports(MODEL / "gguf_kernels.py")
+    assert "llmserve.model.kernels.ops" not in _imports(MODEL / "gguf_kernels.py")

@@ -308,10 +308,7 @@ def _engine_cache(num_blocks: int = 8, block_size: int = 4, max_events: int = 10
     from llmserve.engine.kv_cache import KVCacheManager
     from llmserve.engine.kv_events import KVEventLog
 
-    kv = KVCacheManager(num_blocks, block_size)
-    kv.events = KVEventLog(block_size, max_events)
-    kv.pool.on_removed = kv.events.removed
-    return kv
+    return KVCacheManager(num_blocks, block_size, events=KVEventLog(block_size, max_events))
 
 
 def _run(kv, rid: str, tokens: list[int]) -> None:

@@ -161,7 +161,8 @@ def test_the_sampler_does_not_import_the_engine():
 def test_fused_draw_matches_the_torch_draw():
     """ops.sample_rows (the CPU kernel) picks the token the torch ops pick for the same uniforms, over a
     large vocabulary with a ragged tail, filtered (-inf) entries and mixed temperatures; -inf is never drawn."""
-    from llmserve.model import ops, sampler
+    from llmserve.model import sampler
+    from llmserve.model.kernels import ops
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(64, 49157, generator=gen) * 3

@@ -23,8 +23,7 @@ from llmserve.model.config import ModelConfig
 
 class StateSim(Sim):
     def __init__(self, num_blocks, block_size, max_seqs, budget, slots, **kw):
-        super().__init__(num_blocks, block_size, max_seqs, budget, False, **kw)
-        self.kv.states = StatePool(slots)
+        super().__init__(num_blocks, block_size, max_seqs, budget, False, states=StatePool(slots), **kw)
         self.state: dict[int, list[int]] = {}  # slot -> the tokens its sequence has run through
 
     def write(self, r, c, tokens):
@@ -132,11 +131,14 @@ def test_hybrid_config_turns_prefix_caching_off_and_refuses_what_the_state_canno
 def test_kv_bytes_count_attention_layers_only():
     import torch
 
-    from llmserve.engine.runner import kv_bytes_per_block
+    from llmserve.engine.kv_plan import RecurrentState, bytes_per_block, config_kinds
+
+    def per_block(mc):
+        return bytes_per_block(config_kinds(mc, mc.num_kv_heads, torch.float32), 16)
 
     hybrid = _hybrid()
     plain = dataclasses.replace(hybrid, recurrent_layers=())
-    assert kv_bytes_per_block(hybrid, 16, torch.float32) * 3 == kv_bytes_per_block(plain, 16, torch.float32)
+    assert per_block(hybrid) * 3 == per_block(plain)
     pool = StatePool(4, [((2, 64),), None, ((2, 64),)])
-    assert pool.bytes_per_slot(torch.float32) == 2 * 2 * 64 * 4
+    assert RecurrentState(((2, 64),), torch.float32).slot_bytes() == 2 * 64 * 4
     assert [t.shape for t in pool.tensors(0, torch.float32, torch.device("cpu"))] == [(4, 2, 64)]

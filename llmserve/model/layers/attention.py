@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata, paged_attention
 from llmserve.model.config import ModelConfig
+from llmserve.model.kernels import ops
 from llmserve.model.layers.linear import Linear
 from llmserve.model.layers.norms import RMSNorm
 from llmserve.model.layers.rotary import Rotary

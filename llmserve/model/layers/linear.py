@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 
 # llmserve's packed projections -> the checkpoint's (Hugging Face's) layers they are made of, in row order
 PACKED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmserve.model import ops
 from llmserve.model.config import ModelConfig
+from llmserve.model.kernels import ops
 from llmserve.model.layers.linear import Linear
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from llmserve.model import ops
+from llmserve.model.kernels import ops
 
 
 class RMSNorm(nn.Module):

@@ -45,6 +45,7 @@ from llmserve.model.loader.lookup import (
     bundled_model_path,
     resolve_model,
 )
+from llmserve.model.loader.request import LoadRequest
 from llmserve.model.loader.safetensors import SafetensorsWeights, load_hf_model, load_hf_weights
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Q4_TYPES",
     "GGUFPackedBlocks",
     "GGUFTensors",
+    "LoadRequest",
     "ModelSource",
     "SafetensorsWeights",
     "activation_dtype",

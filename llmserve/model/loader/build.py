@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 from llmserve.config import DTYPE_ALIASES
-from llmserve.model import bf16
 from llmserve.model.config import ModelConfig
+from llmserve.model.formats import bf16
+from llmserve.model.formats.quant import is_quantized, quantize_model
 from llmserve.model.memory import CGROUP_ROOT, PROC_CGROUP, available_memory
-from llmserve.model.quant import is_quantized, quantize_model
 from llmserve.model.registry import arch_spec, make_model
 
 GiB = 1 << 30
@@ -95,7 +95,7 @@ def checkpoint_names(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> M
 
 def resolve_dtype(dtype: str, device: torch.device, plain: bool = True) -> torch.dtype:
     """The weights' type. `auto`: bfloat16 on CUDA, and on a CPU with native bfloat16 matmuls (AVX512-BF16
-    or AMX: llmserve.model.bf16, as vLLM's CPU build picks) when the model is `plain` (no quantization, LoRA
+    or AMX: llmserve.model.formats.bf16, as vLLM's CPU build picks) when the model is `plain` (no quantization, LoRA
     or tensor parallelism, whose kernels are float32's); float32 elsewhere."""
     dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype == "auto":
@@ -105,7 +105,7 @@ def resolve_dtype(dtype: str, device: torch.device, plain: bool = True) -> torch
 
 
 def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The activations' type for weights in `dtype`: float32 where bfloat16 weights run as llmserve.model.bf16's
+    """The activations' type for weights in `dtype`: float32 where bfloat16 weights run as llmserve.model.formats.bf16's
     layers (float32 norms, attention, KV cache and sampling around bfloat16 matmuls), else `dtype`."""
     return torch.float32 if bf16.native(dtype, device) else dtype
 

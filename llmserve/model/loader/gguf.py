@@ -150,7 +150,7 @@ def _fast_reader():
 def open_gguf(path: str):
     """gguf's GGUFReader over `path` (a memory map: nothing is read yet), refused with one error naming the
     file when it is truncated or corrupt or holds a tensor type llmserve cannot read."""
-    from llmserve.model.gguf_kernels import BLOCKS, NAMES
+    from llmserve.model.kernels.gguf_kernels import BLOCKS, NAMES
 
     size = os.path.getsize(path)
     try:
@@ -200,7 +200,7 @@ class GGUFTensors(Mapping):
         self.read: list[str] = []
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from llmserve.model import gguf_kernels
+        from llmserve.model.kernels import gguf_kernels
 
         t, e = self._tensors[name]
         raw, num, K = self._raw(name)
@@ -224,7 +224,7 @@ class GGUFTensors(Mapping):
 
     def _raw(self, name: str) -> tuple[torch.Tensor, int, int]:
         """gguf_kernels.from_reader's (raw, qtype, K) of `name`: an expert's rows only."""
-        from llmserve.model import gguf_kernels
+        from llmserve.model.kernels import gguf_kernels
 
         t, e = self._tensors[name]
         raw, num, K = gguf_kernels.from_reader(t)

@@ -11,14 +11,14 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from llmserve.model.config import ModelConfig
-from llmserve.model.gguf_kernels import NAMES as GGUF_TYPE_NAMES
-from llmserve.model.gguf_kernels import PACKED, repack
-from llmserve.model.gguf_layers import adopt_gguf
+from llmserve.model.formats.gguf_layers import adopt_gguf
+from llmserve.model.formats.quant import quantize_model
+from llmserve.model.kernels.gguf_kernels import NAMES as GGUF_TYPE_NAMES
+from llmserve.model.kernels.gguf_kernels import PACKED, repack
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
 from llmserve.model.loader.gguf import GGUFTensors
 from llmserve.model.loader.mmproj import MmprojTensors
-from llmserve.model.quant import quantize_model
+from llmserve.model.loader.request import LoadRequest
 from llmserve.model.registry import make_model
 
 log = logging.getLogger("llmserve.loader")
@@ -93,16 +93,7 @@ def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: tor
     return total
 
 
-def load_gguf_model(
-    path: str,
-    reader,
-    cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    quantization: str | None = None,
-    kv_bytes: int = 0,
-) -> nn.Module:
+def load_gguf_model(request: LoadRequest) -> nn.Module:
     """The model straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
 
     On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
@@ -115,14 +106,16 @@ def load_gguf_model(
     Elsewhere (CUDA), and on CPU without `quantization` for a model whose float32 weights take at most
     WIDEN_GGUF_BYTES, tensors are dequantized one at a time into the model's dtype: the same values as
     GGUFLinear's, served by the fused float32 decode kernels (the bundled model: the fast default)."""
-    tensors = GGUFTensors(path, reader, cfg)
+    path, cfg, device, dtype = request.path, request.cfg, request.device, request.dtype
+    max_positions, quantization = request.max_positions, request.quantization
+    tensors = GGUFTensors(path, request.reader, cfg)
     float_bytes = sum(tensors.numel(n) for n in tensors) * torch.finfo(dtype).bits // 8
     tower = None  # a vision-language model's tower and projector, from its --mmproj file (float32, always)
     if getattr(cfg.mm_config, "mmproj_path", None):
         tower = MmprojTensors(cfg.mm_config.mmproj_path)
         float_bytes += sum(tower.numel(n) for n in tower) * 4
     widen = device.type != "cpu" or (not quantization and float_bytes <= WIDEN_GGUF_BYTES)
-    check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), kv_bytes)
+    check_fits(path, float_bytes if widen else gguf_served_bytes(tensors, quantization, dtype), request.kv_bytes)
     with torch.device("meta"):
         model = make_model(cfg, max_positions)
     # gguf: the file's blocks only (int4's packed layers for Q4_0 / Q4_1 / Q8_0, llama.cpp's dots for the rest);

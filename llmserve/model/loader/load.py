@@ -3,15 +3,14 @@ a Hugging Face folder."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
-from llmserve.model.config import ModelConfig
 from llmserve.model.loader.build import release_freed_memory
 from llmserve.model.loader.gguf import gguf_hf_config, open_gguf
 from llmserve.model.loader.gguf_model import load_gguf_model
 from llmserve.model.loader.lookup import ModelSource
 from llmserve.model.loader.mmproj import vlm_config
+from llmserve.model.loader.request import LoadRequest
 from llmserve.model.loader.safetensors import load_hf_model
 from llmserve.model.registry import arch_spec, config_from_hf
 
@@ -40,25 +39,15 @@ def load_model_config(source: ModelSource):
     return config_from_hf(hf), None
 
 
-def load_model(
-    source: ModelSource,
-    cfg: ModelConfig,
-    reader,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    quantization: str | None = None,
-    kv_bytes: int = 0,
-) -> nn.Module:
-    """The model of `source`: a GGUF file (`reader`, from load_model_config) through load_gguf_model, a
-    Hugging Face folder from its safetensors files. `kv_bytes`: the KV cache asked for, to refuse a model
-    that will not fit with it before allocating."""
-    if quantization and cfg.mm_config is not None:
+def load_model(request: LoadRequest) -> nn.Module:
+    """The model a LoadRequest names: a GGUF file (its `reader`, from load_model_config) through load_gguf_model, a
+    Hugging Face folder from its safetensors files."""
+    if request.quantization and request.cfg.mm_config is not None:
         raise ValueError("quantization: vision-language models are served unquantized (float32 or bfloat16) for now")
-    if reader is not None:
-        model = load_gguf_model(source.path, reader, cfg, device, dtype, max_positions, quantization, kv_bytes)
+    if request.reader is not None:
+        model = load_gguf_model(request)
     else:
-        model = load_hf_model(source.path, cfg, device, dtype, max_positions, quantization, kv_bytes)
+        model = load_hf_model(request)
     if model.pack_weights():  # float32 projections in oneDNN's layout (ops.pack_weight)
         release_freed_memory()
     return model

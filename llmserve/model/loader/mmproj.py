@@ -318,7 +318,7 @@ class MmprojTensors(Mapping):
         return None
 
     def _read(self, t) -> torch.Tensor:
-        from llmserve.model import gguf_kernels
+        from llmserve.model.kernels import gguf_kernels
 
         raw, num, K = gguf_kernels.from_reader(t)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))

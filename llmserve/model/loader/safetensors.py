@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from llmserve.model.config import ModelConfig
-from llmserve.model.gguf_layers import adopt_gguf
+from llmserve.model.formats.gguf_layers import adopt_gguf
+from llmserve.model.formats.quant import quantize_model
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names, release_freed_memory
-from llmserve.model.quant import quantize_model
+from llmserve.model.loader.request import LoadRequest
 from llmserve.model.registry import make_model
 
 
@@ -75,21 +75,15 @@ def load_hf_weights(folder: str, skip: set[str] = frozenset()) -> SafetensorsWei
     return SafetensorsWeights(folder, skip)
 
 
-def load_hf_model(
-    folder: str,
-    cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    quantization: str | None = None,
-    kv_bytes: int = 0,
-) -> nn.Module:
+def load_hf_model(request: LoadRequest) -> nn.Module:
     """The model from a Hugging Face folder, tensor by tensor: each copied into its parameter (float) or
     rounded into its quantized layer (int8 / int4 on CPU) as it is read; no float32 copy of the checkpoint.
     Blocks the family's checkpoint_tensors offer (`blocks`: gpt-oss's MXFP4 experts) stay blocks on CPU
     (gguf_layers.GGUFLinear: float32-exact without `quantization`, llama.cpp's integer dots with it)."""
+    folder, cfg, device, dtype = request.path, request.cfg, request.device, request.dtype
+    max_positions, quantization = request.max_positions, request.quantization
     files = load_hf_weights(folder)
-    check_fits(folder, files.served_bytes(quantization, dtype), kv_bytes)
+    check_fits(folder, files.served_bytes(quantization, dtype), request.kv_bytes)
     weights = checkpoint_names(cfg, files)
     blocks = getattr(weights, "blocks", None)
     model = None

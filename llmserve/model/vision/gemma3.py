@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model.config import ModelConfig
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers import RMSNorm
-from llmserve.model.llama import LlamaModel
 from llmserve.model.vision.siglip import SiglipVisionTower
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model.config import ModelConfig
-from llmserve.model.llama import LlamaModel
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.vision.siglip import SiglipVisionTower
 
 

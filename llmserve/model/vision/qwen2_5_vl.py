@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model.config import ModelConfig
-from llmserve.model.llama import LlamaModel
+from llmserve.model.families.llama import LlamaModel
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -136,7 +136,7 @@ def patch_rotary(grid, merge: int, head_dim: int, theta: float, device) -> tuple
 class VisionTower(nn.Module):
     """One image's patches (pixel_values [N, patch values] and its patch grid t x h x w) -> [N / 4, text hidden]."""
 
-    keep_float32 = True  # llmserve.model.bf16 and the loader leave it in float32
+    keep_float32 = True  # llmserve.model.formats.bf16 and the loader leave it in float32
 
     def __init__(self, vc) -> None:
         super().__init__()

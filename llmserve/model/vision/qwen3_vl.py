@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve.model.config import ModelConfig
-from llmserve.model.llama import LlamaModel
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.vision.qwen2_5_vl import ACTIVATIONS, Attention, PatchEmbed, merge_order, patch_rotary
 
 
@@ -66,7 +66,7 @@ class Merger(nn.Module):
 class VisionTower(nn.Module):
     """One image's patches (pixel_values, its patch grid t x h x w) -> [units, hidden * (1 + DeepStack layers)]."""
 
-    keep_float32 = True  # llmserve.model.bf16 and the loader leave it in float32
+    keep_float32 = True  # llmserve.model.formats.bf16 and the loader leave it in float32
 
     def __init__(self, vc) -> None:
         super().__init__()

@@ -101,7 +101,7 @@ class PatchEmbeddings(nn.Module):
 class SiglipVisionTower(nn.Module):
     """Tiles of pixels -> the final-normed patch states [tiles, patches, hidden]."""
 
-    keep_float32 = True  # llmserve.model.bf16 and the loader leave it in float32
+    keep_float32 = True  # llmserve.model.formats.bf16 and the loader leave it in float32
 
     def __init__(self, vc, fractional_positions: bool = True) -> None:
         super().__init__()

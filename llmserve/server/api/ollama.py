@@ -32,10 +32,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import Field, ValidationError
 
+import llmserve.server.api.embeddings as E
 from llmserve import __version__
 from llmserve.server import media
 from llmserve.server import protocol as P
-from llmserve.server.api import embeddings as E
 from llmserve.server.api.ollama_options import effective_parameters, parameters_text, sampling_fields, with_last_n
 from llmserve.server.api.ollama_render import (
     NDJSON,

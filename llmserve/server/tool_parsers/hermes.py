@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from llmserve.server.tool_parsers import structure as S
+import llmserve.server.tool_parsers.structure as S
 from llmserve.server.tool_parsers.base import Memo, Scan, ToolParser
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws
 

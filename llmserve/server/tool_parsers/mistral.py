@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 
-from llmserve.server.tool_parsers import structure as S
+import llmserve.server.tool_parsers.structure as S
 from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, new_mistral_id
 from llmserve.server.tool_parsers.jsonscan import Malformed, call_object, skip_ws, value_end
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from llmserve.server.tool_parsers import structure as S
+import llmserve.server.tool_parsers.structure as S
 from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, held
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"

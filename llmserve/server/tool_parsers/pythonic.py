@@ -13,7 +13,7 @@ import ast
 import json
 import re
 
-from llmserve.server.tool_parsers import structure as S
+import llmserve.server.tool_parsers.structure as S
 from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, opens_with
 from llmserve.server.tool_parsers.jsonscan import Malformed, skip_ws
 

@@ -20,7 +20,7 @@ import ast
 import json
 import re
 
-from llmserve.server.tool_parsers import structure as S
+import llmserve.server.tool_parsers.structure as S
 from llmserve.server.tool_parsers.base import Memo, Partial, Scan, ToolParser, held
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

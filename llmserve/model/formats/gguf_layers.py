@@ -1,5 +1,5 @@
 """A GGUF file's quantized tensors as model layers, block for block (never rounded again): `GGUFLinear` and
-`GGUFEmbedding`, drop-ins for nn.Linear / nn.Embedding of kind "gguf" (any type of llmserve.model.gguf_kernels,
+`GGUFEmbedding`, drop-ins for nn.Linear / nn.Embedding of kind "gguf" (any type of llmserve.model.kernels.gguf_kernels,
 K-quants included), read through ops.gguf_linear / ops.gguf_dequantize; `adopt_gguf(model, tensors, exact)` puts
 them in (the loader). `linear_sources` names the checkpoint tensors a Linear is made of (quant.quantize_model
 reads it too)."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from llmserve.model import ops
-from llmserve.model.gguf_kernels import (
+from llmserve.model.kernels import ops
+from llmserve.model.kernels.gguf_kernels import (
     BLOCKS,
     MANY_ROWS,
     NAMES,
@@ -20,7 +20,7 @@ from llmserve.model.gguf_kernels import (
     packed_linear,
     repack,
 )
-from llmserve.model.kinds import PACKED_PART, ProjectionKind
+from llmserve.model.kernels.kinds import PACKED_PART, ProjectionKind
 from llmserve.model.layers.linear import checkpoint_parts
 
 

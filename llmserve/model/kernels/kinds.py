@@ -12,11 +12,11 @@ class ProjectionKind(enum.IntEnum):
 
     F32 = 0  # float32 weight, plain or packed in oneDNN's layout
     F32_PACKED = 1  # float32: the plain weight and its oneDNN-packed copy
-    BF16 = 2  # bfloat16 weight packed for oneDNN (llmserve.model.bf16)
-    INT4 = 4  # int4: q, scale, min (llmserve.model.quant)
+    BF16 = 2  # bfloat16 weight packed for oneDNN (llmserve.model.formats.bf16)
+    INT4 = 4  # int4: q, scale, min (llmserve.model.formats.quant)
     INT8 = 8  # int8: q, scale
     INT8_VNNI = 9  # int8 in the VNNI layout: q, channel sums, scale
-    GGUF = 16  # a GGUF projection's parts (llmserve.model.gguf_layers), each its tensors
+    GGUF = 16  # a GGUF projection's parts (llmserve.model.formats.gguf_layers), each its tensors
 
 
 # A GGUF projection's part code (a byte of GGUF's activation bits): its GGMLQuantizationType when it stays blocks,

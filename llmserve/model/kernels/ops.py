@@ -18,13 +18,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import gguf_kernels
-from llmserve.model.cpu_ext import calibrate_gemv as calibrate_gemv
-from llmserve.model.cpu_ext import configure as configure
-from llmserve.model.cpu_ext import cpu_has_int8_dots as cpu_has_int8_dots
-from llmserve.model.cpu_ext import cpu_kernels, gemm_engine, gemm_rows, kernel_config
-from llmserve.model.cpu_ext import fast as _fast
-from llmserve.model.kinds import ProjectionKind
+from llmserve.model.kernels import gguf_kernels
+from llmserve.model.kernels.cpu_ext import calibrate_gemv as calibrate_gemv
+from llmserve.model.kernels.cpu_ext import configure as configure
+from llmserve.model.kernels.cpu_ext import cpu_has_int8_dots as cpu_has_int8_dots
+from llmserve.model.kernels.cpu_ext import cpu_kernels, gemm_engine, gemm_rows, kernel_config
+from llmserve.model.kernels.cpu_ext import fast as _fast
+from llmserve.model.kernels.kinds import ProjectionKind
 
 log = logging.getLogger("llmserve.ops")
 
@@ -304,7 +304,7 @@ def decode_layer_args(model) -> list | None:
     """Per layer ([tensors], [kind per projection], [activation bits], [rows from which each projection takes
     its many-rows path]) for the extension's
     decode_layer, or None where a layer does not fit it (see `decode_stack`). A quantized projection
-    fits through its `kernel_args()` (llmserve.model.quant's interface)."""
+    fits through its `kernel_args()` (llmserve.model.formats.quant's interface)."""
     if cpu_kernels() is None:
         return None
     out = []
@@ -387,7 +387,7 @@ def decode_stack_fits(x: torch.Tensor) -> bool:
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, K: int, exact: bool) -> torch.Tensor:
-    """x [M, K] @ W.T, float32, W a GGUF tensor's blocks (uint8 [N, row_bytes], llmserve.model.gguf_kernels):
+    """x [M, K] @ W.T, float32, W a GGUF tensor's blocks (uint8 [N, row_bytes], llmserve.model.kernels.gguf_kernels):
     `exact` in float32 throughout (W widened, x as it is), otherwise llama.cpp's arithmetic (integer dots
     on the blocks, x rounded to int8 per block)."""
     return gguf_kernels.linear_f32(x, raw, qtype, K) if exact else gguf_kernels.linear(x, raw, qtype, K)

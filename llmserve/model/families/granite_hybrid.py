@@ -25,9 +25,9 @@ import torch.nn as nn
 
 from llmserve.model.attention import AttentionMetadata
 from llmserve.model.config import MambaConfig, ModelConfig
-from llmserve.model.gpt_oss import ExpertTensors
+from llmserve.model.families.gpt_oss import ExpertTensors
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers import MLP, Attention, Mamba2Mixer, RMSNorm, SparseMoE
-from llmserve.model.llama import LlamaModel
 
 
 class HybridLayer(nn.Module):

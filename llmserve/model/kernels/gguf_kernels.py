@@ -32,7 +32,7 @@ import logging
 import numpy as np
 import torch
 
-from llmserve.model import cpu_ext
+from llmserve.model.kernels import cpu_ext
 
 log = logging.getLogger("llmserve.gguf_kernels")
 
@@ -103,7 +103,7 @@ def gguf_kernels():
     _TRIED = True
     ext = cpu_ext.cpu_kernels()
     if ext is None:
-        log.info("gguf kernels: no compiled kernels (see llmserve.model.cpu_ext); using NumPy / PyTorch")
+        log.info("gguf kernels: no compiled kernels (see llmserve.model.kernels.cpu_ext); using NumPy / PyTorch")
     _EXT = None if ext is None else _Kernels(ext)
     return _EXT
 
@@ -176,7 +176,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype, K: int, many_rows: int = M
 
 
 def repack(raw: torch.Tensor, qtype) -> tuple[str, list[torch.Tensor]]:
-    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks in llmserve's packed layout (llmserve.model.quant.QuantLinear's; no
+    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks in llmserve's packed layout (llmserve.model.formats.quant.QuantLinear's; no
     value changes): ("int4", [q [N, K/2] uint8 nibbles as the blocks hold them, scale and min [N, K/32]
     float16; Q4_0's min is -8 d]) or ("int8", [q [N, K] int8, scale [N, K/32] float32])."""
     num = qtype_number(qtype)

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmserve import envs
-from llmserve.model.kinds import ProjectionKind
+from llmserve.model.kernels.kinds import ProjectionKind
 
 
 def supported() -> bool:

@@ -9,9 +9,9 @@ import torch.nn as nn
 
 from llmserve.model.attention import AttentionMetadata
 from llmserve.model.config import ModelConfig
+from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers import MLP, RMSNorm
 from llmserve.model.layers.short_conv import ShortConv
-from llmserve.model.llama import LlamaModel
 
 # the checkpoint's names -> the Llama decoder's (the conv layers' `conv.*` stay as they are)
 RENAMES = (

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from llmserve.model import ops
 from llmserve.model.attention import AttentionMetadata
 from llmserve.model.config import ModelConfig
+from llmserve.model.kernels import ops
 from llmserve.model.layers import (
     MLP,
     Attention,
@@ -231,7 +231,7 @@ class LlamaModel(nn.Module):
         with torch.no_grad():
             for layer in self.layers:
                 for lin in layer.modules():
-                    if hasattr(lin, "pack_weight"):  # quantized (llmserve.model.quant.QuantLinear)
+                    if hasattr(lin, "pack_weight"):  # quantized (llmserve.model.formats.quant.QuantLinear)
                         packed += lin.pack_weight()
                     elif type(lin) is Linear:
                         w, replaces = ops.pack_weight(lin.weight)

@@ -15,7 +15,7 @@ Those become GGUF's MXFP4 blocks (`mxfp4_rows`: the same codes and exponents, th
 changes) that `blocks` offers the loader for gguf_layers.GGUFLinear layers (read by the GGUF kernels, never widened
 whole); the float names stay readable too (dequantized per expert when asked: CUDA, or no kernels).
 
-Granite 4.0-H's stacked experts (`layout="stacked"`, llmserve.model.granite_hybrid) go through the same split:
+Granite 4.0-H's stacked experts (`layout="stacked"`, llmserve.model.families.granite_hybrid) go through the same split:
 `gate_up_proj` [E, 2I, hidden] (nn.Linear's [out, in] per expert, the gate's rows then up's) and `down_proj`
 [E, hidden, I].
 """
@@ -86,7 +86,7 @@ class ExpertTensors(Mapping):
             return self.source[name]
         fused, e, half = where
         if fused.endswith("_blocks"):  # (widened: only where the blocks were not adopted)
-            from llmserve.model import gguf_kernels
+            from llmserve.model.kernels import gguf_kernels
 
             raw = self.raw(fused, e, half)
             return gguf_kernels.dequantize(raw, MXFP4, raw.shape[1] // 17 * 32)

@@ -75,7 +75,7 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+        csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc")
         _EXT = load(
             name="llmserve_cpu_ops",
             sources=sorted(glob.glob(os.path.join(csrc, "*.cpp"))),  # one module; headers tracked by ninja

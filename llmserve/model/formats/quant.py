@@ -31,7 +31,7 @@ read from outside it:
     ("int8" | "int4"), `dequantize()` (the float32 weights it stands for), its buffers `qweight`, `scale`,
     `minv` (int4), `bias`, and `kernel_args()` (ops.decode_layer_args: how the fused decode stack reads it);
   * `Int8Embedding`: a drop-in for nn.Embedding (`forward(ids)`), buffers `qweight` and `scale`;
-  * `GGUFLinear` / `GGUFEmbedding` (llmserve.model.gguf_layers, imported here): the same drop-ins holding a GGUF
+  * `GGUFLinear` / `GGUFEmbedding` (llmserve.model.formats.gguf_layers, imported here): the same drop-ins holding a GGUF
     file's tensors as the file has them; `adopt_gguf` (there) puts them in;
   * `is_quantized(module)`: whether a module is one of these (it holds no float parameters).
 The tensor-parallel shards (parallel.py) are float only: the engine refuses quantization with them.
@@ -45,11 +45,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmserve.model import ops
-from llmserve.model.gguf_kernels import packed_dequantize, unpack_int4  # noqa: F401 (unpack_int4: quant's API)
-from llmserve.model.gguf_layers import GGUFEmbedding, GGUFLinear, linear_sources
-from llmserve.model.kinds import ProjectionKind
-from llmserve.model.ops import quantize_int8_per_channel
+from llmserve.model.formats.gguf_layers import GGUFEmbedding, GGUFLinear, linear_sources
+from llmserve.model.kernels import ops
+from llmserve.model.kernels.gguf_kernels import packed_dequantize, unpack_int4  # noqa: F401 (unpack_int4: quant's API)
+from llmserve.model.kernels.kinds import ProjectionKind
+from llmserve.model.kernels.ops import quantize_int8_per_channel
 
 GROUP_SIZE = 32
 
