@@ -101,8 +101,8 @@ def test_sliding_window_layers_get_their_own_pool_unless_a_setting_keeps_every_b
 
 def test_disk_tier_settings_or_a_warning(tmp_path):
     layers = full(3)
-    p = plan(
-        EngineConfig(num_kv_blocks=8, kv_cache_dir=str(tmp_path), kv_cache_dir_size=2.0),
+    p = plan(  # (the engine plans with --quantization resolved: loader.mode)
+        EngineConfig(num_kv_blocks=8, kv_cache_dir=str(tmp_path), kv_cache_dir_size=2.0, quantization="none"),
         layers,
         Memory(),
         model_max=512,
@@ -115,6 +115,19 @@ def test_disk_tier_settings_or_a_warning(tmp_path):
     off = EngineConfig(num_kv_blocks=8, kv_cache_dir=str(tmp_path), enable_prefix_caching=False)
     q = plan(off, layers, Memory(), model_max=512, token_budget=64)
     assert q.disk is None and "needs prefix caching" in q.warnings[0]
+
+
+def test_store_tier_shares_the_disk_tiers_settings_or_a_warning(tmp_path):
+    layers = full(3)
+    url = "redis://127.0.0.1:6379/0"
+    cfg = EngineConfig(num_kv_blocks=8, kv_cache_url=url, kv_cache_dir=str(tmp_path), quantization="int8")
+    p = plan(cfg, layers, Memory(), model_max=512, token_budget=64)
+    assert p.store.url == url and p.store.timeout == 0.5 and p.store.password_file is None
+    assert p.store.settings == p.disk.settings and p.store.settings["quantization"] == "int8"
+    off = EngineConfig(num_kv_blocks=8, kv_cache_url=url, speculative_model="x", num_speculative_tokens=2)
+    q = plan(off, layers, Memory(), model_max=512, token_budget=64)
+    assert q.store is None and "kv store: --kv-cache-url ignored" in q.warnings[0]
+    assert p.for_draft(3, 3, 64).store is None
 
 
 def test_a_draft_plan_takes_the_budget_in_one_pool():
