@@ -80,6 +80,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # (parent's hash, extras) -> the cached blocks that follow that parent: where a prompt's tail is looked up
+        self.children: dict[tuple, dict[BlockHash, None]] = {}
         self.enable_caching = enable_caching
         self.on_removed = on_removed  # called with a block whose hash is dropped (KV events)
 
@@ -90,6 +92,32 @@ class BlockPool:
     def get_cached(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
+    def find_tail(self, parent: BlockHash | None, tokens: list[int], extra: tuple) -> KVCacheBlock | None:
+        """A cached block after `parent` (None: the first block) whose first tokens are `tokens`, under the same
+        extras (cache salt, adapter): it holds a partial block's KV, which only full blocks are named by."""
+        n = len(tokens)
+        want = tuple(tokens)
+        for key in self.children.get(((hash(parent) if parent is not None else 0), extra), ()):
+            if key[1][:n] == want:
+                return self.cached[key]
+        return None
+
+    def _name(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        self.children.setdefault((block_hash[0], block_hash[2:]), {})[block_hash] = None
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        """Drop the name of a block that holds it (the caller checked), and tell KV events."""
+        key = block.block_hash
+        del self.cached[key]
+        siblings = self.children[(key[0], key[2:])]
+        del siblings[key]
+        if not siblings:
+            del self.children[(key[0], key[2:])]
+        if self.on_removed is not None:
+            self.on_removed(block)
+
     def allocate(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free} free")
@@ -98,9 +126,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                    if self.on_removed is not None:
-                        self.on_removed(block)
+                    self._forget(block)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -131,9 +157,7 @@ class BlockPool:
     def uncache(self, block: KVCacheBlock) -> None:
         """Forget a block's hash: its contents are not what the hash names."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-            if self.on_removed is not None:
-                self.on_removed(block)
+            self._forget(block)
         block.block_hash = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
@@ -142,8 +166,7 @@ class BlockPool:
             return False
         if block_hash in self.cached:  # same contents already cached in another block
             return False
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        self._name(block, block_hash)
         return True
 
 
@@ -180,9 +203,18 @@ class KVCacheManager:
         self.disk = disk
         self.window = window
         self.states = states
+        # copies on write of this schedule: (cached source, a request's own block), the source held until
+        # fill_tables hands them to the runner; the blocks named in this schedule (their KV is not computed yet)
+        self._copies: list[list[KVCacheBlock | None]] = []
+        self._fresh: set[int] = set()
 
     def fill_tables(self, out) -> None:
-        """The block tables of the requests a SchedulerOutput runs, written into it (what the runner reads)."""
+        """The block tables of the requests a SchedulerOutput runs, and the copies on write to make before its
+        step, written into it (what the runner reads)."""
+        out.block_copies = [(src.block_id, dst.block_id) for src, dst in self._copies if dst is not None]
+        self.pool.free(src for src, _ in self._copies)  # (nothing is allocated before the runner copies)
+        self._copies.clear()
+        self._fresh.clear()  # the step computes them
         for r in out.requests:
             rid = r.request_id
             out.block_ids[rid] = self.get_block_ids(rid)
@@ -192,13 +224,19 @@ class KVCacheManager:
                 out.state_slots[rid] = self.states.slot(rid)
 
     # -- hashing -------------------------------------------------------------------------------
+    @staticmethod
+    def _extra(request: Request) -> tuple:
+        """What a block's KV depends on besides its tokens and parent: the cache salt and the adapter."""
+        extra = (request.cache_salt,) if request.cache_salt else ()
+        if request.lora is not None:  # KV computed under an adapter is that adapter's (per load)
+            extra += (("lora", request.lora.adapter_id),)
+        return extra
+
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
-        extra = (request.cache_salt,) if request.cache_salt else ()
-        if request.lora is not None:  # KV computed under an adapter is that adapter's (per load)
-            extra += (("lora", request.lora.adapter_id),)
+        extra = self._extra(request)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(tokens) // bs):
             key = (hash(parent) if parent is not None else 0, tuple(tokens[i * bs : (i + 1) * bs])) + extra
@@ -225,12 +263,18 @@ class KVCacheManager:
         return used
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of leading full blocks already cached. At least one token is left to compute,
-        so that the step produces the logits to sample from."""
+        """The longest cached prefix: (hit blocks, tokens cached). The prompt's last token is always computed (its
+        step yields the logits to sample from), and only it where the hits reach it: a prompt of whole blocks all
+        cached, or a cached block that begins with the prompt's partial tail (`BlockPool.find_tail`, as
+        llama.cpp reuses a slot's tokens). Then tokens cached is num_tokens - 1 and allocate_slots copies the last
+        hit into a block of the request's own (copy on write: the cached block stays as it is). With a window
+        group or recurrent state, whole blocks before the last token only (a state cannot be copied back)."""
         if not self.enable_caching:
             return [], 0
         hashes = self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        n, bs = request.num_tokens, self.block_size
+        whole = self.window is None and self.states is None
+        max_blocks = n // bs if whole else (n - 1) // bs
         hits: list[KVCacheBlock] = []
         for h in hashes[:max_blocks]:
             block = self.pool.get_cached(h)
@@ -241,16 +285,29 @@ class KVCacheManager:
             hits += self.disk.load(self, request, hits, max_blocks)
         if self.window is not None:  # usable only where the window layers still hold its last window
             hits = hits[: self.window.usable_hit(hashes, len(hits))]
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        if whole and len(hits) == n // bs and n % bs and not request.images:
+            parent = hits[-1].block_hash if hits else None
+            tail = self.pool.find_tail(parent, request.all_token_ids[len(hits) * bs : n], self._extra(request))
+            if tail is not None:
+                hits.append(tail)
+        if hits and len(hits) * bs >= n and hits[-1].block_id in self._fresh:
+            hits.pop()  # to be computed in this very step: nothing to copy yet
+        num_cached = self._cached_tokens(request, hits)
+        self.prefix_cache_queries += n
+        self.prefix_cache_hits += num_cached
+        return hits, num_cached
+
+    def _cached_tokens(self, request: Request, computed: list[KVCacheBlock]) -> int:
+        """Tokens a run of hits spares (all but the last prompt token); fewer than it covers: copy on write."""
+        return min(len(computed) * self.block_size, request.num_tokens - 1) if computed else 0
 
     def blocks_needed(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] | None = None) -> int:
-        held = len(self.req_blocks.get(request.request_id, ())) + len(computed or ())
-        total = request.num_computed_tokens + (len(computed) * self.block_size if computed else 0)
-        total += num_new_tokens
-        need = -(-total // self.block_size) - held
-        evictable_hits = sum(1 for b in (computed or ()) if b.ref_cnt == 0)
+        computed = computed or []
+        held = len(self.req_blocks.get(request.request_id, ())) + len(computed)
+        cached = self._cached_tokens(request, computed)
+        total = request.num_computed_tokens + cached + num_new_tokens
+        need = -(-total // self.block_size) - held + (cached < len(computed) * self.block_size)
+        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         return max(need, 0) + evictable_hits
 
     def _window_args(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock]) -> tuple[int, int, int]:
@@ -278,11 +335,19 @@ class KVCacheManager:
         if states is not None:
             states.allocate(request.request_id)  # (its slot, taken when first scheduled)
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        cached = self._cached_tokens(request, computed)
+        src = None
         if computed:
             self.pool.touch(computed)
+            if cached < len(computed) * self.block_size:
+                src, computed = computed[-1], computed[:-1]
             blocks.extend(computed)
             self.num_cached_blocks[request.request_id] = len(computed)
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        if src is not None:  # the last hit holds the token to compute: copy on write, into a block of its own
+            dst = self.pool.allocate(1)[0]
+            blocks.append(dst)
+            self._copies.append([src, dst])  # (src keeps the reference touch took, until fill_tables)
+        num_computed = request.num_computed_tokens + cached
         total = num_computed + num_new_tokens
         need = -(-total // self.block_size) - len(blocks)
         new_blocks = self.pool.allocate(need) if need > 0 else []
@@ -306,8 +371,10 @@ class KVCacheManager:
 
     def cache_block(self, request: Request, index: int, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Name block `index` of `request` by its hash (and publish it with KV events)."""
-        if self.pool.cache_block(block, block_hash) and self.events is not None:
-            self.events.stored(request, index, block)
+        if self.pool.cache_block(block, block_hash):
+            self._fresh.add(block.block_id)
+            if self.events is not None:
+                self.events.stored(request, index, block)
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
@@ -318,6 +385,9 @@ class KVCacheManager:
         for block in blocks[request.num_computed_tokens // self.block_size :]:
             if block.ref_cnt == 1:
                 self.pool.uncache(block)
+        for copy in self._copies:  # a copy on write into a block given back: not made
+            if copy[1] is not None and copy[1] in blocks:
+                copy[1] = None
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
         self.pool.free(reversed(blocks))
         if self.window is not None:

@@ -28,6 +28,9 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> its blocks in the main pool
     window_tables: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # ... in the window pool
     state_slots: dict[str, int] = field(default_factory=dict)  # ... its recurrent state slot
+    # (source, destination) block ids to copy in every layer before the step: a request's own copy of a cached
+    # block that holds its last prompt token (the one it computes; KVCacheManager.get_computed_blocks)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

@@ -126,6 +126,13 @@ class ModelRunner:
         return self.sample(self.prepare(sched), argmax)
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Block `dst` := block `src` in every layer (never with a window group or recurrent state)."""
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
     def sample(self, batch: StepBatch, argmax: bool = False) -> list[SampledTokens]:
         """Run one step and sample: the tokens of each request that reached the end of its known tokens.
         With `argmax` (the caller has checked that every row is plain greedy), the model answers its
@@ -148,7 +155,9 @@ class ModelRunner:
         """The step's batch: decodes first, then prefill chunks; each request's blocks from `sched.block_ids`.
 
         With speculative tokens a request yields several logits rows (one per verified position);
-        `rows_per_req` says how many each sampling request has."""
+        `rows_per_req` says how many each sampling request has. First the copies on write the step asks for."""
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         bs = self.block_size
         # A speculative verify chunk (the next token + K proposals of a decoding request) runs as decode
         # rows with the in-place kernel: row i attends to the first c + i + 1 positions of the request's

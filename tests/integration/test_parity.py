@@ -237,6 +237,40 @@ def test_shared_prefix_is_served_from_cache(llm):
     assert scheduled[rid] == len(second) - out.num_cached_tokens + 1
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_repeated_prompt_computes_its_last_token_only(llm_factory, prompt_ids, reference, kv_cache_dtype):
+    # vLLM and llama.cpp recompute one token of a cached prompt, not its last block: the block holding it is
+    # copied on write (one prompt with a partial last block, one of whole blocks)
+    llm = llm_factory(max_num_batched_tokens=256, kv_cache_memory=1.0, kv_cache_dtype=kv_cache_dtype)
+    eng = llm.engine
+    i = next(i for i, p in enumerate(prompt_ids) if len(p) % 16 and len(p) > 100)
+    prompts = [prompt_ids[i], prompt_ids[i][: len(prompt_ids[i]) // 16 * 16]]
+    scheduled: list[dict[str, int]] = []
+    orig = eng.executor.execute
+
+    def spy(sched, **kw):
+        scheduled.append(dict(sched.num_scheduled_tokens))
+        return orig(sched, **kw)
+
+    first = [
+        llm.generate([p], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0] for p in prompts
+    ]
+    eng.executor.execute = spy
+    try:
+        again = [
+            llm.generate([p], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0] for p in prompts
+        ]
+    finally:
+        eng.executor.execute = orig
+    for p, a, b in zip(prompts, first, again):
+        assert b.num_cached_tokens == len(p) - 1
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    if kv_cache_dtype == "auto":  # float32: still transformers' answer
+        assert _strip_eos(again[0].outputs[0].token_ids) == _strip_eos(reference[i])
+    assert [n for step in scheduled for n in step.values()] == [1] * sum(len(b.outputs[0].token_ids) for b in again)
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
 def test_max_model_len_that_cannot_fit_fails_at_startup():
     from llmserve import LLM
 

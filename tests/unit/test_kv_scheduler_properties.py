@@ -33,6 +33,7 @@ class Sim:
         self.bs = block_size
         self.n = 0
         self.spec = spec  # up to this many speculative proposals per decoding request and step
+        self.copies = 0  # copies on write made (a prompt's last token computed in a cached block)
 
     def add(self, prompt, max_tokens, priority=0):
         self.n += 1
@@ -71,6 +72,11 @@ class Sim:
         if self.spec:
             self.propose(rng)
         out = self.sched.schedule()
+        for src, dst in out.block_copies:  # the runner's copies on write, before the step
+            for i in range(self.bs):
+                if (src, i) in self.slots:
+                    self.slots[(dst, i)] = self.slots[(src, i)]
+        self.copies += len(out.block_copies)
         sampled = []
         for r in out.requests:  # the runner: write the scheduled tokens, sample where the known ones end
             n = out.num_scheduled_tokens[r.request_id]
@@ -159,6 +165,69 @@ def test_prefix_hit_skips_cached_blocks():
     assert b.num_cached_tokens == 28  # 7 full blocks of 4
     assert out.num_scheduled_tokens[b.request_id] == 2
     assert sim.kv.prefix_cache_hits == 28
+
+
+def _drain(sim, rng):
+    while sim.sched.has_unfinished():
+        sim.step(rng)
+
+
+def test_a_cached_prompt_of_whole_blocks_recomputes_its_last_token_only():
+    sim = Sim(num_blocks=32, block_size=4, max_seqs=4, budget=64, caching=True)
+    rng = random.Random(1)
+    prompt = [7 + i for i in range(32)]  # 8 whole blocks
+    sim.add(prompt, 3)
+    _drain(sim, rng)
+    b = sim.add(prompt, 2)
+    cached = [sim.kv.pool.get_cached(h).block_id for h in sim.kv._update_block_hashes(b)[:8]]
+    out = sim.step(rng)  # (its check_contents: positions 0..30 of b's blocks hold the prompt)
+    assert b.num_cached_tokens == 31 and sim.kv.prefix_cache_hits == 31
+    assert out.num_scheduled_tokens[b.request_id] == 1
+    ids = sim.kv.get_block_ids(b.request_id)
+    # the block holding the last token is b's own copy of the cached one, which stays as it was
+    assert ids[:7] == cached[:7] and ids[7] not in cached
+    assert out.block_copies == [(cached[7], ids[7])]
+    assert (
+        sim.kv.pool.blocks[cached[7]].ref_cnt == 0 and sim.kv.pool.get_cached(b.block_hashes[7]).block_id == cached[7]
+    )
+    _drain(sim, rng)
+    sim.check_pool()
+    assert sim.kv.num_free_blocks == 32
+
+
+def test_a_cached_block_that_begins_with_the_prompts_tail_is_used_up_to_the_last_token():
+    sim = Sim(num_blocks=32, block_size=4, max_seqs=4, budget=64, caching=True)
+    rng = random.Random(2)
+    prompt = list(range(30))  # 7 whole blocks and 2 tokens
+    sim.add(prompt, 3)  # its 8th block, [28, 29, out1, out2], is named once full
+    _drain(sim, rng)
+    again = sim.add(prompt, 2)
+    out = sim.step(rng)
+    assert again.num_cached_tokens == 29 and out.num_scheduled_tokens[again.request_id] == 1
+    assert len(out.block_copies) == 1
+    other = sim.add(prompt[:28] + [28, 77], 2)  # the same block does not begin with this tail
+    out = sim.step(rng)
+    assert other.num_cached_tokens == 28 and out.num_scheduled_tokens[other.request_id] == 2
+    salted = Request("salted", list(prompt), SamplingParams(max_tokens=2), {999}, cache_salt="t2")
+    sim.sched.add_request(salted)
+    sim.step(rng)
+    assert salted.num_cached_tokens == 0  # another tenant's blocks, tail included, are not its
+    _drain(sim, rng)
+    sim.check_pool()
+    assert sim.kv.num_free_blocks == 32
+
+
+def test_a_block_computed_in_the_same_step_is_not_copied():
+    sim = Sim(num_blocks=32, block_size=4, max_seqs=4, budget=64, caching=True)
+    prompt = [3 + i for i in range(32)]
+    a, b = sim.add(prompt, 2), sim.add(prompt, 2)
+    out = sim.step(random.Random(3))
+    # b shares a's first 7 blocks (computed in this very step, before attention reads them), not the 8th: no
+    # copy can be made of a block whose KV does not exist yet
+    assert out.num_scheduled_tokens[a.request_id] == 32
+    assert b.num_cached_tokens == 28 and out.num_scheduled_tokens[b.request_id] == 4 and out.block_copies == []
+    _drain(sim, random.Random(3))
+    sim.check_pool()
 
 
 def test_lru_eviction_keeps_recent_prefixes():
