@@ -152,6 +152,20 @@ def llmserve_bench(url: str, c: int, num_requests: int, input_len: int, output_l
     }
 
 
+def peak_rss_gib(pid: int) -> float:
+    """The peak resident memory (the kernel's VmHWM) of process `pid` and its children, GiB: read before it stops."""
+    import psutil
+
+    total = 0
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) << 10
+        except (OSError, StopIteration):
+            pass
+    return total / 2**30
+
+
 def ab_table(runs: dict, settings: list, concurrency: list, label: str) -> str:
     """A Markdown table of `runs` ({(setting, concurrency): [llmserve_bench results, one per round]}) and the ratios
     of each setting's medians to the first setting's."""

@@ -16,8 +16,9 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
-from benchmarks.common import ab_table, llmserve_bench, machine, start_llama_server, write_section
+from benchmarks.common import ab_table, llmserve_bench, machine, peak_rss_gib, start_llama_server, write_section
 from benchmarks.peers.servers import PEERS
 from llmserve.testing.launcher import ServerProcess
 
@@ -30,18 +31,34 @@ def bench(url: str, a, c: int, out: str) -> dict:
 
 
 def run_engine(engine: str, a, c: int, out: str) -> dict:
+    """One server, one `llmserve bench` run; the result gains its load time (start to ready) and peak RSS."""
+    t0 = time.monotonic()
     if engine == "llama":
         ctx = c * (a.input_len + a.output_len + 64)
         proc, url = start_llama_server(LLAMA_SERVER, a.threads, c, ctx, model=a.gguf)
         try:
-            return bench(url, a, c, out)
+            load = time.monotonic() - t0
+            return dict(bench(url, a, c, out), load_s=load, rss_gib=peak_rss_gib(proc.pid))
         finally:
             proc.terminate()
             proc.wait()
     flags = engine.partition(":")[2].split()
     with ServerProcess("--model", a.gguf, "--num-threads", str(a.threads), *flags) as srv:
         srv.wait_ready(timeout=1800)
-        return bench(srv.url, a, c, out)
+        load = time.monotonic() - t0
+        return dict(bench(srv.url, a, c, out), load_s=load, rss_gib=peak_rss_gib(srv.proc.pid))
+
+
+def memory_lines(runs: dict, engines: list, size_gib: float) -> str:
+    """Per engine: median load time and peak RSS over its runs, RSS against the file's size."""
+    import statistics
+
+    lines = [f"\nThe file: {size_gib:.2f} GiB. Load time (start to ready) and peak RSS (VmHWM), medians over runs:\n"]
+    for e in engines:
+        rs = [r for (name, _), v in runs.items() if name == e for r in v]
+        load, rss = statistics.median(r["load_s"] for r in rs), statistics.median(r["rss_gib"] for r in rs)
+        lines.append(f"- `{e}`: load {load:.1f} s, peak RSS {rss:.2f} GiB ({rss / size_gib:.2f}x the file)")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -71,7 +88,10 @@ def main() -> None:
     body = (
         f"`python -m benchmarks.peers.gguf_serving {' '.join(sys.argv[1:])}` on {machine()}: `llmserve bench` for "
         f"every server, chat, random {a.input_len} / {a.output_len} tokens, EOS ignored, at least "
-        f"{a.num_requests} requests a run (2 per user), engines in turn ({a.rounds} rounds).\n\n" + table + "\n"
+        f"{a.num_requests} requests a run (2 per user), engines in turn ({a.rounds} rounds).\n\n"
+        + table
+        + "\n"
+        + memory_lines(runs, a.engines, os.path.getsize(a.gguf) / 2**30)
     )
     print(body)
     if not a.no_write:

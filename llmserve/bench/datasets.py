@@ -110,7 +110,9 @@ class ServerTokenizer:
         bodies = self._bodies(text)
         while True:
             r = await self.http.post("/tokenize", json=bodies[self._shape])
-            if r.status_code in (400, 422) and self._shape + 1 < len(bodies):
+            # (llama-server answers 200 and no tokens to a body without its `content`: the next shape too)
+            empty = r.status_code == 200 and text and not r.json().get("tokens")
+            if (r.status_code in (400, 422) or empty) and self._shape + 1 < len(bodies):
                 self._shape += 1
                 continue
             r.raise_for_status()
