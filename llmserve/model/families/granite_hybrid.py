@@ -28,6 +28,7 @@ from llmserve.model.config import MambaConfig, ModelConfig
 from llmserve.model.families.gpt_oss import ExpertTensors
 from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers import MLP, Attention, Mamba2Mixer, RMSNorm, SparseMoE
+from llmserve.model.layers.cache_kinds import LayerKind
 
 
 class HybridLayer(nn.Module):
@@ -40,13 +41,17 @@ class HybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         recurrent = cfg.recurrent_layers[index]
         self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps) if recurrent else None
-        if recurrent:  # (the recurrent-state pool's question, asked of recurrent layers only: engine/state_pool.py)
-            self.state_shapes = self.mamba.state_shapes
         self.self_attn = None if recurrent else Attention(cfg)
         self.nope = not recurrent and bool(cfg.nope_layers) and cfg.nope_layers[index]
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.num_experts else None
         self.shared_mlp = MLP(cfg)  # (cfg.intermediate_size: the shared MLP's, hybrid_fields)
+
+    def cache_kind(self, kv_heads: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> LayerKind:
+        """The mixer's state per sequence, or the attention's keys and values (model/layers/cache_kinds.py)."""
+        if self.mamba is not None:
+            return self.mamba.cache_kind(state_dtype)
+        return self.self_attn.cache_kind(kv_heads, kv_dtype)
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta: AttentionMetadata):
         if residual is None:

@@ -5,12 +5,14 @@ checkpoint's names map onto Llama's (`RENAMES`); its MLP width is adjusted from 
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from llmserve.model.attention import AttentionMetadata
 from llmserve.model.config import ModelConfig
 from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers import MLP, RMSNorm
+from llmserve.model.layers.cache_kinds import LayerKind
 from llmserve.model.layers.short_conv import ShortConv
 
 # the checkpoint's names -> the Llama decoder's (the conv layers' `conv.*` stay as they are)
@@ -57,8 +59,9 @@ class ShortConvLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return self.conv.state_shapes()
+    def cache_kind(self, kv_heads: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> LayerKind:
+        """Its convolution's state, per sequence (the KV plan's question: model/layers/cache_kinds.py)."""
+        return self.conv.cache_kind(state_dtype)
 
     def forward(self, x, residual, positions, rotary, state, meta: AttentionMetadata):
         """As DecoderLayer.forward, with the layer's state tensors in place of a KV cache."""
