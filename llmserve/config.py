@@ -1,12 +1,12 @@
-"""Engine and server configuration: dataclasses, one source of truth for every flag they take.
+"""The engine's settings: dataclasses, one source of truth for every flag they take.
 
 Flag names follow vLLM's (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, ...) so that users
 can carry their knowledge over. Each field's metadata (`flag(...)`, llmserve/flags.py) makes its
 command-line flag. A field without metadata has no flag (set it from Python: `LLM(...)`,
 `EngineConfig(...)`). `EngineConfig`'s flags (`add_engine_arguments`) are
-`llmserve serve`'s, `generate`'s, `chat`'s and `launch`'s; `ServerSettings`' (the HTTP server's, in
-llmserve/serve_config.py) are `serve`'s and `launch`'s (`add_serve_arguments`); the router's
-`RouterConfig` (llmserve/router/config.py) declares its flags the same way.
+`llmserve serve`'s, `generate`'s, `chat`'s and `launch`'s. One module per component: the HTTP server's settings
+(`ServerSettings`, `ModelsDirSettings`) are in llmserve/serve_config.py (`serve`'s and `launch`'s flags,
+`add_serve_arguments`), the router's `RouterConfig` in llmserve/router/config.py, each declaring its flags the same way.
 
 `KernelConfig` holds the model layer's kernel settings (row limits of the CPU kernels, the in-place
 decode attention); the engine applies them at start-up (`llmserve.model.kernels.ops.configure`).
@@ -19,11 +19,9 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from llmserve.flags import add_arguments, flag, from_args
+from llmserve.flags import add_arguments, comma_list, flag, from_args
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# the tool-call parsers (llmserve/server/tool_parsers/: its PARSERS, which a unit test holds to this list)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 # --kv-cache-dtype: the dtypes, int8 (a scale per token and head) and fp8 (float8 e4m3, on GPUs that have it)
 KV_CACHE_DTYPES = (*DTYPES, "int8", "fp8", "fp8_e4m3")
@@ -449,10 +447,6 @@ def parse_mm_limits(value) -> dict | None:
     if any(v < 0 for v in limits.values()) or set(limits) - {"image"}:
         raise ValueError(f"limit_mm_per_prompt: only image=N with N >= 0 is supported, got {value!r}")
     return limits
-
-
-def comma_list(value: str | None) -> list[str]:
-    return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -107,3 +107,8 @@ def from_args(cls, args: argparse.Namespace, **values):
             value = getattr(envs, meta["env"])
         values[f.name] = value
     return cls(**values)
+
+
+def comma_list(value: str | None) -> list[str]:
+    """A comma-separated flag's items (a `parse` for list fields): blanks dropped."""
+    return [v.strip() for v in (value or "").split(",") if v.strip()]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.engine.kv_plan import Memory
-from llmserve.engine.state_pool import StatePool, state_shapes
+from llmserve.engine.kv_plan import Memory, RecurrentState, layer_kinds
+from llmserve.engine.state_pool import StatePool
 from llmserve.model.attention import AttentionMetadata, PrefillChunk, StateMetadata, kv_cache_shape
 from llmserve.model.memory import available_memory
 
@@ -38,7 +38,8 @@ def profile_activations(model, n: int, block_size: int, kv_dtype: torch.dtype, d
     pos = torch.arange(n, device=device)
     meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, n, n, torch.arange(nb, device=device))])
     caches = [cache] * mc.num_layers
-    shapes = state_shapes(model)
+    kinds = layer_kinds(model, mc.num_kv_heads, kv_dtype, torch.float32)
+    shapes = [k.shapes if isinstance(k, RecurrentState) else None for k in kinds]
     if any(s is not None for s in shapes):  # a hybrid model's recurrent layers: one fresh state slot each
         one = StatePool(1, shapes)
         caches = [cache if s is None else one.tensors(i, torch.float32, device) for i, s in enumerate(shapes)]

@@ -1,7 +1,7 @@
 """The KV plan: how the KV budget is spent, decided in one place, from plain values (no model, no tensors);
 and the KV cache manager built from it (`kv_manager`).
 
-Each layer declares its cache kind:
+Each layer declares its cache kind (`layer.cache_kind(...)`: llmserve/model/layers/cache_kinds.py):
 
     FullAttention(kv_heads, head_dim, dtype)           keys and values of every position, in paged blocks
     SlidingWindow(kv_heads, head_dim, dtype, window)   the same, but only the last `window` positions are read:
@@ -19,7 +19,6 @@ is given (kv_tiers.open_kv_tiers stacks them).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import torch
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.kv_window import WindowGroup
 from llmserve.engine.state_pool import StatePool
-from llmserve.model.attention import kv_row_width
+from llmserve.model.layers.cache_kinds import FullAttention, LayerKind, RecurrentState, SlidingWindow
 from llmserve.model.memory import CgroupLimit
 
 GiB = 1 << 30
@@ -37,53 +36,10 @@ CPU_SHARE = 0.25  # of the available memory, on CPU
 CPU_MOST = 8 * GiB
 
 
-# -- what each layer keeps ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FullAttention:
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def block_bytes(self, block_size: int) -> int:
-        """One block of this layer's keys and values (an int8 cache's rows with their scales)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * block_size * self.kv_heads * kv_row_width(self.head_dim, self.dtype) * elem
-
-
-@dataclass(frozen=True)
-class SlidingWindow(FullAttention):
-    window: int = 0
-
-
-@dataclass(frozen=True)
-class RecurrentState:
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: torch.dtype
-
-    def slot_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(math.prod(s) * elem for s in self.shapes)
-
-
-LayerKind = FullAttention | SlidingWindow | RecurrentState
-
-
 def layer_kinds(model, kv_heads: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> list[LayerKind]:
-    """What each layer of a built model keeps: a layer with `state_shapes()` a recurrent state, one whose attention
-    has a window in effect (shorter than the positions it was built for) a sliding window, the others every
-    position. `kv_heads`: the KV heads a rank holds (the largest share under tensor parallelism)."""
-    head_dim = model.cfg.head_dim
-    out: list[LayerKind] = []
-    for layer in model.layers:
-        if hasattr(layer, "state_shapes"):
-            out.append(RecurrentState(tuple(layer.state_shapes()), state_dtype))
-            continue
-        window = getattr(getattr(layer, "self_attn", None), "window", None)
-        if window is not None:
-            out.append(SlidingWindow(kv_heads, head_dim, kv_dtype, window))
-        else:
-            out.append(FullAttention(kv_heads, head_dim, kv_dtype))
-    return out
+    """What each layer of a built model keeps, as the layer declares it (`cache_kind`, model/layers/cache_kinds.py).
+    `kv_heads`: the KV heads a rank holds (the largest share under tensor parallelism)."""
+    return [layer.cache_kind(kv_heads, kv_dtype, state_dtype) for layer in model.layers]
 
 
 def config_kinds(mc, kv_heads: int, kv_dtype: torch.dtype) -> list[LayerKind]:

@@ -4,10 +4,11 @@ cache that the attention layers keep.
 
 The contract, for the engine and for model files:
 
-  * A layer with recurrent state has `state_shapes() -> tuple[tuple[int, ...], ...]`: the shapes of its state
-    tensors for one sequence (LFM2's conv: ((kernel - 1, hidden),)). `state_shapes(model)` reads them per layer
-    (None: an attention layer, which keeps KV blocks); `ModelConfig.recurrent_layers` says the same from the
-    config alone (before the model is built: KV bytes per block count attention layers only).
+  * A layer with recurrent state declares it: its `cache_kind(...)` is a `RecurrentState` holding the shapes of its
+    state tensors for one sequence (LFM2's conv: ((kernel - 1, hidden),); model/layers/cache_kinds.py), which
+    `KVPlan.state_shapes` lists per layer (None: an attention layer, which keeps KV blocks);
+    `ModelConfig.recurrent_layers` says the same from the config alone (before the model is built: KV bytes per
+    block count attention layers only).
   * The runner allocates, per recurrent layer, one tensor [num_slots, *shape] for each of its shapes, and passes
     the layer that tuple in place of its KV cache. `AttentionMetadata.states` (model/attention.py
     `StateMetadata`) gives, per sequence of the step in batch order (decodes first), its slot, its rows and
@@ -75,11 +76,6 @@ class StatePool:
     def tensors(self, layer: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Layer `layer`'s state tensors, [num_slots, *shape] each, zeroed."""
         return tuple(torch.zeros((self.num_slots, *s), dtype=dtype, device=device) for s in self.shapes[layer])
-
-
-def state_shapes(model) -> list[StateShapes | None]:
-    """Per layer of `model`: its recurrent state's shapes for one sequence, or None (an attention layer)."""
-    return [layer.state_shapes() if hasattr(layer, "state_shapes") else None for layer in model.layers]
 
 
 def hybrid_config(config, mc):

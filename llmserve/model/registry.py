@@ -1,17 +1,20 @@
-"""Look-ups over the architecture table (llmserve.model.architectures: one `ArchSpec` per family): the spec of a
-Hugging Face class or of a GGUF file's architecture, the model class that builds it, a vision-language model's image
-processing; and `config_from_hf`, which maps a transformers config onto `ModelConfig` (the fields every family has,
-then the spec's own).
+"""The architecture table, ARCHITECTURES (one `ArchSpec` per family, from the family modules of llmserve.model.specs),
+and the look-ups over it: the spec of a Hugging Face class or of a GGUF file's architecture, the model class that
+builds it, a vision-language model's image processing; and `config_from_hf`, which maps a transformers config onto
+`ModelConfig` (the fields every family has, then the spec's own).
 """
 
 from __future__ import annotations
 
-from llmserve.model.architectures import ARCHITECTURES, ArchSpec
 from llmserve.model.config import ModelConfig
+from llmserve.model.specs import gemma, glm4, gpt_oss, granite, lfm2, llama, moe, olmo2, vision
+from llmserve.model.specs.spec import ArchSpec
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' -> the MLP's
 
-
+# every family's specs, by model_type (a new family's module joins this list: docs/contributing.md)
+FAMILIES = (llama, granite, olmo2, glm4, gemma, moe, gpt_oss, lfm2, vision)
+ARCHITECTURES = {s.model_type: s for family in FAMILIES for s in family.SPECS}
 _BY_CLASS = {a: s for s in ARCHITECTURES.values() for a in s.hf_architectures}
 SUPPORTED_ARCHITECTURES = tuple(_BY_CLASS)  # the Hugging Face class names llmserve runs
 

@@ -1,7 +1,7 @@
 """`llmserve serve --models-dir DIR`: several models behind one HTTP server, each its own ServerState (its own
 engine, KV budget, scheduler and metrics), loaded on first request and unloaded when idle.
 
-    ModelPool     the models of DIR (llmserve/models_config.py scans it) and their slots; the `State` a route
+    ModelPool     the models of DIR (llmserve/serve_config.py scans it) and their slots; the `State` a route
                   gets is the slot's ServerState of the model its body names (`state_for`), loaded first if
                   need be (requests for a model that is loading wait, bounded by --request-timeout; the others
                   keep serving); at most --models-max resident (the least recently used idle one unloaded
@@ -25,8 +25,7 @@ from dataclasses import replace
 
 from llmserve.config import EngineConfig
 from llmserve.model.loader.build import DoesNotFit
-from llmserve.models_config import ModelEntry, scan_models_dir
-from llmserve.serve_config import ServerSettings
+from llmserve.serve_config import ModelEntry, ServerSettings, scan_models_dir
 from llmserve.server.errors import APIError
 from llmserve.server.state import ServerState
 

@@ -1,4 +1,4 @@
-"""--models-dir's pieces without a server: the folder scan and models.yaml (llmserve/models_config.py), Ollama's
+"""--models-dir's pieces without a server: the folder scan and models.yaml (llmserve/serve_config.py), Ollama's
 keep_alive values (server/models_dir.parse_keep_alive) and a slot's expiry."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.config import EngineConfig
-from llmserve.models_config import ModelsDirSettings, scan_models_dir
+from llmserve.serve_config import ModelsDirSettings, scan_models_dir
 from llmserve.server.models_dir import FOREVER, parse_keep_alive
 
 

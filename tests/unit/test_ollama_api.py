@@ -13,9 +13,11 @@ from llmserve.errors import error_body_for
 from llmserve.model.loader.gguf_facts import file_type_name
 from llmserve.sampling_params import Logprob, TokenLogprobs
 from llmserve.server import tool_parsers
-from llmserve.server.api import ollama as O
+from llmserve.server.api import ollama_messages as M
+from llmserve.server.api import ollama_protocol as O
+from llmserve.server.api.ollama_models import parameter_count, resolve, size_label, tagged
 from llmserve.server.api.ollama_options import OLLAMA_DEFAULTS, parameters_text, sampling_fields
-from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls, parameter_count, size_label, tagged
+from llmserve.server.api.ollama_render import OllamaRendering, ollama_tool_calls
 from llmserve.server.errors import APIError
 from llmserve.server.reasoning import ReasoningParser
 
@@ -102,7 +104,7 @@ def test_bad_options_are_400_naming_the_option(options, where):
 
 
 def test_messages_and_tool_calls_become_the_chats():
-    msgs = O.chat_messages(
+    msgs = M.chat_messages(
         [
             O.OllamaMessage(role="user", content="hi"),
             O.OllamaMessage(
@@ -115,12 +117,12 @@ def test_messages_and_tool_calls_become_the_chats():
     assert msgs[1].tool_calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert msgs[2].name == "f"
     # images (bare base64) become image parts before the text, named where a 400 points at them
-    (m,) = O.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk=", "aGk=\n"])])
+    (m,) = M.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk=", "aGk=\n"])])
     assert [type(p).__name__ for p in m.content] == ["ImagePart", "ImagePart", "TextPart"] and m.text() == "x"
     assert m.content[1].image_url.url == "data:image;base64,aGk=" and m.content[1]._where == "messages[0].images[1]"
     for bad in ("%%%", "data:image/png;base64,aGk=", ""):
         with pytest.raises(APIError) as e:
-            O.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk=", bad])])
+            M.chat_messages([O.OllamaMessage(role="user", content="x", images=["aGk=", bad])])
         assert e.value.status == 400 and e.value.message.startswith("messages[0].images[1]: "), e.value.message
 
 
@@ -129,9 +131,9 @@ def test_names_and_error_shape():
     assert error_body_for("/api/chat", 404, "no such model") == {"error": "no such model"}
     assert "type" in error_body_for("/v1/chat/completions", 404, "x")["error"]
     state = SimpleNamespace(check_model=lambda n: n if n == "smol" else (_ for _ in ()).throw(APIError(404, "nope")))
-    assert O.resolve(state, "smol:latest") == "smol" and O.resolve(state, "smol") == "smol"
+    assert resolve(state, "smol:latest") == "smol" and resolve(state, "smol") == "smol"
     with pytest.raises(APIError):
-        O.resolve(state, "other:latest")
+        resolve(state, "other:latest")
 
 
 def test_parameter_count_of_a_small_llama():

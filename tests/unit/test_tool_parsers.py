@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.config import TOOL_CALL_PARSERS
+from llmserve.serve_config import TOOL_CALL_PARSERS
 from llmserve.server import tool_parsers as tp
 from llmserve.server.state import read_chat_template
 

@@ -24,10 +24,11 @@ import torch
 import torch.nn as nn
 
 from llmserve.model.attention import AttentionMetadata
-from llmserve.model.config import MambaConfig, ModelConfig
+from llmserve.model.config import ModelConfig
 from llmserve.model.families.gpt_oss import ExpertTensors
 from llmserve.model.families.llama import LlamaModel
 from llmserve.model.layers import MLP, Attention, Mamba2Mixer, RMSNorm, SparseMoE
+from llmserve.model.layers.cache_kinds import LayerKind
 
 
 class HybridLayer(nn.Module):
@@ -40,13 +41,17 @@ class HybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         recurrent = cfg.recurrent_layers[index]
         self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps) if recurrent else None
-        if recurrent:  # (the recurrent-state pool's question, asked of recurrent layers only: engine/state_pool.py)
-            self.state_shapes = self.mamba.state_shapes
         self.self_attn = None if recurrent else Attention(cfg)
         self.nope = not recurrent and bool(cfg.nope_layers) and cfg.nope_layers[index]
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.num_experts else None
-        self.shared_mlp = MLP(cfg)  # (cfg.intermediate_size: the shared MLP's, hybrid_fields)
+        self.shared_mlp = MLP(cfg)  # (cfg.intermediate_size: the shared MLP's, specs/granite.py)
+
+    def cache_kind(self, kv_heads: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> LayerKind:
+        """The mixer's state per sequence, or the attention's keys and values (model/layers/cache_kinds.py)."""
+        if self.mamba is not None:
+            return self.mamba.cache_kind(state_dtype)
+        return self.self_attn.cache_kind(kv_heads, kv_dtype)
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta: AttentionMetadata):
         if residual is None:
@@ -75,41 +80,6 @@ class GraniteHybridModel(LlamaModel):
         if rm != 1.0 and (layer.endswith("mamba.out_proj") or (".experts." in layer and layer.endswith("down_proj"))):
             tensor = tensor.float() * rm
         return tensor
-
-
-def hybrid_fields(hf) -> dict:
-    """The ModelConfig fields of a transformers GraniteMoeHybridConfig beyond Granite's multipliers: Mamba-2 mixers
-    where `layer_types` says (transformers' name for them, or the checkpoints' own "mamba"), experts of
-    `intermediate_size` beside a shared MLP (ModelConfig's intermediate_size: shared_intermediate_size), rotary only
-    with position_embedding_type "rope"."""
-    if hf.hidden_act not in ("silu", "swish"):  # (the mixers' convolution takes the same activation)
-        raise ValueError(f"model: Granite 4.0-H with hidden_act {hf.hidden_act!r} is not supported (silu only)")
-    types = hf.layer_types or ["mamba"] * hf.num_hidden_layers
-    mamba = tuple(t in ("linear_attention", "mamba") for t in types)
-    experts = int(hf.num_local_experts or 0)
-    dt_min, dt_max = hf.time_step_limit or (0.0, float("inf"))
-    return dict(
-        intermediate_size=hf.shared_intermediate_size,
-        num_experts=experts,
-        num_experts_per_tok=hf.num_experts_per_tok if experts else 0,
-        moe_intermediate_size=hf.intermediate_size,
-        moe_layers=(experts > 0,) * hf.num_hidden_layers,
-        router_topk_softmax=True,
-        nope_layers=() if hf.position_embedding_type == "rope" else tuple(not m for m in mamba),
-        mamba=MambaConfig(
-            heads=hf.mamba_n_heads,
-            head_dim=hf.mamba_d_head,
-            groups=hf.mamba_n_groups,
-            state=hf.mamba_d_state,
-            conv_kernel=hf.mamba_d_conv,
-            conv_bias=bool(hf.mamba_conv_bias),
-            proj_bias=bool(hf.mamba_proj_bias),
-            chunk_size=hf.mamba_chunk_size,
-            dt_min=float(dt_min),
-            dt_max=float(dt_max),
-        ),
-        recurrent_layers=mamba,
-    )
 
 
 def checkpoint_tensors(cfg: ModelConfig, weights: Mapping) -> Mapping:

@@ -33,6 +33,7 @@ from llmserve.model.layers import (
     local_rope_parameters,
     qkv_in_head_order,
 )
+from llmserve.model.layers.cache_kinds import LayerKind
 
 
 class DecoderLayer(nn.Module):
@@ -53,6 +54,10 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.moe_layers and cfg.moe_layers[index] else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
+
+    def cache_kind(self, kv_heads: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> LayerKind:
+        """What the layer keeps between steps (the KV plan's question: model/layers/cache_kinds.py)."""
+        return self.self_attn.cache_kind(kv_heads, kv_dtype)
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):
         """x: the previous layer's output (the embeddings when residual is None); residual: the

@@ -11,6 +11,7 @@ import torch.nn as nn
 from llmserve.model.attention import AttentionMetadata, paged_attention
 from llmserve.model.config import ModelConfig
 from llmserve.model.kernels import ops
+from llmserve.model.layers.cache_kinds import FullAttention, SlidingWindow
 from llmserve.model.layers.linear import Linear
 from llmserve.model.layers.norms import RMSNorm
 from llmserve.model.layers.rotary import Rotary
@@ -33,6 +34,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(kv_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window, self.softcap = window, cfg.attn_softcap
         self.all_reduce = None  # tensor parallelism: sums the row-parallel o_proj partials
+
+    def cache_kind(self, kv_heads: int, kv_dtype: torch.dtype) -> FullAttention:
+        """Every position's keys and values, or the last `window` positions' where a window is in effect."""
+        if self.window is not None:
+            return SlidingWindow(kv_heads, self.head_dim, kv_dtype, self.window)
+        return FullAttention(kv_heads, self.head_dim, kv_dtype)
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from llmserve.model.attention import StateMetadata
 from llmserve.model.config import MambaConfig
+from llmserve.model.layers.cache_kinds import RecurrentState
 from llmserve.model.layers.linear import Linear
 
 
@@ -105,6 +106,9 @@ class Mamba2Mixer(nn.Module):
         """One sequence's (convolution window, scan state) shapes; both are kept in float32."""
         m = self.m
         return (m.conv_dim, m.conv_kernel - 1), (m.heads, m.head_dim, m.state)
+
+    def cache_kind(self, state_dtype: torch.dtype) -> RecurrentState:
+        return RecurrentState(self.state_shapes(), state_dtype)
 
     # -- the pieces ------------------------------------------------------------------------------------
     def _split(self, zxbcdt: torch.Tensor):

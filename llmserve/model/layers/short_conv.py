@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from llmserve.model.attention import AttentionMetadata
 from llmserve.model.config import ModelConfig
+from llmserve.model.layers.cache_kinds import RecurrentState
 from llmserve.model.layers.linear import Linear
 
 
@@ -30,6 +31,9 @@ class ShortConv(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """One sequence's state: its last kernel - 1 inputs to the convolution, [kernel - 1, hidden]."""
         return ((self.kernel - 1, self.conv.in_channels),)
+
+    def cache_kind(self, state_dtype: torch.dtype) -> RecurrentState:
+        return RecurrentState(self.state_shapes(), state_dtype)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]: the step's rows (decodes first); state: ([slots, kernel - 1, hidden],)."""

@@ -13,7 +13,6 @@ import torch
 
 from llmserve import envs
 from llmserve.model.config import ModelConfig
-from llmserve.model.gguf_specs import GGUFMetadata, GGUFSpec
 from llmserve.model.layers import head_order, head_rows, qkv_in_head_order
 from llmserve.model.registry import (
     ARCHITECTURES,
@@ -22,6 +21,7 @@ from llmserve.model.registry import (
     gguf_architectures,
     gguf_family,
 )
+from llmserve.model.specs.spec import GGUFMetadata, GGUFSpec
 
 log = logging.getLogger("llmserve.loader")
 

@@ -8,7 +8,8 @@ rendering (how an engine output becomes the API's JSON body or SSE events, rende
     embeddings.py   POST /v1/embeddings
     tokenize.py     POST /tokenize, /detokenize
     ollama.py       Ollama's API: /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/ps, ...
-                    (its answers in ollama_render.py)
+                    (the routes; its bodies, messages, options, answers and model descriptions in
+                    ollama_protocol.py, ollama_messages.py, ollama_options.py, ollama_render.py, ollama_models.py)
     models.py       GET /v1/models
     files.py        /v1/files: OpenAI's Files API, for batch input and output files (--batch-dir)
     batches.py      /v1/batches: OpenAI's Batches API, run in the background (batch_store.py, batch.py)

@@ -19,37 +19,40 @@ runs through the chat machinery (prepare.chat_runs, serving.Generation); errors 
 stays loaded once idle with --models-dir (server/models_dir.py), where /api/tags lists every model of the
 folder, /api/ps the loaded ones with their `expires_at`, and /api/pull loads one; with --model, one model is
 always loaded and keep_alive is checked and ignored.
+
+This module holds the routes; the rest of Ollama's API sits beside it, a concept a file: ollama_protocol.py (the
+request bodies), ollama_messages.py (messages, images and think in the chat API's terms), ollama_options.py
+(options and format as sampling), ollama_render.py (the answers: NDJSON lines, vectors), ollama_models.py (model
+names, keep_alive, what /api/tags, /api/show and /api/ps say of each model).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Literal, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 import llmserve.server.api.embeddings as E
 from llmserve import __version__
-from llmserve.server import media
 from llmserve.server import protocol as P
+from llmserve.server.api.ollama_messages import chat_messages, template_kwargs, with_images
+from llmserve.server.api.ollama_models import describe, entries, keep_alive, resolve, running, tagged
 from llmserve.server.api.ollama_options import effective_parameters, parameters_text, sampling_fields, with_last_n
-from llmserve.server.api.ollama_render import (
-    NDJSON,
-    NEVER,
-    OllamaEmbedRendering,
-    OllamaRendering,
-    describe,
-    describe_file,
-    now_rfc3339,
-    rfc3339,
-    tagged,
+from llmserve.server.api.ollama_protocol import (
+    ChatRequest,
+    EmbedRequest,
+    GenerateRequest,
+    GeneratingRequest,
+    LegacyEmbeddingsRequest,
+    NameRequest,
 )
+from llmserve.server.api.ollama_render import NDJSON, OllamaEmbedRendering, OllamaRendering, now_rfc3339
 from llmserve.server.errors import APIError, from_value_error
-from llmserve.server.models_dir import FOREVER, LOAD_SECONDS, parse_keep_alive
+from llmserve.server.models_dir import LOAD_SECONDS
 from llmserve.server.prepare import admit, chat_runs, compile_guided, fan_out, sampling_params
 from llmserve.server.serving import Generation
 from llmserve.server.state import ServerState, State
@@ -75,134 +78,6 @@ class _JSONBody(APIRoute):
 
 router = APIRouter(route_class=_JSONBody)
 
-KeepAlive = Union[int, float, str, None]
-
-
-# -- protocol ------------------------------------------------------------------------------------------
-class OllamaMessage(P.APIModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = ""
-    images: list[str] | None = None
-    thinking: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_name: str | None = None
-
-
-class _Generating(P.APIModel):
-    model: str
-    format: Union[Literal["", "json"], dict[str, Any], None] = None
-    options: dict[str, Any] | None = None
-    stream: bool = True
-    keep_alive: KeepAlive = None
-    think: Union[bool, Literal["high", "medium", "low"], None] = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)  # its most: --max-logprobs
-
-    def logprob_count(self) -> int | None:
-        """SamplingParams.logprobs: the top-N alternatives with each token's logprob, or None."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class ChatRequest(_Generating):
-    messages: list[OllamaMessage] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
-
-
-class GenerateRequest(_Generating):
-    prompt: str = ""
-    system: str | None = None
-    suffix: str | None = None
-    images: list[str] | None = None
-    raw: bool = False
-    template: str | None = None
-    context: list[int] | None = None
-
-
-class EmbedRequest(P.APIModel):
-    model: str
-    input: Union[str, list[str]]
-    truncate: bool = True
-    dimensions: int | None = Field(default=None, ge=1)
-    options: dict[str, Any] | None = None
-    keep_alive: KeepAlive = None
-
-
-class LegacyEmbeddingsRequest(P.APIModel):
-    model: str
-    prompt: str
-    options: dict[str, Any] | None = None
-    keep_alive: KeepAlive = None
-
-
-class NameRequest(P.APIModel):
-    model: str | None = None
-    name: str | None = None  # the older field name
-    stream: bool = True
-
-    def which(self) -> str:
-        if not (self.model or self.name):
-            raise APIError(400, "model: is required", param="model")
-        return self.model or self.name
-
-
-# -- the request as the chat machinery's ---------------------------------------------------------------
-def resolve(state: ServerState, name: str) -> str:
-    """The served name an Ollama name (`name:tag`, `:latest` optional) stands for; unknown: 404."""
-    base = name.removesuffix(":latest")
-    try:
-        return state.check_model(base)
-    except APIError:
-        if base != name:
-            return state.check_model(name)
-        raise
-
-
-def with_images(text: str, images: list[str] | None, where: str) -> str | list:
-    """A content with Ollama's `images` (bare base64) as image parts before its text, where Ollama puts them."""
-    return [*media.base64_image_parts(images, where), P.TextPart(text=text)] if images else text
-
-
-def chat_messages(msgs: list[OllamaMessage]) -> list[P.ChatMessage]:
-    out = []
-    for k, m in enumerate(msgs):
-        calls = None
-        if m.tool_calls:
-            calls = []
-            for j, c in enumerate(m.tool_calls):
-                f = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                    raise APIError(400, f"messages[{k}].tool_calls[{j}]: needs a function with a name")
-                args = f.get("arguments") or {}
-                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-                calls.append(
-                    {"id": f"call_{k}_{j}", "type": "function", "function": {"name": f["name"], "arguments": args}}
-                )
-        content = with_images(m.content or "", m.images, f"messages[{k}].images")
-        out.append(P.ChatMessage(role=m.role, content=content, name=m.tool_name, tool_calls=calls))
-    return out
-
-
-def _template_kwargs(state: ServerState, body: _Generating, model: str) -> dict | None:
-    if body.think is None:
-        return None
-    if body.think and state.reasoning is None:
-        raise APIError(
-            400, f'"{model}" does not support thinking (this server runs without --reasoning-parser)', param="think"
-        )
-    return {"enable_thinking": bool(body.think)}
-
-
-def keep_alive(state: ServerState, value) -> float | None:
-    """Checks a request's keep_alive (a 400 naming it) and, with --models-dir, sets how long its model stays
-    loaded once idle (0: unloaded as soon as the request is answered)."""
-    try:
-        seconds = parse_keep_alive(value)
-    except ValueError as e:
-        raise from_value_error(e) from e
-    if state.slot is not None:  # (as Ollama: a request without it goes back to the default)
-        state.slot.keep_alive = seconds
-    return seconds
-
 
 def _loaded(name: str, kind: str, keep: float | None) -> JSONResponse:
     """Ollama's answer to a request with nothing to generate: the model is loaded (or, keep_alive 0, unloaded)."""
@@ -214,7 +89,7 @@ def _loaded(name: str, kind: str, keep: float | None) -> JSONResponse:
     return JSONResponse({**head, "done": True, "done_reason": "unload" if keep == 0 else "load"})
 
 
-def _tokenizer(eng, body: _Generating):
+def _tokenizer(eng, body: GeneratingRequest):
     """The tokenizer that names the tokens of the answer's `logprobs`; None when they were not asked for."""
     return eng.tokenizer if body.logprobs else None
 
@@ -240,7 +115,7 @@ async def chat(body: ChatRequest, request: Request, state: State):
         s.predict,
         tool_plan,
         logprobs=body.logprob_count(),
-        template_kwargs=_template_kwargs(state, body, body.model),
+        template_kwargs=template_kwargs(state, body, body.model),
         max_tokens_param="options.num_predict",
         context=s.ctx,
     )
@@ -297,7 +172,7 @@ async def generate(body: GenerateRequest, request: Request, state: State):
             msgs,
             s.predict,
             logprobs=body.logprob_count(),
-            template_kwargs=_template_kwargs(state, body, body.model),
+            template_kwargs=template_kwargs(state, body, body.model),
             prompt_param="prompt",
             max_tokens_param="options.num_predict",
             context=s.ctx,
@@ -342,40 +217,6 @@ async def embeddings(body: LegacyEmbeddingsRequest, request: Request, state: Sta
     return await _embed(state, request, body.model, body.prompt, True, keep=body.keep_alive)
 
 
-def _entries(state: ServerState) -> list[tuple[str, dict]]:
-    if state.models is not None:  # --models-dir: every model of the folder (failed ones left out)
-        return [
-            (
-                tagged(s.name),
-                describe(s.state.engine.engine) if s.state.engine is not None else describe_file(s.entry.path),
-            )
-            for s in state.models.slots.values()
-            if s.status != "failed"
-        ]
-    eng = state.engine_or_503()
-    return [(tagged(n), describe(eng.engine)) for n in state.model_names]
-
-
-def _running(state: ServerState) -> list[tuple[str, dict, object, str]]:
-    """(name, description, LLMEngine, expires_at) of each loaded model."""
-    if state.models is not None:
-        pool = state.models
-        out = []
-        for s in pool.loaded():
-            t = s.expires_at(pool.idle_timeout)
-            out.append(
-                (
-                    tagged(s.name),
-                    describe(s.state.engine.engine),
-                    s.state.engine.engine,
-                    NEVER if t == FOREVER else rfc3339(t),
-                )
-            )
-        return out
-    eng = state.engine_or_503()
-    return [(tagged(n), describe(eng.engine), eng.engine, NEVER) for n in state.model_names]
-
-
 @router.get("/api/tags", summary="Ollama: the models served")
 async def tags(state: State):
     models = [
@@ -387,7 +228,7 @@ async def tags(state: State):
             "digest": d["digest"],
             "details": d["details"],
         }
-        for n, d in _entries(state)
+        for n, d in entries(state)
     ]
     return {"models": models}
 
@@ -405,7 +246,7 @@ async def ps(state: State):
             "size_vram": d["size"] if engine.device.type == "cuda" else 0,
             "context_length": engine.max_model_len,
         }
-        for n, d, engine, expires in _running(state)
+        for n, d, engine, expires in running(state)
     ]
     return {"models": models}
 
