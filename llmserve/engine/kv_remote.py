@@ -28,7 +28,6 @@ import warnings
 import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -40,6 +39,7 @@ from llmserve.engine.kv_disk import (
     model_fingerprint,
     request_digests,
 )
+from llmserve.engine.kv_store_client import client_url, connect, redacted, refusal, store_errors, unreachable
 
 log = logging.getLogger("llmserve.kv_remote")
 
@@ -53,22 +53,6 @@ READ_RUN_BYTES = 8 << 20  # one pipelined read asks for at most this much (the n
 WRITE_BATCH_BYTES = 16 << 20
 KNOWN_NAMES = 1 << 17  # names this process wrote or read lately (not copied out again)
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-def client_url(url: str) -> str:
-    """redis-py's URL for `url` (valkey:// and valkeys:// are the same protocol as redis:// and rediss://)."""
-    scheme, rest = url.split("://", 1)
-    return {"valkey": "redis", "valkeys": "rediss"}.get(scheme, scheme) + "://" + rest
-
-
-def redacted(url: str) -> str:
-    """`url` without its password (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def block_key(fingerprint: bytes, name: bytes) -> bytes:
@@ -141,9 +125,7 @@ class RemoteTier:
         block_size: int,
         step_started=None,
     ) -> None:
-        import redis
-
-        self.redis = redis
+        self.errors_caught = store_errors()  # what a failed call raises (one server's errors, a cluster's)
         self.client = client
         self.url = redacted(url)
         self.fingerprint = fingerprint
@@ -249,7 +231,7 @@ class RemoteTier:
         for k, run in enumerate(runs):
             try:
                 values = ahead.result()
-            except (self.redis.RedisError, OSError) as e:
+            except self.errors_caught as e:
                 self.errors += 1
                 self._failed(e)
                 return
@@ -348,7 +330,10 @@ class RemoteTier:
                     sizes.append(len(value))
                     sent.append(name)
             results = pipe.execute(raise_on_error=False) if sizes else []
-        except (self.redis.RedisError, OSError) as e:
+            down = [r for r in results if isinstance(r, Exception) and not refusal(r)]
+            if down:  # a cluster's pipeline hands back a node's connection error or timeout as a result
+                raise down[0]
+        except self.errors_caught as e:
             self.errors += 1
             self.dropped_writes += len(sets)
             self._forget(name for _, name, _ in sets)
@@ -369,8 +354,9 @@ class RemoteTier:
             log.warning("kv store %s takes writes again", self.url)
 
     def _failed(self, error: BaseException) -> None:
-        """A refused connection or a wrong password opens the breaker at once; timeouts count to its threshold."""
-        if isinstance(error, (self.redis.ConnectionError, OSError)):
+        """A refused connection, a wrong password or no node of a cluster answering opens the breaker at once;
+        timeouts count to its threshold."""
+        if unreachable(error):
             self.breaker.trip(error)
         else:
             self.breaker.failure(error)
@@ -383,7 +369,7 @@ class RemoteTier:
             t0 = time.perf_counter()
             self.client.ping()
             self.break_even.round_trip(time.perf_counter() - t0)
-        except (self.redis.RedisError, OSError) as e:
+        except self.errors_caught as e:
             self._failed(e)
             return
         self.breaker.success()
@@ -446,24 +432,12 @@ def open_remote_tier(
     """The shared tier the plan's `store` settings (kv_plan.StorePlan) ask for over the runner's `kv_caches`;
     `step_started()`: when the engine's current step began. An unreachable store or a wrong password does not stop
     the start: the tier starts with its breaker open and retries."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
     url = client_url(store.url)
     password = None
     if store.password_file:
         with open(store.password_file) as f:
             password = f.read().strip()
-    timeout = store.timeout
-    client = redis.Redis.from_url(
-        url,
-        password=password,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
+    client = connect(url, password, store.timeout)
     settings = dict(store.settings, dtype=str(weights_dtype))
     fp = model_fingerprint(model_path, settings, _fingerprint_memo(disk_root))
     tier = RemoteTier(client, url, fp, kv_caches, settings["block_size"], step_started=step_started)
@@ -472,7 +446,7 @@ def open_remote_tier(
         client.ping()
         tier.break_even.round_trip(time.perf_counter() - t0)
         log.info("kv store: %s (model %s, blocks of %d bytes)", tier.url, fp.hex()[:12], tier.block_bytes)
-    except (redis.RedisError, OSError) as e:
+    except tier.errors_caught as e:
         tier.errors += 1
         tier.breaker.trip(e)
     return tier
