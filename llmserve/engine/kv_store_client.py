@@ -160,7 +160,9 @@ class LazyCluster:
         return self._get().delete(*keys)  # split by hash slot, one DEL per node
 
     def ping(self):
-        return self._get().ping()  # every node
+        """Every primary of the slots map answers (a cluster missing one serves none of its slots: not usable)."""
+        client = self._get()
+        return client.ping(target_nodes=client.PRIMARIES)
 
     def close(self) -> None:
         if self._client is not None:
