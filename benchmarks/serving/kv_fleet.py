@@ -43,11 +43,12 @@ QUESTIONS = [
 
 
 def system_prompt(tenant: int, tokens: int) -> str:
-    """Tenant `tenant`'s own system prompt, ~`tokens` tokens (about 4 characters a token): its instructions and a
-    passage of the book starting where no other tenant's does."""
-    start = (tenant * 7919) % max(1, len(TEXT) - tokens * 5)
+    """Tenant `tenant`'s own system prompt, ~`tokens` tokens (the book runs ~4 characters a token): its own first
+    line, then the book from a place of its own, wrapped round (every block of it differs from another tenant's)."""
+    start = (tenant * 331) % len(TEXT)
+    book = (TEXT[start:] + "\n" + TEXT[:start] + "\n") * (1 + tokens * 4 // len(TEXT))
     head = f"You are the assistant of tenant {tenant} (company no. {tenant * 101}). Answer from this passage.\n"
-    return head + TEXT[start : start + tokens * 4]
+    return head + book[: tokens * 4]
 
 
 def chat(url: str, system: str, question: str, max_tokens: int) -> dict:
@@ -149,8 +150,10 @@ def main() -> None:
                 )
             ratio = res["shared store"]["computed"] / max(res["no store"]["computed"], 1)
             floor = a.tenants * a.system_tokens  # each tenant's system prompt computed once in the fleet, at least
+            per_request = res["no store"]["client_prompt"] / max(res["no store"]["requests"], 1)
             notes.append(
-                f"`{policy}`: fleet-wide prefill computed with the store **{ratio:.2f}x** without it "
+                f"`{policy}` ({per_request:.0f} prompt tokens a request, chat template included): fleet-wide "
+                f"prefill computed with the store **{ratio:.2f}x** without it "
                 f"({res['shared store']['computed']:.0f} vs {res['no store']['computed']:.0f} tokens; target <= 0.3x). "
                 f"Without the store the fleet computed {res['no store']['computed'] / floor:.1f}x the "
                 f"{a.tenants} system prompts' ~{floor} tokens, with it "

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from llmserve.testing.launcher import ServerProcess, wait_until
-from tests.e2e.test_kv_store_server import FLAGS, M, TEXT, _complete, _settled
+from tests.e2e.test_kv_store_server import FLAGS, TEXT, M, _complete, _settled
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from llmserve.engine.kv_remote import BreakEven, block_key, pack_block, unpack_block
-from llmserve.engine.kv_store_client import check_url, client_url, cluster_nodes, connect, is_cluster, redacted, unreachable
+from llmserve.engine.kv_store_client import (
+    check_url,
+    client_url,
+    cluster_nodes,
+    connect,
+    is_cluster,
+    redacted,
+    unreachable,
+)
 
 FP = bytes(range(32))
 OTHER = bytes(32)
