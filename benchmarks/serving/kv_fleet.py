@@ -64,7 +64,8 @@ def chat(url: str, system: str, question: str, max_tokens: int) -> dict:
 
 def counters(replicas: list[ServerProcess]) -> dict:
     names = ("prompt_tokens_total", "prefix_cache_hits_total", "prefix_cache_queries_total", "kv_remote_hits_total")
-    names += ("num_preemptions_total", "request_success_total")
+    names += ("num_preemptions_total", "request_success_total", "kv_remote_skipped_fetches_total")
+    names += ("kv_remote_queries_total", "kv_remote_dropped_writes_total")
     out = {n: 0.0 for n in names}
     per = []
     for r in replicas:
@@ -191,7 +192,8 @@ def main() -> None:
     )
     print(body)
     if not a.no_write:
-        title = f"Shared KV store: a fleet's prefill with and without it ({a.tenants} tenants x {a.turns} turns)"
+        title = f"Shared KV store: a fleet's prefill with and without it ({a.tenants} tenants x {a.turns} turns, "
+        title += f"{a.concurrency} in flight)"
         write_section(title, body)
 
 
