@@ -107,6 +107,7 @@ def connect(url: str, password: str | None, timeout: float):
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            command_packer=command_packer(),
         )
     from redis.cluster import ClusterNode, RedisCluster
     from redis.connection import parse_url
@@ -117,6 +118,7 @@ def connect(url: str, password: str | None, timeout: float):
         options.pop(key, None)
     if password is not None:
         options["password"] = password
+    options["connection_class"] = _uncopied(options.get("connection_class", redis.Connection))
     nodes = [ClusterNode(host, port) for host, port in cluster_nodes(url)]
 
     def make() -> RedisCluster:
@@ -130,6 +132,28 @@ def connect(url: str, password: str | None, timeout: float):
         )
 
     return LazyCluster(make)
+
+
+def command_packer():
+    """redis-py's own RESP packer, which hands a large value (a block: hundreds of KB) to the socket as it is.
+    With hiredis installed redis-py packs with hiredis instead, copying every value twice (to bytes, then into
+    one command) while holding the GIL: a block's worth of memcpy the engine's thread waits for, per block
+    written (py-spy: the writer's second largest cost after the send)."""
+    from redis.connection import Encoder, PythonRespSerializer
+
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+
+def _uncopied(connection_class):
+    """`connection_class` (plain or TLS) packing with `command_packer()`: RedisCluster takes no packer, only a
+    connection class, for the connections to its nodes."""
+
+    class Uncopied(connection_class):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("command_packer", command_packer())
+            super().__init__(*args, **kwargs)
+
+    return Uncopied
 
 
 class LazyCluster:

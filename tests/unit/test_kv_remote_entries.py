@@ -5,12 +5,14 @@ break-even fetches only runs long enough to beat recomputing them; URLs are logg
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmserve.engine.kv_remote import BreakEven, block_key, pack_block, unpack_block
 from llmserve.engine.kv_store_client import (
     check_url,
     client_url,
     cluster_nodes,
+    command_packer,
     connect,
     is_cluster,
     redacted,
@@ -118,3 +120,20 @@ def test_a_cluster_unreachable_at_start_is_a_connection_error_not_a_crash():
     with pytest.raises(redis.ConnectionError) as e:
         client.ping()
     assert unreachable(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_an_entry_of_a_tensor_is_the_entry_of_its_bytes(dtype):
+    block = (torch.arange(2 * 3 * 16 * 64) % 97).to(dtype).view(2, 3, 16, 64)
+    entry = pack_block(FP, NAME, block)
+    assert entry == pack_block(FP, NAME, block.contiguous().view(torch.uint8).numpy().tobytes())
+    payload = unpack_block(bytes(entry), FP, NAME, block.numel() * block.element_size())
+    assert torch.equal(torch.frombuffer(bytearray(payload), dtype=dtype).view(block.shape), block)
+
+
+def test_a_block_is_sent_to_the_store_as_it_is_not_copied_into_the_command():
+    value = bytearray(700_000)
+    chunks = command_packer().pack("SET", b"llmserve:kv:x", value)
+    assert any(c is value for c in chunks)  # the entry itself goes to the socket
+    client = connect("redis://127.0.0.1:6379/0", None, 0.5)
+    assert isinstance(client.connection_pool.connection_kwargs["command_packer"], type(command_packer()))
