@@ -39,7 +39,15 @@ QUESTIONS = [
     "What would be a good title for it?",
     "Which place does the text describe?",
     "Give one word that describes Alice.",
-]
+    "What does Alice want at this point?",
+    "Which animal is mentioned first?",
+    "How long is the passage, roughly?",
+    "Is anything in it impossible in real life?",
+    "What is the last thing that happens?",
+    "Which sentence is the most surprising?",
+    "Does anyone speak in the passage?",
+    "What colour is mentioned, if any?",
+]  # a tenant's turns ask different questions (up to 16 turns): no turn repeats another's prompt
 
 
 def system_prompt(tenant: int, tokens: int) -> str:
