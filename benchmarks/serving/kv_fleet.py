@@ -173,12 +173,17 @@ def main() -> None:
                     " The router already keeps each tenant on one replica: without the store the fleet computes "
                     "each prompt about once, and the store has nothing left to save at this load."
                 )
-            elif with_ > 1.15:
+            elif with_ > 1.15 and a.concurrency > 1:
                 note += (
                     f" With the store the fleet still computes {with_ - 1:.1f} prompts' worth more than once: a "
                     f"tenant's turn that reaches another replica while the first is still prefilling its prompt "
                     f"({a.concurrency} requests in flight) finds only the blocks already written, and computes the "
                     "rest again."
+                )
+            if a.concurrency == 1:
+                note += (
+                    " Above one prompt per tenant, in both runs: each request's own question and the partial block "
+                    "before it, computed wherever it runs."
                 )
             notes.append(note)
     body = (
