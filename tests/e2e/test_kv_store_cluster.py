@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from llmserve.testing.launcher import ServerProcess, wait_until
-from tests.e2e.test_kv_store_server import FLAGS, TEXT, M, _complete, _settled
+from tests.e2e.test_kv_store_server import FLAGS, TEXT, M, _complete, _settled, a_computed_the_prompt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -19,15 +19,7 @@ def _sizes(cluster) -> list[int]:
 
 
 def test_replica_b_reads_what_a_computed_from_a_cluster_spread_over_its_nodes(redis_cluster):
-    flags = [*FLAGS, "--kv-cache-url", redis_cluster.url]
-    with ServerProcess(*flags) as a, ServerProcess(*flags) as b:
-        a.wait_ready()
-        b.wait_ready()
-        cold = _complete(a, TEXT)
-        n_prompt = cold["usage"]["prompt_tokens"]
-        assert n_prompt > 500
-        written = _settled(a)
-        assert written >= (n_prompt // 16) * 30 * 2 * 16 * 3 * 64 * 4  # every full block, float32
+    with a_computed_the_prompt(redis_cluster.url) as (a, b, cold, n_prompt, written):
         sizes = _sizes(redis_cluster)
         assert sum(sizes) == n_prompt // 16, sizes  # one key per full block, each on the node of its slot
         assert sum(1 for n in sizes if n > 0) >= 2, sizes  # keys of one prompt land on several primaries
