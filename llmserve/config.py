@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from llmserve.engine.kv_store_client import check_url
 from llmserve.flags import add_arguments, comma_list, flag, from_args
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -188,7 +189,8 @@ class EngineConfig:
         default=None,
         metadata=flag(
             "a Redis-protocol store every replica shares, below RAM and --kv-cache-dir: redis://[:PASSWORD@]HOST:PORT[/DB]"
-            " (rediss:// for TLS, valkey://, valkeys://); its maxmemory + LRU policy evicts (docs/distributed.md)",
+            " (rediss:// for TLS, valkey://, valkeys://), a Redis Cluster: redis+cluster://HOST:PORT[,HOST:PORT...]"
+            " (any nodes, as seeds); its maxmemory + LRU policy evicts (docs/distributed.md)",
             metavar="URL",
         ),
     )
@@ -341,11 +343,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: unknown dtype {self.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
         if self.kv_cache_dir_size <= 0:
             raise ValueError(f"kv_cache_dir_size: must be positive GiB, got {self.kv_cache_dir_size}")
-        if self.kv_cache_url and self.kv_cache_url.split("://")[0] not in ("redis", "rediss", "valkey", "valkeys"):
-            raise ValueError(
-                "kv_cache_url: must be redis://, rediss://, valkey:// or valkeys://, "
-                f"got {self.kv_cache_url.split(':')[0]!r}"
-            )
+        if self.kv_cache_url:
+            check_url(self.kv_cache_url)
         if self.kv_cache_url_timeout <= 0:
             raise ValueError(f"kv_cache_url_timeout: must be positive seconds, got {self.kv_cache_url_timeout}")
         if self.scheduling_policy not in ("fcfs", "priority"):

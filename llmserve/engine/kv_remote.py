@@ -28,7 +28,6 @@ import warnings
 import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -40,6 +39,7 @@ from llmserve.engine.kv_disk import (
     model_fingerprint,
     request_digests,
 )
+from llmserve.engine.kv_store_client import client_url, connect, redacted, refusal, store_errors, unreachable
 
 log = logging.getLogger("llmserve.kv_remote")
 
@@ -55,30 +55,25 @@ KNOWN_NAMES = 1 << 17  # names this process wrote or read lately (not copied out
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def client_url(url: str) -> str:
-    """redis-py's URL for `url` (valkey:// and valkeys:// are the same protocol as redis:// and rediss://)."""
-    scheme, rest = url.split("://", 1)
-    return {"valkey": "redis", "valkeys": "rediss"}.get(scheme, scheme) + "://" + rest
-
-
-def redacted(url: str) -> str:
-    """`url` without its password (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
 def block_key(fingerprint: bytes, name: bytes) -> bytes:
     return b"llmserve:kv:" + fingerprint.hex()[:32].encode() + b":" + name.hex().encode()
 
 
-def pack_block(fingerprint: bytes, name: bytes, payload) -> bytes:
-    """A store entry: a header (magic, fingerprint, name, payload size, CRC-32 of the payload), the payload."""
-    view = memoryview(payload).cast("B")
-    return ENTRY.pack(MAGIC, fingerprint, name, view.nbytes, zlib.crc32(view)) + view
+def pack_block(fingerprint: bytes, name: bytes, payload) -> bytearray:
+    """A store entry: a header (magic, fingerprint, name, payload size, CRC-32 of the payload), the payload (a
+    tensor or a buffer). One copy, into the entry, by torch for a tensor (the GIL released: the engine's thread
+    runs meanwhile); the checksum too runs without the GIL."""
+    if isinstance(payload, torch.Tensor):
+        nbytes = payload.numel() * payload.element_size()
+        entry = bytearray(ENTRY.size + nbytes)
+        torch.frombuffer(entry, dtype=payload.dtype, offset=ENTRY.size).view(payload.shape).copy_(payload)
+    else:
+        view = memoryview(payload).cast("B")
+        nbytes = view.nbytes
+        entry = bytearray(ENTRY.size + nbytes)
+        entry[ENTRY.size :] = view
+    ENTRY.pack_into(entry, 0, MAGIC, fingerprint, name, nbytes, zlib.crc32(memoryview(entry)[ENTRY.size :]))
+    return entry
 
 
 def unpack_block(value: bytes | None, fingerprint: bytes, name: bytes, nbytes: int) -> memoryview | None:
@@ -141,9 +136,7 @@ class RemoteTier:
         block_size: int,
         step_started=None,
     ) -> None:
-        import redis
-
-        self.redis = redis
+        self.errors_caught = store_errors()  # what a failed call raises (one server's errors, a cluster's)
         self.client = client
         self.url = redacted(url)
         self.fingerprint = fingerprint
@@ -249,7 +242,7 @@ class RemoteTier:
         for k, run in enumerate(runs):
             try:
                 values = ahead.result()
-            except (self.redis.RedisError, OSError) as e:
+            except self.errors_caught as e:
                 self.errors += 1
                 self._failed(e)
                 return
@@ -343,12 +336,15 @@ class RemoteTier:
             sizes, sent = [], []
             for (_, name, data), k, there in zip(sets, keys, present):
                 if not there:  # another replica may have sent it already
-                    value = pack_block(self.fingerprint, name, data.contiguous().view(torch.uint8).numpy())
+                    value = pack_block(self.fingerprint, name, data)
                     pipe.set(k, value)
                     sizes.append(len(value))
                     sent.append(name)
             results = pipe.execute(raise_on_error=False) if sizes else []
-        except (self.redis.RedisError, OSError) as e:
+            down = [r for r in results if isinstance(r, Exception) and not refusal(r)]
+            if down:  # a cluster's pipeline hands back a node's connection error or timeout as a result
+                raise down[0]
+        except self.errors_caught as e:
             self.errors += 1
             self.dropped_writes += len(sets)
             self._forget(name for _, name, _ in sets)
@@ -369,8 +365,9 @@ class RemoteTier:
             log.warning("kv store %s takes writes again", self.url)
 
     def _failed(self, error: BaseException) -> None:
-        """A refused connection or a wrong password opens the breaker at once; timeouts count to its threshold."""
-        if isinstance(error, (self.redis.ConnectionError, OSError)):
+        """A refused connection, a wrong password or no node of a cluster answering opens the breaker at once;
+        timeouts count to its threshold."""
+        if unreachable(error):
             self.breaker.trip(error)
         else:
             self.breaker.failure(error)
@@ -383,7 +380,7 @@ class RemoteTier:
             t0 = time.perf_counter()
             self.client.ping()
             self.break_even.round_trip(time.perf_counter() - t0)
-        except (self.redis.RedisError, OSError) as e:
+        except self.errors_caught as e:
             self._failed(e)
             return
         self.breaker.success()
@@ -446,24 +443,12 @@ def open_remote_tier(
     """The shared tier the plan's `store` settings (kv_plan.StorePlan) ask for over the runner's `kv_caches`;
     `step_started()`: when the engine's current step began. An unreachable store or a wrong password does not stop
     the start: the tier starts with its breaker open and retries."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
     url = client_url(store.url)
     password = None
     if store.password_file:
         with open(store.password_file) as f:
             password = f.read().strip()
-    timeout = store.timeout
-    client = redis.Redis.from_url(
-        url,
-        password=password,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
+    client = connect(url, password, store.timeout)
     settings = dict(store.settings, dtype=str(weights_dtype))
     fp = model_fingerprint(model_path, settings, _fingerprint_memo(disk_root))
     tier = RemoteTier(client, url, fp, kv_caches, settings["block_size"], step_started=step_started)
@@ -472,7 +457,7 @@ def open_remote_tier(
         client.ping()
         tier.break_even.round_trip(time.perf_counter() - t0)
         log.info("kv store: %s (model %s, blocks of %d bytes)", tier.url, fp.hex()[:12], tier.block_bytes)
-    except (redis.RedisError, OSError) as e:
+    except tier.errors_caught as e:
         tier.errors += 1
         tier.breaker.trip(e)
     return tier

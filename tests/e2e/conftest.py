@@ -73,3 +73,17 @@ def redis_factory():
     yield make
     for store in made:
         store.stop()
+
+
+@pytest.fixture
+def redis_cluster():
+    """A real Redis Cluster of three primaries on loopback ports (Debian's redis-server in cluster mode, joined
+    by `redis-cli --cluster create`); skipped without the binaries."""
+    import shutil
+
+    from llmserve.testing.redis_server import RedisClusterStore, redis_binary
+
+    if redis_binary() is None or shutil.which("redis-cli") is None:
+        pytest.skip("no redis-server / redis-cli binary (apt-get install redis-server): no Redis Cluster to test")
+    with RedisClusterStore(3) as cluster:
+        yield cluster

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -53,10 +54,11 @@ def _prefix(key: bytes) -> bytes:
     return key.rsplit(b":", 1)[0] + b":"
 
 
-def test_replica_b_answers_what_a_computed_and_checks_every_entry(redis_store):
-    client = redis.Redis.from_url(redis_store)
-    client.flushdb()
-    flags = [*FLAGS, "--kv-cache-url", redis_store]
+@contextmanager
+def a_computed_the_prompt(url: str):
+    """Replicas A and B on the store at `url`, A having computed TEXT and sent every full block:
+    (A, B, A's answer, its prompt tokens, bytes A wrote)."""
+    flags = [*FLAGS, "--kv-cache-url", url]
     with ServerProcess(*flags) as a, ServerProcess(*flags) as b:
         a.wait_ready()
         b.wait_ready()
@@ -66,6 +68,13 @@ def test_replica_b_answers_what_a_computed_and_checks_every_entry(redis_store):
         assert a.metrics().get(M + "kv_remote_hits_total", 0) == 0
         written = _settled(a)
         assert written >= (n_prompt // 16) * 30 * 2 * 16 * 3 * 64 * 4  # every full block, float32
+        yield a, b, cold, n_prompt, written
+
+
+def test_replica_b_answers_what_a_computed_and_checks_every_entry(redis_store):
+    client = redis.Redis.from_url(redis_store)
+    client.flushdb()
+    with a_computed_the_prompt(redis_store) as (a, b, cold, n_prompt, written):
         ours = _keys(client)
         assert len(ours) == n_prompt // 16
 
@@ -100,7 +109,7 @@ def test_replica_b_answers_what_a_computed_and_checks_every_entry(redis_store):
 
     # another model's replica (int8 weights: another fingerprint) shares the store and trusts none of A's
     # entries, not even A's bytes copied under its own keys
-    with ServerProcess(*flags, "--quantization", "int8") as c:
+    with ServerProcess(*FLAGS, "--kv-cache-url", redis_store, "--quantization", "int8") as c:
         c.wait_ready()
         own = _complete(c, "The quick brown fox jumps over the lazy dog. " * 8)
         _settled(c)

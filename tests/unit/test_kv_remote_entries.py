@@ -5,8 +5,19 @@ break-even fetches only runs long enough to beat recomputing them; URLs are logg
 from __future__ import annotations
 
 import pytest
+import torch
 
-from llmserve.engine.kv_remote import BreakEven, block_key, client_url, pack_block, redacted, unpack_block
+from llmserve.engine.kv_remote import BreakEven, block_key, pack_block, unpack_block
+from llmserve.engine.kv_store_client import (
+    check_url,
+    client_url,
+    cluster_nodes,
+    command_packer,
+    connect,
+    is_cluster,
+    redacted,
+    unreachable,
+)
 
 FP = bytes(range(32))
 OTHER = bytes(32)
@@ -65,3 +76,64 @@ def test_urls_are_logged_without_their_password():
     assert redacted("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
     assert redacted("rediss://user:s3cret@h:6380") == "rediss://user:***@h:6380"
     assert redacted("redis://h:6379") == "redis://h:6379"
+
+
+@pytest.mark.parametrize(
+    "url, want",
+    [
+        ("redis+cluster://10.0.0.1:7000,10.0.0.2:7001", [("10.0.0.1", 7000), ("10.0.0.2", 7001)]),
+        ("rediss+cluster://:pw@h1:7000, h2/0?ssl_ca_certs=/ca.pem", [("h1", 7000), ("h2", 6379)]),
+        ("valkey+cluster://user:pw@[::1]:7000,[fe80::2]", [("::1", 7000), ("fe80::2", 6379)]),
+    ],
+)
+def test_a_cluster_url_lists_its_seed_nodes(url, want):
+    check_url(url)
+    assert is_cluster(url) and cluster_nodes(url) == want
+
+
+def test_store_urls_that_cannot_work_are_refused_with_the_reason():
+    for good in ("redis://h:6379/0", "valkeys://h", "redis+cluster://h:7000"):
+        check_url(good)
+        assert is_cluster(good) == good.startswith("redis+")
+    with pytest.raises(ValueError, match="redis\\+cluster://"):
+        check_url("memcached://h:11211")
+    with pytest.raises(ValueError, match="must be redis://"):
+        check_url("redis+sentinel://h:26379")
+    with pytest.raises(ValueError, match="one database"):
+        check_url("redis+cluster://h:7000/3")
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        check_url("redis+cluster://h:7000,:7001")
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        check_url("redis+cluster://h:port")
+    assert client_url("valkeys+cluster://h:7000") == "rediss+cluster://h:7000"
+    assert redacted("redis+cluster://:s3cret@h1:7000,h2:7001") == "redis+cluster://:***@h1:7000,h2:7001"
+
+
+def test_a_cluster_unreachable_at_start_is_a_connection_error_not_a_crash():
+    """The client is made on first use: connecting to no cluster fails as a refused connection does (the
+    breaker opens at once), not with redis-py's RedisClusterException."""
+    import redis
+
+    from llmserve.testing.launcher import free_port
+
+    client = connect(f"redis+cluster://127.0.0.1:{free_port()}", None, 0.5)
+    with pytest.raises(redis.ConnectionError) as e:
+        client.ping()
+    assert unreachable(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_an_entry_of_a_tensor_is_the_entry_of_its_bytes(dtype):
+    block = (torch.arange(2 * 3 * 16 * 64) % 97).to(dtype).view(2, 3, 16, 64)
+    entry = pack_block(FP, NAME, block)
+    assert entry == pack_block(FP, NAME, block.contiguous().view(torch.uint8).numpy().tobytes())
+    payload = unpack_block(bytes(entry), FP, NAME, block.numel() * block.element_size())
+    assert torch.equal(torch.frombuffer(bytearray(payload), dtype=dtype).view(block.shape), block)
+
+
+def test_a_block_is_sent_to_the_store_as_it_is_not_copied_into_the_command():
+    value = bytearray(700_000)
+    chunks = command_packer().pack("SET", b"llmserve:kv:x", value)
+    assert any(c is value for c in chunks)  # the entry itself goes to the socket
+    client = connect("redis://127.0.0.1:6379/0", None, 0.5)
+    assert isinstance(client.connection_pool.connection_kwargs["command_packer"], type(command_packer()))
