@@ -19,8 +19,8 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from llmserve.engine.kv_store_client import check_url
 from llmserve.flags import add_arguments, comma_list, flag, from_args
+from llmserve.store_url import check_url
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}

@@ -39,7 +39,8 @@ from llmserve.engine.kv_disk import (
     model_fingerprint,
     request_digests,
 )
-from llmserve.engine.kv_store_client import client_url, connect, redacted, refusal, store_errors, unreachable
+from llmserve.engine.kv_store_client import connect, refusal, store_errors, unreachable
+from llmserve.store_url import client_url, redacted
 
 log = logging.getLogger("llmserve.kv_remote")
 

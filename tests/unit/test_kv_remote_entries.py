@@ -8,16 +8,8 @@ import pytest
 import torch
 
 from llmserve.engine.kv_remote import BreakEven, block_key, pack_block, unpack_block
-from llmserve.engine.kv_store_client import (
-    check_url,
-    client_url,
-    cluster_nodes,
-    command_packer,
-    connect,
-    is_cluster,
-    redacted,
-    unreachable,
-)
+from llmserve.engine.kv_store_client import command_packer, connect, unreachable
+from llmserve.store_url import check_url, client_url, cluster_nodes, is_cluster, redacted
 
 FP = bytes(range(32))
 OTHER = bytes(32)
