@@ -34,15 +34,16 @@ def run_engine(engine: str, a, c: int, out: str) -> dict:
     """One server, one `llmserve bench` run; the result gains its load time (start to ready) and peak RSS."""
     t0 = time.monotonic()
     if engine == "llama":
-        ctx = c * (a.input_len + a.output_len + 64)
-        proc, url = start_llama_server(LLAMA_SERVER, a.threads, c, ctx, model=a.gguf)
+        ctx = c * (2 * a.input_len + a.output_len + 256)  # (a random prompt re-tokenized can grow; a template adds)
+        extra = ("--jinja", "--chat-template-file", a.chat_template) if a.chat_template else ()
+        proc, url = start_llama_server(LLAMA_SERVER, a.threads, c, ctx, model=a.gguf, extra=extra)
         try:
             load = time.monotonic() - t0
             return dict(bench(url, a, c, out), load_s=load, rss_gib=peak_rss_gib(proc.pid))
         finally:
             proc.terminate()
             proc.wait()
-    flags = engine.partition(":")[2].split()
+    flags = engine.partition(":")[2].split() + (["--chat-template", a.chat_template] if a.chat_template else [])
     with ServerProcess("--model", a.gguf, "--num-threads", str(a.threads), *flags) as srv:
         srv.wait_ready(timeout=1800)
         load = time.monotonic() - t0
@@ -72,10 +73,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokenizer", default=None, help="tokenizer for the random prompts (default: the GGUF's folder)")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja file both servers use (default: chat_template.jinja beside the GGUF, if there: a file written "
+        "by make_checkpoint --gguf-only holds none, where llama-server would fall back to ChatML and llmserve refuse)",
+    )
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
     a.gguf = os.path.expanduser(a.gguf)
     a.tokenizer = a.tokenizer or os.path.dirname(a.gguf)
+    beside = os.path.join(os.path.dirname(a.gguf), "chat_template.jinja")
+    a.chat_template = a.chat_template or (beside if os.path.exists(beside) else None)
     runs: dict[tuple[str, int], list[dict]] = {}
     tmp = tempfile.mkdtemp()
     for rnd in range(a.rounds):
