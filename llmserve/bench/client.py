@@ -105,8 +105,10 @@ class OpenAIClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if endpoint == "messages":  # Anthropic's clients send the key as x-api-key
             headers.update({"anthropic-version": "2023-06-01", **({"x-api-key": api_key} if api_key else {})})
-        # No client-side connection cap: a pool limit would queue requests here and inflate TTFT.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # No client-side connection cap: a pool limit would queue requests here and inflate TTFT. An idle connection is
+        # dropped after 2 s: llama-server (cpp-httplib) closes one after 5 s, httpx's own default, and a request sent
+        # as the server closes it fails ("Server disconnected without sending a response").
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
         self.http = httpx.AsyncClient(base_url=self.root, headers=headers, limits=limits, timeout=httpx.Timeout(30.0))
 
     async def aclose(self) -> None:
