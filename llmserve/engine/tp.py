@@ -240,8 +240,8 @@ class TensorParallel:
 
     def execute(self, sched, argmax: bool = False):
         """One step: its batch broadcast to the workers, then run on rank 0's shard (all-reducing with them)."""
-        batch = self.runner.prepare(sched)
-        self.broadcast_step(batch.input_ids, batch.positions, batch.meta, batch.logits_rows)
+        batch = self.runner.prepare(sched)  # (rank 0's copies on write made: the workers make theirs first)
+        self.broadcast_step(batch.input_ids, batch.positions, batch.meta, batch.logits_rows, sched.block_copies)
         return self.runner.sample(batch, argmax)
 
     # -- every step ----------------------------------------------------------------------------
@@ -264,12 +264,14 @@ class TensorParallel:
         except Exception as e:  # noqa: BLE001
             raise TensorParallelError(f"tensor parallel: cannot reach the workers{self.dead_workers()}: {e}") from e
 
-    def broadcast_step(self, input_ids, positions, meta, logits_indices) -> None:
+    def broadcast_step(self, input_ids, positions, meta, logits_indices, block_copies=()) -> None:
+        """The step's batch (workers' logits are discarded: one row will do) and the block copies to make first."""
         self.check_workers()
         cpu = torch.device("cpu")
         self._send(
             ("step", _to(input_ids, cpu), _to(positions, cpu), _to(meta, cpu), _to(logits_indices[-1:], cpu))
-        )  # workers' logits are discarded: one row will do
+            + (list(block_copies),)
+        )
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -363,7 +365,9 @@ def run_worker(config, rank: int, world: int, local_rank: int, init_method: str)
             msg = recv()
             if msg[0] == "stop":
                 break
-            _, ids, pos, meta, idx = msg
+            _, ids, pos, meta, idx, copies = msg
+            if copies:  # the copies on write of the step (KVCacheManager.get_computed_blocks), in this rank's KV
+                runner.copy_blocks(copies)
             model(ids.to(device), pos.to(device), runner.kv_caches, _to(meta, device), idx.to(device))
     log.info("rank %d: stopped", rank)
     with contextlib.suppress(Exception):
