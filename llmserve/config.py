@@ -95,6 +95,11 @@ class KernelConfig:
     # 64 channels at a time (a vpermd transpose), it meets the dots at 4 rows (0.9-1.6x) and leads from there: 16
     # rows 1.9-3.3x, 64 rows 2.4-5.0x on SmolLM2's and a 1B model's shapes (one row: 0.3-0.7x; int4_gemm.py)
     int4_vnni_rows: int = 4
+    # GGUF's K-quants (Q2_K .. Q6_K) times this many rows or more on AVX-512 VNNI: the weights packed per call into
+    # panels of 16 rows, 4 values of 16 rows to a vpdpbusd (csrc/gguf_panels.cpp), in place of the row-by-row dots;
+    # one thread, 1B shapes: 8 rows 0.94-1.53x, 16 rows 1.35-2.2x, 128 rows 1.4-2.8x, 4 rows 0.7-0.9x
+    # (benchmarks/kernels/kquant_panels.py)
+    kquant_panel_rows: int = 8
 
 
 @dataclass

@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "many rows on per-channel int8 weights: integer GEMM (true) or float32 tiles");
   m.def("set_q4_vnni", [](bool on) { toggles.q4_vnni = on; return on; },
         "whether q4_linear's many rows take the VNNI integer GEMM (else float32 tiles)");
+  m.def("set_kquant_panels", [](int64_t rows, bool twin) { toggles.kq_panel_rows = rows; toggles.kq_panel_twin = twin; },
+        "K-quant dots of at least `rows` rows over panels of 16 weight rows (AVX-512 VNNI; `twin`: the portable twin, "
+        "on any CPU)");
   m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
   m.def("uses_vnni", &use_vnni, "whether q8_vnni_gemm runs here (AVX-512 VNNI, allowed)");
   // linear.cpp, gemm.cpp, vnni.cpp

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_panels.h"
 #include "isa.h"
 #include "vec.h"
 
@@ -52,20 +53,6 @@ void round_block(const float* v, int64_t B, int8_t* q, float* dx, int16_t* sum16
     }
   }
 }
-
-struct Acts {
-  int64_t K, B;
-  std::vector<int8_t> q;        // [M, K]
-  std::vector<float> dx;        // [M, K / B]
-  std::vector<int16_t> sum16;   // [M, K / 16]
-  Acts(const at::Tensor& x, int64_t B) : K(x.size(1)), B(B), q(x.numel()), dx(x.numel() / B), sum16(x.numel() / 16) {
-    const float* xp = x.data_ptr<float>();
-    at::parallel_for(0, x.numel() / B, 4096 / B, [&](int64_t b, int64_t e) {
-      for (int64_t blk = b; blk < e; ++blk)
-        round_block(xp + blk * B, B, q.data() + blk * B, dx.data() + blk, sum16.data() + blk * B / 16);
-    });
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Integer dots, few rows: out[m, n] for MR rows of x (from x row m0) and weight rows [n0, n1).
@@ -272,6 +259,14 @@ void dot_range(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1
 
 }  // namespace
 
+Acts::Acts(const at::Tensor& x, int64_t B) : K(x.size(1)), B(B), q(x.numel()), dx(x.numel() / B), sum16(x.numel() / 16) {
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, x.numel() / B, 4096 / B, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk)
+      round_block(xp + blk * B, B, q.data() + blk * B, dx.data() + blk, sum16.data() + blk * B / 16);
+  });
+}
+
 // out [M, ldo]: every part's columns = x @ dequantize(part).T through the integer dots (quantized types
 // only). x is rounded once per block size; one parallel region over all the parts' rows.
 void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo, float* op) {
@@ -283,13 +278,27 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
       if (decltype(t)::kValues == 32 && !a32) a32.emplace(x, 32);
     });
   }
-  at::parallel_for(0, ldo, 16, [&](int64_t b, int64_t e) {
-    for (const Part& p : parts) {
-      const int64_t n0 = std::max(b, p.col) - p.col, n1 = std::min(e, p.col + p.w.N) - p.col;
-      if (n0 >= n1) continue;
+  // tasks of 32 weight rows from each part's first: which rows a panel takes never depends on the threads or on
+  // the parts beside it
+  constexpr int64_t kTask = 32;
+  struct Task {
+    const Part* p;
+    int64_t n0, n1;
+  };
+  std::vector<Task> tasks;
+  for (const Part& p : parts)
+    for (int64_t n = 0; n < p.w.N; n += kTask) tasks.push_back({&p, n, std::min(p.w.N, n + kTask)});
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Task& task = tasks[i];
+      const Part& p = *task.p;
       with_dot_type(p.qtype, [&](auto t) {
         using T = decltype(t);
-        dot_range<T>(T::kValues == 256 ? *a256 : *a32, M, p.w, n0, n1, op + p.col, ldo);
+        const Acts& a = T::kValues == 256 ? *a256 : *a32;
+        // many rows of a K-quant: panels of 16 weight rows (gguf_panels.cpp), the last few row by row
+        int64_t n = task.n0;
+        if (panels_take(p.qtype, M)) n = panel_dots(a, M, p.w, p.qtype, n, task.n1, op + p.col, ldo);
+        if (n < task.n1) dot_range<T>(a, M, p.w, n, task.n1, op + p.col, ldo);
       });
     }
   });

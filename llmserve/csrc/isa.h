@@ -12,19 +12,23 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 #define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define LLMSERVE_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 namespace llmserve {
 
-// The four process-wide switches, one instance for the module: set from Python (llmserve/model/kernels/cpu_ext.py, through
+// The process-wide switches, one instance for the module: set from Python (llmserve/model/kernels/cpu_ext.py, through
 // bindings.cpp's set_* functions) when the module loads and whenever configure (cpu_ext.py) changes them.
 struct Toggles {
   bool avx512 = true;         // envs.LLMSERVE_AVX512: the AVX-512 variants may run (where the CPU has them)
   bool gemm_onednn = false;   // gemm() runs oneDNN's matmul, else at::linear (ops.gemm_engine)
   bool q8_int_gemm = true;    // many rows of per-channel int8: the integer GEMM, else float32 tiles (KernelConfig.int8_gemm)
   bool q4_vnni = true;        // many rows of int4: the VNNI integer GEMM, else float32 tiles (KernelConfig.int4_vnni)
+  int64_t kq_panel_rows = 8;  // K-quant dots from this many rows: panels of 16 weight rows (KernelConfig.kquant_panel_rows)
+  bool kq_panel_twin = false; // the panels' portable twin, also where the CPU lacks VNNI (tests)
 };
 inline Toggles toggles;
 

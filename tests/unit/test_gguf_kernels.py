@@ -328,3 +328,109 @@ def test_mxfp4_checkpoint_rows_are_transformers_values():
         nonzero = ref != 0
         assert torch.equal(got[nonzero].view(torch.int32), ref[nonzero].view(torch.int32))
         assert torch.equal(got.view(torch.int32), torch.as_tensor(reference(raw, Q.MXFP4)).view(torch.int32))
+
+
+# GGUF's K-quants of unsigned values: many rows take the panels (csrc/gguf_panels.cpp)
+PANEL_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.fixture(params=["avx512", "twin"])
+def panels(ext, request):
+    """The panels from 1 row on: their AVX-512 VNNI kernels (where the CPU has them) or the portable twin (any CPU:
+    the default path of a VNNI CPU, computed the same way)."""
+    from llmserve.model.kernels import cpu_ext, ops
+
+    cpu = ops.cpu_kernels()
+    if request.param == "avx512" and not ext.uses_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI: the portable twin ('twin') stands in for the panels' kernels")
+    cpu.set_kquant_panels(1, request.param == "twin")
+    yield request.param
+    cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+
+
+def row_by_row(x, raw, qtype, k):
+    from llmserve.model.kernels import cpu_ext, ops
+
+    ops.cpu_kernels().set_kquant_panels(1 << 62, False)
+    try:
+        return gk.linear(x, raw, qtype, k)
+    finally:
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,n", [(1, 16), (5, 37), (17, 70), (64, 33)])
+def test_kquant_panels_sum_what_the_row_by_row_dots_sum(ext, panels, qtype, rows, n):
+    """The panels' integers are the row-by-row dots' (x rounded per 256 values): results agree to float rounding
+    (the float sums run per super-block instead of per lane), for whole panels and the rows after the last one."""
+    k = 768
+    raw = gk.random_blocks(qtype, n, k, seed=rows + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[:, 5] *= 20
+    got = gk.linear(x, raw, qtype, k)
+    alone = gk.linear(x[-1:], raw, qtype, k)[0]
+    want = row_by_row(x, raw, qtype, k)  # (then the configured switches again)
+    w = gk.dequantize(raw, qtype, k).double()
+    scale = x.double().abs() @ w.abs().t()
+    assert ((got.double() - want.double()).abs() <= 1e-5 * scale + 1e-6).all()
+    assert not torch.equal(got[:, :16], want[:, :16]) or rows == 1  # the panels ran (their float sums differ)
+    assert torch.equal(alone, got[-1])  # a row's result does not depend on the rows beside it
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+def test_kquant_panel_twins_agree_bit_for_bit(ext, qtype):
+    """The AVX-512 VNNI panels and their portable twin give the same bits (the same integers, the same float
+    operations in the same order): the twin, run on every CPU, checks the VNNI CPUs' default path."""
+    from llmserve.model.kernels import cpu_ext, ops
+
+    if not ext.uses_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI: only the twin runs here (test_kquant_panels_sum_...[twin])")
+    k = 1024
+    raw = gk.random_blocks(qtype, 48, k, seed=11)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(11))
+    cpu = ops.cpu_kernels()
+    try:
+        cpu.set_kquant_panels(1, False)
+        wide = gk.linear(x, raw, qtype, k)
+        cpu.set_kquant_panels(1, True)
+        twin = gk.linear(x, raw, qtype, k)
+    finally:
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+    assert torch.equal(wide, twin)
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
+def test_kquant_panels_extreme_blocks(ext, panels, qtype, fill):
+    """Largest quants, scales and mins (Q6_K's scale -128), x at +-127 after rounding: no int32 sum overflows."""
+    k = 512
+    raw = gk.random_blocks(qtype, 16, k)
+    scales = raw.clone()
+    raw.fill_(fill)
+    block = gguf.GGML_QUANT_SIZES[qtype][1]
+    for off in gk._HALF_FIELDS.get(gk.qtype_number(qtype), ()):
+        cols = torch.arange(0, raw.shape[1], block) + off
+        raw[:, cols] = scales[:, cols]
+        raw[:, cols + 1] = scales[:, cols + 1]
+    w = gk.dequantize(raw, qtype, k).double()
+    x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
+    got = gk.linear(x, raw, qtype, k).double()
+    assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+
+
+def test_kquant_panels_start_at_their_row_count(ext):
+    """Below KernelConfig.kquant_panel_rows rows the row-by-row dots run, from there the panels (where they run:
+    AVX-512 VNNI, or the twin); LLMSERVE_KQUANT_PANELS=0 keeps the dots at every row count."""
+    from llmserve.model.kernels import cpu_ext, ops
+
+    rows = cpu_ext.kernel_config().kquant_panel_rows
+    k, qtype = 512, Q.Q4_K
+    raw = gk.random_blocks(qtype, 32, k, seed=5)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    try:
+        ops.cpu_kernels().set_kquant_panels(rows, True)
+        assert torch.equal(gk.linear(x[: rows - 1], raw, qtype, k), row_by_row(x[: rows - 1], raw, qtype, k))
+        ops.cpu_kernels().set_kquant_panels(rows, True)  # (row_by_row set the configured switches back)
+        assert not torch.equal(gk.linear(x, raw, qtype, k), row_by_row(x, raw, qtype, k))
+    finally:
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())

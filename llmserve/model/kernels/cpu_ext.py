@@ -53,7 +53,14 @@ def configure(kernels: KernelConfig) -> KernelConfig:
     if _EXT is not None:
         _EXT.set_q8_int_gemm(kernels.int8_gemm and cpu_has_int8_dots())
         _EXT.set_q4_vnni(kernels.int4_vnni)
+        _set_kquant_panels(kernels)
     return previous
+
+
+def _set_kquant_panels(kernels: KernelConfig) -> None:
+    """The K-quant panels' switches (envs.LLMSERVE_KQUANT_PANELS, KernelConfig.kquant_panel_rows) into the module."""
+    mode = envs.LLMSERVE_KQUANT_PANELS
+    _EXT.set_kquant_panels(kernels.kquant_panel_rows if mode else 1 << 62, mode == "twin")
 
 
 def kernel_config() -> KernelConfig:
@@ -87,6 +94,7 @@ def cpu_kernels():
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm and cpu_has_int8_dots())
         _EXT.set_q4_vnni(_KERNELS.int4_vnni)
+        _set_kquant_panels(_KERNELS)
     except Exception as e:  # no compiler, no ninja: the PyTorch ops do the same work, slower
         log.warning("cpu kernels: could not build llmserve/csrc/*.cpp (%s); using PyTorch ops", e)
         _EXT = None
