@@ -12,8 +12,8 @@
 //           row, or kZero times its scale for the types with an offset (Q3_K, Q6_K: their d stands for dmin)
 //   d, dm   16 float32 each
 // The sums are the row-by-row dots' integers: per row of x and super-block, isum = sum_g sc[g] (q . x over g) and
-// msum = sum of mn x the sums of 16 rounded values; the float part once per super-block: acc += isum d dx, less
-// msum dm dx (the offset types: acc += (isum - msum) d dx). Results agree with the row-by-row dots to float rounding.
+// msum = sum of mn x the sums of 16 rounded values; the float part once per super-block: acc -= msum dm dx, then
+// acc += isum d dx (the offset types: acc += (isum - msum) d dx). Results agree with the row-by-row dots to float rounding.
 //
 // Two twins compute it: the AVX-512 VNNI one (the transposes by vpermt2d, the sums by vpdpbusd / vpdpwssd) and a
 // portable one (AVX2 floor, plain loops), bit for bit equal: the portable one runs where the CPU lacks VNNI only
@@ -105,8 +105,8 @@ void rows_portable(const Acts& a, int64_t m0, const uint8_t* panel, float* out, 
         if constexpr (T::kZero != 0) {
           acc = std::fma(static_cast<float>(isum - msum), d[i] * dx, acc);
         } else {
-          acc = std::fma(static_cast<float>(isum), d[i] * dx, acc);
           if constexpr (T::kMin) acc = std::fma(-static_cast<float>(msum), d[16 + i] * dx, acc);
+          acc = std::fma(static_cast<float>(isum), d[i] * dx, acc);
         }
       }
       out[r * ldo + i] = acc;
@@ -203,8 +203,30 @@ LLMSERVE_AVX512_VNNI void rows_avx512(const Acts& a, int64_t m0, const uint8_t* 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const uint8_t* P = panel + s * SB;
-    __m512i isum[R], msum[R];
-    for (int r = 0; r < R; ++r) isum[r] = msum[r] = _mm512_setzero_si512();
+    const float* d = reinterpret_cast<const float*>(P + kQuantBytes + G * 64 + 512);
+    // the mins' sums first: the offset types start isum at -msum, the others take msum dm dx off acc at once
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if constexpr (T::kZero != 0 || T::kMin) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i mn = _mm512_loadu_si512(P + kQuantBytes + G * 64 + 64 * j);
+        for (int r = 0; r < R; ++r) {
+          int32_t s2;
+          std::memcpy(&s2, sums + r * (a.K / 16) + 16 * s + 2 * j, 4);
+          isum[r] = _mm512_dpwssd_epi32(isum[r], mn, _mm512_set1_epi32(s2));
+        }
+      }
+      if constexpr (T::kZero != 0) {
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(_mm512_setzero_si512(), isum[r]);
+      } else {
+        const __m512 dm = _mm512_loadu_ps(d + 16);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dm, _mm512_set1_ps(a.dx[(m0 + r) * S + s])),
+                                    acc[r]);
+          isum[r] = _mm512_setzero_si512();
+        }
+      }
+    }
     for (int g = 0; g < G; ++g) {
       __m512i tg[R];
       for (int r = 0; r < R; ++r) tg[r] = _mm512_setzero_si512();
@@ -219,28 +241,10 @@ LLMSERVE_AVX512_VNNI void rows_avx512(const Acts& a, int64_t m0, const uint8_t* 
       const __m512i sc = _mm512_loadu_si512(P + kQuantBytes + 64 * g);
       for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(tg[r], sc));
     }
-    if constexpr (T::kZero != 0 || T::kMin) {
-      for (int j = 0; j < 8; ++j) {
-        const __m512i mn = _mm512_loadu_si512(P + kQuantBytes + G * 64 + 64 * j);
-        for (int r = 0; r < R; ++r) {
-          int32_t s2;
-          std::memcpy(&s2, sums + r * (a.K / 16) + 16 * s + 2 * j, 4);
-          msum[r] = _mm512_dpwssd_epi32(msum[r], mn, _mm512_set1_epi32(s2));
-        }
-      }
-    }
-    const float* d = reinterpret_cast<const float*>(P + kQuantBytes + G * 64 + 512);
-    const __m512 dv = _mm512_loadu_ps(d), dm = _mm512_loadu_ps(d + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.dx[(m0 + r) * S + s]);
-      if constexpr (T::kZero != 0) {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], msum[r])), _mm512_mul_ps(dv, dx), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dv, dx), acc[r]);
-        if constexpr (T::kMin)
-          acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r]), _mm512_mul_ps(dm, dx), acc[r]);
-      }
-    }
+    const __m512 dv = _mm512_loadu_ps(d);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[(m0 + r) * S + s])),
+                               acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }

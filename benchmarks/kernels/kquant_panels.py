@@ -1,0 +1,77 @@
+"""GGUF's K-quants times a batch of rows: the row-by-row integer dots against the panels (csrc/gguf_panels.cpp:
+the weights packed per call into panels of 16 rows, vpdpbusd over 4 values of 16 rows), one projection at a time,
+on a 1B-class Llama's shapes in a Q4_K_M file's types (Q4_K for q/k/v/o and gate/up, Q6_K for down), and the
+bundled SmolLM2-135M's. Both paths round x per 256 values as llama.cpp's Q8_K; the same integers, the float sums
+in another order. CPU time of the calling thread (--threads 1; robust to a loaded machine), best of --repeats,
+alternated; the panels' speed-up per row count decides KernelConfig.kquant_panel_rows.
+
+    python -m benchmarks.kernels.kquant_panels [--threads 1] [--repeats 7] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import write_section
+
+SHAPES = {  # name -> (qtype, out, in)
+    "SmolLM2 gate_up Q4_K": ("Q4_K", 3072, 768),
+    "1B qkv Q4_K": ("Q4_K", 3072, 2048),
+    "1B gate_up Q4_K": ("Q4_K", 16384, 2048),
+    "1B down Q6_K": ("Q6_K", 2048, 8192),
+}
+ROWS = (1, 4, 8, 16, 64, 256)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from llmserve.model.kernels import cpu_ext, ops
+    from llmserve.model.kernels import gguf_kernels as gk
+
+    ext = ops.cpu_kernels()
+    assert ext is not None and ext.uses_vnni(), "needs the C++ kernels on a CPU with AVX-512 VNNI"
+    clock = time.thread_time if a.threads == 1 else time.perf_counter
+    lines = []
+    with torch.inference_mode():
+        for name, (qtype, n, k) in SHAPES.items():
+            raw = gk.random_blocks(qtype, n, k, seed=1)
+            for m in ROWS:
+                x = torch.randn(m, k)
+                best = {"dots": float("inf"), "panels": float("inf")}
+                for _ in range(a.repeats):
+                    for path, rows in (("dots", 1 << 62), ("panels", 1)):
+                        ext.set_kquant_panels(rows, False)
+                        t0 = clock()
+                        gk.linear(x, raw, qtype, k)
+                        best[path] = min(best[path], clock() - t0)
+                cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+                ratio = best["dots"] / best["panels"]
+                lines.append(
+                    f"| {name} | {m} | {best['dots'] * 1e3:.2f} | {best['panels'] * 1e3:.2f} | **{ratio:.2f}x** |"
+                )
+                print(lines[-1], flush=True)
+    body = (
+        f"`python -m benchmarks.kernels.kquant_panels --threads {a.threads} --repeats {a.repeats}`: one projection "
+        f"of random K-quant blocks times m rows of x, {a.threads} thread(s), "
+        f"{'CPU time of the thread' if a.threads == 1 else 'wall time'}, best of {a.repeats} (alternated). dots: "
+        "the row-by-row integer dots (kquant_dot_avx512, each weight row unpacked once per 4 rows of x, the float "
+        "epilogue per row pair and super-block); panels: 16 weight rows packed per call, 4 values of 16 rows a "
+        "vpdpbusd, the epilogue once per 16 rows (csrc/gguf_panels.cpp). The default "
+        "(`KernelConfig.kquant_panel_rows`) takes the panels from 8 rows.\n\n"
+        "| projection | rows | dots ms | panels ms | panels' speed-up |\n|---|---|---|---|---|\n" + "\n".join(lines)
+    )
+    if not a.no_write:
+        write_section("GGUF K-quant dots of many rows: row by row against panels of 16", body)
+
+
+if __name__ == "__main__":
+    main()
