@@ -48,7 +48,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": GGUF's K-quant dots of many rows stay row by row (default: from KernelConfig.kquant_panel_rows rows on, the
     # weights packed into panels of 16 rows, on AVX-512 VNNI). "twin": the panels' portable twin, on any CPU (the
     # tests run the AVX-512 default's arithmetic on every CPU with it; slower than the row-by-row AVX2 dots)
-    "LLMSERVE_KQUANT_PANELS": lambda: {"0": False, "twin": "twin"}.get(os.environ.get("LLMSERVE_KQUANT_PANELS", "1"), True),
+    "LLMSERVE_KQUANT_PANELS": lambda: {"0": False, "twin": "twin"}.get(
+        os.environ.get("LLMSERVE_KQUANT_PANELS", "1"), True
+    ),
     # "0": `--quantization auto` widens a quantized GGUF (float32-exact, or bfloat16 by --dtype) instead of serving
     # its own blocks (llmserve/model/loader/mode.py); the test suite's parity default, as LLMSERVE_CPU_BF16=0
     "LLMSERVE_GGUF_BLOCKS": lambda: os.environ.get("LLMSERVE_GGUF_BLOCKS", "1") != "0",
