@@ -46,11 +46,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # bf16 CPUs on every CPU with it.
     "LLMSERVE_CPU_BF16": lambda: {"0": False, "emulate": "emulate"}.get(os.environ.get("LLMSERVE_CPU_BF16", "1"), True),
     # "0": GGUF's K-quant dots of many rows stay row by row (default: from KernelConfig.kquant_panel_rows rows on, the
-    # weights packed into panels of 16 rows, on AVX-512 VNNI). "twin": the panels' portable twin, on any CPU (the
-    # tests run the AVX-512 default's arithmetic on every CPU with it; slower than the row-by-row AVX2 dots)
-    "LLMSERVE_KQUANT_PANELS": lambda: {"0": False, "twin": "twin"}.get(
-        os.environ.get("LLMSERVE_KQUANT_PANELS", "1"), True
-    ),
+    # weights packed into panels of 16 rows, where the VNNI kernels run: csrc/gguf_panels.cpp)
+    "LLMSERVE_KQUANT_PANELS": lambda: os.environ.get("LLMSERVE_KQUANT_PANELS", "1") != "0",
+    # "twin": the kernels chosen on AVX-512 VNNI (the int8 / int4 integer GEMMs of csrc/vnni.cpp, the K-quant panels)
+    # run their portable twins, on any CPU and in place of the instructions: the same integers and float operations,
+    # the same bits (slow: the tests run a VNNI CPU's default path on every CPU with it). Default: the instructions
+    # where the CPU has them (and LLMSERVE_AVX512 allows), else those kernels do not run
+    "LLMSERVE_VNNI": lambda: os.environ.get("LLMSERVE_VNNI", "1"),
     # "0": `--quantization auto` widens a quantized GGUF (float32-exact, or bfloat16 by --dtype) instead of serving
     # its own blocks (llmserve/model/loader/mode.py); the test suite's parity default, as LLMSERVE_CPU_BF16=0
     "LLMSERVE_GGUF_BLOCKS": lambda: os.environ.get("LLMSERVE_GGUF_BLOCKS", "1") != "0",

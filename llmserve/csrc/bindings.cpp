@@ -25,11 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "many rows on per-channel int8 weights: integer GEMM (true) or float32 tiles");
   m.def("set_q4_vnni", [](bool on) { toggles.q4_vnni = on; return on; },
         "whether q4_linear's many rows take the VNNI integer GEMM (else float32 tiles)");
-  m.def("set_kquant_panels", [](int64_t rows, bool twin) { toggles.kq_panel_rows = rows; toggles.kq_panel_twin = twin; },
-        "K-quant dots of at least `rows` rows over panels of 16 weight rows (AVX-512 VNNI; `twin`: the portable twin, "
-        "on any CPU)");
+  m.def("set_kquant_panels", [](int64_t rows) { toggles.kq_panel_rows = rows; },
+        "K-quant dots of at least `rows` rows over panels of 16 weight rows (where the VNNI kernels run)");
+  m.def("set_vnni_twin", [](bool on) { toggles.vnni_twin = on; return vnni_kernels(); },
+        "the VNNI kernels' portable twins in place of the instructions (any CPU); returns uses_vnni()");
   m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
-  m.def("uses_vnni", &use_vnni, "whether q8_vnni_gemm runs here (AVX-512 VNNI, allowed)");
+  m.def("uses_vnni", &vnni_kernels, "whether the VNNI kernels run here (AVX-512 VNNI, allowed; or their twins)");
+  m.def("vnni_real", &vnni_real, "whether the VNNI kernels run on the instructions (not their twins)");
   // linear.cpp, gemm.cpp, vnni.cpp
   m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min)", kNoGIL);
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)", kNoGIL);

@@ -16,8 +16,8 @@
 // acc += isum d dx (the offset types: acc += (isum - msum) d dx). Results agree with the row-by-row dots to float rounding.
 //
 // Two twins compute it: the AVX-512 VNNI one (the transposes by vpermt2d, the sums by vpdpbusd / vpdpwssd) and a
-// portable one (AVX2 floor, plain loops), bit for bit equal: the portable one runs where the CPU lacks VNNI only
-// when toggles.kq_panel_twin asks (the tests; the row-by-row AVX2 dots are faster there).
+// portable one (AVX2 floor, plain loops), bit for bit equal: the portable one runs only where toggles.vnni_twin asks
+// (LLMSERVE_VNNI=twin: the tests, on any CPU; without VNNI the row-by-row AVX2 dots are faster).
 #include "gguf_panels.h"
 
 #include <algorithm>
@@ -255,7 +255,7 @@ template <typename T>
 int64_t run_panels(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   constexpr int64_t SB = block_bytes(kGroups<T>);
   const int64_t S = a.K / 256, panels = (n1 - n0) / 16;
-  const bool wide = use_vnni() && !toggles.kq_panel_twin;
+  const bool wide = vnni_real();
   std::vector<uint8_t> buf(kPanels * S * SB);
   for (int64_t p0 = 0; p0 < panels; p0 += kPanels) {
     const int64_t np = std::min(kPanels, panels - p0);
@@ -287,7 +287,7 @@ int64_t run_panels(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_
 }  // namespace
 
 bool panels_take(int64_t qtype, int64_t M) {
-  if (M < toggles.kq_panel_rows || !(use_vnni() || toggles.kq_panel_twin)) return false;
+  if (M < toggles.kq_panel_rows || !vnni_kernels()) return false;
   bool ok = false;
   with_dot_type(qtype, [&](auto t) { ok = kPanelType<decltype(t)>; });
   return ok;

@@ -28,7 +28,7 @@ struct Toggles {
   bool q8_int_gemm = true;    // many rows of per-channel int8: the integer GEMM, else float32 tiles (KernelConfig.int8_gemm)
   bool q4_vnni = true;        // many rows of int4: the VNNI integer GEMM, else float32 tiles (KernelConfig.int4_vnni)
   int64_t kq_panel_rows = 8;  // K-quant dots from this many rows: panels of 16 weight rows (KernelConfig.kquant_panel_rows)
-  bool kq_panel_twin = false; // the panels' portable twin, also where the CPU lacks VNNI (tests)
+  bool vnni_twin = false;     // the VNNI kernels' portable twins in place of the instructions, on any CPU (LLMSERVE_VNNI)
 };
 inline Toggles toggles;
 
@@ -61,5 +61,11 @@ inline bool cpu_has_avx512_bf16() {
 // Whether the LLMSERVE_AVX512 / LLMSERVE_AVX512_VNNI variants run: the CPU has them and they are allowed.
 inline bool use_avx512() { return toggles.avx512 && cpu_has_avx512(); }
 inline bool use_vnni() { return use_avx512() && cpu_has_avx512_vnni(); }
+
+// The kernels of VNNI's layouts (vnni.cpp's integer GEMMs, gguf_panels.cpp): whether they run (vnni_kernels(): the
+// instructions, or their portable twins where toggles.vnni_twin asks), and whether by the instructions (vnni_real()).
+// A twin sums the same integers and makes the same float operations in the same order: the same bits, on any CPU.
+inline bool vnni_kernels() { return use_vnni() || toggles.vnni_twin; }
+inline bool vnni_real() { return use_vnni() && !toggles.vnni_twin; }
 
 }  // namespace llmserve

@@ -66,7 +66,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
               "q4_linear: contiguous weights, float16 scales and mins");
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const at::Half *s = scale.data_ptr<at::Half>(), *mi = minv.data_ptr<at::Half>();
-  if (M >= many_rows && use_vnni() && toggles.q4_vnni && N % 64 == 0) return q4_vnni_gemm(x, qw, scale, minv);
+  if (M >= many_rows && vnni_kernels() && toggles.q4_vnni && N % 64 == 0) return q4_vnni_gemm(x, qw, scale, minv);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M >= many_rows) {
     tiled_matmul(x, N, [&](int64_t n, float* w) { q4_dequant_row(q + n * (K / 2), s + n * G, mi + n * G, K, w); }, out);

@@ -1,9 +1,11 @@
 // The integer GEMMs of many rows on AVX-512 VNNI (vpdpbusd), llmserve's own: int8 weights with a scale per channel
 // (q8_vnni_gemm, in their VNNI layout) and int4 in Q4_1's blocks (q4_vnni_gemm, q4_linear's many rows). Only
-// reached where use_vnni() holds (the callers check): the kernels here are compiled for LLMSERVE_AVX512_VNNI.
+// reached where vnni_kernels() holds (the callers check): the kernels here are compiled for LLMSERVE_AVX512_VNNI,
+// each with a portable twin in plain loops (toggles.vnni_twin, LLMSERVE_VNNI=twin: any CPU, the same bits).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -87,13 +89,37 @@ LLMSERVE_AVX512_VNNI void vnni_epilogue(const int32_t* acc, int64_t ld, int64_t 
   }
 }
 
+
+// The portable twins of vnni_rows and vnni_epilogue (toggles.vnni_twin): the same integers, the same float
+// operations in the same order, in plain loops.
+void vnni_rows_twin(const uint8_t* xq, int64_t rows, int64_t K, const int8_t* wv, int64_t tile_bytes, int64_t tiles,
+                    int32_t* acc, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < 16 * tiles; ++c) {
+      const int8_t* w = wv + (c / 16) * tile_bytes + (c % 16) * 4;
+      int32_t a = 0;
+      for (int64_t k = 0; k < K; ++k) a += xq[r * K + k] * w[(k / 4) * 64 + k % 4];
+      acc[r * ld + c] = a;
+    }
+}
+
+void vnni_epilogue_twin(const int32_t* acc, int64_t ld, int64_t M, int64_t L, const float* sx, const int32_t* csum,
+                        const float* ws, int64_t channels, float* out, int64_t N) {
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t m = 0; m < M; ++m) {
+      float y = static_cast<float>(acc[m * ld + c] - (csum[c] << 7)) * sx[m];
+      if (L == 2) y = std::fma(static_cast<float>(acc[(M + m) * ld + c] - (csum[c] << 7)), sx[M + m], y);
+      out[m * N + c] = y * ws[c];
+    }
+}
+
 }  // namespace
 
 at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::Tensor& csum, const at::Tensor& scale,
                         int64_t act_bits) {
   check_cpu_f32(x_in, "q8_vnni_gemm");
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(use_vnni(), "q8_vnni_gemm: needs AVX-512 VNNI");
+  TORCH_CHECK(vnni_kernels(), "q8_vnni_gemm: needs AVX-512 VNNI (or LLMSERVE_VNNI=twin)");
   TORCH_CHECK(wv.dim() == 4 && wv.size(2) == 16 && wv.size(3) == 4 && wv.scalar_type() == at::kChar &&
               wv.is_contiguous(), "q8_vnni_gemm: weights [N / 16, K / 4, 16, 4] int8");
   const int64_t M = x.size(0), K = x.size(1), N = wv.size(0) * 16, L = act_bits > 8 ? 2 : 1;
@@ -111,11 +137,17 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
   const float* ws = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tile_bytes = K * 16, blocks = (N + 63) / 64;
+  const bool real = vnni_real();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> acc(L * M * 64);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t tiles = std::min<int64_t>(4, N / 16 - 4 * b);
       const int8_t* wb = w + 4 * b * tile_bytes;
+      if (!real) {
+        vnni_rows_twin(xq.data(), L * M, K, wb, tile_bytes, tiles, acc.data(), 64);
+        vnni_epilogue_twin(acc.data(), 64, M, L, sx.data(), cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
+        continue;
+      }
       switch (tiles) {
         case 4: vnni_rows<4>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
         case 3: vnni_rows<3>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
@@ -214,6 +246,39 @@ LLMSERVE_AVX512_VNNI void q4v_widen(const uint8_t* qw, const at::Half* sc, const
     }
 }
 
+
+// The portable twins of q4v_widen and q4v_rows (toggles.vnni_twin): the same layout, the same integers, the same
+// float operations in the same order.
+void q4v_widen_twin(const uint8_t* qw, const at::Half* sc, const at::Half* mi, int64_t K, int64_t n0, uint8_t* wu,
+                    float* d, float* mn) {
+  const int64_t G = K / 32, row = K / 2;
+  for (int64_t c = 0; c < 64; ++c)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* q = qw + (n0 + c) * row + 16 * g;
+      for (int64_t j = 0; j < 32; ++j) {
+        const int64_t k = 32 * g + j;
+        wu[(k / 4) * 256 + c * 4 + k % 4] = j < 16 ? q[j] & 0x0F : q[j - 16] >> 4;
+      }
+      d[g * 64 + c] = static_cast<float>(sc[(n0 + c) * G + g]);
+      mn[g * 64 + c] = static_cast<float>(mi[(n0 + c) * G + g]);
+    }
+}
+
+void q4v_rows_twin(int64_t R, const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* wu,
+                   const float* d, const float* mn, int64_t half, float* out, int64_t ldo) {
+  const int64_t G = K / 32;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 32 * half; c < 32 * half + 32; ++c) {
+      float f = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t a = 0;
+        for (int64_t k = 32 * g; k < 32 * g + 32; ++k) a += wu[(k / 4) * 256 + c * 4 + k % 4] * xq[r * K + k];
+        f = std::fma(mn[g * 64 + c], xs[r * G + g], std::fma(static_cast<float>(a), d[g * 64 + c] * dx[r * G + g], f));
+      }
+      out[r * ldo + c - 32 * half] = f;
+    }
+}
+
 }  // namespace
 
 // y = x @ W.T for int4 W (q4_linear's arguments) on VNNI; N % 64 == 0, K % 32 == 0 (q4_linear checks)
@@ -227,16 +292,25 @@ at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Ten
   float* op = out.data_ptr<float>();
   constexpr int64_t kRows = 256;   // rows a task: its channels' widened weights serve them all
   const int64_t blocks = N / 64, chunks = (M + kRows - 1) / kRows;
+  const bool real = vnni_real();
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> wu(64 * K);
     std::vector<float> d(64 * G), mn(64 * G);
     int64_t widened = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / chunks, m0 = t % chunks * kRows, m1 = std::min(M, m0 + kRows);
-      if (b != widened) q4v_widen(q, s, mi, K, 64 * b, wu.data(), d.data(), mn.data());
+      if (b != widened) {
+        if (real) q4v_widen(q, s, mi, K, 64 * b, wu.data(), d.data(), mn.data());
+        else q4v_widen_twin(q, s, mi, K, 64 * b, wu.data(), d.data(), mn.data());
+      }
       widened = b;
       for (int64_t half = 0; half < 2; ++half) {
         int64_t m = m0;
+        if (!real) {
+          q4v_rows_twin(m1 - m0, r.q.data() + m * K, r.dx.data() + m * G, r.sum.data() + m * G, K, wu.data(), d.data(),
+                        mn.data(), half, op + m * N + 64 * b + 32 * half, N);
+          continue;
+        }
         const auto run = [&](auto rows) {
           constexpr int R = decltype(rows)::value;
           q4v_rows<R>(r.q.data() + m * K, r.dx.data() + m * G, r.sum.data() + m * G, K, wu.data(), d.data(),

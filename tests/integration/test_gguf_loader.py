@@ -106,11 +106,12 @@ def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
 
 
 @pytest.mark.parametrize("kind", ["mixed", "low"])
-@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("avx512", [True, False, "twin"], ids=["avx512", "avx2", "twin"])
 def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     """--quantization int4 on the Q4_K_M-like mix: the K-quant projections (q, k, v of different types in one)
     and the Q8_0 ones decode through the fused stack (all layers in one C++ call), with the module path's
-    logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2). The low-bit
+    logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2), and the VNNI
+    kernels' portable twins on AVX2 ("twin": the K-quant panels of many rows as a VNNI CPU runs them). The low-bit
     mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots."""
     from llmserve import envs
     from llmserve.model.evaluate import sequence_logits
@@ -134,7 +135,8 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     prompts = _prompts(model.cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     ids = list(range(100, 140))
-    cpu.set_avx512(avx512)
+    cpu.set_avx512(avx512 is True)
+    cpu.set_vnni_twin(avx512 == "twin")
     try:
         fused = sequence_logits(model, ids, decode=True)
         assert model._decode_stack, "the fused path must run here"
@@ -145,6 +147,7 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     finally:
         model._decode_stack = None
         cpu.set_avx512(envs.LLMSERVE_AVX512)
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
     assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (fused - modules).abs().max()
     assert fused_tokens == module_tokens
     assert llm.engine.kv.usage == 0

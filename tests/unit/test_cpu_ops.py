@@ -128,15 +128,55 @@ def test_packed_weights_compute_the_same_product(ext):
         cpu_ext._CROSSOVERS.clear()
 
 
-def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext):
+@pytest.fixture(params=["vnni", "twin"])
+def vnni(ext, request):
+    """The VNNI kernels on the instructions (where the CPU has them) or their portable twins (any CPU: the same
+    bits, LLMSERVE_VNNI=twin)."""
+    from llmserve import envs
+
+    ext.set_vnni_twin(request.param == "twin")
+    if request.param == "vnni" and not ext.vnni_real():
+        ext.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        pytest.skip("no AVX-512 VNNI on this CPU: the portable twins ('twin') are the ones tested")
+    yield request.param
+    ext.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+
+
+def test_vnni_twins_give_the_instructions_bits(ext):
+    """int8 (q8_vnni_gemm) and int4 (q4_vnni_gemm) integer GEMMs: the portable twins that run the VNNI CPUs' default
+    path on any CPU give the instructions' result bit for bit."""
+    from llmserve import envs
+    from llmserve.model.formats.quant import pack_int4, quantize_int4
+
+    ext.set_vnni_twin(False)
+    if not ext.vnni_real():
+        ext.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        pytest.skip("no AVX-512 VNNI on this CPU: the twins are checked against _int_mm and the dots instead")
+    torch.manual_seed(1)
+    q, scale = ops.quantize_int8_per_channel(torch.randn(80, 96))
+    wv, csum = ops.vnni_pack(q)
+    q4, s4, lo = quantize_int4(torch.randn(128, 96))
+    qw, s4, lo = pack_int4(q4), s4.half().contiguous(), lo.half().contiguous()
+    try:
+        for m in (1, 5, 300):
+            x = torch.randn(m, 96) * 3
+            got = {}
+            for twin in (False, True):
+                ext.set_vnni_twin(twin)
+                got[twin] = [ext.q8_vnni_gemm(x, wv, csum, scale[:, None].contiguous(), b) for b in (8, 16)]
+                got[twin].append(ext.q4_linear(x, qw, s4, lo, 1))
+            assert all(torch.equal(a, b) for a, b in zip(got[False], got[True])), m
+    finally:
+        ext.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+
+
+def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext, vnni):
     """llmserve's own integer GEMM on int8 weights in the VNNI layout (ops.vnni_pack, q8_vnni_gemm) rounds the
     activations as q8_int_gemm does and sums the same integers (u8 = q + 128, the 128 x channel sum taken off):
     the result of _int_mm on the plain weights, bit for bit, at row counts around its 4-row blocks, channel
     counts around its 64-channel blocks, one activation level and two. The layout reads back as the weights."""
     from llmserve.config import KernelConfig
 
-    if not ext.uses_vnni():
-        pytest.skip("no AVX-512 VNNI on this CPU")
     torch.manual_seed(0)
     for n, k in ((80, 64), (300 // 16 * 16, 96), (64, 1536)):
         q, scale = ops.quantize_int8_per_channel(torch.randn(n, k))
@@ -157,7 +197,7 @@ def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext):
         ops.configure(saved)
 
 
-def test_int4_vnni_gemm_gives_the_dots_result(ext):
+def test_int4_vnni_gemm_gives_the_dots_result(ext, vnni):
     """int4 (Q4_1 blocks) times many rows on VNNI (q4_linear from `many_rows`, KernelConfig.int4_vnni): the
     activations rounded per 32 values to int8 as the few-row dots round them, the same integer sums: the dots'
     result up to the order of the float sums, at row counts around its 4-row blocks and 256-row tasks. Off (or a
@@ -165,8 +205,6 @@ def test_int4_vnni_gemm_gives_the_dots_result(ext):
     from llmserve.config import KernelConfig
     from llmserve.model.formats.quant import pack_int4, quantize_int4, unpack_int4
 
-    if not ext.uses_vnni():
-        pytest.skip("no AVX-512 VNNI on this CPU")
     torch.manual_seed(0)
     saved = ops.configure(KernelConfig(int4_vnni=True))
     try:

@@ -338,20 +338,23 @@ PANEL_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 def panels(ext, request):
     """The panels from 1 row on: their AVX-512 VNNI kernels (where the CPU has them) or the portable twin (any CPU:
     the default path of a VNNI CPU, computed the same way)."""
+    from llmserve import envs
     from llmserve.model.kernels import cpu_ext, ops
 
     cpu = ops.cpu_kernels()
-    if request.param == "avx512" and not ext.uses_avx512():
+    if request.param == "avx512" and not cpu.vnni_real():
         pytest.skip("this CPU has no AVX-512 VNNI: the portable twin ('twin') stands in for the panels' kernels")
-    cpu.set_kquant_panels(1, request.param == "twin")
+    cpu.set_kquant_panels(1)
+    cpu.set_vnni_twin(request.param == "twin")
     yield request.param
+    cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
     cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
 
 
 def row_by_row(x, raw, qtype, k):
     from llmserve.model.kernels import cpu_ext, ops
 
-    ops.cpu_kernels().set_kquant_panels(1 << 62, False)
+    ops.cpu_kernels().set_kquant_panels(1 << 62)
     try:
         return gk.linear(x, raw, qtype, k)
     finally:
@@ -369,7 +372,7 @@ def test_kquant_panels_sum_what_the_row_by_row_dots_sum(ext, panels, qtype, rows
     x[:, 5] *= 20
     got = gk.linear(x, raw, qtype, k)
     alone = gk.linear(x[-1:], raw, qtype, k)[0]
-    want = row_by_row(x, raw, qtype, k)  # (then the configured switches again)
+    want = row_by_row(x, raw, qtype, k)  # (then the configured row count again)
     w = gk.dequantize(raw, qtype, k).double()
     scale = x.double().abs() @ w.abs().t()
     assert ((got.double() - want.double()).abs() <= 1e-5 * scale + 1e-6).all()
@@ -381,20 +384,25 @@ def test_kquant_panels_sum_what_the_row_by_row_dots_sum(ext, panels, qtype, rows
 def test_kquant_panel_twins_agree_bit_for_bit(ext, qtype):
     """The AVX-512 VNNI panels and their portable twin give the same bits (the same integers, the same float
     operations in the same order): the twin, run on every CPU, checks the VNNI CPUs' default path."""
+    from llmserve import envs
     from llmserve.model.kernels import cpu_ext, ops
 
-    if not ext.uses_avx512():
+    cpu = ops.cpu_kernels()
+    if not cpu.vnni_real() and envs.LLMSERVE_VNNI != "twin":
         pytest.skip("this CPU has no AVX-512 VNNI: only the twin runs here (test_kquant_panels_sum_...[twin])")
     k = 1024
     raw = gk.random_blocks(qtype, 48, k, seed=11)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(11))
-    cpu = ops.cpu_kernels()
     try:
-        cpu.set_kquant_panels(1, False)
+        cpu.set_kquant_panels(1)
+        cpu.set_vnni_twin(False)
+        if not cpu.vnni_real():
+            pytest.skip("this CPU has no AVX-512 VNNI: only the twin runs here (test_kquant_panels_sum_...[twin])")
         wide = gk.linear(x, raw, qtype, k)
-        cpu.set_kquant_panels(1, True)
+        cpu.set_vnni_twin(True)
         twin = gk.linear(x, raw, qtype, k)
     finally:
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
         cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
     assert torch.equal(wide, twin)
 
@@ -419,18 +427,19 @@ def test_kquant_panels_extreme_blocks(ext, panels, qtype, fill):
 
 
 def test_kquant_panels_start_at_their_row_count(ext):
-    """Below KernelConfig.kquant_panel_rows rows the row-by-row dots run, from there the panels (where they run:
-    AVX-512 VNNI, or the twin); LLMSERVE_KQUANT_PANELS=0 keeps the dots at every row count."""
+    """Below KernelConfig.kquant_panel_rows rows the row-by-row dots run, from there the panels (where the VNNI
+    kernels run: the instructions, or here their twin); LLMSERVE_KQUANT_PANELS=0 keeps the dots at every row count."""
+    from llmserve import envs
     from llmserve.model.kernels import cpu_ext, ops
 
     rows = cpu_ext.kernel_config().kquant_panel_rows
     k, qtype = 512, Q.Q4_K
     raw = gk.random_blocks(qtype, 32, k, seed=5)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    cpu = ops.cpu_kernels()
     try:
-        ops.cpu_kernels().set_kquant_panels(rows, True)
+        cpu.set_vnni_twin(True)
         assert torch.equal(gk.linear(x[: rows - 1], raw, qtype, k), row_by_row(x[: rows - 1], raw, qtype, k))
-        ops.cpu_kernels().set_kquant_panels(rows, True)  # (row_by_row set the configured switches back)
         assert not torch.equal(gk.linear(x, raw, qtype, k), row_by_row(x, raw, qtype, k))
     finally:
-        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")

@@ -58,9 +58,8 @@ def configure(kernels: KernelConfig) -> KernelConfig:
 
 
 def _set_kquant_panels(kernels: KernelConfig) -> None:
-    """The K-quant panels' switches (envs.LLMSERVE_KQUANT_PANELS, KernelConfig.kquant_panel_rows) into the module."""
-    mode = envs.LLMSERVE_KQUANT_PANELS
-    _EXT.set_kquant_panels(kernels.kquant_panel_rows if mode else 1 << 62, mode == "twin")
+    """The K-quant panels' row count (envs.LLMSERVE_KQUANT_PANELS, KernelConfig.kquant_panel_rows) into the module."""
+    _EXT.set_kquant_panels(kernels.kquant_panel_rows if envs.LLMSERVE_KQUANT_PANELS else 1 << 62)
 
 
 def kernel_config() -> KernelConfig:
@@ -91,6 +90,7 @@ def cpu_kernels():
             extra_ldflags=["-fopenmp"],
         )
         _EXT.set_avx512(envs.LLMSERVE_AVX512)
+        _EXT.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm and cpu_has_int8_dots())
         _EXT.set_q4_vnni(_KERNELS.int4_vnni)
