@@ -100,6 +100,10 @@ class KernelConfig:
     # one thread, 1B shapes: 8 rows 0.94-1.53x, 16 rows 1.35-2.2x, 128 rows 1.4-2.8x, 4 rows 0.7-0.9x
     # (benchmarks/kernels/kquant_panels.py)
     kquant_panel_rows: int = 8
+    # Q8_0 x Q8_0 (a Q8_0 file's int8 blocks, x rounded to int8 per 32) times this many rows or more on AVX-512 VNNI:
+    # llmserve's integer GEMM (q8b_vnni_gemm: 64 channels widened per call, vpdpbusd) in place of the dots, the same
+    # integers; one thread, 2048 x 2048: 4 rows 1.4x, 8 rows 2.5x, 16 rows 3.4x, 64-128 rows 4.9x (1 row 0.67x)
+    q8_block_gemm_rows: int = 4
 
 
 @dataclass

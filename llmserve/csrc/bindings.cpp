@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether q4_linear's many rows take the VNNI integer GEMM (else float32 tiles)");
   m.def("set_kquant_panels", [](int64_t rows) { toggles.kq_panel_rows = rows; },
         "K-quant dots of at least `rows` rows over panels of 16 weight rows (where the VNNI kernels run)");
+  m.def("set_q8_block_rows", [](int64_t rows) { toggles.q8_block_rows = rows; },
+        "Q8_0 x Q8_0 (q8_linear, group 32, 8-bit x) from `rows` rows: the VNNI integer GEMM (where the VNNI kernels run)");
   m.def("set_vnni_twin", [](bool on) { toggles.vnni_twin = on; return vnni_kernels(); },
         "the VNNI kernels' portable twins in place of the instructions (any CPU); returns uses_vnni()");
   m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");

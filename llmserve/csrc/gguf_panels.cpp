@@ -124,33 +124,6 @@ LLMSERVE_AVX512_VNNI inline __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
   return acc;
 }
 
-// One round of a 16 x 16 transpose of dwords: the off-diagonal blocks of size H of every 2H x 2H block swapped (row
-// i, bit H clear, with row i + H), one vpermt2d a row. Unrolled: the rows stay in registers.
-template <int H>
-LLMSERVE_AVX512_VNNI inline void transpose_round(__m512i (&r)[16]) {
-  constexpr auto lo = [](int c) { return c & H ? 16 + c - H : c; };   // row i: its own dwords, row i + H's beside them
-  constexpr auto hi = [](int c) { return c & H ? 16 + c : c + H; };   // row i + H: row i's dwords, then its own
-  const __m512i il = _mm512_setr_epi32(lo(0), lo(1), lo(2), lo(3), lo(4), lo(5), lo(6), lo(7), lo(8), lo(9), lo(10),
-                                       lo(11), lo(12), lo(13), lo(14), lo(15));
-  const __m512i ih = _mm512_setr_epi32(hi(0), hi(1), hi(2), hi(3), hi(4), hi(5), hi(6), hi(7), hi(8), hi(9), hi(10),
-                                       hi(11), hi(12), hi(13), hi(14), hi(15));
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    if (i & H) continue;
-    const __m512i a = r[i], b = r[i + H];
-    r[i] = _mm512_permutex2var_epi32(a, il, b);
-    r[i + H] = _mm512_permutex2var_epi32(a, ih, b);
-  }
-}
-
-// r[i] <- dword i of every r[j]
-LLMSERVE_AVX512_VNNI inline void transpose16(__m512i (&r)[16]) {
-  transpose_round<8>(r);
-  transpose_round<4>(r);
-  transpose_round<2>(r);
-  transpose_round<1>(r);
-}
-
 template <typename T>
 LLMSERVE_AVX512_VNNI void pack_avx512(const Layout& w, int64_t n, int64_t S, uint8_t* panel) {
   constexpr int64_t SB = block_bytes(kGroups<T>);
@@ -163,7 +136,7 @@ LLMSERVE_AVX512_VNNI void pack_avx512(const Layout& w, int64_t n, int64_t S, uin
         const uint8_t* b = w.p + (n + i) * w.ld + s * T::kBytes;
         r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(T::quants(b, 2 * c)), T::quants(b, 2 * c + 1), 1);
       }
-      transpose16(r);
+      transpose16_epi32(r);
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t) _mm512_storeu_si512(P + 64 * (16 * c + t), r[t]);
     }
@@ -183,8 +156,8 @@ LLMSERVE_AVX512_VNNI void pack_avx512(const Layout& w, int64_t n, int64_t S, uin
       d[i] = h.d;
       d[16 + i] = h.dmin;
     }
-    transpose16(sc);
-    transpose16(mn);
+    transpose16_epi32(sc);
+    transpose16_epi32(mn);
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g) _mm512_storeu_si512(P + kQuantBytes + 64 * g, sc[g * (16 / G)]);
 #pragma GCC unroll 8

@@ -36,6 +36,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor q8_vnni_gemm(const at::Tensor& x, const at::Tensor& wv, const at::Tensor& csum, const at::Tensor& scale,
                         int64_t act_bits);
 at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv);
+// Q8_0-like int8 (float32 scales per 32 values) times many rows, x rounded to int8 per 32 (q8_linear's act_bits 8)
+at::Tensor q8b_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale);
 
 // norms.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -386,6 +386,10 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
   const int8_t* q = qw.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   if (M >= many_rows && group == K && toggles.q8_int_gemm) return q8_int_gemm(x, qw, scale, act_bits);
+  // Q8_0 x Q8_0 (blocks of 32, x to int8 per 32): the VNNI integer GEMM from toggles.q8_block_rows rows, whatever
+  // many_rows says (its callers keep this mode on the dots at every row count otherwise: the same integers)
+  if (group == 32 && act_bits == 8 && M >= toggles.q8_block_rows && vnni_kernels() && N % 64 == 0 && K % 64 == 0)
+    return q8b_vnni_gemm(x, qw, scale);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M >= many_rows)
     tiled_matmul(x, N, [&](int64_t n, float* w) { q8_dequant_row(q + n * K, s + n * (K / group), K, group, w); }, out);

@@ -329,4 +329,145 @@ at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Ten
   return out;
 }
 
+namespace {
+
+// Q8_0's blocks (int8 weights, a float32 scale per 32 values: q8_linear's group 32, llama.cpp's Q8_0 x Q8_0 with
+// x rounded to int8 per 32) times many rows on AVX-512 VNNI, as q4_vnni_gemm: a task widens 64 channels once into
+// the instruction's layout ([K / 4][64][4] bytes, the values + 128 as unsigned bytes: vpdpbusd multiplies unsigned by
+// signed) and runs 4 rows x 32 channels at a time. A block's dot is sum (w + 128) x - 128 (sum of x's rounded
+// values): the dots' integer, exactly; times d dx into a float32 sum after each block.
+template <int R>
+LLMSERVE_AVX512_VNNI void q8v_rows(const int8_t* xq, const float* dx, const int32_t* xs, int64_t K, const uint8_t* wu,
+                                   const float* d, int64_t half, float* out, int64_t ldo) {
+  const int64_t G = K / 32;
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
+    for (int64_t s = 0; s < 8; ++s) {
+      const uint8_t* wk = wu + (8 * g + s) * 256 + half * 128;
+      const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + r * K + 32 * g + 4 * s, 4);
+        const __m512i x = _mm512_set1_epi32(x4);
+        a[r][0] = dpbusd(a[r][0], w0, x);
+        a[r][1] = dpbusd(a[r][1], w1, x);
+      }
+    }
+    const float* dg = d + g * 64 + half * 32;
+    const __m512 d0 = _mm512_loadu_ps(dg), d1 = _mm512_loadu_ps(dg + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i off = _mm512_set1_epi32(128 * xs[r * G + g]);
+      const __m512 sx = _mm512_set1_ps(dx[r * G + g]);
+      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][0], off)), _mm512_mul_ps(d0, sx), f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][1], off)), _mm512_mul_ps(d1, sx), f[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ldo, f[r][0]);
+    _mm512_storeu_ps(out + r * ldo + 16, f[r][1]);
+  }
+}
+
+// 64 channels [n0, n0 + 64) of int8 [N, K] with scales [N, K / 32] -> wu (value k of channel c + 128 at
+// (k / 4) * 256 + c * 4 + k % 4) and d [K / 32][64]: per 16 channels and 64 values, a 16 x 16 dword transpose.
+LLMSERVE_AVX512_VNNI void q8v_widen(const int8_t* qw, const float* sc, int64_t K, int64_t n0, uint8_t* wu, float* d) {
+  const int64_t G = K / 32;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t cb = 0; cb < 4; ++cb)
+    for (int64_t h = 0; h < K / 64; ++h) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(qw + (n0 + 16 * cb + i) * K + 64 * h);
+      transpose16_epi32(r);
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) _mm512_storeu_si512(wu + (16 * h + t) * 256 + 64 * cb, _mm512_xor_si512(r[t], flip));
+    }
+  for (int64_t c = 0; c < 64; ++c)
+    for (int64_t g = 0; g < G; ++g) d[g * 64 + c] = sc[(n0 + c) * G + g];
+}
+
+// The portable twins of q8v_widen and q8v_rows (toggles.vnni_twin).
+void q8v_widen_twin(const int8_t* qw, const float* sc, int64_t K, int64_t n0, uint8_t* wu, float* d) {
+  const int64_t G = K / 32;
+  for (int64_t c = 0; c < 64; ++c) {
+    for (int64_t k = 0; k < K; ++k)
+      wu[(k / 4) * 256 + c * 4 + k % 4] = static_cast<uint8_t>(qw[(n0 + c) * K + k] + 128);
+    for (int64_t g = 0; g < G; ++g) d[g * 64 + c] = sc[(n0 + c) * G + g];
+  }
+}
+
+void q8v_rows_twin(int64_t R, const int8_t* xq, const float* dx, const int32_t* xs, int64_t K, const uint8_t* wu,
+                   const float* d, int64_t half, float* out, int64_t ldo) {
+  const int64_t G = K / 32;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 32 * half; c < 32 * half + 32; ++c) {
+      float f = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t a = 0;
+        for (int64_t k = 32 * g; k < 32 * g + 32; ++k) a += wu[(k / 4) * 256 + c * 4 + k % 4] * xq[r * K + k];
+        f = std::fma(static_cast<float>(a - 128 * xs[r * G + g]), d[g * 64 + c] * dx[r * G + g], f);
+      }
+      out[r * ldo + c - 32 * half] = f;
+    }
+}
+
+}  // namespace
+
+// y = x @ W.T for Q8_0-like W (int8 [N, K], float32 scales [N, K / 32]); N % 64 == 0, K % 64 == 0 (q8_linear checks)
+at::Tensor q8b_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
+  const int64_t M = x.size(0), N = qw.size(0), K = x.size(1), G = K / 32;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  Rows<int8_t> r(x);
+  std::vector<int32_t> xs(M * G);   // the integer sum of each block of rounded x
+  for (int64_t i = 0; i < M * G; ++i) {
+    int32_t t = 0;
+    for (int64_t k = 0; k < 32; ++k) t += r.q[32 * i + k];
+    xs[i] = t;
+  }
+  const int8_t* q = qw.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kRows = 256;
+  const int64_t blocks = N / 64, chunks = (M + kRows - 1) / kRows;
+  const bool real = vnni_real();
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> wu(64 * K);
+    std::vector<float> d(64 * G);
+    int64_t widened = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, m0 = t % chunks * kRows, m1 = std::min(M, m0 + kRows);
+      if (b != widened) {
+        if (real) q8v_widen(q, s, K, 64 * b, wu.data(), d.data());
+        else q8v_widen_twin(q, s, K, 64 * b, wu.data(), d.data());
+      }
+      widened = b;
+      for (int64_t half = 0; half < 2; ++half) {
+        int64_t m = m0;
+        if (!real) {
+          q8v_rows_twin(m1 - m0, r.q.data() + m * K, r.dx.data() + m * G, xs.data() + m * G, K, wu.data(), d.data(),
+                        half, op + m * N + 64 * b + 32 * half, N);
+          continue;
+        }
+        const auto run = [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          q8v_rows<R>(r.q.data() + m * K, r.dx.data() + m * G, xs.data() + m * G, K, wu.data(), d.data(), half,
+                      op + m * N + 64 * b + 32 * half, N);
+        };
+        for (; m + 4 <= m1; m += 4) run(std::integral_constant<int, 4>{});
+        switch (m1 - m) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace llmserve

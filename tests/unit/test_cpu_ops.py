@@ -147,6 +147,7 @@ def test_vnni_twins_give_the_instructions_bits(ext):
     path on any CPU give the instructions' result bit for bit."""
     from llmserve import envs
     from llmserve.model.formats.quant import pack_int4, quantize_int4
+    from llmserve.model.kernels import cpu_ext
 
     ext.set_vnni_twin(False)
     if not ext.vnni_real():
@@ -157,17 +158,51 @@ def test_vnni_twins_give_the_instructions_bits(ext):
     wv, csum = ops.vnni_pack(q)
     q4, s4, lo = quantize_int4(torch.randn(128, 96))
     qw, s4, lo = pack_int4(q4), s4.half().contiguous(), lo.half().contiguous()
+    q8b, s8b = ops.quantize_int8_per_channel(torch.randn(128, 128).reshape(-1, 32))  # Q8_0-like: a scale per 32
+    q8b, s8b = q8b.reshape(128, 128), s8b.reshape(128, 4).contiguous()
+    ext.set_q8_block_rows(1)
     try:
         for m in (1, 5, 300):
-            x = torch.randn(m, 96) * 3
+            x, x8 = torch.randn(m, 96) * 3, torch.randn(m, 128)
             got = {}
             for twin in (False, True):
                 ext.set_vnni_twin(twin)
                 got[twin] = [ext.q8_vnni_gemm(x, wv, csum, scale[:, None].contiguous(), b) for b in (8, 16)]
                 got[twin].append(ext.q4_linear(x, qw, s4, lo, 1))
+                got[twin].append(ext.q8_linear(x8, q8b, s8b, 1 << 62, 8))
             assert all(torch.equal(a, b) for a, b in zip(got[False], got[True])), m
     finally:
         ext.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+
+
+def test_q8_block_gemm_sums_the_dots_integers(ext, vnni):
+    """Q8_0 x Q8_0 (int8 with a scale per 32 values, x rounded to int8 per 32: q8_linear's act_bits 8) from
+    KernelConfig.q8_block_gemm_rows rows on: the VNNI integer GEMM (q8b_vnni_gemm), the dots' integers (x + 128 and
+    the block's sum of x taken off), the dots' result up to the order of the float sums; below that row count, and
+    for channel counts not a multiple of 64, the dots themselves."""
+    from llmserve.model.kernels import cpu_ext
+
+    torch.manual_seed(2)
+    rows = cpu_ext.kernel_config().q8_block_gemm_rows
+    try:
+        for n, k in ((64, 64), (128, 576), (80, 128)):
+            q, s = ops.quantize_int8_per_channel(torch.randn(n * k // 32, 32))
+            q, s = q.reshape(n, k), s.reshape(n, k // 32).contiguous()
+            w = (q.float().reshape(n, -1, 32) * s[..., None]).reshape(n, k)
+            for m in (1, rows - 1, rows, 5, 49, 300):
+                x = torch.randn(m, k) * torch.rand(m, 1) * 10
+                got = ext.q8_linear(x, q, s, 1 << 62, 8)
+                ext.set_q8_block_rows(1 << 62)
+                dots = ext.q8_linear(x, q, s, 1 << 62, 8)
+                cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+                assert torch.allclose(got, dots, rtol=0, atol=2e-6 * (x.abs() @ w.abs().t()).max().item()), (n, k, m)
+                if m < rows or n % 64:
+                    assert torch.equal(got, dots), (n, k, m)  # the dots ran
+                elif m > 1:
+                    assert not torch.equal(got, dots), (n, k, m)  # the GEMM ran (its float sums differ)
+    finally:
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
 
 
 def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext, vnni):

@@ -58,8 +58,10 @@ def configure(kernels: KernelConfig) -> KernelConfig:
 
 
 def _set_kquant_panels(kernels: KernelConfig) -> None:
-    """The K-quant panels' row count (envs.LLMSERVE_KQUANT_PANELS, KernelConfig.kquant_panel_rows) into the module."""
+    """The row counts from which the GGUF blocks' many-row kernels run into the module: the K-quant panels
+    (envs.LLMSERVE_KQUANT_PANELS, KernelConfig.kquant_panel_rows) and Q8_0's integer GEMM (q8_block_gemm_rows)."""
     _EXT.set_kquant_panels(kernels.kquant_panel_rows if envs.LLMSERVE_KQUANT_PANELS else 1 << 62)
+    _EXT.set_q8_block_rows(kernels.q8_block_gemm_rows)
 
 
 def kernel_config() -> KernelConfig:
