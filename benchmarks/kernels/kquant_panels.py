@@ -1,9 +1,12 @@
-"""GGUF's K-quants times a batch of rows: the row-by-row integer dots against the panels (csrc/gguf_panels.cpp:
-the weights packed per call into panels of 16 rows, vpdpbusd over 4 values of 16 rows), one projection at a time,
-on a 1B-class Llama's shapes in a Q4_K_M file's types (Q4_K for q/k/v/o and gate/up, Q6_K for down), and the
-bundled SmolLM2-135M's. Both paths round x per 256 values as llama.cpp's Q8_K; the same integers, the float sums
-in another order. CPU time of the calling thread (--threads 1; robust to a loaded machine), best of --repeats,
-alternated; the panels' speed-up per row count decides KernelConfig.kquant_panel_rows.
+"""GGUF's blocks times a batch of rows on AVX-512 VNNI: the row-by-row integer dots against the many-row kernels,
+one projection at a time, on a 1B-class Llama's shapes in a Q4_K_M file's types (Q4_K for q/k/v/o and gate/up,
+Q6_K for down), a Q8_0 file's, and the bundled SmolLM2-135M's:
+  * K-quants: the panels (csrc/gguf_panels.cpp: the weights packed per call into panels of 16 rows, vpdpbusd over
+    4 values of 16 rows); both paths round x per 256 values as llama.cpp's Q8_K;
+  * Q8_0: the block GEMM (q8b_vnni_gemm: 64 channels widened per call); both round x per 32 (Q8_0 x Q8_0).
+The same integers, the float sums in another order. CPU time of the calling thread (--threads 1; robust to a
+loaded machine), best of --repeats, alternated; the speed-up per row count decides KernelConfig.kquant_panel_rows
+and q8_block_gemm_rows.
 
     python -m benchmarks.kernels.kquant_panels [--threads 1] [--repeats 7] [--no-write]
 """
@@ -22,6 +25,8 @@ SHAPES = {  # name -> (qtype, out, in)
     "1B qkv Q4_K": ("Q4_K", 3072, 2048),
     "1B gate_up Q4_K": ("Q4_K", 16384, 2048),
     "1B down Q6_K": ("Q6_K", 2048, 8192),
+    "1B qkv Q8_0": ("Q8_0", 3072, 2048),
+    "1B down Q8_0": ("Q8_0", 2048, 8192),
 }
 ROWS = (1, 4, 8, 16, 64, 256)
 
@@ -44,14 +49,27 @@ def main() -> None:
     with torch.inference_mode():
         for name, (qtype, n, k) in SHAPES.items():
             raw = gk.random_blocks(qtype, n, k, seed=1)
+            if qtype == "Q8_0":  # (the packed int8 layout a Q8_0 file's tensors load into)
+                _, ts = gk.repack(raw, gk.qtype_number(qtype))
+
+                def call(x, ts=ts):
+                    return ext.q8_linear(x, *ts, 1 << 62, 8)
+
+                switch = ext.set_q8_block_rows
+            else:
+
+                def call(x, raw=raw, qtype=qtype, k=k):
+                    return gk.linear(x, raw, qtype, k)
+
+                switch = ext.set_kquant_panels
             for m in ROWS:
                 x = torch.randn(m, k)
                 best = {"dots": float("inf"), "panels": float("inf")}
                 for _ in range(a.repeats):
                     for path, rows in (("dots", 1 << 62), ("panels", 1)):
-                        ext.set_kquant_panels(rows, False)
+                        switch(rows)
                         t0 = clock()
-                        gk.linear(x, raw, qtype, k)
+                        call(x)
                         best[path] = min(best[path], clock() - t0)
                 cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
                 ratio = best["dots"] / best["panels"]
@@ -63,14 +81,15 @@ def main() -> None:
         f"`python -m benchmarks.kernels.kquant_panels --threads {a.threads} --repeats {a.repeats}`: one projection "
         f"of random K-quant blocks times m rows of x, {a.threads} thread(s), "
         f"{'CPU time of the thread' if a.threads == 1 else 'wall time'}, best of {a.repeats} (alternated). dots: "
-        "the row-by-row integer dots (kquant_dot_avx512, each weight row unpacked once per 4 rows of x, the float "
-        "epilogue per row pair and super-block); panels: 16 weight rows packed per call, 4 values of 16 rows a "
-        "vpdpbusd, the epilogue once per 16 rows (csrc/gguf_panels.cpp). The default "
-        "(`KernelConfig.kquant_panel_rows`) takes the panels from 8 rows.\n\n"
-        "| projection | rows | dots ms | panels ms | panels' speed-up |\n|---|---|---|---|---|\n" + "\n".join(lines)
+        "the row-by-row integer dots (K-quants: kquant_dot_avx512, each weight row unpacked once per 4 rows of x, the "
+        "float epilogue per row pair and super-block; Q8_0: q8_rows); GEMM: the K-quant panels (16 weight rows packed "
+        "per call, 4 values of 16 rows a vpdpbusd, the epilogue once per 16 rows: csrc/gguf_panels.cpp) or Q8_0's "
+        "block GEMM (q8b_vnni_gemm). The defaults take them from 8 rows (`KernelConfig.kquant_panel_rows`) and 4 "
+        "(`q8_block_gemm_rows`).\n\n"
+        "| projection | rows | dots ms | GEMM ms | GEMM's speed-up |\n|---|---|---|---|---|\n" + "\n".join(lines)
     )
     if not a.no_write:
-        write_section("GGUF K-quant dots of many rows: row by row against panels of 16", body)
+        write_section("GGUF blocks times many rows: row-by-row dots against the VNNI GEMMs", body)
 
 
 if __name__ == "__main__":
