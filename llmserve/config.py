@@ -95,14 +95,14 @@ class KernelConfig:
     # 64 channels at a time (a vpermd transpose), it meets the dots at 4 rows (0.9-1.6x) and leads from there: 16
     # rows 1.9-3.3x, 64 rows 2.4-5.0x on SmolLM2's and a 1B model's shapes (one row: 0.3-0.7x; int4_gemm.py)
     int4_vnni_rows: int = 4
-    # GGUF's K-quants (Q2_K .. Q6_K) times this many rows or more on AVX-512 VNNI: the weights packed per call into
-    # panels of 16 rows, 4 values of 16 rows to a vpdpbusd (csrc/gguf_panels.cpp), in place of the row-by-row dots;
-    # one thread, 1B shapes: 8 rows 0.94-1.53x, 16 rows 1.35-2.2x, 128 rows 1.4-2.8x, 4 rows 0.7-0.9x
-    # (benchmarks/kernels/kquant_panels.py)
-    kquant_panel_rows: int = 8
+    # GGUF's K-quants times this many rows or more on AVX-512 VNNI (Q4_K, Q5_K; Q2_K, Q3_K, Q6_K from 3x as many):
+    # the weights packed per call into panels of 16 rows, 4 values of 16 rows to a vpdpbusd (csrc/gguf_panels.cpp),
+    # in place of the row-by-row dots; one thread, 1B shapes: Q4_K 0.92-0.97x at 8 rows, 1.32-1.38x at 16,
+    # 1.63-2.05x at 64-256; Q6_K 0.92x at 8 and 16, 1.42-1.59x at 64-256 (benchmarks/kernels/kquant_panels.py)
+    kquant_panel_rows: int = 12
     # Q8_0 x Q8_0 (a Q8_0 file's int8 blocks, x rounded to int8 per 32) times this many rows or more on AVX-512 VNNI:
     # llmserve's integer GEMM (q8b_vnni_gemm: 64 channels widened per call, vpdpbusd) in place of the dots, the same
-    # integers; one thread, 2048 x 2048: 4 rows 1.4x, 8 rows 2.5x, 16 rows 3.4x, 64-128 rows 4.9x (1 row 0.67x)
+    # integers; one thread, 1B shapes: 4 rows 0.93-1.51x, 8 rows 1.58-2.31x, 16 rows 2.46-3.08x, 64-256 rows 4.0-5.3x
     q8_block_gemm_rows: int = 4
 
 

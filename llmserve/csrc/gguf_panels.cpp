@@ -262,7 +262,12 @@ int64_t run_panels(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_
 bool panels_take(int64_t qtype, int64_t M) {
   if (M < toggles.kq_panel_rows || !vnni_kernels()) return false;
   bool ok = false;
-  with_dot_type(qtype, [&](auto t) { ok = kPanelType<decltype(t)>; });
+  with_dot_type(qtype, [&](auto t) {
+    using T = decltype(t);
+    // the 16-value-group types (Q2_K, Q3_K, Q6_K) pack twice the scales and unpack dearer: from 3x the rows
+    // (one thread, 1B shapes: Q6_K 0.92x the dots at 8 and 16 rows, 1.42x at 64; Q4_K 0.92-0.97x at 8, 1.32-1.38x at 16)
+    if constexpr (kPanelType<T>) ok = M >= (kGroups<T> == 8 ? 1 : 3) * toggles.kq_panel_rows;
+  });
   return ok;
 }
 

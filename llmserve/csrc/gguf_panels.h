@@ -22,7 +22,8 @@ struct Acts {
 };
 
 // Whether the panels take qtype's dots of M rows: a K-quant of unsigned values (Q2_K .. Q6_K), at least
-// toggles.kq_panel_rows rows, where the VNNI kernels run (vnni_kernels(): the instructions or their twins).
+// toggles.kq_panel_rows rows (3x that for Q2_K, Q3_K, Q6_K), where the VNNI kernels run (vnni_kernels(): the
+// instructions or their twins).
 bool panels_take(int64_t qtype, int64_t M);
 
 // out[m, n] for every row m of x and weight rows [n0, n1) of w (qtype, panels_take holds): panels of 16 rows,

@@ -27,7 +27,7 @@ struct Toggles {
   bool gemm_onednn = false;   // gemm() runs oneDNN's matmul, else at::linear (ops.gemm_engine)
   bool q8_int_gemm = true;    // many rows of per-channel int8: the integer GEMM, else float32 tiles (KernelConfig.int8_gemm)
   bool q4_vnni = true;        // many rows of int4: the VNNI integer GEMM, else float32 tiles (KernelConfig.int4_vnni)
-  int64_t kq_panel_rows = 8;  // K-quant dots from this many rows: panels of 16 weight rows (KernelConfig.kquant_panel_rows)
+  int64_t kq_panel_rows = 12; // K-quant dots from this many rows: panels of 16 weight rows (KernelConfig.kquant_panel_rows)
   int64_t q8_block_rows = 4;  // Q8_0 x Q8_0 (q8_linear's group 32, 8-bit x) from this many rows: q8b_vnni_gemm
   bool vnni_twin = false;     // the VNNI kernels' portable twins in place of the instructions, on any CPU (LLMSERVE_VNNI)
 };

@@ -365,19 +365,20 @@ def row_by_row(x, raw, qtype, k):
 @pytest.mark.parametrize("rows,n", [(1, 16), (5, 37), (17, 70), (64, 33)])
 def test_kquant_panels_sum_what_the_row_by_row_dots_sum(ext, panels, qtype, rows, n):
     """The panels' integers are the row-by-row dots' (x rounded per 256 values): results agree to float rounding
-    (the float sums run per super-block instead of per lane), for whole panels and the rows after the last one."""
+    (the float sums run per super-block instead of per lane), for whole panels and the rows after the last one.
+    (Here from 1 row for Q4_K / Q5_K, 3 for the 16-value-group types.)"""
     k = 768
     raw = gk.random_blocks(qtype, n, k, seed=rows + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[:, 5] *= 20
     got = gk.linear(x, raw, qtype, k)
-    alone = gk.linear(x[-1:], raw, qtype, k)[0]
+    alone = gk.linear(x[-3:], raw, qtype, k)[-1]  # (3 rows: Q2_K / Q3_K / Q6_K take panels from 3x the row count)
     want = row_by_row(x, raw, qtype, k)  # (then the configured row count again)
     w = gk.dequantize(raw, qtype, k).double()
     scale = x.double().abs() @ w.abs().t()
     assert ((got.double() - want.double()).abs() <= 1e-5 * scale + 1e-6).all()
-    assert not torch.equal(got[:, :16], want[:, :16]) or rows == 1  # the panels ran (their float sums differ)
-    assert torch.equal(alone, got[-1])  # a row's result does not depend on the rows beside it
+    assert not torch.equal(got[:, :16], want[:, :16]) or rows < 3  # the panels ran (their float sums differ)
+    assert torch.equal(alone, got[-1])  # a row's result does not depend on how many rows are beside it
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
