@@ -1,9 +1,9 @@
-// The K-quant dots of many rows (Q2_K .. Q6_K, gguf_dots.cpp's dot_parts from toggles.kq_panel_rows rows on, 3x
-// that for the 16-value-group types: panels_take): the
-// weights' rows packed per call into panels of 16, the values of 16 rows interleaved four at a time so that one
-// vpdpbusd multiplies 4 values of 16 rows by the same 4 values of a row of x (as llama.cpp's repacked Q4_K x Q8_K
-// GEMM, whose lanes hold output columns): a row of x pays the float epilogue once per 16 weight rows and super-block,
-// where the row-by-row dots (kquant_dot) pay it for each, and a panel's unpacking serves every row of x.
+// The K-quant dots of many rows (Q2_K .. Q6_K; gguf_dots.cpp's dot_parts, from toggles.kq_panel_rows rows on and 3x
+// that for the 16-value-group types: panels_take): the weights' rows packed per call into panels of 16, the values of
+// 16 rows interleaved four at a time so that one vpdpbusd multiplies 4 values of 16 rows by the same 4 values of a
+// row of x (as llama.cpp's repacked Q4_K x Q8_K GEMM, whose lanes hold output columns): a row of x pays the float
+// epilogue once per 16 weight rows and super-block, where the row-by-row dots (kquant_dot) pay it for each, and a
+// panel's unpacking serves every row of x.
 //
 // A panel's super-block s, block_bytes(G) bytes:
 //   quants  64 steps x 64 bytes: step t holds values 4t .. 4t + 3 of each of the 16 rows (row i at bytes 4i ..),
