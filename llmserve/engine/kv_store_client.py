@@ -107,9 +107,18 @@ class LazyCluster:
         return self._get().delete(*keys)  # split by hash slot, one DEL per node
 
     def ping(self):
-        """Every primary of the slots map answers (a cluster missing one serves none of its slots: not usable)."""
+        """Every primary of the slots map answers (a cluster missing one serves none of its slots: not usable), and
+        each says cluster_state:ok: a node that has just come back answers PING before the cluster serves its slots
+        again (CLUSTERDOWN), and a breaker closed on PING alone would drop the next writes."""
+        from redis.exceptions import ClusterDownError
+
         client = self._get()
-        return client.ping(target_nodes=client.PRIMARIES)
+        client.ping(target_nodes=client.PRIMARIES)
+        infos = client.cluster_info(target_nodes=client.PRIMARIES)
+        for info in infos.values() if all(isinstance(v, dict) for v in infos.values()) else [infos]:
+            if info.get("cluster_state") != "ok":
+                raise ClusterDownError(f"cluster_state:{info.get('cluster_state')}")
+        return True
 
     def close(self) -> None:
         if self._client is not None:
