@@ -64,4 +64,5 @@ def test_a_cluster_node_killed_fails_no_request_and_back_is_used_again(redis_clu
         assert "reachable again" in a.log()
         before = a.metrics()[M + "kv_remote_bytes_written_total"]
         _complete(a, "A new prompt after the node came back. " + TEXT[:900], 2)
-        assert wait_until(lambda: a.metrics()[M + "kv_remote_bytes_written_total"] > before, timeout=60), a.log()[-3000:]
+        written = wait_until(lambda: a.metrics()[M + "kv_remote_bytes_written_total"] > before, timeout=60)
+        assert written, a.log()[-3000:]
