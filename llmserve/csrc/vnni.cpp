@@ -31,6 +31,19 @@ namespace {
 // time are multiplied with them, 16 accumulators in registers.
 
 
+// f(m, std::integral_constant<int, R>{}) over rows [m0, m1): blocks of R = 4, then the 1 to 3 left
+template <typename F>
+void in_blocks_of_four(int64_t m0, int64_t m1, F&& f) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) f(m, std::integral_constant<int, 4>{});
+  switch (m1 - m) {
+    case 1: f(m, std::integral_constant<int, 1>{}); break;
+    case 2: f(m, std::integral_constant<int, 2>{}); break;
+    case 3: f(m, std::integral_constant<int, 3>{}); break;
+    default: break;
+  }
+}
+
 // acc += the 4-byte dot products of u8 `x` and s8 `w` per lane, accumulated in place (GCC's code for the
 // intrinsic copies each accumulator around the loop)
 LLMSERVE_AVX512_VNNI inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
@@ -305,24 +318,15 @@ at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Ten
       }
       widened = b;
       for (int64_t half = 0; half < 2; ++half) {
-        int64_t m = m0;
         if (!real) {
-          q4v_rows_twin(m1 - m0, r.q.data() + m * K, r.dx.data() + m * G, r.sum.data() + m * G, K, wu.data(), d.data(),
-                        mn.data(), half, op + m * N + 64 * b + 32 * half, N);
+          q4v_rows_twin(m1 - m0, r.q.data() + m0 * K, r.dx.data() + m0 * G, r.sum.data() + m0 * G, K, wu.data(),
+                        d.data(), mn.data(), half, op + m0 * N + 64 * b + 32 * half, N);
           continue;
         }
-        const auto run = [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          q4v_rows<R>(r.q.data() + m * K, r.dx.data() + m * G, r.sum.data() + m * G, K, wu.data(), d.data(),
-                      mn.data(), half, op + m * N + 64 * b + 32 * half, N);
-        };
-        for (; m + 4 <= m1; m += 4) run(std::integral_constant<int, 4>{});
-        switch (m1 - m) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: break;
-        }
+        in_blocks_of_four(m0, m1, [&](int64_t m, auto rows) {
+          q4v_rows<decltype(rows)::value>(r.q.data() + m * K, r.dx.data() + m * G, r.sum.data() + m * G, K, wu.data(),
+                                          d.data(), mn.data(), half, op + m * N + 64 * b + 32 * half, N);
+        });
       }
     }
   });
@@ -446,24 +450,15 @@ at::Tensor q8b_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Te
       }
       widened = b;
       for (int64_t half = 0; half < 2; ++half) {
-        int64_t m = m0;
         if (!real) {
-          q8v_rows_twin(m1 - m0, r.q.data() + m * K, r.dx.data() + m * G, xs.data() + m * G, K, wu.data(), d.data(),
-                        half, op + m * N + 64 * b + 32 * half, N);
+          q8v_rows_twin(m1 - m0, r.q.data() + m0 * K, r.dx.data() + m0 * G, xs.data() + m0 * G, K, wu.data(), d.data(),
+                        half, op + m0 * N + 64 * b + 32 * half, N);
           continue;
         }
-        const auto run = [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          q8v_rows<R>(r.q.data() + m * K, r.dx.data() + m * G, xs.data() + m * G, K, wu.data(), d.data(), half,
-                      op + m * N + 64 * b + 32 * half, N);
-        };
-        for (; m + 4 <= m1; m += 4) run(std::integral_constant<int, 4>{});
-        switch (m1 - m) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: break;
-        }
+        in_blocks_of_four(m0, m1, [&](int64_t m, auto rows) {
+          q8v_rows<decltype(rows)::value>(r.q.data() + m * K, r.dx.data() + m * G, xs.data() + m * G, K, wu.data(),
+                                          d.data(), half, op + m * N + 64 * b + 32 * half, N);
+        });
       }
     }
   });
