@@ -3,6 +3,7 @@ one projection at a time, on a 1B-class Llama's shapes in a Q4_K_M file's types 
 Q6_K for down), a Q8_0 file's, and the bundled SmolLM2-135M's:
   * K-quants: the panels (csrc/gguf_panels.cpp: the weights packed per call into panels of 16 rows, vpdpbusd over
     4 values of 16 rows); both paths round x per 256 values as llama.cpp's Q8_K;
+  * Q4_K / Q6_K also repacked at load (csrc/gguf_repacked.cpp: panels of 16 rows kept, one kernel at every row count);
   * Q8_0: the block GEMM (q8b_vnni_gemm: 64 channels widened per call); both round x per 32 (Q8_0 x Q8_0).
 The same integers, the float sums in another order. CPU time of the calling thread (--threads 1; robust to a
 loaded machine), best of --repeats, alternated; the speed-up per row count decides KernelConfig.kquant_panel_rows
@@ -62,20 +63,29 @@ def main() -> None:
                     return gk.linear(x, raw, qtype, k)
 
                 switch = ext.set_kquant_panels
+            packed = gk.repack_panels(raw, qtype, k) if qtype in ("Q4_K", "Q6_K") else None
             for m in ROWS:
                 x = torch.randn(m, k)
-                best = {"dots": float("inf"), "panels": float("inf")}
+                paths = [("dots", 1 << 62, call), ("panels", 1, call)]
+                if packed:
+                    paths.append(("repacked", 1 << 62, lambda x, p=packed: gk.packed_linear(x, *p)))
+                best = {path: float("inf") for path, _, _ in paths}
                 for _ in range(a.repeats):
-                    for path, rows in (("dots", 1 << 62), ("panels", 1)):
+                    for path, rows, fn in paths:
                         switch(rows)
                         t0 = clock()
-                        call(x)
+                        fn(x)
                         best[path] = min(best[path], clock() - t0)
                 cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
                 ratio = best["dots"] / best["panels"]
-                lines.append(
-                    f"| {name} | {m} | {best['dots'] * 1e3:.2f} | {best['panels'] * 1e3:.2f} | **{ratio:.2f}x** |"
+                rep = (
+                    f"{best['repacked'] * 1e3:.2f} | **{best['dots'] / best['repacked']:.2f}x** / "
+                    f"{best['panels'] / best['repacked']:.2f}x"
+                    if packed
+                    else "- | -"
                 )
+                dots, gemm = best["dots"] * 1e3, best["panels"] * 1e3
+                lines.append(f"| {name} | {m} | {dots:.2f} | {gemm:.2f} | **{ratio:.2f}x** | {rep} |")
                 print(lines[-1], flush=True)
     body = (
         f"`python -m benchmarks.kernels.kquant_panels --threads {a.threads} --repeats {a.repeats}`: one projection "
@@ -84,9 +94,12 @@ def main() -> None:
         "the row-by-row integer dots (K-quants: kquant_dot_avx512, each weight row unpacked once per 4 rows of x, the "
         "float epilogue per row pair and super-block; Q8_0: q8_rows); GEMM: the K-quant panels (16 weight rows packed "
         "per call, 4 values of 16 rows a vpdpbusd, the epilogue once per 16 rows: csrc/gguf_panels.cpp) or Q8_0's "
-        "block GEMM (q8b_vnni_gemm). The defaults take them from 8 rows (`KernelConfig.kquant_panel_rows`) and 4 "
-        "(`q8_block_gemm_rows`).\n\n"
-        "| projection | rows | dots ms | GEMM ms | GEMM's speed-up |\n|---|---|---|---|---|\n" + "\n".join(lines)
+        "block GEMM (q8b_vnni_gemm). The defaults take them from 12 rows (`KernelConfig.kquant_panel_rows`; 36 for "
+        "Q6_K) and 4 (`q8_block_gemm_rows`). repacked: Q4_K's / Q6_K's panels kept from load "
+        "(`KernelConfig.kquant_repack`, csrc/gguf_repacked.cpp), the default on VNNI CPUs at every row count: its "
+        "speed-up over the dots / the panels.\n\n"
+        "| projection | rows | dots ms | GEMM ms | GEMM's speed-up | repacked ms | repacked vs dots / panels |\n"
+        "|---|---|---|---|---|---|---|\n" + "\n".join(lines)
     )
     if not a.no_write:
         write_section("GGUF blocks times many rows: row-by-row dots against the VNNI GEMMs", body)

@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "decode_stack.h"
+#include "gguf_panels.h"
 #include "isa.h"
 #include "kernels.h"
 #include "lora.h"
@@ -53,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_parts", &gguf::linear_parts, "x @ [parts' weights].T side by side (codes: projection_kinds.h)",
         kNoGIL);
   m.attr("packed_part") = kPackedPart;
+  m.def("gguf_repack_panels", &gguf::repack_panels, "a Q4_K / Q6_K tensor's blocks in panels of 16 rows (gguf_repacked.cpp)");
   m.def("gguf_uses_avx512", &use_vnni, "whether the AVX-512 VNNI K-quant dots run");
   // attention_decode.cpp, attention_prefill.cpp, sampling.cpp
   m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache",

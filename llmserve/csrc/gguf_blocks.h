@@ -23,6 +23,7 @@ namespace llmserve::gguf {
 enum QType : int64_t {   // GGMLQuantizationType's numbers
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
   Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
+  Q4_K16 = 100, Q6_K16 = 101,   // not GGML's: Q4_K, Q6_K repacked at load into panels of 16 rows (gguf_repacked.cpp)
 };
 
 // The compiler may fuse a * b + c into one FMA (one rounding instead of NumPy's two); passing the

@@ -148,7 +148,7 @@ LLMSERVE_AVX512_VNNI inline __m512i q6k_quants64(const uint8_t* b, int c) {
 template <typename T, int MR>
 LLMSERVE_AVX512_VNNI void kquant_dot_avx512(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out,
                                        int64_t ldo) {
-  const int64_t S = a.K / 256;
+  const int64_t S = a.K / 256, kAhead = 4 * T::kBytes;
   // int16 lane j of chunk c's products covers values 64c + 2j, + 1: group 4c + j / 8
   __m512i gidx[4];
   for (int c = 0; c < 4; ++c) {
@@ -162,6 +162,8 @@ LLMSERVE_AVX512_VNNI void kquant_dot_avx512(const Acts& a, int64_t m0, const Lay
     for (int m = 0; m < MR; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
       const uint8_t* b = row + s * T::kBytes;
+      if (MR == 1)   // one pass over the weights: their bytes come from memory, a few blocks ahead
+        for (int64_t l = 0; l < T::kBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + l), _MM_HINT_T0);
       const ScalesK h = T::header(b);
       const __m256i sc16 = _mm256_cvtepi8_epi16(h.sc), mn16 = _mm256_cvtepi8_epi16(h.mn);
       __m512i q[4], sc[4];
@@ -273,6 +275,7 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
   const int64_t M = x.size(0);
   std::optional<Acts> a256, a32;
   for (const Part& p : parts) {
+    if ((p.qtype == Q4_K16 || p.qtype == Q6_K16) && !a256) a256.emplace(x, 256);
     with_dot_type(p.qtype, [&](auto t) {
       if (decltype(t)::kValues == 256 && !a256) a256.emplace(x, 256);
       if (decltype(t)::kValues == 32 && !a32) a32.emplace(x, 32);
@@ -292,6 +295,10 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
     for (int64_t i = b; i < e; ++i) {
       const Task& task = tasks[i];
       const Part& p = *task.p;
+      if (p.qtype == Q4_K16 || p.qtype == Q6_K16) {   // repacked at load: one kernel at every row count (gguf_repacked.cpp)
+        repacked_dots(p.qtype, *a256, M, p.w, task.n0, task.n1, op + p.col, ldo);
+        continue;
+      }
       with_dot_type(p.qtype, [&](auto t) {
         using T = decltype(t);
         const Acts& a = T::kValues == 256 ? *a256 : *a32;

@@ -16,6 +16,7 @@
 
 #include "gemm.h"
 #include "gguf_blocks.h"
+#include "gguf_panels.h"
 #include "kernels.h"
 #include "projection_kinds.h"
 #include "vec.h"
@@ -89,6 +90,8 @@ Layout check_layout(const at::Tensor& raw, int64_t qtype, int64_t K, const char*
   int64_t block = 1, bytes = 0;
   if (qtype == F32) bytes = 4;
   else if (qtype == F16 || qtype == BF16) bytes = 2;
+  else if (qtype == Q4_K16) block = 256, bytes = kQ4K16Bytes / 16;
+  else if (qtype == Q6_K16) block = 256, bytes = kQ6K16Bytes / 16;
   else if (!with_quant_type(qtype, [&](auto t) { block = decltype(t)::kValues, bytes = decltype(t)::kBytes; }))
     TORCH_CHECK(false, what, ": unsupported GGUF quantization type ", qtype,
                 " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, "
@@ -103,7 +106,28 @@ Layout check_layout(const at::Tensor& raw, int64_t qtype, int64_t K, const char*
   return {raw.size(0), row_bytes, raw.size(0) <= 1 ? row_bytes : raw.stride(0), raw.data_ptr<uint8_t>()};
 }
 
+// Row n of a repacked Q4_K / Q6_K tensor (Q4_K16, Q6_K16), as dequant_row<TQ4_K / TQ6_K> widens the file's block
+void dequant_repacked_row(const Layout& w, int64_t qtype, int64_t K, int64_t n, float* out) {
+  alignas(32) uint8_t q[256];
+  int8_t sc[16];
+  uint8_t mn[16];
+  float d, dmin;
+  const int64_t bytes = qtype == Q4_K16 ? kQ4K16Bytes : kQ6K16Bytes;
+  for (int64_t s = 0; s < K / 256; ++s) {
+    repacked_unpack(qtype, w.p + ((n / 16) * (K / 256) + s) * bytes, static_cast<int>(n % 16), q, &d, &dmin, sc, mn);
+    for (int i = 0; i < 8; ++i) {
+      if (qtype == Q4_K16)
+        dequant32<false, true>(load32(q + 32 * i), 0, d * sc[2 * i], d * sc[2 * i + 1], -(dmin * mn[2 * i]),
+                               -(dmin * mn[2 * i + 1]), out + 256 * s + 32 * i);
+      else
+        dequant32<false, false>(load32(q + 32 * i), TQ6_K::kZero, d * sc[2 * i], d * sc[2 * i + 1], 0.0f, 0.0f,
+                                out + 256 * s + 32 * i);
+    }
+  }
+}
+
 void dequant_any_row(const Layout& w, int64_t qtype, int64_t K, int64_t n, float* out) {
+  if (qtype == Q4_K16 || qtype == Q6_K16) return dequant_repacked_row(w, qtype, K, n, out);
   const uint8_t* row = w.p + n * w.ld;
   if (!with_quant_type(qtype, [&](auto t) { dequant_row<decltype(t)>(row, K, out); }))
     dequant_plain_row(row, qtype, K, out);
@@ -180,7 +204,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, 
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), w.N}, x.options());
   if (x.size(0) == 0 || w.N == 0) return out;
-  if (x.size(0) < many_rows && with_dot_type(qtype, [](auto) {})) {
+  if ((x.size(0) < many_rows && with_dot_type(qtype, [](auto) {})) || qtype == Q4_K16 || qtype == Q6_K16) {
     dot_parts(x, {{w, qtype, 0}}, w.N, out.data_ptr<float>());
     return out;
   }
@@ -211,7 +235,7 @@ at::Tensor linear_parts(const at::Tensor& x_in, const std::vector<at::Tensor>& t
     if (n > 1) {
       packed.push_back({code, at, N});
     } else {
-      TORCH_CHECK(with_dot_type(code, [](auto) {}), "linear_parts: ", code,
+      TORCH_CHECK(code == Q4_K16 || code == Q6_K16 || with_dot_type(code, [](auto) {}), "linear_parts: ", code,
                   " is not a type of GGUF's integer dots (Q4_0 / Q4_1 / Q8_0 come repacked)");
       parts.push_back({check_layout(tensors[at], code, K, "linear_parts"), code, N});
     }

@@ -112,7 +112,8 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     and the Q8_0 ones decode through the fused stack (all layers in one C++ call), with the module path's
     logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2), and the VNNI
     kernels' portable twins on AVX2 ("twin": the K-quant panels of many rows as a VNNI CPU runs them). The low-bit
-    mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots."""
+    mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots. Where the VNNI kernels run
+    (the instructions, or "twin" on any CPU) the Q4_K parts are loaded repacked into panels of 16 rows ("q4k16")."""
     from llmserve import envs
     from llmserve.model.evaluate import sequence_logits
     from llmserve.model.kernels import ops
@@ -120,24 +121,25 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     cpu = ops.cpu_kernels()
     if cpu is None:
         pytest.skip("no compiled kernels: no fused stack")
-    # (no prefix caching: the second run of the prompts must compute them as the first did, not read their KV and
-    # compute only the last token as a decode row, whose int4 logits may differ in the last bits from a prefill's)
-    llm = LLM(model=files[kind], quantization="int4", kv_cache_memory=0.05, enable_prefix_caching=False)
-    model = llm.engine.model
-    layers = [model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj]
-    if kind == "low":
-        assert all(kinds == [16, 16, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF throughout
-        assert [lin.layouts for lin in layers] == [["gguf"] * 3, ["gguf"] * 2]
-    else:
-        assert all(kinds == [16, 8, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF, int8 (Q8_0)
-        # Q8_0 v beside Q4_K q, k and Q4_0 up beside a Q5_K gate: repacked parts on the int8 / int4 kernels
-        assert [lin.layouts for lin in layers] == [["gguf", "gguf", "int8"], ["gguf", "int4"]]
-    prompts = _prompts(model.cfg.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    ids = list(range(100, 140))
     cpu.set_avx512(avx512 is True)
     cpu.set_vnni_twin(avx512 == "twin")
     try:
+        # (no prefix caching: the second run of the prompts must compute them as the first did, not read their KV and
+        # compute only the last token as a decode row, whose int4 logits may differ in the last bits from a prefill's)
+        llm = LLM(model=files[kind], quantization="int4", kv_cache_memory=0.05, enable_prefix_caching=False)
+        model = llm.engine.model
+        layers = [model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj]
+        q4k = "q4k16" if cpu.uses_vnni() else "gguf"
+        if kind == "low":
+            assert all(kinds == [16, 16, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF throughout
+            assert [lin.layouts for lin in layers] == [["gguf"] * 3, ["gguf"] * 2]
+        else:
+            assert all(kinds == [16, 8, 16, 16] for _, kinds, _, _ in ops.decode_layer_args(model))  # GGUF, int8 (Q8_0)
+            # Q8_0 v beside Q4_K q, k and Q4_0 up beside a Q5_K gate: repacked parts on the int8 / int4 kernels
+            assert [lin.layouts for lin in layers] == [[q4k, q4k, "int8"], ["gguf", "int4"]]
+        prompts = _prompts(model.cfg.vocab_size)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        ids = list(range(100, 140))
         fused = sequence_logits(model, ids, decode=True)
         assert model._decode_stack, "the fused path must run here"
         fused_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -444,3 +444,78 @@ def test_kquant_panels_start_at_their_row_count(ext):
         assert not torch.equal(gk.linear(x, raw, qtype, k), row_by_row(x, raw, qtype, k))
     finally:
         cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+
+
+# Q4_K and Q6_K repacked at load into panels of 16 rows (csrc/gguf_repacked.cpp): one kernel at every row count
+REPACKED = [Q.Q4_K, Q.Q6_K]
+
+
+def panels_twin(x, raw, qtype, k):
+    """The dots of x through the panels packed per call (their portable twin, from 1 row on; Q6_K's from 3 rows:
+    x padded to 3, a row's result not depending on the rows beside it)."""
+    from llmserve import envs
+    from llmserve.model.kernels import cpu_ext, ops
+
+    cpu = ops.cpu_kernels()
+    try:
+        cpu.set_kquant_panels(1)
+        cpu.set_vnni_twin(True)
+        return gk.linear(torch.cat([x, torch.ones(max(0, 3 - len(x)), k)]), raw, qtype, k)[: len(x)]
+    finally:
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+
+
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 37])
+@pytest.mark.parametrize("n,k", [(16, 256), (48, 768), (32, 2560)])
+def test_repacked_panels_give_the_panels_bits(ext, panels, qtype, rows, n, k):
+    """The repacked layout holds every value (its dequantization is the file's, bit for bit), and its dots are the
+    panels' integers and float operations at every row count: the same bits, from its AVX-512 VNNI kernel or its
+    twin (`panels`), whether x has 1 row or 37 (a row's result never depends on the rows beside it). K = 2560 runs
+    over more than one span of 8 super-blocks (many rows: the sums carried in the output)."""
+    raw = gk.random_blocks(qtype, n, k, seed=rows * n)
+    kind, (packed,) = gk.repack_panels(raw, qtype, k)
+    assert kind == {Q.Q4_K: "q4k16", Q.Q6_K: "q6k16"}[qtype]
+    assert packed.shape == (n, k // 256 * {Q.Q4_K: 148, Q.Q6_K: 210}[qtype])
+    assert torch.equal(gk.packed_dequantize(kind, [packed]), gk.dequantize(raw, qtype, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[:, 7] *= 30
+    got = gk.packed_linear(x, kind, [packed])
+    assert torch.equal(got, panels_twin(x, raw, qtype, k))
+    assert torch.equal(gk.packed_linear(x[-1:], kind, [packed])[0], got[-1])
+    want = row_by_row(x, raw, qtype, k)  # the file's blocks, row by row: the same integers, float sums per lane
+    scale = x.double().abs() @ gk.dequantize(raw, qtype, k).double().abs().t()
+    assert ((got.double() - want.double()).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
+def test_repacked_panels_extreme_blocks(ext, panels, qtype, fill):
+    """Largest quants, scales and mins (Q6_K's scale -128), x at +-127 after rounding: no int32 sum overflows in the
+    repacked kernel."""
+    k = 512
+    raw = gk.random_blocks(qtype, 16, k)
+    halves = raw.clone()
+    raw.fill_(fill)
+    block = gguf.GGML_QUANT_SIZES[qtype][1]
+    for off in gk._HALF_FIELDS[gk.qtype_number(qtype)]:
+        cols = torch.arange(0, raw.shape[1], block) + off
+        raw[:, cols], raw[:, cols + 1] = halves[:, cols], halves[:, cols + 1]
+    kind, tensors = gk.repack_panels(raw, qtype, k)
+    x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
+    w = gk.dequantize(raw, qtype, k).double()
+    got = gk.packed_linear(x, kind, tensors).double()
+    assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+
+
+def test_repack_takes_rows_in_sixteens_and_two_types(ext):
+    """Only whole panels of Q4_K or Q6_K: 40 rows, or a Q5_K tensor, are refused with a clear error (GGUFLinear keeps
+    such a part's blocks as the file has them: ops.kquant_repack)."""
+    from llmserve.model.kernels import ops
+
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        gk.repack_panels(gk.random_blocks(Q.Q4_K, 40, 256), Q.Q4_K, 256)
+    with pytest.raises(ValueError, match="not repacked"):
+        gk.repack_panels(gk.random_blocks(Q.Q5_K, 16, 256), Q.Q5_K, 256)
+    assert not ops.kquant_repack(12, 40) and not ops.kquant_repack(13, 48)

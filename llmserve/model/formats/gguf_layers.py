@@ -15,10 +15,13 @@ from llmserve.model.kernels.gguf_kernels import (
     MANY_ROWS,
     NAMES,
     PACKED,
+    Q4_K16,
+    Q6_K16,
     gguf_kernels,
     packed_dequantize,
     packed_linear,
     repack,
+    repack_panels,
 )
 from llmserve.model.kernels.kinds import PACKED_PART, ProjectionKind
 from llmserve.model.layers.linear import checkpoint_parts
@@ -45,13 +48,16 @@ class GGUFLinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for raw, _ in parts)
         self.qtypes = [int(q) for _, q in parts]
-        self.layouts: list[str] = []  # per part: "gguf" (its blocks: raw{i}) or "int4" / "int8" (q{i}, s{i}, m{i})
+        # per part: "gguf" (its blocks: raw{i}), "int4" / "int8" (q{i}, s{i}, m{i}) or "q4k16" / "q6k16" (Q4_K / Q6_K
+        # in panels of 16 rows where the VNNI kernels run: q{i})
+        self.layouts: list[str] = []
         for i, (raw, q) in enumerate(parts):
-            if exact or int(q) not in PACKED:
+            repacked = not exact and ops.kquant_repack(q, raw.shape[0])
+            if not repacked and (exact or int(q) not in PACKED):
                 self.layouts.append("gguf")
                 self.register_buffer(f"raw{i}", raw)
                 continue
-            kind, tensors = repack(raw, q)
+            kind, tensors = repack_panels(raw, q, in_features) if repacked else repack(raw, q)
             self.layouts.append(kind)
             for name, t in zip("qsm", tensors):
                 self.register_buffer(f"{name}{i}", t)
@@ -68,7 +74,7 @@ class GGUFLinear(nn.Module):
         ]
 
     def _packed(self, i: int, layout: str) -> list[torch.Tensor]:
-        return [getattr(self, f"{n}{i}") for n in ("qsm" if layout == "int4" else "qs")]
+        return [getattr(self, f"{n}{i}") for n in {"int4": "qsm", "int8": "qs", "q4k16": "q", "q6k16": "q"}[layout]]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these blocks stand for."""
@@ -95,11 +101,11 @@ class GGUFLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
-        """(GGUF, the parts' count | a byte per part in the next bytes: its GGMLQuantizationType, or PACKED_PART +
-        INT4 / INT8 for a repacked one, [each part's tensors]): this layer as the fused decode stack reads it
-        (ops.decode_layer_args; the stack runs gguf_linear_parts, the same kernels as forward's); None where it
-        does not: `exact` (float32 throughout), a bias, float parts (F32 / F16 / BF16), no compiled kernels, off
-        the CPU."""
+        """(GGUF, the parts' count | a byte per part in the next bytes: its GGMLQuantizationType, Q4_K16 / Q6_K16 for
+        a Q4_K / Q6_K in panels, or PACKED_PART + INT4 / INT8 for a Q4_0 / Q4_1 / Q8_0 repacked, [each part's
+        tensors]): this layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs
+        gguf_linear_parts, the same kernels as forward's); None where it does not: `exact` (float32 throughout), a
+        bias, float parts (F32 / F16 / BF16), no compiled kernels, off the CPU."""
         parts = self.parts()
         if (
             self.exact
@@ -111,7 +117,13 @@ class GGUFLinear(nn.Module):
             return None
         code, tensors = len(parts), []
         for i, (lay, q, t) in enumerate(parts):
-            part = q if lay == "gguf" else PACKED_PART + (ProjectionKind.INT4 if lay == "int4" else ProjectionKind.INT8)
+            part = {
+                "gguf": q,
+                "q4k16": Q4_K16,
+                "q6k16": Q6_K16,
+                "int4": PACKED_PART + ProjectionKind.INT4,
+                "int8": PACKED_PART + ProjectionKind.INT8,
+            }[lay]
             code |= part << (8 * (i + 1))
             tensors += t
         return ProjectionKind.GGUF, code, tensors

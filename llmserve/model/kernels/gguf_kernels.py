@@ -74,6 +74,12 @@ NAMES = {
     23: "IQ4_XS",
 }
 PACKED = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0 -> the packed layout their dots read (`repack`)
+# Q4_K / Q6_K repacked into panels of 16 rows where the VNNI kernels run (`repack_panels`; csrc/gguf_repacked.cpp):
+# llmserve's codes for those layouts (csrc/gguf_blocks.h's Q4_K16, Q6_K16; not GGMLQuantizationTypes), their kinds
+# and bytes a row per 256 values
+Q4_K16, Q6_K16 = 100, 101
+REPACKED = {12: ("q4k16", Q4_K16, 148), 14: ("q6k16", Q6_K16, 210)}
+_REPACKED_KIND = {kind: (code, row) for kind, code, row in REPACKED.values()}
 
 # x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
 # float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
@@ -92,6 +98,7 @@ class _Kernels:
         self.dequantize, self.linear, self.linear_f32 = ext.gguf_dequantize, ext.gguf_linear, ext.gguf_linear_f32
         self.linear_parts, self.uses_avx512 = ext.gguf_linear_parts, ext.gguf_uses_avx512
         self.q4_linear, self.q8_linear, self.packed_part = ext.q4_linear, ext.q8_linear, ext.packed_part
+        self.repack_panels = ext.gguf_repack_panels
 
 
 def gguf_kernels():
@@ -195,6 +202,17 @@ def repack(raw: torch.Tensor, qtype) -> tuple[str, list[torch.Tensor]]:
     return PACKED[num], [torch.from_numpy(np.ascontiguousarray(a)) for a in parts]
 
 
+def repack_panels(raw: torch.Tensor, qtype, K: int) -> tuple[str, list[torch.Tensor]]:
+    """A Q4_K / Q6_K tensor's blocks (rows a multiple of 16) in panels of 16 rows, the same values: ("q4k16" / "q6k16",
+    [uint8 [N, K / 256 * 148 / 210]]), read by `packed_linear` / `packed_dequantize` and the fused decode stack (parts
+    Q4_K16 / Q6_K16)."""
+    num = qtype_number(qtype)
+    if num not in REPACKED:
+        raise ValueError(f"gguf kernels: {NAMES[num]} is not repacked into panels (Q4_K and Q6_K are)")
+    _check(raw, num, K)
+    return REPACKED[num][0], [gguf_kernels().repack_panels(raw.cpu().contiguous(), num, K)]
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[N, K/2] bytes in the Q4 blocks' nibble order -> [N, K] values 0..15."""
     n, half = packed.shape
@@ -204,6 +222,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def packed_dequantize(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """float32 [N, K]: the values of `repack`'s layout (int4: min + scale * q per 32 values; int8: q * scale)."""
+    if kind in _REPACKED_KIND:
+        code, row = _REPACKED_KIND[kind]
+        return gguf_kernels().dequantize(tensors[0], code, tensors[0].shape[1] // row * 256)
     q, scale = tensors[0], tensors[1].float()
     n = q.shape[0]
     if kind == "int4":
@@ -219,6 +240,8 @@ def packed_linear(x: torch.Tensor, kind: str, tensors: list[torch.Tensor], many_
     ext = gguf_kernels()
     if ext is None or x.dtype is not torch.float32 or x.device.type != "cpu":
         return x.float() @ packed_dequantize(kind, tensors).to(x.device).t()
+    if kind in _REPACKED_KIND:
+        return ext.linear(x, tensors[0], _REPACKED_KIND[kind][0], x.shape[1], MANY_ROWS)
     if kind == "int4":
         return ext.q4_linear(x, *tensors, many_rows if tensors[0].shape[0] % 64 == 0 else MANY_ROWS)
     return ext.q8_linear(x, *tensors, MANY_ROWS, 8)

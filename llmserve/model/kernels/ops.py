@@ -293,6 +293,19 @@ def weight_kernel(kind: str):
 _ALL_ROWS = 2**62
 
 
+def kquant_repack(qtype: int, rows: int) -> bool:
+    """Whether a GGUF projection part of type `qtype` (Q4_K, Q6_K) and `rows` rows is repacked at load into panels
+    of 16 rows (KernelConfig.kquant_repack, where the VNNI kernels run: csrc/gguf_repacked.cpp)."""
+    ext = cpu_kernels()
+    return (
+        ext is not None
+        and kernel_config().kquant_repack
+        and int(qtype) in (12, 14)
+        and rows % 16 == 0
+        and ext.uses_vnni()
+    )
+
+
 def int4_vnni(out_features: int) -> bool:
     """Whether int4 weights with `out_features` channels take the VNNI integer GEMM from
     KernelConfig.int4_vnni_rows rows (q4_linear's many-rows path)."""
