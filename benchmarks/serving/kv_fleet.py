@@ -1,8 +1,8 @@
 """A fleet sharing its prefix cache (`--kv-cache-url`): the prefill tokens it computes with and without the store.
 
 Chat traffic of `--tenants` tenants, each with its own system prompt of ~`--system-tokens` tokens and
-`--turns` user questions, sent in a shuffled order (`--concurrency` at a time) to `llmserve route` (policy
-`--policy`, default cache_aware) over `--replicas` `llmserve serve` replicas of the same model; once with every
+`--turns` user questions, sent in a shuffled order (`--concurrency` at a time) to `llmserve route` (each of
+`--policies`, default cache_aware) over `--replicas` `llmserve serve` replicas of the same model; once with every
 replica on one redis-server (`--kv-cache-url`), once without. A COUNT, not a timing: each replica's /metrics
 says how many prompt tokens it took (`llmserve:prompt_tokens_total`) and how many of them its prefix cache gave
 (`llmserve:prefix_cache_hits_total`: RAM, and the store's blocks copied into the pool); the rest were computed.
@@ -10,7 +10,11 @@ Summed over the fleet, the ratio with/without the store is the figure (issue #57
 clients' `usage.prompt_tokens_details.cached_tokens` is summed too, as a check of the same figure.
 
     python -m benchmarks.serving.kv_fleet [--replicas 4] [--tenants 8] [--turns 6] [--system-tokens 1000] \\
-        [--policy cache_aware] [--policies cache_aware,round_robin] [--no-write]
+        [--policies cache_aware,round_robin] [--num-kv-blocks 96] [--no-write]
+
+Issue #57's figure: `--tenants 8 --turns 12 --num-kv-blocks 96` (each replica's pool holds 1.6 of the 2 prompts
+its tenants need, so a tenant's prefix is evicted between its turns, as in a fleet whose prefixes outgrow its KV
+memory); at the default pool every tenant fits in one replica's RAM and the store has nothing to save (1.00x).
 """
 
 from __future__ import annotations
