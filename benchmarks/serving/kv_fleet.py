@@ -1,8 +1,8 @@
 """A fleet sharing its prefix cache (`--kv-cache-url`): the prefill tokens it computes with and without the store.
 
 Chat traffic of `--tenants` tenants, each with its own system prompt of ~`--system-tokens` tokens and
-`--turns` user questions, sent in a shuffled order (`--concurrency` at a time) to `llmserve route` (policy
-`--policy`, default cache_aware) over `--replicas` `llmserve serve` replicas of the same model; once with every
+`--turns` user questions, sent in a shuffled order (`--concurrency` at a time) to `llmserve route` (each of
+`--policies`, default cache_aware) over `--replicas` `llmserve serve` replicas of the same model; once with every
 replica on one redis-server (`--kv-cache-url`), once without. A COUNT, not a timing: each replica's /metrics
 says how many prompt tokens it took (`llmserve:prompt_tokens_total`) and how many of them its prefix cache gave
 (`llmserve:prefix_cache_hits_total`: RAM, and the store's blocks copied into the pool); the rest were computed.
@@ -10,7 +10,11 @@ Summed over the fleet, the ratio with/without the store is the figure (issue #57
 clients' `usage.prompt_tokens_details.cached_tokens` is summed too, as a check of the same figure.
 
     python -m benchmarks.serving.kv_fleet [--replicas 4] [--tenants 8] [--turns 6] [--system-tokens 1000] \\
-        [--policy cache_aware] [--policies cache_aware,round_robin] [--no-write]
+        [--policies cache_aware,round_robin] [--num-kv-blocks 96] [--no-write]
+
+Issue #57's figure: `--tenants 8 --turns 12 --num-kv-blocks 96` (each replica's pool holds 1.6 of the 2 prompts
+its tenants need, so a tenant's prefix is evicted between its turns, as in a fleet whose prefixes outgrow its KV
+memory); at the default pool every tenant fits in one replica's RAM and the store has nothing to save (1.00x).
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def counters(replicas: list[ServerProcess]) -> dict:
 
 
 def fleet_run(a, policy: str, store: RedisServer | None) -> dict:
-    flags = ["--num-threads", "1", "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", "2048"]
+    length = min(2048, a.num_kv_blocks * 16) if a.num_kv_blocks else 2048  # a sequence fits in the pool
+    flags = ["--num-threads", "1", "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(length)]
     flags += ["--log-level", "warning", *a.extra.split()]
     if a.num_kv_blocks:
         flags += ["--num-kv-blocks", str(a.num_kv_blocks)]
@@ -120,12 +125,19 @@ def fleet_run(a, policy: str, store: RedisServer | None) -> dict:
             r.stop()
     prompt = sum(u["prompt_tokens"] for u in usages)
     cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
+    # what a request whose prefix was found still computes: its own question and the partial block before it
+    tails = sorted(
+        u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
+        for u in usages
+        if (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) > 0
+    )
     c.update(
         requests=len(usages),
         client_prompt=prompt,
         client_cached=cached,
         computed=c["prompt_tokens_total"] - c["prefix_cache_hits_total"],
         client_computed=prompt - cached,
+        tail=tails[len(tails) // 2] if tails else 0,
         seconds=seconds,
     )
     return c
@@ -146,7 +158,8 @@ def main() -> None:
         "--num-kv-blocks",
         type=int,
         default=0,
-        help="each replica's KV pool in 16-token blocks (0: the memory default); at least 128 (--max-model-len 2048)",
+        help="each replica's KV pool in 16-token blocks (0: the memory default); below 128, --max-model-len is "
+        "the pool's tokens (at least a prompt and its answer: 64 blocks)",
     )
     p.add_argument("--extra", default="", help="more serve flags, space-separated")
     p.add_argument("--no-write", action="store_true")
@@ -165,41 +178,41 @@ def main() -> None:
                     f"{r['client_computed']:.0f} | {' / '.join(f'{x:.0f}' for x in r['per_replica_prompt_tokens'])} | "
                     f"{r['num_preemptions_total']:.0f} |"
                 )
-            # the responses' figure: the replicas' prefix_cache_hits_total counts a request looked up again (its
-            # blocks taken while it waited for room) more than once, which a small KV pool makes frequent
+            # the responses' figure (the replicas' counters say the same: a request's hits are counted once)
             ratio = res["shared store"]["client_computed"] / max(res["no store"]["client_computed"], 1)
             per_request = res["no store"]["client_prompt"] / max(res["no store"]["requests"], 1)
             floor = a.tenants * per_request  # each tenant's prompt computed once in the fleet, about
             without, with_ = (res[k]["client_computed"] / floor for k in ("no store", "shared store"))
+            tail = res["shared store"]["tail"] or res["no store"]["tail"]
+            least = floor + (res["no store"]["requests"] - a.tenants) * tail  # ... and every other request its tail
             note = (
                 f"`{policy}` ({per_request:.0f} prompt tokens a request, chat template included): fleet-wide prefill "
                 f"computed with the store **{ratio:.2f}x** without it ({res['shared store']['client_computed']:.0f} vs "
                 f"{res['no store']['client_computed']:.0f} tokens by the responses; issue #57's target <= 0.3x). "
                 "In prompts' worth: "
-                f"{without:.1f} without the store, {with_:.1f} with it, for {a.tenants} tenants (the least is "
-                f"{a.tenants}: each tenant's prompt computed once in the fleet)."
+                f"{without:.1f} without the store, {with_:.1f} with it, for {a.tenants} tenants. The least a fleet "
+                f"computes is about {least:.0f} tokens: each tenant's prompt once, and each other request its own "
+                f"question and the partial block before it ({tail} tokens, the median of a request with a hit)."
             )
             if res["shared store"]["kv_remote_hits_total"] == 0 and without < 1.5:
                 note += (
                     " The router already keeps each tenant on one replica: without the store the fleet computes "
                     "each prompt about once, and the store has nothing left to save at this load."
                 )
-            elif with_ > 1.15 and a.concurrency > 1:
+            elif res["shared store"]["client_computed"] <= 1.05 * least:
+                note += " With the store the fleet computes that least: no prompt twice anywhere in it."
+            elif a.concurrency > 1:
+                more = (res["shared store"]["client_computed"] - least) / per_request
                 note += (
-                    f" With the store the fleet still computes {with_ - 1:.1f} prompts' worth more than once: a "
+                    f" With the store the fleet still computes {more:.1f} prompts' worth more than once: a "
                     f"tenant's turn that reaches another replica while the first is still prefilling its prompt "
                     f"({a.concurrency} requests in flight) finds only the blocks already written, and computes the "
                     "rest again."
                 )
-            if a.concurrency == 1:
-                note += (
-                    " Above one prompt per tenant, in both runs: each request's own question and the partial block "
-                    "before it, computed wherever it runs."
-                )
             notes.append(note)
     budget = ""
     if a.num_kv_blocks:
-        budget = f" --num-kv-blocks {a.num_kv_blocks}"
+        budget = f" --num-kv-blocks {a.num_kv_blocks} --max-model-len {min(2048, a.num_kv_blocks * 16)}"
         fit = a.num_kv_blocks * 16 / max(per_request, 1)
         notes.insert(
             0,

@@ -198,7 +198,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, events.removed if events is not None else None)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_queries = 0  # prompt tokens looked up (count_prefix_hits: once a request)
         self.prefix_cache_hits = 0  # prompt tokens found
         self.disk = disk
         self.window = window
@@ -292,10 +292,14 @@ class KVCacheManager:
                 hits.append(tail)
         if hits and len(hits) * bs >= n and hits[-1].block_id in self._fresh:
             hits.pop()  # to be computed in this very step: nothing to copy yet
-        num_cached = self._cached_tokens(request, hits)
-        self.prefix_cache_queries += n
-        self.prefix_cache_hits += num_cached
-        return hits, num_cached
+        return hits, self._cached_tokens(request, hits)
+
+    def count_prefix_hits(self, request: Request, num_cached: int) -> None:
+        """vLLM's prefix_cache_queries/hits: a request's prompt tokens and the ones its look-up found, counted once,
+        by the scheduler in the step that first schedules it (not at each look-up while it waits for room)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
 
     def _cached_tokens(self, request: Request, computed: list[KVCacheBlock]) -> int:
         """Tokens a run of hits spares (all but the last prompt token); fewer than it covers: copy on write."""

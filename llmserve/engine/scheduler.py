@@ -230,8 +230,10 @@ class Scheduler:
                     continue  # freed blocks: try again
                 break
             self.waiting.remove(request)
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # its first schedule (not a preempted request's return)
                 request.num_cached_tokens = num_cached
+                if not full:
+                    self.kv.count_prefix_hits(request, num_cached)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

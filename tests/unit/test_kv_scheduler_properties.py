@@ -334,3 +334,27 @@ def test_full_queue_raises_typed_error_and_keeps_serving():
         sim.step(rng)
     assert last.is_finished and last.num_output_tokens == 2
     assert sim.kv.num_free_blocks == 16
+
+
+def test_a_waiting_request_counts_its_prefix_hits_once_when_scheduled():
+    # vLLM's semantics: prefix_cache_queries/hits count a request once, in the step that schedules it, not at each
+    # look-up while it waits for room (a small pool looks it up again every step)
+    sim = Sim(num_blocks=12, block_size=4, max_seqs=4, budget=64, caching=True)
+    rng = random.Random(3)
+    prompt = [7 + i for i in range(32)]  # 8 whole blocks, cached once the first request is done
+    sim.add(prompt, 2)
+    _drain(sim, rng)
+    queries, hits = sim.kv.prefix_cache_queries, sim.kv.prefix_cache_hits
+    c = sim.add([60 + i for i in range(13)], 3)  # 4 blocks held for 3 steps: 8 left, b needs 9
+    b = sim.add(prompt + [1, 2, 3, 4], 2)
+    waited = 0
+    while b.status == RequestStatus.WAITING:
+        out = sim.step(rng)
+        waited += b.request_id not in out.num_scheduled_tokens
+        assert not out.preempted_request_ids
+    assert waited >= 2 and c.is_finished
+    assert b.num_cached_tokens == 32
+    assert sim.kv.prefix_cache_hits - hits == b.num_cached_tokens + c.num_cached_tokens == 32
+    assert sim.kv.prefix_cache_queries - queries == b.num_prompt_tokens + c.num_prompt_tokens
+    _drain(sim, rng)
+    assert sim.kv.prefix_cache_hits - hits == 32  # (finishing counts nothing more)
