@@ -141,7 +141,7 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
     if plot:
         lines += [f"![candidates]({plot})", ""]
     head = "| # | flags (vs defaults) | goodput /s | rate /s | " + " | ".join(b.key for b in bounds)
-    lines += [head + " | agreement | logprob diff | s |", "|" + "---|" * (7 + len(bounds))]
+    lines += [head + " | agreement | logprob diff | s | load (1 min) |", "|" + "---|" * (8 + len(bounds))]
     for m in out.measured:
         r = m["result"]
         p = r.get("best") or {}
@@ -155,6 +155,7 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
             f"{q['agreement']:.3f}" if q else ("1 (float32)" if not changes_answers(m["params"]) else "-"),
             f"{q['logprob_diff']:.4f}" if q else "-",
             f"{r.get('seconds', 0):.0f}",
+            _load(r) or "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     if out.pruned:

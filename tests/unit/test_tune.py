@@ -188,6 +188,17 @@ def test_confirmation_round_picks_the_true_best_over_a_flattered_one(tmp_path, c
     assert out.best["confirmed"] == pytest.approx(landscape(true_best["params"]))
     # back to back: nothing else was measured between the round's first and last re-measurement
     assert all(t.startswith("confirm") for t in fake.tags[fake.tags.index(rounds[0]) :])
+    # the report shows both figures of every member: the flattered corner's 1.35 first, 0.9 re-measured
+    from llmserve.tune import report
+
+    md = report.markdown(out, BOUNDS, {"workload": "w", "budget": "1000s"}, None, None)
+    row = next(
+        line
+        for line in md.splitlines()
+        if line.startswith("| ") and "max_num_seqs=256, max_num_batched_tokens=1024 | 1.35 |" in line
+    )
+    assert "Confirmation round 1 (1 complete pass" in md and "| 0.9 | 0.9 |" in row
+    assert "first figure" in md.split("**Chosen**")[1].splitlines()[0]
 
 
 def test_confirmation_is_resumed_not_measured_again(tmp_path):
