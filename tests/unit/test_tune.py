@@ -295,6 +295,8 @@ def test_rate_search_bisects_to_where_the_slo_breaks():
         (["--slo", "ttft_p95=2000", "--budget", "10s"], "too small for one candidate"),
         (["--slo", "ttft_p95=2000", "--budget", "soon"], "not a duration"),
         (["--slo", "ttft_p95=2000", "--workload", "BAD"], "line 2 does not parse"),
+        (["--slo", "ttft_p95=2000", "--confirm", "-1"], "--confirm >= 0"),
+        (["--slo", "ttft_p95=2000", "--grid-points", "0"], "--grid-points must be >= 1"),
     ],
 )
 def test_bad_input_is_refused_before_any_server(tmp_path, capsys, argv, message):
