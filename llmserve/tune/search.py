@@ -153,6 +153,7 @@ class Tuner:
         self.measured_now = 0
         self.confirmations = confirm_mod.read_back(self.study.trials)
         self.reserved = False  # whether the search stopped to leave the confirmation round its time
+        self.planned = False  # whether the last candidate was started with the round's time left after it
         self.round: confirm_mod.Round | None = None  # the round under way
 
     def best(self) -> dict | None:
@@ -199,11 +200,15 @@ class Tuner:
         after = min(self.confirm, good + 1)
         reserve = after if after >= 2 else 0
         if need * (1 + reserve) <= left:
+            self.planned = reserve >= 2  # a candidate slower than planned delays the round, never skips it
             return True
         if self.confirm >= 2 and good >= 2 and need * min(self.confirm, good) <= left:
             self.reserved = True  # the time left goes to confirming what was found
             return False
-        return need <= left
+        if need <= left:
+            self.planned = False  # this candidate takes the round's time: no round unless one fits after it
+            return True
+        return False
 
     def _drop_stale_queue(self) -> None:
         """An interrupted run leaves its enqueued points waiting in the study: they are dropped (told PRUNED,
@@ -222,7 +227,7 @@ class Tuner:
         if rnd.reused:
             self.log(f"confirmation round {rnd.number}: {rnd.reused} measurements read back")
         todo = len(rnd.members) - sum(r["pass"] == 0 for r in rnd.records)
-        if todo and not self.reserved and self.clock() + self.need_s() * todo > self.deadline:
+        if todo and not (self.reserved or self.planned) and self.clock() + self.need_s() * todo > self.deadline:
             self.log(f"no time left to confirm the best {len(members)} candidates: chosen on the single figures")
             return rnd if rnd.records else None
         self.round = rnd  # what an interrupt keeps

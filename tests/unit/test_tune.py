@@ -201,6 +201,24 @@ def test_confirmation_round_picks_the_true_best_over_a_flattered_one(tmp_path, c
     assert "first figure" in md.split("**Chosen**")[1].splitlines()[0]
 
 
+def test_a_slow_last_candidate_delays_the_round_never_skips_it(tmp_path):
+    clock = [0.0]
+    sp = knobs_space("max_num_seqs", "max_num_batched_tokens")
+    fake = FakeMeasure(clock, noise=flattered_once)
+
+    def sixth_slow(params, tag):
+        result = fake(params, tag)
+        if len(fake.calls) == 6:  # a load spike: started with the round's time left, it ran 3x as long
+            clock[0] += 200.0
+            result["seconds"] = 300.0
+        return result
+
+    _, out, _ = run_tuner(tmp_path, 900.0, clock, measure=sixth_slow, sp=sp, confirm=2)
+    assert len(fake.search_calls()) == 6 and out.confirmation and out.confirmation.passes() == 1
+    assert out.best["params"] != {**sp.defaults, "max_num_seqs": 256, "max_num_batched_tokens": 1024}
+    assert clock[0] == 1000.0  # past the 900 s budget by the slow candidate's extra time, not more
+
+
 def test_confirmation_is_resumed_not_measured_again(tmp_path):
     clock = [0.0]
     sp = knobs_space("max_num_seqs", "max_num_batched_tokens")
