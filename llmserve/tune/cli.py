@@ -63,6 +63,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="search only these (comma-separated; the others stay at their defaults), e.g. "
         "max_num_seqs,max_num_batched_tokens (vLLM auto_tune's grid); default: all of " + ", ".join(KNOBS),
     )
+    g.add_argument(
+        "--grid-points",
+        type=int,
+        default=4,
+        help="measure first this many of the points vLLM's auto_tune grid starts with (the defaults, then "
+        "max_num_seqs x max_num_batched_tokens corners around them; 1: the defaults only)",
+    )
+    g.add_argument(
+        "--confirm",
+        type=int,
+        default=2,
+        help="re-measure this many best candidates back to back before choosing, the pick made on those figures "
+        "(its time reserved from --budget; 0 or 1: choose on the single figures)",
+    )
     g.add_argument("--probe-seconds", type=float, default=20.0, help="arrivals per rate probe span about this long")
     g.add_argument("--max-probes", type=int, default=5, help="rate probes per candidate")
     g.add_argument(
@@ -108,6 +122,8 @@ def validate(args) -> tuple:
     unknown = set((args.knobs or "").replace(" ", "").split(",")) - set(KNOBS) - {""}
     if unknown:
         raise TuneError(f"--knobs: unknown {', '.join(sorted(unknown))}; the knobs are {', '.join(KNOBS)}")
+    if args.grid_points < 1 or args.confirm < 0:
+        raise TuneError("--grid-points must be >= 1 and --confirm >= 0")
     if args.max_replicas is not None and args.max_replicas < 1:
         raise TuneError("--max-replicas must be >= 1")
     return bounds, budget, wl
@@ -217,6 +233,9 @@ def tune(args: argparse.Namespace) -> int:
                 log=ctx.log,
                 estimate_s=objective.START_SECONDS + args.probe_seconds * 2,
                 on_result=on_result,
+                grid_points=args.grid_points,
+                confirm=args.confirm,
+                remeasure=lambda params, tag, start: objective.measure(ctx, params, tag, start=start),
             )
             if tuner.resumed:
                 console.print(f"resumed: {tuner.resumed} candidates read back from {db}", highlight=False)
@@ -247,6 +266,8 @@ def finish(args, outcome, bounds, wl, budget, rdir: Path, out_path: Path, resume
     md = report.markdown(outcome, bounds, meta, plot, cap)
     (rdir / "report.md").write_text(md, encoding="utf-8")
     data = {"measured": outcome.measured, "pruned": outcome.pruned, "capacity": cap, "slo": slo.text(bounds)}
+    if outcome.confirmation:
+        data["confirmation"] = outcome.confirmation.as_dict()
     (rdir / "candidates.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
     if best is None and outcome.interrupted and not outcome.measured:
         console.print("llmserve tune: interrupted before any candidate was measured", highlight=False)
@@ -261,9 +282,10 @@ def finish(args, outcome, bounds, wl, budget, rdir: Path, out_path: Path, resume
             )
         console.print(f"llmserve tune: {msg}; report: {rdir / 'report.md'}", highlight=False)
         return 3
-    g = best["result"]["goodput"]
+    g, first = best.get("confirmed") or best["result"]["goodput"], best["result"]["goodput"]
+    how = f" (confirmed; first figure {first:.3g})" if best.get("confirmed") else ""
     header = [
-        f"llmserve tune: goodput {g:.3g} requests/s under {slo.text(bounds)} on {wl.label}",
+        f"llmserve tune: goodput {g:.3g} requests/s{how} under {slo.text(bounds)} on {wl.label}",
         f"({len(outcome.measured)} candidates; report: {rdir / 'report.md'})",
     ]
     if best["params"]["replicas"] > 1:
@@ -271,7 +293,7 @@ def finish(args, outcome, bounds, wl, budget, rdir: Path, out_path: Path, resume
     report.write_yaml(out_path, best["params"], outcome.space.cores, args.model, header)
     console.print(
         f"llmserve tune: chosen {report.flags_text(best['params'], outcome.space.defaults)}: goodput {g:.3g} "
-        f"requests/s; wrote {out_path} and {rdir / 'report.md'}"
+        f"requests/s{how}; wrote {out_path} and {rdir / 'report.md'}"
         + (" (interrupted: best so far)" if outcome.interrupted else ""),
         highlight=False,
     )

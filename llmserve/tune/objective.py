@@ -9,7 +9,9 @@ meeting every bound, per second of wall time.
 
 `Candidate.measure` starts the candidate's server (`llmserve serve`, or `llmserve launch` for several replicas,
 through llmserve/testing/launcher.py's ServerProcess), warms it up (not measured), runs the quality guard where the
-candidate can change the answers, then the rate search, and stops the server.
+candidate can change the answers, then the rate search, and stops the server. A confirmation re-measurement
+(`start` given: llmserve/tune/confirm.py) skips the quality guard (the candidate passed it) and searches the rate
+from `start` without giving up early, the same start for every member of the round.
 """
 
 from __future__ import annotations
@@ -200,23 +202,26 @@ async def _build_pool(ctx: Context, url: str) -> list:
         await client.aclose()
 
 
-def measure(ctx: Context, params: dict, tag: str) -> dict:
-    """One candidate, measured: {"goodput", "rate", "best", "fail", "probes", "quality", "refused", "seconds"}."""
+def measure(ctx: Context, params: dict, tag: str, start: float | None = None) -> dict:
+    """One candidate, measured: {"goodput", "rate", "best", "fail", "probes", "quality", "refused", "seconds",
+    "load"} ("load": the 1-minute load average before and after, what the machine's other jobs were doing)."""
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
     with Server(ctx, params, tag) as srv:
         if not ctx.pool:
             ctx.pool = asyncio.run(_build_pool(ctx, srv.url))
-        result = asyncio.run(_measure(ctx, params, srv.url))
+        result = asyncio.run(_measure(ctx, params, srv.url, start))
     result["seconds"] = time.monotonic() - t0
+    result["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     return result
 
 
-async def _measure(ctx: Context, params: dict, url: str) -> dict:
+async def _measure(ctx: Context, params: dict, url: str, confirm_start: float | None = None) -> dict:
     client = OpenAIClient(url, timeout_per_token=0.5)
     try:
         model = await client.resolve_model()
         q = None
-        if ctx.reference and changes_answers(params):
+        if ctx.reference and changes_answers(params) and confirm_start is None:
             q = await quality.agreement(url, model, ctx.reference)
             if q["agreement"] < ctx.min_agreement:
                 ctx.log(f"  refused: greedy agreement {q['agreement']:.3f} < --min-agreement {ctx.min_agreement}")
@@ -259,14 +264,14 @@ async def _measure(ctx: Context, params: dict, url: str) -> dict:
             )
             return summary
 
-        start = ctx.hint or max(0.01, guess)
+        start = confirm_start or ctx.hint or max(0.01, guess)
         found = await rate_search(
             probe,
             ctx.bounds,
             start,
             ctx.max_probes,
             deadline=ctx.deadline,
-            lose_fast=ctx.hint is not None,
+            lose_fast=ctx.hint is not None and confirm_start is None,
             min_rate=MIN_PROBE_REQUESTS / (2 * ctx.probe_seconds),
         )
         found["quality"] = q

@@ -25,7 +25,7 @@ def capacity(best: dict, cores: int, users: int | None, think: float, rate: floa
     if not best or (users is None and rate is None):
         return None
     r = best["result"]
-    per_machine = r["goodput"]
+    per_machine = best.get("confirmed") or r["goodput"]
     if per_machine <= 0:
         return None
     if users is None:
@@ -111,9 +111,14 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
         *[f"- note: {n}" for n in out.space.notes],
         "",
     ]
+    rnd = out.confirmation
     if best:
         g, g0 = best["result"]["goodput"], (dm or {}).get("result", {}).get("goodput")
         ratio = f" ({g / g0:.2f}x the defaults' {g0:.3g}/s)" if g0 else ""
+        if best.get("confirmed") is not None:
+            g, g0 = best["confirmed"], rnd.confirmed(dm["number"]) if dm and dm["number"] in rnd.members else None
+            ratio = f" ({g / g0:.2f}x the defaults' {g0:.3g}/s, re-measured in the same round)" if g0 else ratio
+            ratio += f"; first figure {best['result']['goodput']:.3g}/s"
         lines += [f"**Chosen**: {flags_text(best['params'], d)}: goodput {g:.3g} requests/s{ratio}.", ""]
     else:
         c = out.closest(bounds)
@@ -124,6 +129,8 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
                 f"{', '.join(c['failed'])} over the bound ({c['over']:.2f}x)."
             ]
         lines += [""]
+    if rnd:
+        lines += [*confirmation_lines(out), ""]
     if cap:
         lines += [
             f"**Capacity** for {cap['load']}: {cap['replicas']} replicas ({cap['replicas_per_machine']} per machine, "
@@ -134,7 +141,7 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
     if plot:
         lines += [f"![candidates]({plot})", ""]
     head = "| # | flags (vs defaults) | goodput /s | rate /s | " + " | ".join(b.key for b in bounds)
-    lines += [head + " | agreement | logprob diff | s |", "|" + "---|" * (7 + len(bounds))]
+    lines += [head + " | agreement | logprob diff | s | load (1 min) |", "|" + "---|" * (8 + len(bounds))]
     for m in out.measured:
         r = m["result"]
         p = r.get("best") or {}
@@ -148,6 +155,7 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
             f"{q['agreement']:.3f}" if q else ("1 (float32)" if not changes_answers(m["params"]) else "-"),
             f"{q['logprob_diff']:.4f}" if q else "-",
             f"{r.get('seconds', 0):.0f}",
+            _load(r) or "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     if out.pruned:
@@ -157,6 +165,41 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
     if effects:
         lines += ["", "What each knob did here (one flag changed from the defaults):", ""] + effects
     return "\n".join(lines) + "\n"
+
+
+def confirmation_lines(out: Outcome) -> list[str]:
+    """The confirmation round: each member's first figure beside its re-measured ones."""
+    c, d = out.confirmation, out.space.defaults
+    by_number = {m["number"]: m for m in out.measured}
+    done = c.passes()
+    state = (
+        f"{done} complete pass{'es' if done != 1 else ''}" if done else "**incomplete**: chosen on the first figures"
+    )
+    lines = [
+        f"Confirmation round {c.number} ({state}"
+        + (f"; {c.reused} measurements read back from a previous run" if c.reused else "")
+        + "): the best candidates re-measured back to back, the pick made on these figures:",
+        "",
+        "| trial | flags (vs defaults) | first goodput /s | re-measured goodput /s | confirmed /s | load (1 min) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in c.members:
+        m = by_number[n]
+        again = [r for r in c.records if r["of"] == n]
+        figs = ", ".join(f"{r['result']['goodput']:.3g}" + (" (read back)" if i < c.reused else "") for i, r in
+                         enumerate(c.records) if r in again)  # fmt: skip
+        loads = [_load(m["result"])] + [_load(r["result"]) for r in again]
+        conf = c.confirmed(n)
+        lines.append(
+            f"| {n} | {flags_text(m['params'], d)} | {m['result']['goodput']:.3g} | {figs or '-'} | "
+            f"{'-' if conf is None else f'{conf:.3g}'} | {' / '.join(x for x in loads if x) or '-'} |"
+        )
+    return lines
+
+
+def _load(r: dict) -> str:
+    load = r.get("load")
+    return f"{load[0]:.1f}-{load[1]:.1f}" if load else ""
 
 
 def _verdict(r: dict) -> str:

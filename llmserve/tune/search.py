@@ -1,10 +1,14 @@
 """Optuna drives the candidates; the engine's own metrics prune them; a stopped run resumes without re-measuring.
 
-The first candidate is the defaults (`llmserve serve` with no flags). After it, the search alternates the
-articles' step (change one flag of the best candidate so far, in space.MOVE_ORDER) with the sampler's proposal
-(TPE, or a grid), until the budget would be overrun by one more candidate. Every candidate is an Optuna trial in
+The first candidates are the points vLLM's auto_tune grid would measure first (space.grid_seeds: the defaults,
+`llmserve serve` with no flags, then the --max-num-seqs x --max-num-batched-tokens corners around them;
+`--grid-points` of them), enqueued as Optuna trials, so that on an equal budget tune has measured what the grid
+starts with. After them, the search alternates the articles' step (change one flag of the best candidate so far, in
+space.MOVE_ORDER) with the sampler's proposal (TPE, or a grid), until the budget would be overrun by one more
+candidate. Every candidate is an Optuna trial in
 a SQLite study: a resumed run loads the study, and a candidate whose flags were measured before is never measured
-again (its figures are read back).
+again (its figures are read back). The search stops early enough to leave the time of a confirmation round
+(llmserve/tune/confirm.py): the `--confirm` best candidates re-measured back to back, the pick made on those figures.
 
 Pruning rules, read from the measured candidates' probes (llmserve/tune/objective.py):
   kv        no larger --max-num-seqs than one whose KV cache sat full (>= 99%) with preemptions
@@ -26,7 +30,8 @@ from typing import Callable
 
 import optuna
 
-from .space import KNOBS, Space
+from . import confirm as confirm_mod
+from .space import KNOBS, Space, grid_seeds
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # TPE's multivariate mode
@@ -39,9 +44,17 @@ class Outcome:
     measured: list[dict]  # {"params", "result", "number"} per measured candidate, in order
     pruned: list[dict]  # {"params", "rule"}
     interrupted: bool = False
+    confirmation: confirm_mod.Round | None = None  # the round the pick was made by (None: no round was run)
 
     @property
     def best(self) -> dict | None:
+        """The chosen candidate: the confirmation round's pick when a pass of it completed (with "confirmed", its
+        re-measured goodput), else the best first figure."""
+        c = self.confirmation
+        pick = c.pick() if c else None
+        if pick is not None:
+            m = next(m for m in self.measured if m["number"] == pick)
+            return {**m, "confirmed": c.confirmed(pick)}
         ok = [m for m in self.measured if not m["result"].get("refused") and m["result"]["goodput"] > 0]
         return max(ok, key=lambda m: m["result"]["goodput"]) if ok else None
 
@@ -108,11 +121,17 @@ class Tuner:
         log: Callable[[str], None] = print,
         estimate_s: float = 60.0,
         on_result: Callable[[dict], None] | None = None,
+        grid_points: int = 4,
+        confirm: int = 2,
+        remeasure: Callable[[dict, str, float], dict] | None = None,
     ) -> None:
         self.space, self.measure, self.bounds = space, measure, bounds
         self.clock, self.log, self.on_result = clock, log, on_result
         self.deadline = clock() + budget_s
         self.estimate_s = estimate_s
+        self.grid_points, self.confirm = grid_points, confirm
+        # a confirmation re-measurement: (params, tag, the rate its search starts at); default: measure again
+        self.remeasure = remeasure or (lambda params, tag, start: measure(params, tag))
         self.dists = {k: optuna.distributions.CategoricalDistribution(v) for k, v in space.choices.items()}
         if sampler == "grid":
             s = optuna.samplers.GridSampler(space.choices, seed=seed)
@@ -125,13 +144,17 @@ class Tuner:
         self.pruned: list[dict] = []
         self.seen: set[str] = set()
         for t in self.study.trials:  # a resumed run: what was measured is read back
-            if t.state == DONE and "result" in t.user_attrs:
+            if t.state == DONE and "result" in t.user_attrs and "confirm_of" not in t.user_attrs:
                 params = {k: t.params[k] for k in KNOBS}
                 if space.key(params) not in self.seen:
                     self.measured.append({"params": params, "result": t.user_attrs["result"], "number": t.number})
                     self.seen.add(space.key(params))
         self.resumed = len(self.measured)
         self.measured_now = 0
+        self.confirmations = confirm_mod.read_back(self.study.trials)
+        self.reserved = False  # whether the search stopped to leave the confirmation round its time
+        self.planned = False  # whether the last candidate was started with the round's time left after it
+        self.round: confirm_mod.Round | None = None  # the round under way
 
     def best(self) -> dict | None:
         return Outcome(self.space, self.measured, self.pruned).best
@@ -162,18 +185,65 @@ class Tuner:
                     return True
         return False
 
-    def _time_left_for_one(self) -> bool:
+    def need_s(self) -> float:
+        """What one more measurement is budgeted: the longest so far, or the estimate before any."""
         done = [m["result"].get("seconds") for m in self.measured if m["result"].get("seconds")]
-        need = max(done) if done else self.estimate_s
-        return self.clock() + need <= self.deadline
+        return max(done) if done else self.estimate_s
+
+    def _time_left_for_one(self) -> bool:
+        """Whether one more candidate fits, leaving the time of the confirmation round. The round is reserved once
+        two candidates could be in it (after the next one); when the time left cannot hold the next candidate and
+        the round both, the search stops if the round fits now (`self.reserved`: it runs even if its measurements
+        take a little longer than the longest so far), and goes on without the reserve if not."""
+        need, left = self.need_s(), self.deadline - self.clock()
+        good = len(confirm_mod.contenders(self.measured, self.confirm))
+        after = min(self.confirm, good + 1)
+        reserve = after if after >= 2 else 0
+        if need * (1 + reserve) <= left:
+            self.planned = reserve >= 2  # a candidate slower than planned delays the round, never skips it
+            return True
+        if self.confirm >= 2 and good >= 2 and need * min(self.confirm, good) <= left:
+            self.reserved = True  # the time left goes to confirming what was found
+            return False
+        if need <= left:
+            self.planned = False  # this candidate takes the round's time: no round unless one fits after it
+            return True
+        return False
+
+    def _drop_stale_queue(self) -> None:
+        """An interrupted run leaves its enqueued points waiting in the study: they are dropped (told PRUNED,
+        user attribute `stale`) so that this run's queue, the grid's points first, is taken in its order."""
+        while self._queued():
+            trial = self.study.ask(self.dists)
+            trial.set_user_attr("stale", True)
+            self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
+    def confirm_round(self) -> confirm_mod.Round | None:
+        """Re-measure the top `confirm` candidates back to back (confirm.py); None when fewer than two qualify."""
+        members = confirm_mod.contenders(self.measured, self.confirm)
+        if self.confirm < 2 or len(members) < 2:
+            return None
+        rnd = confirm_mod.choose_round(self.confirmations, members)
+        if rnd.reused:
+            self.log(f"confirmation round {rnd.number}: {rnd.reused} measurements read back")
+        todo = len(rnd.members) - sum(r["pass"] == 0 for r in rnd.records)
+        if todo and not (self.reserved or self.planned) and self.clock() + self.need_s() * todo > self.deadline:
+            self.log(f"no time left to confirm the best {len(members)} candidates: chosen on the single figures")
+            return rnd if rnd.records else None
+        self.round = rnd  # what an interrupt keeps
+        confirm_mod.run_round(self, rnd)
+        return rnd
 
     def run(self) -> Outcome:
         interrupted = False
         turn = 0
         stale = 0
+        rnd = None
         try:
-            if self.space.key(self.space.defaults) not in self.seen:
-                self.study.enqueue_trial(self.space.defaults, skip_if_exists=False)
+            self._drop_stale_queue()
+            for seed in grid_seeds(self.space, self.grid_points):
+                if self.space.key(seed) not in self.seen:
+                    self.study.enqueue_trial(seed, skip_if_exists=False)
             while self._time_left_for_one() and len(self.seen) < self.space.size() and stale < 50:
                 turn += 1
                 if turn % 4 != 0 and not self._queued():
@@ -212,9 +282,16 @@ class Tuner:
                 self.measured_now += 1
                 if self.on_result:
                     self.on_result(entry)
+            rnd = self.confirm_round()
         except KeyboardInterrupt:
             interrupted = True
-        return Outcome(self.space, self.measured, self.pruned, interrupted)
+            members = confirm_mod.contenders(self.measured, self.confirm)
+            if self.round:
+                rnd = self.round
+            elif self.confirm >= 2 and len(members) >= 2:  # a round this or an earlier run measured of these members
+                rnd = confirm_mod.choose_round(confirm_mod.read_back(self.study.trials), members)
+                rnd = rnd if rnd.records else None
+        return Outcome(self.space, self.measured, self.pruned, interrupted, rnd)
 
     def _queued(self) -> bool:
         return any(t.state == optuna.trial.TrialState.WAITING for t in self.study.get_trials(deepcopy=False))

@@ -69,6 +69,30 @@ class Space:
         return out
 
 
+def grid_seeds(sp: Space, count: int) -> list[dict]:
+    """The first `count` points vLLM's auto_tune grid would measure, in this space: one server, the other flags at
+    their defaults, --max-num-seqs x --max-num-batched-tokens at the corners the space derives around the defaults
+    (auto_tune.sh's lists start at a larger max-num-seqs and chunk budget than the engine's defaults). In order:
+    the defaults; the largest chunk budget; the largest max-num-seqs; both; the smallest chunk budget; the smallest
+    chunk budget with the largest max-num-seqs. Duplicates (a knob with one choice) are dropped."""
+    d = sp.defaults
+    seqs, budgets = sp.choices["max_num_seqs"], sp.choices["max_num_batched_tokens"]
+    corners = [
+        (d["max_num_seqs"], d["max_num_batched_tokens"]),
+        (d["max_num_seqs"], max(budgets)),
+        (max(seqs), d["max_num_batched_tokens"]),
+        (max(seqs), max(budgets)),
+        (d["max_num_seqs"], min(budgets)),
+        (max(seqs), min(budgets)),
+    ]
+    out: list[dict] = []
+    for s, b in corners:
+        p = {**d, "replicas": 1, "max_num_seqs": s, "max_num_batched_tokens": b}
+        if p not in out:
+            out.append(p)
+    return out[: max(1, count)]  # the defaults at least: the baseline every report compares with
+
+
 def changes_answers(params: dict) -> bool:
     """Whether a candidate's answers can differ from float32's (what the quality guard measures)."""
     return (

@@ -1,7 +1,8 @@
-"""llmserve tune's search on a synthetic measured landscape (a function from flags to figures, no model): it finds
-the optimum within its budget, a resumed run measures nothing twice, an SLO that nothing meets names the closest
-candidate and the percentile that failed, the engine-metric pruning rules, the rate bisection, and the bad input
-refused before any server starts."""
+"""llmserve tune's search on a synthetic measured landscape (a function from flags to figures, no model): it finds the
+optimum within its budget, the grid's first points are measured first, the confirmation round picks the true best
+when noise flattered another candidate once, a resumed run measures nothing twice (confirmation included), an SLO
+that nothing meets names the closest candidate and the percentile that failed, the engine-metric pruning rules, the
+rate bisection, and the bad input refused before any server starts."""
 
 from __future__ import annotations
 
@@ -39,14 +40,18 @@ def landscape(params: dict) -> float:
 class FakeMeasure:
     """Each measurement takes 100 s of a fake clock and returns the landscape's figures; int4 is refused."""
 
-    def __init__(self, clock: list[float]) -> None:
-        self.clock, self.calls = clock, []
+    def __init__(self, clock: list[float], noise=None) -> None:
+        self.clock, self.calls, self.tags, self.noise = clock, [], [], noise
+
+    def search_calls(self) -> list[dict]:
+        return [p for p, t in zip(self.calls, self.tags) if not t.startswith("confirm")]
 
     def __call__(self, params: dict, tag: str) -> dict:
         self.calls.append(dict(params))
+        self.tags.append(tag)
         self.clock[0] += 100.0
         refused = params["quantization"] == "int4"
-        g = 0.0 if refused else landscape(params)
+        g = 0.0 if refused else landscape(params) * (self.noise(params, tag) if self.noise else 1.0)
         probe = {"rate": g, "goodput": g, "ttft_p95": 500.0, "tpot_p95": 50.0, "broken": [], "kv_usage_max": 0.2}
         return {
             "goodput": g,
@@ -71,8 +76,8 @@ def optimum(sp: space.Space) -> float:
     return best
 
 
-def run_tuner(tmp_path, budget: float, clock: list[float], measure=None, sampler="tpe"):
-    sp = make_space()
+def run_tuner(tmp_path, budget: float, clock: list[float], measure=None, sampler="tpe", sp=None, **kw):
+    sp = sp or make_space()
     measure = measure or FakeMeasure(clock)
     t = Tuner(
         sp,
@@ -85,6 +90,7 @@ def run_tuner(tmp_path, budget: float, clock: list[float], measure=None, sampler
         clock=lambda: clock[0],
         log=lambda s: None,
         estimate_s=100.0,
+        **kw,
     )
     return t, t.run(), measure
 
@@ -121,14 +127,125 @@ def test_grid_sampler_also_runs(tmp_path):
 def test_resumed_run_measures_nothing_twice(tmp_path):
     clock = [0.0]
     _, first, m1 = run_tuner(tmp_path, 800.0, clock)
-    assert len(m1.calls) == 8
+    assert len(m1.search_calls()) == 6 and len(m1.calls) == 8  # 6 candidates, then 2 re-measured
     tuner, second, m2 = run_tuner(tmp_path, 800.0, clock)
-    assert tuner.resumed == 8
-    keys1 = {first.space.key(p) for p in m1.calls}
-    keys2 = [second.space.key(p) for p in m2.calls]
-    assert len(m2.calls) == 8 and not keys1 & set(keys2) and len(set(keys2)) == len(keys2)
-    assert len(second.measured) == 16
+    assert tuner.resumed == 6
+    keys1 = {first.space.key(p) for p in m1.search_calls()}
+    keys2 = [second.space.key(p) for p in m2.search_calls()]
+    assert len(keys2) == 6 and not keys1 & set(keys2) and len(set(keys2)) == len(keys2)
+    assert len(second.measured) == 12
     assert second.best["result"]["goodput"] >= first.best["result"]["goodput"]
+    # the resumed search found better candidates: a new round (numbered 2) re-measured the new top two
+    assert second.confirmation.number == 2 and all(t.startswith("confirm-r2-") for t in m2.tags[6:])
+
+
+def test_grid_points_are_measured_first(tmp_path):
+    clock = [0.0]
+    sp = make_space()
+    _, out, measure = run_tuner(tmp_path, 1500.0, clock, grid_points=4)
+    seeds = space.grid_seeds(sp, 4)
+    assert measure.calls[:4] == seeds and seeds[0] == sp.defaults
+    # the corners around the defaults: the largest chunk budget, the largest max-num-seqs, both
+    assert [(p["max_num_seqs"], p["max_num_batched_tokens"]) for p in seeds[1:]] == [
+        (64, 1024),
+        (256, 512),
+        (256, 1024),
+    ]
+    assert all(p["replicas"] == 1 and p["quantization"] == "none" for p in seeds)
+
+
+def knobs_space(*keep: str) -> space.Space:
+    """The space `--knobs` leaves: the other knobs at their defaults."""
+    sp = make_space()
+    sp.choices = {k: (v if k in keep else [sp.defaults[k]]) for k, v in sp.choices.items()}
+    return sp
+
+
+def flattered_once(params: dict, tag: str) -> float:
+    """max_num_seqs 256 x 1024 tokens measured during a passing lull: 1.5x its figure, its first time only."""
+    corner = params["max_num_seqs"] == 256 and params["max_num_batched_tokens"] == 1024
+    return 1.5 if corner and not tag.startswith("confirm") else 1.0
+
+
+@pytest.mark.parametrize("confirm", [0, 2, 3])
+def test_confirmation_round_picks_the_true_best_over_a_flattered_one(tmp_path, confirm):
+    clock = [0.0]
+    sp = knobs_space("max_num_seqs", "max_num_batched_tokens")
+    fake = FakeMeasure(clock, noise=flattered_once)
+    _, out, _ = run_tuner(tmp_path, 1000.0, clock, measure=fake, sp=sp, confirm=confirm)
+    flattered = {**sp.defaults, "max_num_seqs": 256, "max_num_batched_tokens": 1024}
+    assert any(m["params"] == flattered for m in out.measured)
+    first = max(out.measured, key=lambda m: m["result"]["goodput"])
+    assert first["params"] == flattered  # on the single figures, the flattered corner leads
+    true_best = max(out.measured, key=lambda m: landscape(m["params"]))
+    if confirm < 2:
+        assert out.confirmation is None and out.best["params"] == flattered
+        return
+    assert fake.clock[0] <= 1000.0  # the round's time was reserved from the budget
+    rounds = [t for t in fake.tags if t.startswith("confirm")]
+    assert len(rounds) >= confirm and out.confirmation.passes() >= 1
+    assert out.best["params"] == true_best["params"] != flattered
+    assert out.best["confirmed"] == pytest.approx(landscape(true_best["params"]))
+    # back to back: nothing else was measured between the round's first and last re-measurement
+    assert all(t.startswith("confirm") for t in fake.tags[fake.tags.index(rounds[0]) :])
+    # the report shows both figures of every member: the flattered corner's 1.35 first, 0.9 re-measured
+    from llmserve.tune import report
+
+    md = report.markdown(out, BOUNDS, {"workload": "w", "budget": "1000s"}, None, None)
+    row = next(
+        line
+        for line in md.splitlines()
+        if line.startswith("| ") and "max_num_seqs=256, max_num_batched_tokens=1024 | 1.35 |" in line
+    )
+    assert "Confirmation round 1 (1 complete pass" in md and "| 0.9 | 0.9 |" in row
+    assert "first figure" in md.split("**Chosen**")[1].splitlines()[0]
+
+
+def test_a_slow_last_candidate_delays_the_round_never_skips_it(tmp_path):
+    clock = [0.0]
+    sp = knobs_space("max_num_seqs", "max_num_batched_tokens")
+    fake = FakeMeasure(clock, noise=flattered_once)
+
+    def sixth_slow(params, tag):
+        result = fake(params, tag)
+        if len(fake.calls) == 6:  # a load spike: started with the round's time left, it ran 3x as long
+            clock[0] += 200.0
+            result["seconds"] = 300.0
+        return result
+
+    _, out, _ = run_tuner(tmp_path, 900.0, clock, measure=sixth_slow, sp=sp, confirm=2)
+    assert len(fake.search_calls()) == 6 and out.confirmation and out.confirmation.passes() == 1
+    assert out.best["params"] != {**sp.defaults, "max_num_seqs": 256, "max_num_batched_tokens": 1024}
+    assert clock[0] == 1000.0  # past the 900 s budget by the slow candidate's extra time, not more
+
+
+def test_confirmation_is_resumed_not_measured_again(tmp_path):
+    clock = [0.0]
+    sp = knobs_space("max_num_seqs", "max_num_batched_tokens")
+    fake = FakeMeasure(clock, noise=flattered_once)
+    calls = []
+
+    def interrupted_in_round(params, tag):
+        calls.append(tag)
+        if tag.startswith("confirm") and sum(t.startswith("confirm") for t in calls) == 2:
+            raise KeyboardInterrupt  # the round's second re-measurement
+        return fake(params, tag)
+
+    _, out, _ = run_tuner(tmp_path, 1000.0, clock, measure=interrupted_in_round, sp=sp, confirm=2)
+    assert out.interrupted and out.confirmation.passes() == 0 and len(out.confirmation.records) == 1
+    assert out.best["params"]["max_num_seqs"] == 256  # an incomplete round: the first figures decide
+    searched = len(fake.search_calls())
+    # resumed with the time of the round (two measurements) but not of a candidate beside it: only the round's
+    # missing member is measured
+    tuner, out, _ = run_tuner(tmp_path, 200.0, clock, measure=fake, sp=sp, confirm=2)
+    assert tuner.resumed == searched and len(fake.search_calls()) == searched
+    assert [t.startswith("confirm-r1-p0-") for t in fake.tags[-1:]] == [True] and len(fake.tags) == searched + 2
+    assert out.confirmation.number == 1 and out.confirmation.passes() == 1 and out.confirmation.reused == 1
+    assert out.best["params"] != {**sp.defaults, "max_num_seqs": 256, "max_num_batched_tokens": 1024}
+    # resumed again: the round is complete, nothing is measured
+    n = len(fake.calls)
+    _, again, _ = run_tuner(tmp_path, 0.0, clock, measure=fake, sp=sp, confirm=2)
+    assert len(fake.calls) == n and again.best["params"] == out.best["params"]
 
 
 def test_slo_nothing_meets_names_closest_and_percentile(tmp_path):
@@ -196,6 +313,8 @@ def test_rate_search_bisects_to_where_the_slo_breaks():
         (["--slo", "ttft_p95=2000", "--budget", "10s"], "too small for one candidate"),
         (["--slo", "ttft_p95=2000", "--budget", "soon"], "not a duration"),
         (["--slo", "ttft_p95=2000", "--workload", "BAD"], "line 2 does not parse"),
+        (["--slo", "ttft_p95=2000", "--confirm", "-1"], "--confirm >= 0"),
+        (["--slo", "ttft_p95=2000", "--grid-points", "0"], "--grid-points must be >= 1"),
     ],
 )
 def test_bad_input_is_refused_before_any_server(tmp_path, capsys, argv, message):
