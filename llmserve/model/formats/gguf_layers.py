@@ -165,11 +165,18 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
     """Replace in place each Linear / Embedding of `model` (which may still be on the meta device) whose
     checkpoint tensors are all in `tensors` ({Hugging Face name without "model." and ".weight": (raw
     blocks, GGMLQuantizationType number)}) by a GGUFLinear / GGUFEmbedding over them; a layer's bias is
-    read from `floats` (a mapping of Hugging Face names to float tensors). Returns the checkpoint names
+    read from `floats` (a mapping of Hugging Face names to float tensors; the loader's GGUFTensors also releases
+    the file's pages of a part GGUFLinear repacked). Returns the checkpoint names
     (Hugging Face's) the new layers stand for."""
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
     adapt = getattr(model, "adapt_weight", None)
     consumed: set[str] = set()
+
+    def release(n: str) -> None:
+        """GGUFTensors.release (loader/gguf.py): a tensor's pages of the file's memory map handed back, so that resident
+        memory does not count a repacked part twice (read again, they come back from the page cache)."""
+        if hasattr(floats, "release"):
+            floats.release("lm_head.weight" if n == "lm_head" else f"model.{n}.weight")
 
     def convert(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
@@ -181,7 +188,11 @@ def adopt_gguf(model: nn.Module, tensors: dict[str, tuple[torch.Tensor, int]], e
                 bias = None if child.bias is None else torch.cat([floats[f"model.{n}.bias"] for n in names])
                 if bias is not None and adapt is not None:  # (the blocks' row order: partial or interleaved rotary)
                     bias = adapt(path, bias)
-                setattr(module, name, GGUFLinear([tensors[n] for n in names], child.in_features, bias, exact))
+                lin = GGUFLinear([tensors[n] for n in names], child.in_features, bias, exact)
+                setattr(module, name, lin)
+                for n, layout in zip(names, lin.layouts):
+                    if layout != "gguf":  # a part repacked into a copy: the file's pages of it go back to the OS
+                        release(n)
             elif type(child) is nn.Embedding:
                 if path not in tensors:
                     continue

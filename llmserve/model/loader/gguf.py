@@ -286,7 +286,7 @@ class GGUFTensors(Mapping):
         import mmap
 
         mm = getattr(self._map, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or name not in self._tensors:
             return
         t, e = self._tensors[name]
         start = int(t.data_offset) + (e or 0) * self.nbytes(name)
