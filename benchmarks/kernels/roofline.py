@@ -14,7 +14,7 @@ Then each weight mode runs the engine in its own process (`LLM.generate`, EOS ig
     lengths), so the fraction is the share of the peak the whole prefill reaches;
   * decode tok/s at --batch rows against the lower of the two bounds for a step of that many rows.
 
-    python -m benchmarks.kernels.roofline [--model DIR_OR_GGUF] [--modes bfloat16,int8,int4] [--no-write]
+    python -m benchmarks.kernels.roofline [--model DIR_OR_GGUF] [--modes bfloat16,int8,int4,auto] [--no-write]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ MODES = {  # name -> (LLM keyword arguments, the GEMM peak that bounds its prefi
     "bfloat16": (dict(dtype="bfloat16"), "bfloat16"),
     "int8": (dict(dtype="float32", quantization="int8"), "int8"),
     "int4": (dict(dtype="float32", quantization="int4"), "int8"),
+    "auto": ({}, "int8"),  # serve's defaults (a quantized GGUF: its own blocks, integer dots)
 }
 
 

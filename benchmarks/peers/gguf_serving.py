@@ -27,7 +27,8 @@ LLAMA_SERVER = os.path.join(PEERS, "llama.cpp", "build", "bin", "llama-server")
 
 def bench(url: str, a, c: int, out: str) -> dict:
     n = max(a.num_requests, 2 * c)
-    return llmserve_bench(url, c, n, a.input_len, a.output_len, out, "--tokenizer", a.tokenizer, "--warmup", "1")
+    extra = ["--tokenizer", a.tokenizer, "--warmup", "1"] + (["--timeout", str(a.timeout)] if a.timeout else [])
+    return llmserve_bench(url, c, n, a.input_len, a.output_len, out, *extra)
 
 
 def run_engine(engine: str, a, c: int, out: str) -> dict:
@@ -72,6 +73,9 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--timeout", type=float, default=None, help="per-request deadline of the client, s (default: bench's auto)"
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer for the random prompts (default: the GGUF's folder)")
     p.add_argument(
         "--chat-template",
