@@ -26,6 +26,9 @@ enum QType : int64_t {   // GGMLQuantizationType's numbers
   Q4_K16 = 100, Q6_K16 = 101,   // not GGML's: Q4_K, Q6_K repacked at load into panels of 16 rows (gguf_repacked.cpp)
 };
 
+// Whether qtype is one of the layouts repacked at load (gguf_repacked.cpp's kernels read them at every row count).
+inline bool is_repacked(int64_t qtype) { return qtype == Q4_K16 || qtype == Q6_K16; }
+
 // The compiler may fuse a * b + c into one FMA (one rounding instead of NumPy's two); passing the
 // product through here forbids that.
 inline __m256 unfused(__m256 v) {

@@ -275,7 +275,7 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
   const int64_t M = x.size(0);
   std::optional<Acts> a256, a32;
   for (const Part& p : parts) {
-    if ((p.qtype == Q4_K16 || p.qtype == Q6_K16) && !a256) a256.emplace(x, 256);
+    if (is_repacked(p.qtype) && !a256) a256.emplace(x, 256);
     with_dot_type(p.qtype, [&](auto t) {
       if (decltype(t)::kValues == 256 && !a256) a256.emplace(x, 256);
       if (decltype(t)::kValues == 32 && !a32) a32.emplace(x, 32);
@@ -295,7 +295,7 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
     for (int64_t i = b; i < e; ++i) {
       const Task& task = tasks[i];
       const Part& p = *task.p;
-      if (p.qtype == Q4_K16 || p.qtype == Q6_K16) {   // repacked at load: one kernel at every row count (gguf_repacked.cpp)
+      if (is_repacked(p.qtype)) {   // repacked at load: one kernel at every row count (gguf_repacked.cpp)
         repacked_dots(p.qtype, *a256, M, p.w, task.n0, task.n1, op + p.col, ldo);
         continue;
       }

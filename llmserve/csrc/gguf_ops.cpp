@@ -127,7 +127,7 @@ void dequant_repacked_row(const Layout& w, int64_t qtype, int64_t K, int64_t n, 
 }
 
 void dequant_any_row(const Layout& w, int64_t qtype, int64_t K, int64_t n, float* out) {
-  if (qtype == Q4_K16 || qtype == Q6_K16) return dequant_repacked_row(w, qtype, K, n, out);
+  if (is_repacked(qtype)) return dequant_repacked_row(w, qtype, K, n, out);
   const uint8_t* row = w.p + n * w.ld;
   if (!with_quant_type(qtype, [&](auto t) { dequant_row<decltype(t)>(row, K, out); }))
     dequant_plain_row(row, qtype, K, out);
@@ -204,7 +204,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& raw, int64_t qtype, 
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), w.N}, x.options());
   if (x.size(0) == 0 || w.N == 0) return out;
-  if ((x.size(0) < many_rows && with_dot_type(qtype, [](auto) {})) || qtype == Q4_K16 || qtype == Q6_K16) {
+  if ((x.size(0) < many_rows && with_dot_type(qtype, [](auto) {})) || is_repacked(qtype)) {
     dot_parts(x, {{w, qtype, 0}}, w.N, out.data_ptr<float>());
     return out;
   }
@@ -235,7 +235,7 @@ at::Tensor linear_parts(const at::Tensor& x_in, const std::vector<at::Tensor>& t
     if (n > 1) {
       packed.push_back({code, at, N});
     } else {
-      TORCH_CHECK(code == Q4_K16 || code == Q6_K16 || with_dot_type(code, [](auto) {}), "linear_parts: ", code,
+      TORCH_CHECK(is_repacked(code) || with_dot_type(code, [](auto) {}), "linear_parts: ", code,
                   " is not a type of GGUF's integer dots (Q4_0 / Q4_1 / Q8_0 come repacked)");
       parts.push_back({check_layout(tensors[at], code, K, "linear_parts"), code, N});
     }

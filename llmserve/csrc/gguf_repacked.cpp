@@ -254,7 +254,7 @@ void dots(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, flo
 
 template <typename F>
 void with_repacked(int64_t qtype, F&& f) {
-  TORCH_CHECK(qtype == Q4_K16 || qtype == Q6_K16, "not a repacked type: ", qtype);
+  TORCH_CHECK(is_repacked(qtype), "not a repacked type: ", qtype);
   if (qtype == Q4_K16) f(R4{});
   else f(R6{});
 }
