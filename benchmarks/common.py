@@ -176,15 +176,20 @@ def ab_table(runs: dict, settings: list, concurrency: list, label: str) -> str:
         "|---|---|---|---|---|---|",
     ]
     fields = ("tok_s", "ttft_median", "itl_p99")
-    med = {k: {f: statistics.median(r[f] for r in v) for f in fields} for k, v in runs.items()}
+    nan = float("nan")  # a run whose requests all failed has no latency figures: shown as nan, never a crash
+
+    def figure(r: dict, f: str) -> float:
+        return nan if r.get(f) is None else r[f]
+
+    med = {k: {f: statistics.median(figure(r, f) for r in v) for f in fields} for k, v in runs.items()}
     for (setting, c), v in runs.items():
-        tok, ttft, itl = (" / ".join(f"{r[f]:.{d}f}" for r in v) for f, d in zip(fields, (2, 0, 0)))
+        tok, ttft, itl = (" / ".join(f"{figure(r, f):.{d}f}" for r in v) for f, d in zip(fields, (2, 0, 0)))
         lines.append(f"| `{setting}` | {c} | {tok} | {ttft} | {itl} | {sum(r['failed'] for r in v)} |")
     lines.append("")
     base = settings[0]
     for setting in settings[1:]:
         for c in concurrency:
-            m, b = med[(setting, c)], med[(base, c)]
+            m, b = med[(setting, c)], {f: x or nan for f, x in med[(base, c)].items()}
             lines.append(
                 f"- `{setting}` against `{base}` at {c} concurrent (medians): "
                 f"throughput {m['tok_s'] / b['tok_s']:.2f}x, median TTFT {m['ttft_median'] / b['ttft_median']:.2f}x, "

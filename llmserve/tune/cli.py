@@ -80,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-seconds", type=float, default=20.0, help="arrivals per rate probe span about this long")
     g.add_argument("--max-probes", type=int, default=5, help="rate probes per candidate")
     g.add_argument(
+        "--max-requests",
+        type=int,
+        default=128,
+        help="requests per rate probe at most; rates stop at --max-requests / --probe-seconds (above it a probe "
+        "is a burst, not a load)",
+    )
+    g.add_argument(
         "--min-agreement",
         type=float,
         default=0.9,
@@ -102,7 +109,7 @@ def parse_budget(text: str) -> float:
 
 def validate(args) -> tuple:
     """Everything that can be checked before a server starts; TuneError with the reason."""
-    from .objective import START_SECONDS
+    from .objective import MIN_PROBE_REQUESTS, START_SECONDS
 
     try:
         bounds = slo.parse_slo(args.slo)
@@ -124,6 +131,8 @@ def validate(args) -> tuple:
         raise TuneError(f"--knobs: unknown {', '.join(sorted(unknown))}; the knobs are {', '.join(KNOBS)}")
     if args.grid_points < 1 or args.confirm < 0:
         raise TuneError("--grid-points must be >= 1 and --confirm >= 0")
+    if args.max_requests < MIN_PROBE_REQUESTS:
+        raise TuneError(f"--max-requests must be >= {MIN_PROBE_REQUESTS} (a probe's fewest requests)")
     if args.max_replicas is not None and args.max_replicas < 1:
         raise TuneError("--max-replicas must be >= 1")
     return bounds, budget, wl
@@ -179,6 +188,7 @@ def tune(args: argparse.Namespace) -> int:
         port=args.port or free_port(),
         probe_seconds=args.probe_seconds,
         max_probes=args.max_probes,
+        max_requests=args.max_requests,
         min_agreement=args.min_agreement,
         quality_prompts=args.quality_prompts,
         quality_tokens=args.quality_tokens,

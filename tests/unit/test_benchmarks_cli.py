@@ -74,3 +74,15 @@ def test_write_section_keeps_the_next_topic(tmp_path):
     text = path.read_text()
     assert "old a" not in text and "new a" in text and "old b" in text
     assert text.index("## A") < text.index("# Engine") < text.index("## B") < text.index("## C")
+
+
+def test_ab_table_survives_a_run_whose_requests_all_failed():
+    """A setting whose every request failed has no latency medians (None): the table shows nan, never raises."""
+    from benchmarks.common import ab_table
+
+    ok = {"tok_s": 10.0, "ttft_median": 100.0, "itl_p99": 50.0, "failed": 0}
+    dead = {"tok_s": 0.0, "ttft_median": None, "itl_p99": None, "failed": 8}
+    runs = {("a", 4): [ok, ok], ("b", 4): [dead, dead], ("c", 4): [ok, ok]}
+    table = ab_table(runs, ["b", "a", "c"], [4], "setting")
+    assert "| `b` | 4 | 0.00 / 0.00 | nan / nan | nan / nan | 16 |" in table
+    assert "`a` against `b` at 4 concurrent" in table and "median TTFT nan" in table

@@ -306,6 +306,38 @@ def test_rate_search_bisects_to_where_the_slo_breaks():
     assert found["fail"]["rate"] > 3.0 and "ttft_p95" in found["fail"]["broken"][0]
 
 
+def test_rate_search_stops_at_the_probes_ceiling():
+    """A server that drains any burst within the SLO (a finite probe cannot load it past its capacity) is reported
+    at the ceiling, flagged, never at a burst rate hundreds of times its capacity."""
+    rates = []
+
+    async def probe(rate):
+        rates.append(rate)
+        return {"completed": 20, "failed": 0, "goodput": 1.5, "ttft_ms": {"p95": 300}, "tpot_ms": {"p95": 80}}
+
+    found = asyncio.run(rate_search(probe, BOUNDS, 1.0, max_probes=8, max_rate=6.4))
+    assert rates == [1.0, 2.0, 4.0, 6.4] and found["ceiling"] and found["rate"] == 6.4
+    unbounded = asyncio.run(rate_search(probe, BOUNDS, 1.0, max_probes=3))
+    assert not unbounded["ceiling"] and unbounded["rate"] == 4.0
+
+
+def test_rate_search_climbs_faster_far_from_the_slo():
+    """Every percentile under half its bound: the rate quadruples (fewer probes to find a fast server's range);
+    near a bound it doubles."""
+    rates = []
+
+    async def probe(rate):
+        rates.append(rate)
+        ok = rate <= 3.0
+        tpot = 20 if rate < 1 else 80  # BOUNDS: tpot_p95 <= 100
+        return {"completed": 20, "failed": 0, "goodput": rate, "ttft_ms": {"p95": 300 if ok else 5000},
+                "tpot_ms": {"p95": tpot}}  # fmt: skip
+
+    found = asyncio.run(rate_search(probe, BOUNDS, 0.1, max_probes=6, tol=1.2))
+    assert rates[:4] == [0.1, 0.4, 1.6, 3.2]
+    assert 3.0 / 1.2 <= found["rate"] <= 3.0 and not found["ceiling"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -315,6 +347,7 @@ def test_rate_search_bisects_to_where_the_slo_breaks():
         (["--slo", "ttft_p95=2000", "--workload", "BAD"], "line 2 does not parse"),
         (["--slo", "ttft_p95=2000", "--confirm", "-1"], "--confirm >= 0"),
         (["--slo", "ttft_p95=2000", "--grid-points", "0"], "--grid-points must be >= 1"),
+        (["--slo", "ttft_p95=2000", "--max-requests", "2"], "--max-requests must be >= 6"),
     ],
 )
 def test_bad_input_is_refused_before_any_server(tmp_path, capsys, argv, message):
