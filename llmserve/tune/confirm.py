@@ -67,11 +67,16 @@ class Round:
         }
 
 
-def contenders(measured: list[dict], k: int) -> list[int]:
-    """The trial numbers of the `k` best candidates by their first figure (those meeting the SLO, not refused)."""
+def contenders(measured: list[dict], k: int, baseline: int | None = None) -> list[int]:
+    """The trial numbers of the `k` best candidates by their first figure (those meeting the SLO, not refused), and
+    the `baseline` (the defaults' trial) after them when it met the SLO and is not among them: a candidate that won
+    its first measurement by noise must beat the defaults side by side to be chosen over them."""
     ok = [m for m in measured if not m["result"].get("refused") and m["result"]["goodput"] > 0]
     ok.sort(key=lambda m: (-m["result"]["goodput"], m["number"]))
-    return [m["number"] for m in ok[:k]]
+    top = [m["number"] for m in ok[:k]]
+    if k >= 2 and baseline is not None and baseline not in top and any(m["number"] == baseline for m in ok):
+        top.append(baseline)
+    return top
 
 
 def read_back(trials) -> list[dict]:

@@ -190,19 +190,25 @@ class Tuner:
         done = [m["result"].get("seconds") for m in self.measured if m["result"].get("seconds")]
         return max(done) if done else self.estimate_s
 
+    def contenders(self) -> list[int]:
+        """The confirmation round's members: the `confirm` best first figures, and the defaults (confirm.py)."""
+        key = self.space.key(self.space.defaults)
+        d = next((m["number"] for m in self.measured if self.space.key(m["params"]) == key), None)
+        return confirm_mod.contenders(self.measured, self.confirm, d)
+
     def _time_left_for_one(self) -> bool:
         """Whether one more candidate fits, leaving the time of the confirmation round. The round is reserved once
         two candidates could be in it (after the next one); when the time left cannot hold the next candidate and
         the round both, the search stops if the round fits now (`self.reserved`: it runs even if its measurements
         take a little longer than the longest so far), and goes on without the reserve if not."""
         need, left = self.need_s(), self.deadline - self.clock()
-        good = len(confirm_mod.contenders(self.measured, self.confirm))
-        after = min(self.confirm, good + 1)
+        good = len(self.contenders())
+        after = min(self.confirm + 1, good + 1)
         reserve = after if after >= 2 else 0
         if need * (1 + reserve) <= left:
             self.planned = reserve >= 2  # a candidate slower than planned delays the round, never skips it
             return True
-        if self.confirm >= 2 and good >= 2 and need * min(self.confirm, good) <= left:
+        if self.confirm >= 2 and good >= 2 and need * good <= left:
             self.reserved = True  # the time left goes to confirming what was found
             return False
         if need <= left:
@@ -220,7 +226,7 @@ class Tuner:
 
     def confirm_round(self) -> confirm_mod.Round | None:
         """Re-measure the top `confirm` candidates back to back (confirm.py); None when fewer than two qualify."""
-        members = confirm_mod.contenders(self.measured, self.confirm)
+        members = self.contenders()
         if self.confirm < 2 or len(members) < 2:
             return None
         rnd = confirm_mod.choose_round(self.confirmations, members)
@@ -285,7 +291,7 @@ class Tuner:
             rnd = self.confirm_round()
         except KeyboardInterrupt:
             interrupted = True
-            members = confirm_mod.contenders(self.measured, self.confirm)
+            members = self.contenders()
             if self.round:
                 rnd = self.round
             elif self.confirm >= 2 and len(members) >= 2:  # a round this or an earlier run measured of these members

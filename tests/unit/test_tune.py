@@ -127,16 +127,20 @@ def test_grid_sampler_also_runs(tmp_path):
 def test_resumed_run_measures_nothing_twice(tmp_path):
     clock = [0.0]
     _, first, m1 = run_tuner(tmp_path, 800.0, clock)
-    assert len(m1.search_calls()) == 6 and len(m1.calls) == 8  # 6 candidates, then 2 re-measured
+    # 5 candidates (the time of a 3-member round reserved), then the 2 best re-measured (the defaults among them)
+    assert len(m1.search_calls()) == 5 and len(m1.calls) == 7
+    assert first.confirmation.members[-1] == 0 or 0 in first.confirmation.members
     tuner, second, m2 = run_tuner(tmp_path, 800.0, clock)
-    assert tuner.resumed == 6
+    assert tuner.resumed == 5
     keys1 = {first.space.key(p) for p in m1.search_calls()}
     keys2 = [second.space.key(p) for p in m2.search_calls()]
-    assert len(keys2) == 6 and not keys1 & set(keys2) and len(set(keys2)) == len(keys2)
-    assert len(second.measured) == 12
+    assert len(keys2) == 5 and not keys1 & set(keys2) and len(set(keys2)) == len(keys2)
+    assert len(second.measured) == 10
     assert second.best["result"]["goodput"] >= first.best["result"]["goodput"]
-    # the resumed search found better candidates: a new round (numbered 2) re-measured the new top two
-    assert second.confirmation.number == 2 and all(t.startswith("confirm-r2-") for t in m2.tags[6:])
+    # the resumed search found better candidates: a new round (numbered 2) re-measured the new top two, and the
+    # defaults (trial 0) beside them, last
+    assert second.confirmation.number == 2 and all(t.startswith("confirm-r2-") for t in m2.tags[5:])
+    assert len(second.confirmation.members) == 3 and second.confirmation.members[-1] == 0
 
 
 def test_grid_points_are_measured_first(tmp_path):
@@ -199,6 +203,21 @@ def test_confirmation_round_picks_the_true_best_over_a_flattered_one(tmp_path, c
     )
     assert "Confirmation round 1 (1 complete pass" in md and "| 0.9 | 0.9 |" in row
     assert "first figure" in md.split("**Chosen**")[1].splitlines()[0]
+
+
+def test_the_defaults_are_confirmed_beside_the_best(tmp_path):
+    """Every candidate but the defaults is worse (0.8x), yet each measures 1.3x on its first figure: the round
+    re-measures the defaults beside the two best first figures, and the defaults are chosen."""
+    clock = [0.0]
+    sp = knobs_space("max_num_seqs", "max_num_batched_tokens")
+
+    def flattered_all(params, tag):
+        return 1.0 if params == sp.defaults else (0.8 if tag.startswith("confirm") else 1.3) / landscape(params)
+
+    _, out, _ = run_tuner(tmp_path, 1000.0, clock, measure=FakeMeasure(clock, noise=flattered_all), sp=sp)
+    first = max(out.measured, key=lambda m: m["result"]["goodput"])
+    assert first["params"] != sp.defaults and len(out.confirmation.members) == 3
+    assert out.best["params"] == sp.defaults and out.best["confirmed"] == pytest.approx(landscape(sp.defaults))
 
 
 def test_a_slow_last_candidate_delays_the_round_never_skips_it(tmp_path):
