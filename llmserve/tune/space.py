@@ -7,7 +7,8 @@ A candidate is a dict of these parameters (the names Optuna records):
   max_num_batched_tokens  the engine's own default for the model's cost per token at that thread count
                           (llmserve/engine/scheduler.py), halved and doubled
   dtype                   float32, and bfloat16 where the CPU computes it natively (AVX512-BF16, AMX) or on CUDA
-  quantization            none, int8, int4 (weight-only)
+  quantization            none, int8, int4 (weight-only); for a GGUF file with quantized blocks (the bundled model is
+                          one: Q4_1), gguf first, its own blocks, which is what `llmserve serve` picks by default
   kv_cache_dtype          auto (= dtype), int8
   speculative_ngram       0 or 4 (prompt lookup, verified in one forward)
   enable_prefix_caching   on, off
@@ -151,9 +152,12 @@ def derive(
     bf16: bool,
     max_replicas: int | None = None,
     device: str = "cpu",
+    file_blocks: str | None = None,
 ) -> Space:
     """The space for a model (its projections' FLOPs per token, its KV bytes per token in float32), a workload
-    (mean prompt + output tokens of a request) and a machine (cores, native bfloat16)."""
+    (mean prompt + output tokens of a request) and a machine (cores, native bfloat16). `file_blocks`: the file's
+    quantized block formats when `--quantization auto` serves them as they are (a GGUF: "Q4_1/Q8_0"); `gguf` is
+    then the defaults' quantization and a choice beside none / int8 / int4."""
     from llmserve.engine.scheduler import default_token_budget
 
     notes = []
@@ -180,7 +184,7 @@ def derive(
         "max_num_seqs": seqs,
         "max_num_batched_tokens": sorted(budgets),
         "dtype": dtypes,
-        "quantization": ["none", "int8", "int4"],
+        "quantization": (["gguf"] if file_blocks else []) + ["none", "int8", "int4"],
         "kv_cache_dtype": ["auto", "int8"],
         "speculative_ngram": [0, 4],
         "enable_prefix_caching": [True, False],
@@ -189,12 +193,15 @@ def derive(
         "replicas": 1,
         "max_num_seqs": min(ENGINE_DEFAULT_SEQS, seqs[-1]) if ENGINE_DEFAULT_SEQS in seqs else seqs[-1],
         "max_num_batched_tokens": default_budget,
-        "dtype": "bfloat16" if bf16 or device == "cuda" else "float32",  # what --dtype auto picks
-        "quantization": "none",
+        # what --dtype auto picks: bfloat16 for float weights where native, float32 around quantized blocks
+        "dtype": "bfloat16" if (bf16 or device == "cuda") and not file_blocks else "float32",
+        "quantization": "gguf" if file_blocks else "none",  # what --quantization auto picks
         "kv_cache_dtype": "auto",
         "speculative_ngram": 0,
         "enable_prefix_caching": True,
     }
+    if file_blocks:
+        notes.append(f"quantization gguf: the file's own {file_blocks} blocks, what `llmserve serve` runs by default")
     for k, v in defaults.items():  # the defaults are always a point of the space
         if v not in choices[k]:
             choices[k] = (
@@ -209,8 +216,23 @@ def for_model(model: str | None, request_tokens: float, max_replicas: int | None
     from llmserve.model.loader.load import load_model_config
     from llmserve.model.loader.lookup import resolve_model
 
-    mc, _ = load_model_config(resolve_model(model))
+    source = resolve_model(model)
+    mc, _ = load_model_config(source)
     kv_layers = mc.num_layers - sum(mc.recurrent_layers) if mc.recurrent_layers else mc.num_layers
     kv_bytes = 2 * kv_layers * mc.num_kv_heads * mc.head_dim * 4
     cores = len(os.sched_getaffinity(0))
-    return derive(mc.matmul_flops_per_token(), kv_bytes, request_tokens, cores, bf16.supported(), max_replicas)
+    flops, blocks = mc.matmul_flops_per_token(), _blocks(source, mc)
+    return derive(flops, kv_bytes, request_tokens, cores, bf16.supported(), max_replicas, file_blocks=blocks)
+
+
+def _blocks(source, mc) -> str | None:
+    """The quantized block formats `--quantization auto` serves as they are (loader/mode.py decides), or None."""
+    if source.kind != "gguf":
+        return None
+    import gguf
+
+    from llmserve.model.loader.mode import quantized_types, resolve_quantization
+
+    types = quantized_types(gguf.GGUFReader(source.path))
+    mode, _ = resolve_quantization("auto", gguf=True, block_types=types, device="cpu", vision=mc.mm_config is not None)
+    return "/".join(types) if mode == "gguf" else None

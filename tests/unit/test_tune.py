@@ -107,6 +107,23 @@ def test_space_is_derived_from_model_and_machine():
     assert max(big_kv.choices["max_num_seqs"]) <= 64 and big_kv.notes
 
 
+@pytest.mark.parametrize("blocks", ["1", "0"])
+def test_a_quantized_gguf_is_tuned_from_what_serve_runs(monkeypatch, blocks):
+    """The bundled model is a Q4_1 GGUF: `llmserve serve` runs its own blocks (--quantization auto -> gguf) with
+    float32 around them, so the tuner's defaults are that, and the YAML of the defaults says so; with
+    LLMSERVE_GGUF_BLOCKS=0 (auto widens the blocks) they are the float weights' defaults again."""
+    monkeypatch.setenv("LLMSERVE_GGUF_BLOCKS", blocks)
+    sp = space.for_model(None, 700)
+    if blocks == "0":
+        assert "gguf" not in sp.choices["quantization"] and sp.defaults["quantization"] == "none"
+        return
+    assert sp.choices["quantization"][0] == "gguf" and sp.defaults["quantization"] == "gguf"
+    assert sp.defaults["dtype"] == "float32" and any("Q4_1" in n for n in sp.notes)
+    argv = space.serve_argv(sp.defaults, 2)
+    assert argv[argv.index("--quantization") + 1] == "gguf" and argv[argv.index("--dtype") + 1] == "float32"
+    assert space.changes_answers(sp.defaults)  # the quality guard measures the file's blocks against float32
+
+
 def test_search_finds_the_optimum_within_budget(tmp_path):
     clock = [0.0]
     tuner, out, measure = run_tuner(tmp_path, 3000.0, clock)
