@@ -61,12 +61,19 @@ class Space:
         return ",".join(f"{k}={params[k]}" for k in KNOBS)
 
     def moves(self, base: dict) -> list[dict]:
-        """Every candidate one knob away from `base`, in MOVE_ORDER: the articles' change-one-flag steps."""
+        """Every candidate one knob away from `base`, in MOVE_ORDER: the articles' change-one-flag steps. A step
+        from a GGUF's own blocks to `--quantization none` is taken as a user takes it, with `--dtype auto`: the
+        blocks widened to bfloat16 where the CPU has it (float32 weights, the exactness mode, stay a choice
+        of the sampler, not the first step: at 1B it is a 0.9 s/token server that eats minutes of the budget)."""
         out = []
+        float_dtype = "bfloat16" if "bfloat16" in self.choices["dtype"] else "float32"
         for k in MOVE_ORDER:
             for v in self.choices[k]:
                 if v != base[k]:
-                    out.append({**base, k: v})
+                    move = {**base, k: v}
+                    if k == "quantization" and v == "none" and base[k] == "gguf":
+                        move["dtype"] = float_dtype
+                    out.append(move)
         return out
 
 

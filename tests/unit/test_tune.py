@@ -122,6 +122,10 @@ def test_a_quantized_gguf_is_tuned_from_what_serve_runs(monkeypatch, blocks):
     argv = space.serve_argv(sp.defaults, 2)
     assert argv[argv.index("--quantization") + 1] == "gguf" and argv[argv.index("--dtype") + 1] == "float32"
     assert space.changes_answers(sp.defaults)  # the quality guard measures the file's blocks against float32
+    # the step to float weights is taken with --dtype auto's choice (bfloat16 here), never float32-exact first
+    widened = [m for m in sp.moves(sp.defaults) if m["quantization"] == "none"]
+    expected = "bfloat16" if "bfloat16" in sp.choices["dtype"] else "float32"
+    assert len(widened) == 1 and widened[0]["dtype"] == expected
 
 
 def test_search_finds_the_optimum_within_budget(tmp_path):
