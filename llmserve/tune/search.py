@@ -38,6 +38,12 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 DONE = optuna.trial.TrialState.COMPLETE
 
 
+def defaults_entry(space: Space, measured: list[dict]) -> dict | None:
+    """The measured candidate whose flags are the defaults (`llmserve serve` with no flags), if it was measured."""
+    key = space.key(space.defaults)
+    return next((m for m in measured if space.key(m["params"]) == key), None)
+
+
 @dataclass
 class Outcome:
     space: Space
@@ -60,8 +66,7 @@ class Outcome:
 
     @property
     def defaults(self) -> dict | None:
-        key = self.space.key(self.space.defaults)
-        return next((m for m in self.measured if self.space.key(m["params"]) == key), None)
+        return defaults_entry(self.space, self.measured)
 
     def closest(self, bounds) -> dict | None:
         """When nothing met the SLO: the candidate whose lowest failing probe came nearest, and what failed."""
@@ -192,9 +197,8 @@ class Tuner:
 
     def contenders(self) -> list[int]:
         """The confirmation round's members: the `confirm` best first figures, and the defaults (confirm.py)."""
-        key = self.space.key(self.space.defaults)
-        d = next((m["number"] for m in self.measured if self.space.key(m["params"]) == key), None)
-        return confirm_mod.contenders(self.measured, self.confirm, d)
+        d = defaults_entry(self.space, self.measured)
+        return confirm_mod.contenders(self.measured, self.confirm, d["number"] if d else None)
 
     def _time_left_for_one(self) -> bool:
         """Whether one more candidate fits, leaving the time of the confirmation round. The round is reserved once
