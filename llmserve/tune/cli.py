@@ -164,7 +164,8 @@ def tune(args: argparse.Namespace) -> int:
 
     bounds, budget, wl = validate(args)
     try:
-        sp = space.for_model(args.model, _request_tokens(wl, args), args.max_replicas)
+        gaps = [b.ms for b in bounds if b.metric in ("tpot", "itl")]
+        sp = space.for_model(args.model, _request_tokens(wl, args), args.max_replicas, min(gaps, default=None))
     except (ValueError, OSError, FileNotFoundError) as e:
         raise TuneError(f"--model: {e}") from None
     if args.knobs:

@@ -6,6 +6,10 @@ A candidate is a dict of these parameters (the names Optuna records):
   max_num_seqs            powers of two from 8 up to what the KV cache holds at the workload's request length
   max_num_batched_tokens  the engine's own default for the model's cost per token at that thread count
                           (llmserve/engine/scheduler.py), halved and doubled
+  max_step_ms             the step-time target beside decoding rows (llmserve/engine/step_budget.py): the CPU default
+                          (1000 ms), and the SLO's TPOT (or ITL) bound and twice it: a stream's TPOT is the mean of
+                          the steps it waits through, so a target at the bound keeps prefill chunks from pushing it
+                          over (one choice, no target, on CUDA)
   dtype                   float32, and bfloat16 where the CPU computes it natively (AVX512-BF16, AMX) or on CUDA
   quantization            none, int8, int4 (weight-only); for a GGUF file with quantized blocks (the bundled model is
                           one: Q4_1), gguf first, its own blocks, which is what `llmserve serve` picks by default
@@ -24,6 +28,7 @@ KNOBS = (
     "replicas",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_step_ms",
     "dtype",
     "quantization",
     "kv_cache_dtype",
@@ -35,6 +40,7 @@ MOVE_ORDER = (
     "quantization",
     "replicas",
     "max_num_batched_tokens",
+    "max_step_ms",
     "max_num_seqs",
     "dtype",
     "kv_cache_dtype",
@@ -120,6 +126,7 @@ def serve_settings(params: dict, cores: int) -> dict:
     out = {
         "max_num_seqs": params["max_num_seqs"],
         "max_num_batched_tokens": params["max_num_batched_tokens"],
+        "max_step_ms": params["max_step_ms"],
         "dtype": params["dtype"],
         "quantization": params["quantization"],
         "kv_cache_dtype": params["kv_cache_dtype"],
@@ -160,12 +167,15 @@ def derive(
     max_replicas: int | None = None,
     device: str = "cpu",
     file_blocks: str | None = None,
+    step_bound_ms: float | None = None,
 ) -> Space:
     """The space for a model (its projections' FLOPs per token, its KV bytes per token in float32), a workload
     (mean prompt + output tokens of a request) and a machine (cores, native bfloat16). `file_blocks`: the file's
     quantized block formats when `--quantization auto` serves them as they are (a GGUF: "Q4_1/Q8_0"); `gguf` is
-    then the defaults' quantization and a choice beside none / int8 / int4."""
+    then the defaults' quantization and a choice beside none / int8 / int4. `step_bound_ms`: the SLO's bound on a
+    stream's gaps (its TPOT or ITL bound), the step-time targets searched beside the default."""
     from llmserve.engine.scheduler import default_token_budget
+    from llmserve.engine.step_budget import CPU_STEP_MS
 
     notes = []
     limit = max(1, min(cores, max_replicas or cores))
@@ -186,10 +196,15 @@ def derive(
     dtypes = ["float32", "bfloat16"] if bf16 or device == "cuda" else ["float32"]
     if len(dtypes) == 1:
         notes.append("no bfloat16: this CPU has no native bfloat16 matmuls (AVX512-BF16 or AMX)")
+    default_step = int(CPU_STEP_MS) if device == "cpu" else 0  # 0: no target (`--max-step-ms 0`)
+    steps = {default_step}
+    if device == "cpu" and step_bound_ms:
+        steps.update(v for v in (int(step_bound_ms), int(2 * step_bound_ms)) if 0 < v < default_step)
     choices = {
         "replicas": replicas,
         "max_num_seqs": seqs,
         "max_num_batched_tokens": sorted(budgets),
+        "max_step_ms": sorted(steps),
         "dtype": dtypes,
         "quantization": (["gguf"] if file_blocks else []) + ["none", "int8", "int4"],
         "kv_cache_dtype": ["auto", "int8"],
@@ -200,6 +215,7 @@ def derive(
         "replicas": 1,
         "max_num_seqs": min(ENGINE_DEFAULT_SEQS, seqs[-1]) if ENGINE_DEFAULT_SEQS in seqs else seqs[-1],
         "max_num_batched_tokens": default_budget,
+        "max_step_ms": default_step,
         # what --dtype auto picks: bfloat16 for float weights where native, float32 around quantized blocks
         "dtype": "bfloat16" if (bf16 or device == "cuda") and not file_blocks else "float32",
         "quantization": "gguf" if file_blocks else "none",  # what --quantization auto picks
@@ -217,7 +233,9 @@ def derive(
     return Space(choices, defaults, cores, notes)
 
 
-def for_model(model: str | None, request_tokens: float, max_replicas: int | None = None) -> Space:
+def for_model(
+    model: str | None, request_tokens: float, max_replicas: int | None = None, gap_ms: float | None = None
+) -> Space:
     """`derive` for a model as `llmserve serve --model` takes it, on this machine (its config only, no weights)."""
     from llmserve.model.formats import bf16
     from llmserve.model.loader.load import load_model_config
@@ -229,7 +247,8 @@ def for_model(model: str | None, request_tokens: float, max_replicas: int | None
     kv_bytes = 2 * kv_layers * mc.num_kv_heads * mc.head_dim * 4
     cores = len(os.sched_getaffinity(0))
     flops, blocks = mc.matmul_flops_per_token(), _blocks(source, mc)
-    return derive(flops, kv_bytes, request_tokens, cores, bf16.supported(), max_replicas, file_blocks=blocks)
+    native = bf16.supported()
+    return derive(flops, kv_bytes, request_tokens, cores, native, max_replicas, "cpu", blocks, gap_ms)
 
 
 def _blocks(source, mc) -> str | None:
