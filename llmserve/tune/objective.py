@@ -114,6 +114,8 @@ async def rate_search(
         "fail": hi,
         "probes": probes,
         "ceiling": bool(lo and lo["rate"] >= max_rate),
+        # the probes (or the time) ran out before the SLO broke: the goodput is a lower bound too
+        "open": bool(lo and hi is None and lo["rate"] < max_rate),
     }
 
 
@@ -296,6 +298,8 @@ async def _measure(ctx: Context, params: dict, url: str, confirm_start: float | 
                 f"  meets the SLO at the probes' ceiling ({found['rate']:.3g}/s = --max-requests / --probe-seconds): "
                 "its goodput is a lower bound"
             )
+        elif found["open"]:
+            ctx.log(f"  met the SLO at every probe up to {found['rate']:.3g}/s (--max-probes): a lower bound")
         found["quality"] = q
         found["refused"] = False
         return found

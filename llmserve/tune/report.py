@@ -150,7 +150,7 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
             str(m["number"]),
             flags_text(m["params"], d) + _verdict(r),
             f"{r['goodput']:.3g}",
-            ("≥ " if r.get("ceiling") else "") + f"{r.get('rate', 0):.3g}",
+            ("≥ " if r.get("ceiling") or r.get("open") else "") + f"{r.get('rate', 0):.3g}",
             *[f"{p.get(b.key):.0f}" if p.get(b.key) is not None else "-" for b in bounds],
             f"{q['agreement']:.3f}" if q else ("1 (float32)" if not changes_answers(m["params"]) else "-"),
             f"{q['logprob_diff']:.4f}" if q else "-",
@@ -160,6 +160,8 @@ def markdown(out: Outcome, bounds, meta: dict, plot: str | None, cap: dict | Non
         lines.append("| " + " | ".join(cells) + " |")
     if any(m["result"].get("ceiling") for m in out.measured):
         lines += ["", "≥: met the SLO at the probes' ceiling (--max-requests / --probe-seconds); a lower bound."]
+    if any(m["result"].get("open") for m in out.measured):
+        lines += ["", "≥: met the SLO at every probe, the search ended (--max-probes) before it broke; a lower bound."]
     if out.pruned:
         lines += ["", "Pruned (not measured):", ""]
         lines += [f"- {flags_text(p['params'], d)}: {p['rule']}" for p in out.pruned]

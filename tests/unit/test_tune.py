@@ -374,6 +374,7 @@ def test_rate_search_stops_at_the_probes_ceiling():
     assert rates == [1.0, 2.0, 4.0, 6.4] and found["ceiling"] and found["rate"] == 6.4
     unbounded = asyncio.run(rate_search(probe, BOUNDS, 1.0, max_probes=3))
     assert not unbounded["ceiling"] and unbounded["rate"] == 4.0
+    assert unbounded["open"] and not found["open"]  # the probes ran out before the SLO broke: a lower bound
 
 
 def test_rate_search_climbs_faster_far_from_the_slo():
