@@ -86,3 +86,17 @@ def test_ab_table_survives_a_run_whose_requests_all_failed():
     table = ab_table(runs, ["b", "a", "c"], [4], "setting")
     assert "| `b` | 4 | 0.00 / 0.00 | nan / nan | nan / nan | 16 |" in table
     assert "`a` against `b` at 4 concurrent" in table and "median TTFT nan" in table
+
+
+def test_dtype_modes_quality_table():
+    """The quality pass's table: each mode's perplexity, its ratio to float32's, and the share of positions whose
+    argmax is float32's; no table where a mode ran without the quality pass."""
+    from benchmarks.engine.dtype_modes import quality_table
+
+    runs = {
+        "float32": [{"quality": {"ppl": 20.0, "argmax": [1, 2, 3, 4]}}],
+        "int8": [{"quality": {"ppl": 21.0, "argmax": [1, 2, 9, 4]}}],
+    }
+    table = quality_table(runs, ["float32", "int8"])
+    assert "| int8 | 21.000 | 1.0500 | 75.0% of 4 |" in table and "| float32 | 20.000 | 1.0000 | 100.0% of 4 |" in table
+    assert quality_table({"float32": [{"tok_s": {}}]}, ["float32"]) == ""
