@@ -173,7 +173,7 @@ def test_kquant_dot_twins_agree_bit_for_bit(ext, qtype):
         cpu.set_kquant_panels(1 << 62)
         cpu.set_vnni_twin(False)
         if not cpu.vnni_real():
-            pytest.skip("this CPU has no AVX-512 VNNI: only the twin runs here (test_linear[twin-...])")
+            pytest.skip("no AVX-512 VNNI here (or LLMSERVE_AVX512=0): only the twin runs (test_linear[twin-...])")
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
             cpu.set_vnni_twin(False)
             wide = gk.linear(x[:rows], raw, qtype, k)
