@@ -35,8 +35,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the CPU has AVX2 and a compiler exists). Read once per process, when the kernels are first asked for.
     "LLMSERVE_CPU_KERNELS": lambda: os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0",
     # "0": the CPU kernels keep to AVX2 + FMA where the CPU also has AVX-512 (default: the AVX-512 variants of
-    # the float32 GEMV and the int8 dots run where cpuid reports AVX-512 F/BW/DQ/VL)
-    "LLMSERVE_AVX512": lambda: os.environ.get("LLMSERVE_AVX512", "1") != "0",
+    # the float32 GEMV and the int8 dots run where cpuid reports AVX-512 F/BW/DQ/VL).
+    # "twin": those variants run their portable twins, on any CPU and in place of the instructions: the same float
+    # operations in the same order, the same bits (slow: the tests run an AVX-512 CPU's default path on every CPU
+    # with it; the VNNI kernels follow LLMSERVE_VNNI)
+    "LLMSERVE_AVX512": lambda: {"0": False, "twin": "twin"}.get(os.environ.get("LLMSERVE_AVX512", "1"), True),
     # "0": no native bfloat16 on CPU: `--dtype auto` stays float32 and `--dtype bfloat16` runs plain PyTorch ops
     # in bfloat16 (default: where oneDNN reports AVX512-BF16 or AMX, bfloat16 weights run through its bf16 matmul
     # with float32 activations, llmserve/model/formats/bf16.py, and auto picks them). The test suite sets "0": greedy

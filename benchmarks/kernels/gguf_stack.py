@@ -95,7 +95,7 @@ def kernels(threads: list[int], rounds: int) -> None:
                     f"| {n}x{k} | {t} | {name} | {sizes[name] / 1e6:.1f} | {v:.3f} | {gbs:.1f} | "
                     f"{ms['int4 (q4_linear)'] / v * sizes[name] / sizes['int4 (q4_linear)']:.2f}x |"
                 )
-    cpu.set_avx512(envs.LLMSERVE_AVX512)
+    cpu.set_avx512(bool(envs.LLMSERVE_AVX512))
     print("\n(vs int4: the layer's GB/s over q4_linear's on the same shape)")
 
 
@@ -152,7 +152,7 @@ def model_ab(path: str, threads: int, steps: int, rounds: int, profile: bool) ->
                     step()
             print(f"\n{name}, 3 steps:")
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    cpu.set_avx512(envs.LLMSERVE_AVX512)
+    cpu.set_avx512(bool(envs.LLMSERVE_AVX512))
     m._decode_stack = stack
 
 

@@ -121,7 +121,10 @@ struct PrefillAvx2 {
   }
 };
 
-// The same with AVX-512 (use_avx512()): 16 rows a register, blocks of 8 keys (8 columns) x up to 3 row vectors.
+// The same with AVX-512 (avx512_real()): 16 rows a register, blocks of 8 keys (8 columns) x up to 3 row vectors.
+// The rows lie in the lanes, so each row's float operations are PrefillAvx2's in the same order (exp16 and exp8: the
+// same series and power of two for x <= 0; a masked score's exp is 0 in both): PrefillAvx2 is its portable twin, the
+// same bits (LLMSERVE_AVX512=twin runs it).
 struct PrefillAvx512 {
   template <int RV>
   LLMSERVE_AVX512 static void qk_block(const float* Qt, int64_t Mp, int64_t D, const float* const* kr, float* St) {
@@ -319,7 +322,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   const float sc = (float)scale;
   const at::ScalarType type = k_cache.scalar_type();
   const int64_t W = k_cache.size(3);
-  const bool wide = use_avx512();
+  const bool wide = avx512_real();
   const float* sk = nullptr;
   if (sinks.has_value()) {
     check_cpu_f32(*sinks, "paged_prefill_attention");

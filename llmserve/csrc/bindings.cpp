@@ -19,7 +19,7 @@ const auto kNoGIL = py::call_guard<py::gil_scoped_release>();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the process-wide switches (isa.h's Toggles)
   m.def("set_avx512", [](bool allowed) { toggles.avx512 = allowed; return use_avx512(); },
-        "allow the AVX-512 kernels or not; returns uses_avx512()");
+        "allow the AVX-512 kernels or not; returns whether the instructions run (the CPU has them)");
   m.def("set_gemm_engine", [](bool onednn) { toggles.gemm_onednn = onednn; return onednn; },
         "true: gemm() runs oneDNN's matmul, false: at::linear");
   m.def("set_q8_int_gemm", [](bool on) { toggles.q8_int_gemm = on; return on; },
@@ -32,7 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Q8_0 x Q8_0 (q8_linear, group 32, 8-bit x) from `rows` rows: the VNNI integer GEMM (where the VNNI kernels run)");
   m.def("set_vnni_twin", [](bool on) { toggles.vnni_twin = on; return vnni_kernels(); },
         "the VNNI kernels' portable twins in place of the instructions (any CPU); returns uses_vnni()");
-  m.def("uses_avx512", &use_avx512, "whether the AVX-512 kernels run (the CPU has them, and they are allowed)");
+  m.def("set_avx512_twin", [](bool on) { toggles.avx512_twin = on; return avx512_kernels(); },
+        "the AVX-512 kernels' portable twins in place of the instructions (any CPU); returns uses_avx512()");
+  m.def("uses_avx512", &avx512_kernels, "whether the AVX-512 kernels run here (AVX-512, allowed; or their twins)");
+  m.def("avx512_real", &avx512_real, "whether the AVX-512 kernels run on the instructions (not their twins)");
   m.def("uses_vnni", &vnni_kernels, "whether the VNNI kernels run here (AVX-512 VNNI, allowed; or their twins)");
   m.def("vnni_real", &vnni_real, "whether the VNNI kernels run on the instructions (not their twins)");
   // linear.cpp, gemm.cpp, vnni.cpp
@@ -55,7 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kNoGIL);
   m.attr("packed_part") = kPackedPart;
   m.def("gguf_repack_panels", &gguf::repack_panels, "a Q4_K / Q6_K tensor's blocks in panels of 16 rows (gguf_repacked.cpp)");
-  m.def("gguf_uses_avx512", &use_vnni, "whether the AVX-512 VNNI K-quant dots run");
+  m.def("gguf_uses_avx512", &use_vnni, "whether the AVX-512 VNNI K-quant dots may run on the instructions");
   // attention_decode.cpp, attention_prefill.cpp, sampling.cpp
   m.def("paged_prefill_attention_", &paged_prefill_attention_, "a prefill chunk's causal attention over the paged KV cache",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),

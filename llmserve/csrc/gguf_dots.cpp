@@ -2,10 +2,11 @@
 // the K-quants and IQ4_XS (as llama.cpp's Q8_K) and per 32 for Q5_0 / Q5_1 / IQ4_NL / MXFP4 (as its Q8_0; Q4_0, Q4_1 and Q8_0 run
 // linear.cpp's q4 / q8 dots on their repacked blocks, see gguf_blocks.h's with_dot_type), with the sums of every 16
 // rounded values for the blocks' offsets and mins; each block unpacked once for up to 4 rows of x. The Q4_K / Q6_K
-// dots also in AVX-512 VNNI (use_vnni()).
+// dots also in AVX-512 VNNI (vnni_kernels(): the instructions, or their portable twin).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -122,7 +123,8 @@ void kquant_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t 
 // gives the int16 sums of value pairs, vpdpwssd multiplies them by their 16-value group's scale and adds
 // them into int32 lanes (AVX2: maddubs, hadd, madd and an add per 64 values). The same integer sums as
 // kquant_dot; the float sums of the super-blocks run over 16 lanes instead of 8 (results agree to float
-// rounding), and a row's result never depends on the rows around it.
+// rounding), and a row's result never depends on the rows around it. Its portable twin, kquant_dot_twin, gives the
+// same bits on any CPU (toggles.vnni_twin, as the other VNNI kernels' twins).
 
 // values 64c .. 64c + 63 of a Q4_K super-block: qs[32c ..] low nibbles (sub-block 2c), then high (2c + 1)
 LLMSERVE_AVX512_VNNI inline __m512i q4k_quants64(const uint8_t* b, int c) {
@@ -194,6 +196,54 @@ LLMSERVE_AVX512_VNNI void kquant_dot_avx512(const Acts& a, int64_t m0, const Lay
   }
 }
 
+// The portable twin of kquant_dot_avx512 (LLMSERVE_VNNI=twin): per row of x and weight row, the same 16 int32 lanes
+// (lane i of chunk c: values 64c + 4i .. + 3, their pair sums saturated to int16 as vpmaddubsw, times group
+// 4c + i / 4's scale), the offsets' and mins' sums in lanes 0 .. 7, the same fused multiply-adds in the same two
+// chains and _mm512_reduce_add_ps's order (reduce_add16).
+template <typename T>
+void kquant_dot_twin(const Acts& a, int64_t m0, int64_t rows, const Layout& w, int64_t n0, int64_t n1, float* out,
+                     int64_t ldo) {
+  const int64_t S = a.K / 256;
+  auto sat16 = [](int32_t v) { return std::clamp<int32_t>(v, -32768, 32767); };
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = m0; m < m0 + rows; ++m) {
+      float acc[16] = {}, macc[16] = {};
+      for (int64_t s = 0; s < S; ++s) {
+        const uint8_t* b = w.p + n * w.ld + s * T::kBytes;
+        const ScalesK h = T::header(b);
+        alignas(32) uint8_t q[256];
+        alignas(16) int8_t sc[16], mn[16];
+        for (int j = 0; j < 8; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * j), T::quants(b, j));
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc), h.sc);
+        _mm_store_si128(reinterpret_cast<__m128i*>(mn), h.mn);
+        const int8_t* x = a.q.data() + m * a.K + 256 * s;
+        const int16_t* sums = a.sum16.data() + 16 * (m * S + s);
+        int32_t dot[16], mins[16] = {};
+        for (int i = 0; i < 16; ++i) {
+          dot[i] = 0;
+          for (int c = 0; c < 4; ++c) {
+            const int k = 64 * c + 4 * i;
+            dot[i] += (sat16(q[k] * x[k] + q[k + 1] * x[k + 1]) + sat16(q[k + 2] * x[k + 2] + q[k + 3] * x[k + 3])) *
+                      sc[4 * c + i / 4];
+          }
+        }
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (T::kZero != 0)
+            dot[i] -= T::kZero * sc[2 * i] * sums[2 * i] + T::kZero * sc[2 * i + 1] * sums[2 * i + 1];
+          mins[i] = mn[2 * i] * sums[2 * i] + mn[2 * i + 1] * sums[2 * i + 1];
+        }
+        const float dx = a.dx[m * S + s];
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = std::fma(static_cast<float>(dot[i]), h.d * dx, acc[i]);
+          if constexpr (T::kMin) macc[i] = std::fma(-static_cast<float>(mins[i]), h.dmin * dx, macc[i]);
+        }
+      }
+      float t[16];
+      for (int i = 0; i < 16; ++i) t[i] = acc[i] + macc[i];
+      out[(m - m0) * ldo + n] = reduce_add16(t);
+    }
+}
+
 // Q5_0 / Q5_1 / IQ4_NL / MXFP4. Per block and row: sum q * x in int32, less kZero * sum x; times d * dx; plus m * dx * sum x.
 template <typename T, int MR>
 void block32_dot(const Acts& a, int64_t m0, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
@@ -232,7 +282,7 @@ constexpr int64_t kTileBytes = 256 << 10;   // weight rows revisited for every 4
 template <typename T>
 void dot_range(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* op, int64_t ldo) {
   constexpr bool kWide = std::is_same_v<T, TQ4_K> || std::is_same_v<T, TQ6_K>;   // with an AVX-512 variant
-  const bool wide = kWide && use_vnni();
+  const bool wide = kWide && vnni_kernels(), real = vnni_real();
   const int64_t tile = std::max<int64_t>(1, kTileBytes / w.row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
@@ -242,7 +292,8 @@ void dot_range(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1
         constexpr int MR = decltype(mr)::value;
         if constexpr (T::kValues == 256) {
           if constexpr (kWide) {
-            if (wide) return kquant_dot_avx512<T, MR>(a, m, w, t0, t1, o, ldo);
+            if (wide && real) return kquant_dot_avx512<T, MR>(a, m, w, t0, t1, o, ldo);
+            if (wide) return kquant_dot_twin<T>(a, m, MR, w, t0, t1, o, ldo);
           }
           kquant_dot<T, MR>(a, m, w, t0, t1, o, ldo);
         } else {

@@ -2,8 +2,8 @@
 //
 // Every file is compiled for AVX2 + FMA + F16C (llmserve/model/kernels/cpu_ext.py's flags): that is the floor, and a CPU
 // without AVX2 never loads the module. Wider variants are compiled per function with one of the target
-// macros below (the rest of a file stays AVX2) and chosen at run time: a kernel calls use_avx512() or
-// use_vnni() and keeps an AVX2 path beside the wide one. One meaning for each macro:
+// macros below (the rest of a file stays AVX2) and chosen at run time: a kernel asks avx512_kernels() / avx512_real()
+// or vnni_kernels() / vnni_real() (below) and keeps an AVX2 path beside the wide one. One meaning for each macro:
 //   LLMSERVE_AVX512       AVX-512 F/BW/DQ/VL                 (use_avx512())
 //   LLMSERVE_AVX512_VNNI  the same + VNNI (vpdpbusd, vpdpwssd) (use_vnni())
 //   LLMSERVE_AVX512_BF16  the same + BF16 (vdpbf16ps)          (cpu_has_avx512_bf16(); no kernel of ours yet:
@@ -30,6 +30,7 @@ struct Toggles {
   int64_t kq_panel_rows = 12; // K-quant dots from this many rows: panels of 16 weight rows (KernelConfig.kquant_panel_rows)
   int64_t q8_block_rows = 4;  // Q8_0 x Q8_0 (q8_linear's group 32, 8-bit x) from this many rows: q8b_vnni_gemm
   bool vnni_twin = false;     // the VNNI kernels' portable twins in place of the instructions, on any CPU (LLMSERVE_VNNI)
+  bool avx512_twin = false;   // the AVX-512 kernels' portable twins in place of the instructions, on any CPU (LLMSERVE_AVX512)
 };
 inline Toggles toggles;
 
@@ -68,5 +69,11 @@ inline bool use_vnni() { return use_avx512() && cpu_has_avx512_vnni(); }
 // A twin sums the same integers and makes the same float operations in the same order: the same bits, on any CPU.
 inline bool vnni_kernels() { return use_vnni() || toggles.vnni_twin; }
 inline bool vnni_real() { return use_vnni() && !toggles.vnni_twin; }
+
+// The same for the AVX-512 kernels (linear.cpp's float32 GEMV and int8 x int16 dots; the prefill attention, whose
+// twin is its AVX2 variant): avx512_kernels() whether they run (the instructions, or their portable twins where
+// toggles.avx512_twin asks), avx512_real() whether by the instructions; otherwise their AVX2 counterparts run.
+inline bool avx512_kernels() { return use_avx512() || toggles.avx512_twin; }
+inline bool avx512_real() { return use_avx512() && !toggles.avx512_twin; }
 
 }  // namespace llmserve

@@ -97,7 +97,8 @@ namespace {
 // block of one row is one vpmaddwd over 512 bits (AVX2: two, and an add), and 32 vector registers hold
 // the accumulators of 8 rows, so a batch reads the weights once per 8 rows instead of 4. Compiled for
 // AVX-512 only inside these functions (target attribute): the rest of the file stays AVX2, and a CPU
-// without AVX-512 never reaches them. Same integer dot products as q8_block; the float sums of the
+// without AVX-512 never reaches them. Same integer dot products as q8_block; the float sums run over 16 lanes
+// instead of 8 (results agree to float rounding). Its portable twin, q8_rows16_twin, gives the same bits on any CPU.
 
 template <int MR>
 LLMSERVE_AVX512 void q8_block16_avx512(const int16_t* xq, const float* dx, const int8_t* qw, const float* sc,
@@ -168,13 +169,46 @@ LLMSERVE_AVX512 void q8_rows16_avx512(const int16_t* xq, const float* dx, const 
   });
 }
 
+// The portable twin of q8_rows16_avx512 (toggles.avx512_twin, LLMSERVE_AVX512=twin: any CPU, the same bits): per row
+// of x and weight row, 16 lanes in arrays, lane i of block g the vpmaddwd sum of values 2i, 2i + 1, the same fused
+// multiply-adds into the same two chains, _mm512_reduce_add_ps's order (reduce_add16).
+void q8_rows16_twin(const int16_t* xq, const float* dx, const int8_t* qw, const float* sc, int64_t M, int64_t N,
+                    int64_t K, int64_t group, float* op) {
+  const int64_t G = K / 32, per = group / 32;
+  const bool per_channel = per == G && G > 1;
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      const int8_t* q = qw + n * K;
+      const float* s = sc + n * (K / group);
+      for (int64_t m = 0; m < M; ++m) {
+        const int16_t* x = xq + m * K;
+        float acc[2][16] = {};
+        for (int64_t g = 0; g < G; ++g) {
+          const float sd = (per_channel ? 1.0f : s[g / per]) * dx[m * G + g];
+          for (int i = 0; i < 16; ++i) {
+            const int64_t k = 32 * g + 2 * i;
+            const int32_t p = q[k] * x[k] + q[k + 1] * x[k + 1];
+            acc[g % 2][i] = std::fma(static_cast<float>(p), sd, acc[g % 2][i]);
+          }
+        }
+        float t[16];
+        for (int i = 0; i < 16; ++i) t[i] = acc[0][i] + acc[1][i];
+        op[m * N + n] = (per_channel ? s[0] : 1.0f) * reduce_add16(t);
+      }
+    }
+  });
+}
+
 template <typename T>
 void q8_rows(const at::Tensor& x, const int8_t* q, const float* s, int64_t N, int64_t group, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   Rows<T> r(x);
   if constexpr (std::is_same_v<T, int16_t>) {
-    if (M > 1 && use_avx512()) {   // one row: bound by memory, the AVX2 kernel is as fast
-      q8_rows16_avx512(r.q.data(), r.dx.data(), q, s, M, N, K, group, out.data_ptr<float>());
+    if (M > 1 && avx512_kernels()) {   // one row: bound by memory, the AVX2 kernel is as fast
+      if (avx512_real())
+        q8_rows16_avx512(r.q.data(), r.dx.data(), q, s, M, N, K, group, out.data_ptr<float>());
+      else
+        q8_rows16_twin(r.q.data(), r.dx.data(), q, s, M, N, K, group, out.data_ptr<float>());
       return;
     }
   }
@@ -212,7 +246,8 @@ void f32_block(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n
   }
 }
 
-// The AVX-512 variant (use_avx512(), K a multiple of 16): each weight row read once per 8 rows of x.
+// The AVX-512 variant (avx512_kernels(), K a multiple of 16): each weight row read once per 8 rows of x. Its portable
+// twin, f32_dot_twin, gives the same bits on any CPU.
 template <int MR>
 LLMSERVE_AVX512 void f32_block_avx512(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n0, int64_t n1,
                                       float* out, int64_t ldo) {
@@ -255,6 +290,31 @@ LLMSERVE_AVX512 void f32_rows_avx512(const float* xp, const float* wp, int64_t M
   });
 }
 
+// The portable twin of f32_block_avx512 for one row of x and one weight row r (toggles.avx512_twin,
+// LLMSERVE_AVX512=twin): 16 lanes in arrays, the same fused multiply-adds into the same two chains,
+// _mm512_reduce_add_ps's order (reduce_add16).
+float f32_dot_twin(const float* x, const float* r, int64_t K) {
+  float acc[2][16] = {};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    for (int i = 0; i < 16; ++i) {
+      acc[0][i] = std::fma(r[k + i], x[k + i], acc[0][i]);
+      acc[1][i] = std::fma(r[k + 16 + i], x[k + 16 + i], acc[1][i]);
+    }
+  if (k < K)   // K % 32 == 16
+    for (int i = 0; i < 16; ++i) acc[0][i] = std::fma(r[k + i], x[k + i], acc[0][i]);
+  float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = acc[0][i] + acc[1][i];
+  return reduce_add16(t);
+}
+
+void f32_rows_twin(const float* xp, const float* wp, int64_t M, int64_t N, int64_t K, float* op) {
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n)
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = f32_dot_twin(xp + m * K, wp + n * K, K);
+  });
+}
+
 }  // namespace
 
 // out [M, N] = x [M, K] @ w.T, w float32 [N, K]; rows >= many_rows (or K not a multiple of 8): gemm().
@@ -268,8 +328,11 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t many_
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (K % 16 == 0 && use_avx512()) {   // every row count: a row's sum never depends on the batch around it
-    f32_rows_avx512(xp, wp, M, N, K, op);
+  if (K % 16 == 0 && avx512_kernels()) {   // every row count: a row's sum never depends on the batch around it
+    if (avx512_real())
+      f32_rows_avx512(xp, wp, M, N, K, op);
+    else
+      f32_rows_twin(xp, wp, M, N, K, op);
     return out;
   }
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
@@ -342,11 +405,13 @@ at::Tensor head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Te
       const __m256 lower8 = _mm256_set1_ps(lower);
       int64_t best = -1;
       float best_v = 0;
-      const bool wide = K % 16 == 0 && use_avx512();   // as f32_linear chooses
+      const bool wide = K % 16 == 0 && avx512_kernels(), real = avx512_real();   // as f32_linear chooses
       auto exact = [&](int64_t r) {
         float v;
-        if (wide)
+        if (wide && real)
           f32_block_avx512<1>(xm, K, wp + r * K, K, 0, 1, &v, 0);
+        else if (wide)
+          v = f32_dot_twin(xm, wp + r * K, K);
         else
           f32_block<1>(xm, K, wp + r * K, K, 0, 1, &v, 0);
         if (best < 0 || v > best_v) best = r, best_v = v;

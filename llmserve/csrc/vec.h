@@ -21,6 +21,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// _mm512_reduce_add_ps's sum of 16 lanes in its order (GCC's avx512fintrin.h: the halves added, then the quarters,
+// then lanes 0 + 2 and 1 + 3), for the portable twins of the AVX-512 kernels (AVX2 floor, any CPU)
+inline float reduce_add16(const float (&v)[16]) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = v[8 + i] + v[i];
+  for (int i = 0; i < 4; ++i) q[i] = h[4 + i] + h[i];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
 // [sum(v[0]), ..., sum(v[7])]: eight horizontal sums at once
 inline __m256 hsum8(const __m256 (&v)[8]) {
   const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);

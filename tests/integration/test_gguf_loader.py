@@ -111,8 +111,8 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     """--quantization int4 on the Q4_K_M-like mix: the K-quant projections (q, k, v of different types in one)
     and the Q8_0 ones decode through the fused stack (all layers in one C++ call), with the module path's
     logits and tokens; both variants of the K-quant dots (AVX-512 VNNI where the CPU has it, AVX2), and the VNNI
-    kernels' portable twins on AVX2 ("twin": the K-quant panels of many rows as a VNNI CPU runs them). The low-bit
-    mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots. Where the VNNI kernels run
+    and AVX-512 kernels' portable twins on AVX2 ("twin": the K-quant dots and panels as a VNNI CPU runs them). The
+    low-bit mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS) the same way, every projection on GGUF's dots. Where the VNNI kernels run
     (the instructions, or "twin" on any CPU) the Q4_K parts are loaded repacked into panels of 16 rows ("q4k16")."""
     from llmserve import envs
     from llmserve.model.evaluate import sequence_logits
@@ -122,6 +122,7 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
     if cpu is None:
         pytest.skip("no compiled kernels: no fused stack")
     cpu.set_avx512(avx512 is True)
+    cpu.set_avx512_twin(avx512 == "twin")
     cpu.set_vnni_twin(avx512 == "twin")
     try:
         # (no prefix caching: the second run of the prompts must compute them as the first did, not read their KV and
@@ -148,7 +149,8 @@ def test_k_quant_layers_decode_through_the_fused_stack(files, avx512, kind):
         module_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         model._decode_stack = None
-        cpu.set_avx512(envs.LLMSERVE_AVX512)
+        cpu.set_avx512(bool(envs.LLMSERVE_AVX512))
+        cpu.set_avx512_twin(envs.LLMSERVE_AVX512 == "twin")
         cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
     assert torch.allclose(fused, modules, atol=1e-4, rtol=0), (fused - modules).abs().max()
     assert fused_tokens == module_tokens

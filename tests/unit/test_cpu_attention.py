@@ -87,7 +87,7 @@ def test_paged_decode_attention(ext, head_dim, cache_dtype, avx512):
     try:
         _check_decode_attention(ext, head_dim, cache_dtype)
     finally:
-        ext.set_avx512(envs.LLMSERVE_AVX512)
+        ext.set_avx512(bool(envs.LLMSERVE_AVX512))
 
 
 def test_paged_decode_attention_isa_settings_agree_on_int8_blocks(ext):
@@ -109,7 +109,7 @@ def test_paged_decode_attention_isa_settings_agree_on_int8_blocks(ext):
             ext.paged_decode_attention_(out, q, kc, vc, tables, lens, 0.125)
             outs.append(out)
         finally:
-            ext.set_avx512(envs.LLMSERVE_AVX512)
+            ext.set_avx512(bool(envs.LLMSERVE_AVX512))
     assert close(outs[0], outs[1], 1e-5)
 
 
@@ -178,13 +178,46 @@ def test_paged_prefill_attention(ext, head_dim, groups, cache_dtype, avx512):
             ref = _prefill_reference(q, kc, vc, table, ctx, 0.125)
             assert close(out.double(), ref, 1e-5), (prefix, n)
     finally:
-        ext.set_avx512(envs.LLMSERVE_AVX512)
+        ext.set_avx512(bool(envs.LLMSERVE_AVX512))
     bad = table.clone()
     bad[-1] = NB  # a block id outside the cache is refused, not read
     with pytest.raises(RuntimeError):
         ext.paged_prefill_attention_(out, q, kc, vc, bad, ctx, 0.125)
     with pytest.raises(RuntimeError):  # a table too short for the context
         ext.paged_prefill_attention_(out, q, kc, vc, table[:-1], ctx, 0.125)
+
+
+def test_prefill_attention_avx512_twin_gives_the_instructions_bits(ext):
+    """The prefill kernel's AVX-512 variant and its portable twin, the AVX2 variant (LLMSERVE_AVX512=twin or 0 runs
+    it): the rows lie in the vector lanes, so both make each row's float operations in the same order and give the
+    same bits, for every cache type and head size, with and without sinks and a window."""
+    try:
+        ext.set_avx512(True)
+        ext.set_avx512_twin(False)
+        if not ext.avx512_real():
+            pytest.skip("this CPU has no AVX-512 F/BW/DQ/VL: its twin, the AVX2 variant, is the one tested above")
+        torch.manual_seed(7)
+        NB, BS, Hk = 48, 16, 2
+        for cache_dtype in CACHE_DTYPES:
+            for D, groups in ((64, 1), (128, 3), (64, 4)):
+                H = Hk * groups
+                kc = _stored(torch.randn(NB, BS, Hk, D) * 3, cache_dtype)
+                vc = _stored(torch.randn(NB, BS, Hk, D), cache_dtype)
+                gpt_oss = dict(sinks=torch.randn(H) * 3, window=24)
+                for prefix, n, extra in [(0, 1, {}), (0, 300, {}), (13, 7, {}), (50, 100, {}), (40, 90, gpt_oss)]:
+                    ctx = prefix + n
+                    table = torch.randperm(NB)[: (ctx + BS - 1) // BS]
+                    q = torch.randn(n, H, D) * 2
+                    outs = []
+                    for twin in (False, True):
+                        ext.set_avx512_twin(twin)
+                        out = torch.full((n, H, D), float("nan"))
+                        ext.paged_prefill_attention_(out, q, kc, vc, table, ctx, 0.125, **extra)
+                        outs.append(out)
+                    assert torch.equal(outs[0], outs[1]), (cache_dtype, D, groups, prefix, n)
+    finally:
+        ext.set_avx512(bool(envs.LLMSERVE_AVX512))
+        ext.set_avx512_twin(envs.LLMSERVE_AVX512 == "twin")
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
@@ -349,4 +382,4 @@ def test_paged_prefill_attention_sinks_and_window(ext, head_dim, groups, avx512)
                 ref = _written_out(q, keys, values, torch.arange(prefix, ctx), 0.125, sinks, window)
                 assert close(out.double(), ref, 1e-5), (window, prefix, n)
     finally:
-        ext.set_avx512(envs.LLMSERVE_AVX512)
+        ext.set_avx512(bool(envs.LLMSERVE_AVX512))

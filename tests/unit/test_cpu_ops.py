@@ -385,6 +385,86 @@ def test_avx512_and_avx2_int8_kernels_agree(ext, tmp_path):
     assert close(ext.q8_linear(x, q, s, 10**9, 16), torch.load(tmp_path / "out.pt"), 1e-6)
 
 
+@pytest.fixture
+def avx512_switches(ext):
+    """LLMSERVE_AVX512's switches (set_avx512, set_avx512_twin) as the environment sets them, after the test."""
+    from llmserve import envs
+
+    yield ext
+    ext.set_avx512(bool(envs.LLMSERVE_AVX512))
+    ext.set_avx512_twin(envs.LLMSERVE_AVX512 == "twin")
+
+
+def _avx512_paths(ext, x, w, q8):
+    """What the AVX-512 kernels compute for x: f32_linear (the GEMV at every row count), q8_linear's int16-x dots
+    for each (q, scale, _) of q8, head_argmax (its exact rows through the GEMV) where K % 32 == 0."""
+    out = [ext.f32_linear(x, w, 1 << 30)]
+    out += [ext.q8_linear(x, q, s, 1 << 30, 16) for q, s, _ in q8]
+    if x.shape[1] % 32 == 0:
+        out.append(ext.head_argmax(x, w, *ops.head_screen(w)))
+    return out
+
+
+def _q8_weights(n, k):
+    """int8 weights with a scale per channel, per 64 values and per 32 (Q8_0's blocks): (q, scale, W in float64)."""
+    if k % 32:
+        return []
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    out = []
+    for group in (k, 64, 32):
+        if k % group == 0:
+            s = torch.rand(n, k // group) + 0.1
+            out.append((q, s, (q.double().reshape(n, -1, group) * s.double()[..., None]).reshape(n, k)))
+    return out
+
+
+def test_avx512_twins_give_the_instructions_bits(ext, avx512_switches):
+    """The float32 GEMV (f32_linear, head_argmax's exact rows) and the int8 x int16 dots (q8_linear) of AVX-512 CPUs:
+    their portable twins (LLMSERVE_AVX512=twin, run on every CPU) give the instructions' result bit for bit, at every
+    row count of the 8-row blocks and past them, K % 32 == 16 and 0, scales per channel and per group."""
+    ext.set_avx512(True)
+    ext.set_avx512_twin(False)
+    if not ext.avx512_real():
+        pytest.skip("this CPU has no AVX-512 F/BW/DQ/VL: the twins are checked against float64 instead (below)")
+    torch.manual_seed(5)
+    for k in (48, 80, 64, 576):
+        w, q8 = torch.randn(70, k), _q8_weights(70, k)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+            x = torch.randn(rows, k) * 3
+            ext.set_avx512_twin(False)
+            real = _avx512_paths(ext, x, w, q8)
+            ext.set_avx512_twin(True)
+            twin = _avx512_paths(ext, x, w, q8)
+            assert all(torch.equal(a, b) for a, b in zip(real, twin)), (k, rows)
+
+
+def test_avx512_twins_run_on_any_cpu(ext, avx512_switches):
+    """set_avx512_twin(True) runs the AVX-512 kernels' twins on any CPU, even with AVX-512 off (set_avx512(False)):
+    x @ W.T within float32 rounding of float64's (the int8 dots: within x's rounding to int16 per 32 values too), not
+    the AVX2 kernels' bits (16 lanes summed, not 8: the twins ran); head_argmax is the argmax of their logits."""
+    ext.set_avx512(False)
+    assert not ext.set_avx512_twin(False) and not ext.uses_avx512()
+    assert ext.set_avx512_twin(True) and ext.uses_avx512() and not ext.avx512_real()
+    torch.manual_seed(6)
+    for k in (48, 576):
+        w, x, q8 = torch.randn(300, k), torch.randn(9, k) * 3, _q8_weights(300, k)
+        twin = _avx512_paths(ext, x, w, q8)
+        ext.set_avx512_twin(False)
+        avx2 = _avx512_paths(ext, x, w, q8)
+        ext.set_avx512_twin(True)
+        xd = x.double()
+        for i, wd in enumerate([w.double()] + [wd for _, _, wd in q8]):
+            scale = xd.abs() @ wd.abs().t()
+            bound = 1e-5 * scale
+            if i > 0:  # x rounded to int16 per 32 values: each within dx / 2, dx = max|x| / 32767 of its block
+                dx = xd.abs().reshape(9, -1, 32).amax(-1) / 32767
+                bound = bound + 0.5 * dx @ wd.abs().reshape(300, -1, 32).sum(-1).t()
+            assert ((twin[i].double() - xd @ wd.t()).abs() <= bound).all(), (k, i)
+            assert ((twin[i] - avx2[i]).abs() <= 1e-5 * scale).all() and not torch.equal(twin[i], avx2[i]), (k, i)
+        if k % 32 == 0:
+            assert torch.equal(twin[-1], twin[0].argmax(-1))
+
+
 @pytest.mark.parametrize("fp16_gemm", [True, False])
 def test_quant_linear_bias_and_batch_shapes(ext, fp16_gemm):
     """Every row count through QuantLinear: the integer dots, fbgemm's float16 GEMM (with the float16

@@ -46,20 +46,24 @@ def ext():
     return e
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["avx512", "avx2", "twin"])
 def variant(ext, request):
-    """Both variants of the K-quant dots: AVX-512 VNNI (Q4_K, Q6_K; where the CPU has it) and AVX2."""
+    """Every variant of the K-quant dots: AVX-512 VNNI (Q4_K, Q6_K; where the CPU has it), AVX2, and the VNNI ones'
+    portable twin (any CPU: LLMSERVE_VNNI=twin, the VNNI CPUs' default path; the panels' twin from their row count)."""
     from llmserve import envs
     from llmserve.model.kernels import ops
 
     cpu = ops.cpu_kernels()
     cpu.set_avx512(request.param == "avx512")
+    cpu.set_vnni_twin(request.param == "twin")
     if request.param == "avx512" and not ext.uses_avx512():
-        cpu.set_avx512(envs.LLMSERVE_AVX512)
-        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 kernels are the ones tested")
-    assert ext.uses_avx512() == (request.param == "avx512")
+        cpu.set_avx512(bool(envs.LLMSERVE_AVX512))
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 kernels and the twin ('twin') are the ones tested")
+    assert ext.uses_avx512() == (request.param == "avx512") and cpu.uses_vnni() == (request.param != "avx2")
     yield request.param
-    cpu.set_avx512(envs.LLMSERVE_AVX512)
+    cpu.set_avx512(bool(envs.LLMSERVE_AVX512))
+    cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
 
 
 def reference(raw: torch.Tensor, qtype) -> torch.Tensor:
@@ -152,6 +156,62 @@ def test_avx512_and_avx2_dots_agree(ext, qtype):
     assert ((wide - narrow).abs() <= 1e-5 * scale).all()
     # each row of x alone gives the same bits as within the batch
     assert all(torch.equal(gk.linear(x[i : i + 1], raw, qtype, k)[0], wide[i]) for i in range(6))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_kquant_dot_twins_agree_bit_for_bit(ext, qtype):
+    """The row-by-row AVX-512 VNNI dots of Q4_K and Q6_K and their portable twin give the same bits (the same integers,
+    the same float operations in the same order) at every row count of their 4-row blocks and after them: the twin,
+    run on every CPU, checks the VNNI CPUs' default path."""
+    from llmserve import envs
+    from llmserve.model.kernels import cpu_ext, ops
+
+    cpu = ops.cpu_kernels()
+    k = 1024
+    raw = gk.random_blocks(qtype, 37, k, seed=12)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(12))
+    x[:, 5] *= 20
+    try:
+        cpu.set_kquant_panels(1 << 62)
+        cpu.set_vnni_twin(False)
+        if not cpu.vnni_real():
+            pytest.skip("no AVX-512 VNNI here (or LLMSERVE_AVX512=0): only the twin runs (test_linear[twin-...])")
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+            cpu.set_vnni_twin(False)
+            wide = gk.linear(x[:rows], raw, qtype, k)
+            cpu.set_vnni_twin(True)
+            assert torch.equal(wide, gk.linear(x[:rows], raw, qtype, k)), rows
+    finally:
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_kquant_dot_twin_runs_on_any_cpu(ext, qtype):
+    """set_vnni_twin(True) runs the VNNI dots' twin even where AVX-512 is off or missing: the AVX2 dots' integers,
+    summed over 16 lanes instead of 8 (float rounding apart, the same result; not the same bits: the twin ran)."""
+    from llmserve import envs
+    from llmserve.model.kernels import cpu_ext, ops
+
+    cpu = ops.cpu_kernels()
+    k = 1024
+    raw = gk.random_blocks(qtype, 64, k, seed=13)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(13))
+    try:
+        cpu.set_kquant_panels(1 << 62)
+        cpu.set_avx512(False)
+        cpu.set_vnni_twin(False)
+        assert not cpu.uses_vnni()
+        narrow = gk.linear(x, raw, qtype, k)
+        assert cpu.set_vnni_twin(True) and not cpu.vnni_real()
+        twin = gk.linear(x, raw, qtype, k)
+    finally:
+        cpu.set_avx512(bool(envs.LLMSERVE_AVX512))
+        cpu.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        cpu_ext._set_kquant_panels(cpu_ext.kernel_config())
+    scale = x.abs() @ gk.dequantize(raw, qtype, k).abs().t()
+    assert ((twin - narrow).abs() <= 1e-5 * scale).all()
+    assert not torch.equal(twin, narrow)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 40])

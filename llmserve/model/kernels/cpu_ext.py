@@ -91,7 +91,8 @@ def cpu_kernels():
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
-        _EXT.set_avx512(envs.LLMSERVE_AVX512)
+        _EXT.set_avx512(bool(envs.LLMSERVE_AVX512))
+        _EXT.set_avx512_twin(envs.LLMSERVE_AVX512 == "twin")
         _EXT.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm and cpu_has_int8_dots())
