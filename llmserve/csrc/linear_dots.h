@@ -27,12 +27,7 @@ namespace llmserve {
 template <typename T> inline constexpr float kMaxQ = 127.0f;
 template <> inline constexpr float kMaxQ<int16_t> = 32767.0f;
 
-// x [M, K] -> xq [M, K] (int8 or int16), dx [M, K/32], xsum [M, K/32] (for int4's min).
-// int8 rounds as llama.cpp's Q8_0 / Q8_1 blocks: dx is max|x| / 127 rounded to float16, and the sum is that of the
-// rounded values, d * sum(q) rounded to float16 (Q8_1's s), not the float sum of x: the min term of a Q4_1 block
-// then takes llama.cpp's value (its teacher-forced agreement with llama.cpp rose from 95.8% to 97%+; the float sum
-// is closer to float32, by less than the rounding of x itself). int16 (the int8 mode's accuracy path) keeps both
-// in float32.
+// x [M, K] -> xq [M, K] (int8 or int16), dx [M, K/32], xsum [M, K/32] (float sums, for int4's min).
 template <typename T>
 void quantize_rows(const float* x, int64_t M, int64_t K, T* xq, float* dx, float* xsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -59,18 +54,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, T* xq, float* dx, float
         const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + 32 * g), p);
       }
-      if constexpr (sizeof(T) == 1) {
-        const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        const int isum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
-        const float d = amax / kMaxQ<T>;
-        dx[m * (K / 32) + g] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
-        xsum[m * (K / 32) + g] = _cvtsh_ss(_cvtss_sh(d * static_cast<float>(isum), _MM_FROUND_TO_NEAREST_INT));
-      } else {
-        dx[m * (K / 32) + g] = amax / kMaxQ<T>;
-        xsum[m * (K / 32) + g] = sum;
-      }
+      dx[m * (K / 32) + g] = amax / kMaxQ<T>;
+      xsum[m * (K / 32) + g] = sum;
     }
 }
 
