@@ -39,7 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_vnni", &vnni_kernels, "whether the VNNI kernels run here (AVX-512 VNNI, allowed; or their twins)");
   m.def("vnni_real", &vnni_real, "whether the VNNI kernels run on the instructions (not their twins)");
   // linear.cpp, gemm.cpp, vnni.cpp
-  m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min)", kNoGIL);
+  m.def("q4_linear", &q4_linear, "x @ W.T, W int4 (32-value groups, scale and min); q8_1: x rounded as llama.cpp's Q8_1",
+        py::arg("x"), py::arg("qw"), py::arg("scale"), py::arg("minv"), py::arg("many_rows"), py::arg("q8_1") = false,
+        kNoGIL);
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)", kNoGIL);
   m.def("q8_vnni_gemm", &q8_vnni_gemm, "x @ W.T, W int8 per channel in the VNNI layout, activations as q8_int_gemm's", kNoGIL);
   m.def("f32_linear", &f32_linear, "x @ W.T, W float32, few rows", kNoGIL);

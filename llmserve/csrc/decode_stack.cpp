@@ -30,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
     }
     if (kind == kInt4) {
       at_w += 3;
-      return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], many_rows[i]);
+      return q4_linear(in, w[at_w - 3], w[at_w - 2], w[at_w - 1], many_rows[i], act_bits[i] == kQ8_1Rounding);
     }
     if (kind == kInt8) {
       at_w += 2;

@@ -251,7 +251,7 @@ at::Tensor linear_parts(const at::Tensor& x_in, const std::vector<at::Tensor>& t
   for (const Packed& p : packed) {   // int8: Q8_0 x Q8_0 as llama.cpp (x rounded to int8 per 32), dots at every row count
     const at::Tensor* w = tensors.data() + p.t;
     const at::Tensor y = p.code == kPackedPart + kInt4
-                             ? q4_linear(x, w[0], w[1], w[2], w[0].size(0) % 64 == 0 ? many_rows : kAllRows)
+                             ? q4_linear(x, w[0], w[1], w[2], w[0].size(0) % 64 == 0 ? many_rows : kAllRows, true)
                              : q8_linear(x, w[0], w[1], kAllRows, 8);
     out.narrow(1, p.col, y.size(1)).copy_(y);
   }

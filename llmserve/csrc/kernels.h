@@ -14,9 +14,10 @@ namespace llmserve {
 
 // linear.cpp: out [M, N] = x [M, K] @ W.T; rows below many_rows through the integer dots (few rows), from there
 // the many-rows path (integer GEMM or float32 tiles).
-// int4 W: q [N, K / 2] (two values a byte), float16 scale and min [N, K / 32].
+// int4 W: q [N, K / 2] (two values a byte), float16 scale and min [N, K / 32]; `q8_1`: x's int8 blocks stored as
+// llama.cpp's Q8_1 (float16 scale and sum: a GGUF's Q4_0 / Q4_1 blocks, linear_dots.h's quantize_rows).
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv,
-                     int64_t many_rows);
+                     int64_t many_rows, bool q8_1 = false);
 // int8 W: q [N, K] with float32 scales [N, K / group] (or packed by oneDNN: [K, N], one scale a channel);
 // act_bits: x's width on the dots (16, or 8: faster, less exact) and in the integer GEMM (two int8 levels, or one).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows,
@@ -35,7 +36,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w);
 // channel sums; and for int4 W as q4_linear takes it (N % 64 == 0).
 at::Tensor q8_vnni_gemm(const at::Tensor& x, const at::Tensor& wv, const at::Tensor& csum, const at::Tensor& scale,
                         int64_t act_bits);
-at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv);
+at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv,
+                        bool q8_1 = false);
 // Q8_0-like int8 (float32 scales per 32 values) times many rows, x rounded to int8 per 32 (q8_linear's act_bits 8)
 at::Tensor q8b_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale);
 

@@ -55,7 +55,7 @@ void q8_dequant_row(const int8_t* q, const float* s, int64_t K, int64_t group, f
 }  // namespace
 
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale,
-                     const at::Tensor& minv, int64_t many_rows) {
+                     const at::Tensor& minv, int64_t many_rows, bool q8_1) {
   check_cpu_f32(x_in, "q4_linear");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), N = qw.size(0), K = qw.size(1) * 2, G = K / 32;
@@ -66,13 +66,13 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Ten
               "q4_linear: contiguous weights, float16 scales and mins");
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const at::Half *s = scale.data_ptr<at::Half>(), *mi = minv.data_ptr<at::Half>();
-  if (M >= many_rows && vnni_kernels() && toggles.q4_vnni && N % 64 == 0) return q4_vnni_gemm(x, qw, scale, minv);
+  if (M >= many_rows && vnni_kernels() && toggles.q4_vnni && N % 64 == 0) return q4_vnni_gemm(x, qw, scale, minv, q8_1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M >= many_rows) {
     tiled_matmul(x, N, [&](int64_t n, float* w) { q4_dequant_row(q + n * (K / 2), s + n * G, mi + n * G, K, w); }, out);
     return out;
   }
-  Rows<int8_t> r(x);
+  Rows<int8_t> r(x, q8_1);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     for (int64_t m = 0; m < M; m += 4) {

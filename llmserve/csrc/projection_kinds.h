@@ -19,6 +19,10 @@ enum ProjectionKind : int64_t {
   kGGUF = 16,       // a GGUF projection's parts; act_bits: the parts' count, then a byte per part (below)
 };
 
+// kInt4's act_bits: kQ8_1Rounding where x's int8 blocks are stored as llama.cpp's Q8_1 (a GGUF's Q4_0 / Q4_1 blocks
+// in gguf mode: q4_linear's q8_1), anything else for llmserve's own int4 rounding (float32 scale and sum).
+inline constexpr int64_t kQ8_1Rounding = 1;
+
 // A GGUF projection's part: a GGMLQuantizationType whose integer dots are gguf_dots.cpp's (one tensor: the
 // file's blocks), or kPackedPart + kInt4 / kInt8: Q4_0 / Q4_1 / Q8_0 repacked at load into q4_linear's (q, scale,
 // min) / q8_linear's (q, scale) layout, so that each block format has one kernel family.

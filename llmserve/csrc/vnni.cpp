@@ -295,11 +295,12 @@ void q4v_rows_twin(int64_t R, const int8_t* xq, const float* dx, const float* xs
 }  // namespace
 
 // y = x @ W.T for int4 W (q4_linear's arguments) on VNNI; N % 64 == 0, K % 32 == 0 (q4_linear checks)
-at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv) {
+at::Tensor q4_vnni_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv,
+                        bool q8_1) {
   const int64_t M = x.size(0), N = qw.size(0), K = x.size(1), G = K / 32;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  Rows<int8_t> r(x);
+  Rows<int8_t> r(x, q8_1);
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const at::Half *s = scale.data_ptr<at::Half>(), *mi = minv.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();

@@ -12,6 +12,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.model.evaluate import top_k_broken
 from llmserve.model.formats.gguf_layers import GGUFLinear
 from llmserve.model.formats.quant import QuantLinear
+from llmserve.model.kernels.kinds import Q8_1_ROUNDING
 from tests.gguf_files import MIXED, write_tiny_gguf
 from tests.integration.prompts import CHATS
 
@@ -35,6 +36,9 @@ def test_bundled_gguf_defaults_to_its_own_blocks(engines):
     assert auto.engine.config.quantization == "gguf" and auto.engine.dtype is torch.float32
     down = auto.engine.model.layers[0].mlp.down_proj
     assert isinstance(down, QuantLinear) and down.kind == "int4"  # the file's Q4_1 blocks, packed as they are
+    # x rounded as llama.cpp's Q8_1 blocks (its reference), in the module path and the fused decode stack alike
+    assert down.q8_1 and down._kargs[-1] is True
+    assert down.kernel_args()[1] == Q8_1_ROUNDING
     assert exact.engine.config.quantization is None
     assert isinstance(exact.engine.model.layers[0].mlp.down_proj, torch.nn.Linear)
 
@@ -62,7 +66,10 @@ def test_gguf_mode_keeps_float_tensors_float(tmp_path):
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     int4 = LLM(model=path, quantization="int4", kv_cache_memory=0.05)
-    assert isinstance(int4.engine.model.layers[0].self_attn.o_proj, QuantLinear)
+    o_proj = int4.engine.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, QuantLinear)
+    # int4 mode keeps its own rounding of x (float32 scale and sum: closer to float32), gguf mode llama.cpp's
+    assert not o_proj.q8_1 and o_proj.kernel_args()[1] != Q8_1_ROUNDING
 
 
 def test_gguf_mode_refused_for_a_float_checkpoint(tmp_path):

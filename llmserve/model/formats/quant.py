@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from llmserve.model.formats.gguf_layers import GGUFEmbedding, GGUFLinear, linear_sources
 from llmserve.model.kernels import ops
 from llmserve.model.kernels.gguf_kernels import packed_dequantize, unpack_int4  # noqa: F401 (unpack_int4: quant's API)
-from llmserve.model.kernels.kinds import ProjectionKind
+from llmserve.model.kernels.kinds import Q8_1_ROUNDING, ProjectionKind
 from llmserve.model.kernels.ops import quantize_int8_per_channel
 
 GROUP_SIZE = 32
@@ -94,6 +94,9 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.kind = kind
         self.act_bits = 16  # int8 weights: x rounded to int16 on the integer-dot path (8: faster, less exact)
+        # int4: x's int8 blocks stored as llama.cpp's Q8_1 (float16 scale and sum; `round_x_as_llama_cpp`, a GGUF's
+        # Q4_0 / Q4_1 blocks in gguf mode) rather than with a float32 scale and float sum (int4 mode's own rounding)
+        self.q8_1 = False
         self.out_features = qweight.shape[0]
         self.in_features = qweight.shape[1] * (2 if kind == "int4" else 1)
         self.register_buffer("qweight", qweight.contiguous())
@@ -152,7 +155,7 @@ class QuantLinear(nn.Module):
             many = self.stack_many_rows = k.int4_vnni_rows  # the VNNI integer GEMM from there, in the stack too
         self._kernel = ops.weight_kernel(self.kind)
         if self.kind == "int4":
-            self._kargs = (self.qweight, self.scale, self.minv, many)
+            self._kargs = (self.qweight, self.scale, self.minv, many, self.q8_1)
         else:
             self._kargs = (self.qweight, self.scale, many, self.act_bits)
         if self._many is not None:  # a copy for many rows (pack_weight): (function, its weight arguments)
@@ -270,13 +273,25 @@ class QuantLinear(nn.Module):
         if self._kernel is None or self.bias is not None:
             return None
         if self.kind == "int4":
-            return ProjectionKind.INT4, self.act_bits, [self.qweight, self.scale, self.minv]
+            return ProjectionKind.INT4, Q8_1_ROUNDING if self.q8_1 else 0, [self.qweight, self.scale, self.minv]
         if self.qweight.dim() == 4:  # q8_vnni_gemm at every row count
             return ProjectionKind.INT8_VNNI, self.act_bits, [self.qweight, self.csum, self.scale]
         return ProjectionKind.INT8, self.act_bits, [self.qweight, self.scale]
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def round_x_as_llama_cpp(model: nn.Module) -> int:
+    """gguf mode: every int4 layer of `model` (a GGUF's Q4_0 / Q4_1 blocks as they are) rounds its activations as
+    llama.cpp's Q8_1 blocks (QuantLinear.q8_1), the reference that mode is judged against. Returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.kind == "int4":
+            m.q8_1 = True
+            m._bind()
+            n += 1
+    return n
 
 
 class Int8Embedding(nn.Module):

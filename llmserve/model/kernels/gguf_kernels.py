@@ -235,15 +235,15 @@ def packed_dequantize(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, kind: str, tensors: list[torch.Tensor], many_rows: int = MANY_ROWS) -> torch.Tensor:
     """x [M, K] @ packed_dequantize(kind, tensors).T, float32: llama.cpp's arithmetic on llmserve's kernels (int4:
-    q4_linear, x rounded to int8 per 32, its VNNI GEMM from `many_rows` rows; int8: q8_linear's dots with x
-    rounded to int8 per 32, Q8_0 x Q8_0, at every row count)."""
+    q4_linear, x rounded to int8 per 32 as llama.cpp's Q8_1 blocks (float16 scale and sum), its VNNI GEMM from
+    `many_rows` rows; int8: q8_linear's dots with x rounded to int8 per 32, Q8_0 x Q8_0, at every row count)."""
     ext = gguf_kernels()
     if ext is None or x.dtype is not torch.float32 or x.device.type != "cpu":
         return x.float() @ packed_dequantize(kind, tensors).to(x.device).t()
     if kind in _REPACKED_KIND:
         return ext.linear(x, tensors[0], _REPACKED_KIND[kind][0], x.shape[1], MANY_ROWS)
     if kind == "int4":
-        return ext.q4_linear(x, *tensors, many_rows if tensors[0].shape[0] % 64 == 0 else MANY_ROWS)
+        return ext.q4_linear(x, *tensors, many_rows if tensors[0].shape[0] % 64 == 0 else MANY_ROWS, True)
     return ext.q8_linear(x, *tensors, MANY_ROWS, 8)
 
 

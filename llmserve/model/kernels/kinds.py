@@ -19,6 +19,10 @@ class ProjectionKind(enum.IntEnum):
     GGUF = 16  # a GGUF projection's parts (llmserve.model.formats.gguf_layers), each its tensors
 
 
+# INT4's activation bits where x's int8 blocks are stored as llama.cpp's Q8_1 (float16 scale and sum: a GGUF's Q4_0 /
+# Q4_1 blocks in gguf mode, QuantLinear.q8_1); projection_kinds.h's kQ8_1Rounding
+Q8_1_ROUNDING = 1
+
 # A GGUF projection's part code (a byte of GGUF's activation bits): its GGMLQuantizationType when it stays blocks,
 # PACKED_PART + INT4 / INT8 when repacked (Q4_0 / Q4_1 / Q8_0 on llmserve's own kernels)
 PACKED_PART = 128

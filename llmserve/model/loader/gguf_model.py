@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model.formats.gguf_layers import adopt_gguf
-from llmserve.model.formats.quant import quantize_model
+from llmserve.model.formats.quant import quantize_model, round_x_as_llama_cpp
 from llmserve.model.kernels.gguf_kernels import NAMES as GGUF_TYPE_NAMES
 from llmserve.model.kernels.gguf_kernels import PACKED, repack
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
@@ -127,6 +127,8 @@ def load_gguf_model(request: LoadRequest) -> nn.Module:
         skip = set()
         if quantization:
             skip = quantize_model(model, quantization, GGUFPackedBlocks(tensors), only_blocks=True, weights=tensors)
+        if blocks_only:  # llama.cpp's arithmetic: x's blocks stored as its Q8_1 (int4 mode keeps its own rounding)
+            round_x_as_llama_cpp(model)
         kept = gguf_kept_blocks(tensors, skip)
         if quantization == "int8":  # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
             kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
