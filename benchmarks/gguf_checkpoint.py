@@ -4,6 +4,9 @@ at a time (memory stays ~100 MB beyond the tokenizer), so a file of any size fit
 
 - gpt-oss (`write_gpt_oss_gguf`): laid out as llama-quantize's MXFP4_MOE files are (experts MXFP4, every other matrix
   Q8_0, norms / biases / sinks / router float32); a 20b folder would need ~40 GB of disk.
+- Qwen3-MoE (`write_qwen3_moe_gguf`): every matrix Q8_0 (experts as llama.cpp's 3-D `ffn_*_exps`), the router
+  `ffn_gate_inp` and the norms (q / k norms included) float32, as the converter's `--outtype q8_0` leaves them;
+  llama-quantize makes the Q4_K_M from it (a Qwen3-30B-A3B-shaped file: 31 GB of Q8_0, then 17 GB).
 - Llama (`write_llama_gguf`): every matrix Q8_0, norms float32, as llama.cpp's converter writes `--outtype q8_0`;
   llama-quantize `--allow-requantize` makes the other types from it (an 8B Q4_K_M without the 16 GB float16 file).
 
@@ -100,6 +103,32 @@ def llama_tensors(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def qwen3_moe_tensors(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """The same for a Qwen3-MoE file of shape `c` (make_checkpoint's QWEN3_MOE_SHAPES): attention as Llama's plus
+    the per-head q / k norms, every layer's MLP routed (`ffn_gate_inp`, then the experts' 3-D tensors)."""
+    from gguf import MODEL_TENSOR
+
+    h, v, q, kv = c["hidden_size"], c["vocab_size"], *_heads(c)
+    e, m, d = c["num_experts"], c["moe_intermediate_size"], c["head_dim"]
+    out = [("token_embd.weight", (v, h), "Q8_0")]
+    for n in _layer_names(c):
+        out += [
+            (n(MODEL_TENSOR.ATTN_NORM, "weight"), (h,), "F32"),
+            (n(MODEL_TENSOR.ATTN_Q, "weight"), (q, h), "Q8_0"),
+            (n(MODEL_TENSOR.ATTN_Q_NORM, "weight"), (d,), "F32"),
+            (n(MODEL_TENSOR.ATTN_K, "weight"), (kv, h), "Q8_0"),
+            (n(MODEL_TENSOR.ATTN_K_NORM, "weight"), (d,), "F32"),
+            (n(MODEL_TENSOR.ATTN_V, "weight"), (kv, h), "Q8_0"),
+            (n(MODEL_TENSOR.ATTN_OUT, "weight"), (h, q), "Q8_0"),
+            (n(MODEL_TENSOR.FFN_NORM, "weight"), (h,), "F32"),
+            (n(MODEL_TENSOR.FFN_GATE_INP, "weight"), (e, h), "F32"),
+            (n(MODEL_TENSOR.FFN_GATE_EXP, "weight"), (e, m, h), "Q8_0"),
+            (n(MODEL_TENSOR.FFN_UP_EXP, "weight"), (e, m, h), "Q8_0"),
+            (n(MODEL_TENSOR.FFN_DOWN_EXP, "weight"), (e, h, m), "Q8_0"),
+        ]
+    return out + [("output_norm.weight", (h,), "F32"), ("output.weight", (v, h), "Q8_0")]
+
+
 def _random_rows(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
     """`shape`'s values as the file stores them (uint8 blocks for MXFP4 / Q8_0, rows of bytes), at a scale that keeps
     activations finite through every layer: weights of standard deviation ~0.02, norms 1, biases and sinks small.
@@ -178,6 +207,16 @@ def _llama_header(w, c: dict) -> None:
     w.add_file_type(LlamaFileType.MOSTLY_Q8_0)
 
 
+def _qwen3_moe_header(w, c: dict) -> None:
+    from gguf import LlamaFileType
+
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_file_type(LlamaFileType.MOSTLY_Q8_0)
+
+
 def _write(path: str, arch: str, name: str, c: dict, header, plan: list, seed: int) -> str:
     """Write `plan`'s tensors (random, `_random_rows`) under `arch`'s common and own (`header`) metadata and the
     padded bundled tokenizer; the file appears at `path` only once whole."""
@@ -227,3 +266,9 @@ def write_llama_gguf(c: dict, out: str, name: str = "llama", seed: int = 0) -> s
     `max_position_embeddings`) in `out`: model-Q8_0.gguf."""
     path = os.path.join(out, "model-Q8_0.gguf")
     return _write(path, "llama", f"random {name}", c, _llama_header, llama_tensors(c), seed)
+
+
+def write_qwen3_moe_gguf(c: dict, out: str, name: str = "qwen3-moe", seed: int = 0) -> str:
+    """A random Qwen3-MoE GGUF file of shape `c` (make_checkpoint's QWEN3_MOE_SHAPES) in `out`: model-Q8_0.gguf."""
+    path = os.path.join(out, "model-Q8_0.gguf")
+    return _write(path, "qwen3moe", f"random {name}", c, _qwen3_moe_header, qwen3_moe_tensors(c), seed)

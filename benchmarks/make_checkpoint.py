@@ -17,6 +17,11 @@ The gpt-oss shapes are written straight as a GGUF file (benchmarks/gguf_checkpoi
 MXFP4_MOE files are:
 
     python -m benchmarks.make_checkpoint --shape gpt-oss-20b --out ~/ckpt/gpt-oss-20b   # model-MXFP4_MOE.gguf, 12 GB
+
+The Qwen3-MoE shapes are GGUF only too: a Q8_0 file written straight, requantized by llama-quantize (the MoE most CPU
+users run, Qwen3-30B-A3B's shape: 48 layers, 128 experts of 768, 8 a token; 31 GB of disk at the peak, 17 GB after):
+
+    python -m benchmarks.make_checkpoint --shape qwen3-30b-a3b --out ~/ckpt/qwen3-30b-a3b --gguf Q4_K_M
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.gguf_checkpoint import write_gpt_oss_gguf, write_llama_gguf
+from benchmarks.gguf_checkpoint import write_gpt_oss_gguf, write_llama_gguf, write_qwen3_moe_gguf
 
 SHAPES = {  # Llama-3.x shapes with the bundled 49,152-token vocabulary
     "tiny": dict(
@@ -73,6 +78,7 @@ SHAPES = {  # Llama-3.x shapes with the bundled 49,152-token vocabulary
 }
 VOCAB = 49152
 ROPE_THETA, MAX_POSITIONS = 500000.0, 8192  # Llama 3's rotary base; the configs' context
+QWEN3_ROPE_THETA = 1000000.0
 # gpt-oss: the published configs' shapes (gpt-oss-20b: hidden 2880, 24 layers alternating 128-token windows and full
 # attention, 64 / 8 heads of 64, 32 experts top-4 of 2880, yarn x32 over 4096 positions); the tiny one for tests
 GPT_OSS_SHAPES = {
@@ -101,6 +107,33 @@ GPT_OSS_SHAPES = {
         num_experts_per_tok=4,
         sliding_window=128,
         max_position_embeddings=131072,
+    ),
+}
+
+# Qwen3-MoE: Qwen3-30B-A3B's published config (hidden 2048, 48 layers, 32 / 4 heads of 128, 128 experts of 768,
+# top-8 renormalised, rotary base 10^6), with the bundled vocabulary; the tiny one for tests
+QWEN3_MOE_SHAPES = {
+    "qwen3-moe-tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+    ),
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
     ),
 }
 
@@ -164,12 +197,19 @@ def write_config(shape: str, out: str) -> None:
     """The tokenizer's files and config.json of `shape` in `out` (what clients and vLLM read)."""
     import transformers
 
-    c = SHAPES[shape]
     os.makedirs(out, exist_ok=True)
     tok = bundled_tokenizer_folder()
     for name in os.listdir(tok):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
             shutil.copy(os.path.join(tok, name), out)
+    if shape in QWEN3_MOE_SHAPES:
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, rope_theta=QWEN3_ROPE_THETA, norm_topk_prob=True, **QWEN3_MOE_SHAPES[shape]
+        )
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        cfg.save_pretrained(out)
+        return
+    c = SHAPES[shape]
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
         max_position_embeddings=MAX_POSITIONS,
@@ -197,8 +237,12 @@ def write_gguf_only(shape: str, out: str, quants: list[str], seed: int = 0) -> l
     disk): model-Q8_0.gguf written straight (gguf_checkpoint), llama-quantize --allow-requantize for the other
     types; the Q8_0 file is removed after unless asked for. The folder keeps the tokenizer and config.json."""
     write_config(shape, out)
-    c = {**SHAPES[shape], "vocab_size": VOCAB, "rope_theta": ROPE_THETA, "max_position_embeddings": MAX_POSITIONS}
-    q8 = write_llama_gguf(c, out, f"llama {shape}", seed)
+    if shape in QWEN3_MOE_SHAPES:
+        c = {**QWEN3_MOE_SHAPES[shape], "vocab_size": VOCAB, "rope_theta": QWEN3_ROPE_THETA}
+        q8 = write_qwen3_moe_gguf({**c, "max_position_embeddings": 40960}, out, shape, seed)
+    else:
+        c = {**SHAPES[shape], "vocab_size": VOCAB, "rope_theta": ROPE_THETA, "max_position_embeddings": MAX_POSITIONS}
+        q8 = write_llama_gguf(c, out, f"llama {shape}", seed)
     made = []
     for quant in quants:
         target = os.path.join(out, f"model-{quant}.gguf")
@@ -254,7 +298,7 @@ def to_gguf(folder: str, quant: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted([*SHAPES, *GPT_OSS_SHAPES]), required=True)
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *GPT_OSS_SHAPES, *QWEN3_MOE_SHAPES]), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", nargs="*", default=[], help="GGUF types to make, e.g. Q8_0 Q4_K_M")
@@ -265,7 +309,9 @@ def main() -> None:
             ap.error("--gguf: the gpt-oss shapes are written as an MXFP4_MOE GGUF file only")
         print(write_gpt_oss_gguf(GPT_OSS_SHAPES[args.shape], os.path.expanduser(args.out), args.shape, args.seed))
         return
-    if args.gguf_only:
+    if args.shape in QWEN3_MOE_SHAPES and not (args.gguf_only or args.gguf):
+        ap.error("--gguf: the Qwen3-MoE shapes are written as GGUF files only (name the types)")
+    if args.gguf_only or args.shape in QWEN3_MOE_SHAPES:
         if not args.gguf:
             ap.error("--gguf-only: name the --gguf types to make")
         print("\n".join(write_gguf_only(args.shape, os.path.expanduser(args.out), args.gguf, args.seed)))

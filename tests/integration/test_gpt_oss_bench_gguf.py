@@ -91,3 +91,47 @@ def test_llama_file_written_straight_loads(tmp_path):
     out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
     assert len(out[0].outputs[0].token_ids) == 4
     assert all(math.isfinite(lp.logprob) for lp in out[0].outputs[0].logprobs)
+
+
+def test_qwen3_moe_file_written_straight_loads(tmp_path, monkeypatch):
+    """make_checkpoint's Qwen3-MoE shapes (the issue's Qwen3-30B-A3B-shaped file): a Q8_0 file with llama.cpp's
+    qwen3moe names and metadata (3-D `ffn_*_exps`, a float32 router, q / k norms) loads as that shape, every layer
+    routed, the experts kept as their blocks, and generates finite tokens."""
+    from benchmarks.gguf_checkpoint import write_qwen3_moe_gguf
+    from benchmarks.make_checkpoint import QWEN3_MOE_SHAPES
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.layers.moe import SparseMoE
+    from llmserve.model.loader import gguf_model
+
+    monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)  # (the blocks kept, as the 30B file's are)
+    c = {**QWEN3_MOE_SHAPES["qwen3-moe-tiny"], "vocab_size": VOCAB, "rope_theta": 1e6, "max_position_embeddings": 2048}
+    llm = LLM(model=write_qwen3_moe_gguf(c, str(tmp_path)), kv_cache_memory=0.05, num_threads=2)
+    cfg, model = llm.engine.model_config, llm.engine.model
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.vocab_size == VOCAB and not cfg.tie_word_embeddings
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 256)
+    assert cfg.norm_topk_prob and cfg.rope_theta == 1e6 and cfg.moe_layers == (True, True)
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
+    assert model.layers[1].mlp.experts[7].gate_up_proj.qtypes == [8, 8]  # Q8_0, as written
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert all(math.isfinite(lp.logprob) for lp in out[0].outputs[0].logprobs)
+    assert llm.engine.kv.usage == 0
+
+
+def test_qwen3_30b_a3b_plan_is_the_published_shape():
+    """48 layers of 128 experts of 768 over 2048: ~30B parameters (Qwen's 30.5B less the vocabulary's difference),
+    ~2.9B of them active a token (8 experts; Qwen's 3.3B with its vocabulary); llmserve reads every tensor."""
+    from benchmarks.gguf_checkpoint import qwen3_moe_tensors
+    from benchmarks.make_checkpoint import QWEN3_MOE_SHAPES
+    from llmserve.model.loader import gguf_hf_names
+    from llmserve.model.registry import ARCHITECTURES
+
+    c = {**QWEN3_MOE_SHAPES["qwen3-30b-a3b"], "vocab_size": VOCAB}
+    plan = qwen3_moe_tensors(c)
+    params = sum(math.prod(dims) for _, dims, _ in plan)
+    experts = sum(math.prod(dims) for name, dims, _ in plan if "_exps" in name)
+    active = params - experts + experts * c["num_experts_per_tok"] // c["num_experts"]
+    assert 29.9e9 < params < 30.3e9 and 2.8e9 < active < 3.0e9
+    spec = ARCHITECTURES["qwen3_moe"].gguf
+    assert all(gguf_hf_names(name, spec, c["num_experts"]) for name, _, _ in plan)
+    assert len({name for name, _, _ in plan}) == len(plan) == 3 + 12 * 48
