@@ -5,8 +5,10 @@ at a time (memory stays ~100 MB beyond the tokenizer), so a file of any size fit
 - gpt-oss (`write_gpt_oss_gguf`): laid out as llama-quantize's MXFP4_MOE files are (experts MXFP4, every other matrix
   Q8_0, norms / biases / sinks / router float32); a 20b folder would need ~40 GB of disk.
 - Qwen3-MoE (`write_qwen3_moe_gguf`): every matrix Q8_0 (experts as llama.cpp's 3-D `ffn_*_exps`), the router
-  `ffn_gate_inp` and the norms (q / k norms included) float32, as the converter's `--outtype q8_0` leaves them;
-  llama-quantize makes the Q4_K_M from it (a Qwen3-30B-A3B-shaped file: 31 GB of Q8_0, then 17 GB).
+  `ffn_gate_inp` and the norms (q / k norms included) float32, as the converter's `--outtype q8_0` leaves them; or
+  straight as Q4_K_M (`quant="Q4_K_M"`): each tensor of the type llama-quantize's Q4_K_M gives it (`q4_k_m_type`),
+  random Q4_K / Q6_K blocks. A Qwen3-30B-A3B-shaped file is 31 GB of Q8_0, and llama-quantize takes about an hour
+  on 2 cores to make the 17 GB Q4_K_M from it; written straight, minutes.
 - Llama (`write_llama_gguf`): every matrix Q8_0, norms float32, as llama.cpp's converter writes `--outtype q8_0`;
   llama-quantize `--allow-requantize` makes the other types from it (an 8B Q4_K_M without the 16 GB float16 file).
 
@@ -129,6 +131,19 @@ def qwen3_moe_tensors(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return out + [("output_norm.weight", (h,), "F32"), ("output.weight", (v, h), "Q8_0")]
 
 
+def q4_k_m_type(name: str, n_layers: int) -> str:
+    """The type llama-quantize's Q4_K_M gives a matrix of a Llama-like or Qwen3-MoE file (llama.cpp's
+    llama_tensor_get_type, read off a 48-layer qwen3moe file it quantized): Q6_K for the output and for attn_v and
+    ffn_down(_exps) in the layers it gives more bits (the first and last eighth, every third between), Q4_K else."""
+    if name == "output.weight":
+        return "Q6_K"
+    if name.startswith("blk.") and (".attn_v." in name or ".ffn_down" in name):
+        i = int(name.split(".")[1])
+        if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
 def _random_rows(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
     """`shape`'s values as the file stores them (uint8 blocks for MXFP4 / Q8_0, rows of bytes), at a scale that keeps
     activations finite through every layer: weights of standard deviation ~0.02, norms 1, biases and sinks small.
@@ -146,6 +161,16 @@ def _random_rows(name: str, shape: tuple[int, ...], qtype: str, rng: np.random.G
     if qtype == "MXFP4":
         blocks[..., 0] = rng.integers(119, 121, blocks.shape[:-1], dtype=np.uint8)
         blocks[..., 1:] = rng.integers(0, 256, (*blocks.shape[:-1], size - 1), dtype=np.uint8)
+    elif qtype in ("Q4_K", "Q6_K"):  # random quants and 6-bit (Q6_K: int8) scales under one float16 d (and dmin)
+        blocks[...] = rng.integers(0, 256, blocks.shape, dtype=np.uint8)
+        lead = blocks.shape[:-1]
+        if qtype == "Q4_K":  # w = d sc q - dmin m, sc, m in 0..63, q in 0..15: std ~261 d, mean ~0 at dmin = 7.5 d
+            d = np.full(lead, 0.02 / 261, np.float16)
+            blocks[..., 0:2] = d.view(np.uint8).reshape(*lead, 2)
+            blocks[..., 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(*lead, 2)
+        else:  # w = d sc (q - 32), sc in -32..31, q in 0..63: std ~342 d
+            blocks[..., 192:208] = rng.integers(-32, 32, (*lead, 16), dtype=np.int8).view(np.uint8)
+            blocks[..., 208:210] = np.full(lead, 0.02 / 342, np.float16).view(np.uint8).reshape(*lead, 2)
     else:  # Q8_0
         scales = np.full(blocks.shape[:-1], 0.02 / 73.3, np.float16)
         blocks[..., :2] = scales.view(np.uint8).reshape(*blocks.shape[:-1], 2)
@@ -214,7 +239,7 @@ def _qwen3_moe_header(w, c: dict) -> None:
     w.add_expert_count(c["num_experts"])
     w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_expert_feed_forward_length(c["moe_intermediate_size"])
-    w.add_file_type(LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(LlamaFileType.MOSTLY_Q4_K_M if c.get("quant") == "Q4_K_M" else LlamaFileType.MOSTLY_Q8_0)
 
 
 def _write(path: str, arch: str, name: str, c: dict, header, plan: list, seed: int) -> str:
@@ -268,7 +293,13 @@ def write_llama_gguf(c: dict, out: str, name: str = "llama", seed: int = 0) -> s
     return _write(path, "llama", f"random {name}", c, _llama_header, llama_tensors(c), seed)
 
 
-def write_qwen3_moe_gguf(c: dict, out: str, name: str = "qwen3-moe", seed: int = 0) -> str:
-    """A random Qwen3-MoE GGUF file of shape `c` (make_checkpoint's QWEN3_MOE_SHAPES) in `out`: model-Q8_0.gguf."""
-    path = os.path.join(out, "model-Q8_0.gguf")
-    return _write(path, "qwen3moe", f"random {name}", c, _qwen3_moe_header, qwen3_moe_tensors(c), seed)
+def write_qwen3_moe_gguf(c: dict, out: str, name: str = "qwen3-moe", seed: int = 0, quant: str = "Q8_0") -> str:
+    """A random Qwen3-MoE GGUF file of shape `c` (make_checkpoint's QWEN3_MOE_SHAPES) in `out`: model-Q8_0.gguf, or
+    model-Q4_K_M.gguf with `quant="Q4_K_M"` (its tensors typed as llama-quantize types them: `q4_k_m_type`)."""
+    plan = qwen3_moe_tensors(c)
+    if quant == "Q4_K_M":
+        plan = [(n, dims, q4_k_m_type(n, c["num_hidden_layers"]) if q != "F32" else q) for n, dims, q in plan]
+    elif quant != "Q8_0":
+        raise ValueError(f"write_qwen3_moe_gguf: Q8_0 or Q4_K_M, not {quant}")
+    path = os.path.join(out, f"model-{quant}.gguf")
+    return _write(path, "qwen3moe", f"random {name}", {**c, "quant": quant}, _qwen3_moe_header, plan, seed)

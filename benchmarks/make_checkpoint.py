@@ -18,8 +18,9 @@ MXFP4_MOE files are:
 
     python -m benchmarks.make_checkpoint --shape gpt-oss-20b --out ~/ckpt/gpt-oss-20b   # model-MXFP4_MOE.gguf, 12 GB
 
-The Qwen3-MoE shapes are GGUF only too: a Q8_0 file written straight, requantized by llama-quantize (the MoE most CPU
-users run, Qwen3-30B-A3B's shape: 48 layers, 128 experts of 768, 8 a token; 31 GB of disk at the peak, 17 GB after):
+The Qwen3-MoE shapes are GGUF only too (the MoE most CPU users run, Qwen3-30B-A3B's shape: 48 layers, 128 experts of
+768, 8 a token): `--gguf Q4_K_M` alone writes the Q4_K_M file straight (17 GB, each tensor of the type llama-quantize
+gives it, random Q4_K / Q6_K blocks); other types go through a Q8_0 file (31 GB) and llama-quantize:
 
     python -m benchmarks.make_checkpoint --shape qwen3-30b-a3b --out ~/ckpt/qwen3-30b-a3b --gguf Q4_K_M
 """
@@ -239,7 +240,10 @@ def write_gguf_only(shape: str, out: str, quants: list[str], seed: int = 0) -> l
     write_config(shape, out)
     if shape in QWEN3_MOE_SHAPES:
         c = {**QWEN3_MOE_SHAPES[shape], "vocab_size": VOCAB, "rope_theta": QWEN3_ROPE_THETA}
-        q8 = write_qwen3_moe_gguf({**c, "max_position_embeddings": 40960}, out, shape, seed)
+        c["max_position_embeddings"] = 40960
+        if quants == ["Q4_K_M"]:  # straight, typed as llama-quantize types it (an hour of llama-quantize saved)
+            return [write_qwen3_moe_gguf(c, out, shape, seed, quant="Q4_K_M")]
+        q8 = write_qwen3_moe_gguf(c, out, shape, seed)
     else:
         c = {**SHAPES[shape], "vocab_size": VOCAB, "rope_theta": ROPE_THETA, "max_position_embeddings": MAX_POSITIONS}
         q8 = write_llama_gguf(c, out, f"llama {shape}", seed)

@@ -4,7 +4,9 @@ tokens, --output-len tokens out, EOS ignored). One server at a time; engines in 
 so a machine whose speed drifts weighs on all; the table gives each run and the ratios of the medians. Never in CI.
 
     python -m benchmarks.peers.gguf_serving --gguf ~/ckpt/llama-1b-gguf/model-Q4_K_M.gguf --concurrency 1 16 \\
-        --engines llama llmserve "llmserve:--quantization none" [--rounds 2] [--no-write]
+        --engines llama llmserve "llmserve:--quantization none" [--rounds 2] [--no-write] [--prefix-len 1000]
+
+`--prefix-len 1000`: the chat mix, every prompt opening with the same 1,000 tokens (a system prompt) before its own.
 
 Engines: `llama` (llama-server with -np = the concurrency, continuous batching, the threads given), `llmserve`
 (serve's defaults) or `llmserve:FLAGS` (more serve flags). llama.cpp from shared/peers/llama-cpp.sh.
@@ -28,6 +30,8 @@ LLAMA_SERVER = os.path.join(PEERS, "llama.cpp", "build", "bin", "llama-server")
 def bench(url: str, a, c: int, out: str) -> dict:
     n = max(a.num_requests, 2 * c)
     extra = ["--tokenizer", a.tokenizer, "--warmup", "1"] + (["--timeout", str(a.timeout)] if a.timeout else [])
+    if a.prefix_len:  # the chat mix: every prompt opens with the same --prefix-len tokens (a long system prompt)
+        extra += ["--dataset", "prefix", "--prefix-len", str(a.prefix_len)]
     return llmserve_bench(url, c, n, a.input_len, a.output_len, out, *extra)
 
 
@@ -35,7 +39,8 @@ def run_engine(engine: str, a, c: int, out: str) -> dict:
     """One server, one `llmserve bench` run; the result gains its load time (start to ready) and peak RSS."""
     t0 = time.monotonic()
     if engine == "llama":
-        ctx = c * (2 * a.input_len + a.output_len + 256)  # (a random prompt re-tokenized can grow; a template adds)
+        # (a random prompt re-tokenized can grow; a template adds)
+        ctx = c * (a.prefix_len + 2 * a.input_len + a.output_len + 256)
         extra = ("--jinja", "--chat-template-file", a.chat_template) if a.chat_template else ()
         proc, url = start_llama_server(LLAMA_SERVER, a.threads, c, ctx, model=a.gguf, extra=extra)
         try:
@@ -70,6 +75,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="the chat mix: every prompt opens with the same N tokens (a long system prompt) before its "
+        "--input-len own ones (llmserve bench's prefix dataset); 0: random prompts",
+    )
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -100,7 +112,9 @@ def main() -> None:
     table = ab_table(runs, a.engines, a.concurrency, "engine")
     body = (
         f"`python -m benchmarks.peers.gguf_serving {' '.join(sys.argv[1:])}` on {machine()}: `llmserve bench` for "
-        f"every server, chat, random {a.input_len} / {a.output_len} tokens, EOS ignored, at least "
+        f"every server, chat, random {a.input_len} / {a.output_len} tokens"
+        + (f" after a shared {a.prefix_len}-token prefix" if a.prefix_len else "")
+        + ", EOS ignored, at least "
         f"{a.num_requests} requests a run (2 per user), engines in turn ({a.rounds} rounds).\n\n"
         + table
         + "\n"

@@ -135,3 +135,43 @@ def test_qwen3_30b_a3b_plan_is_the_published_shape():
     spec = ARCHITECTURES["qwen3_moe"].gguf
     assert all(gguf_hf_names(name, spec, c["num_experts"]) for name, _, _ in plan)
     assert len({name for name, _, _ in plan}) == len(plan) == 3 + 12 * 48
+
+
+# llama-quantize's Q4_K_M of a 48-layer qwen3moe file (read off one it wrote, 2026-12-07): the layers whose attn_v and
+# ffn_down_exps it gives Q6_K; every other matrix Q4_K but the output (Q6_K)
+Q6_K_LAYERS_48 = {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47}
+
+
+def test_q4_k_m_written_straight_types_as_llama_quantize(tmp_path, monkeypatch):
+    """make_checkpoint --shape qwen3-30b-a3b --gguf Q4_K_M writes the file straight (an hour of llama-quantize saved
+    on 2 cores): each tensor of the type llama-quantize gives it, and the random Q4_K / Q6_K blocks dequantize to
+    weights of std ~0.02 around 0; a small file of that layout loads in llmserve on its own blocks and generates."""
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    from benchmarks.gguf_checkpoint import q4_k_m_type, write_qwen3_moe_gguf
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.loader import gguf_model
+
+    for i in range(48):
+        for name in ("attn_v.weight", "ffn_down_exps.weight"):
+            assert q4_k_m_type(f"blk.{i}.{name}", 48) == ("Q6_K" if i in Q6_K_LAYERS_48 else "Q4_K")
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate_exps", "ffn_up_exps"):
+            assert q4_k_m_type(f"blk.{i}.{name}.weight", 48) == "Q4_K"
+    assert q4_k_m_type("output.weight", 48) == "Q6_K" and q4_k_m_type("token_embd.weight", 48) == "Q4_K"
+    for qtype in ("Q4_K", "Q6_K"):
+        rows = _random_rows("blk.0.x.weight", (64, 2048), qtype, np.random.default_rng(0))
+        w = quants.dequantize(rows, GGMLQuantizationType[qtype])
+        assert w.shape == (64, 2048) and 0.015 < w.std() < 0.025 and abs(w.mean()) < 0.002
+    monkeypatch.setattr(gguf_model, "WIDEN_GGUF_BYTES", 0)
+    monkeypatch.setenv("LLMSERVE_GGUF_BLOCKS", "1")  # (the default outside the test suite: tests/conftest.py)
+    c = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, vocab_size=VOCAB,
+             rope_theta=1e6, max_position_embeddings=2048)  # fmt: skip
+    path = write_qwen3_moe_gguf(c, str(tmp_path), quant="Q4_K_M")
+    types = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == GGMLQuantizationType.Q6_K == types["output.weight"]
+    assert types["blk.2.ffn_down_exps.weight"] == GGMLQuantizationType.Q4_K == types["blk.0.ffn_up_exps.weight"]
+    llm = LLM(model=path, kv_cache_memory=0.05, num_threads=2)
+    assert llm.engine.config.quantization == "gguf"
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+    assert all(math.isfinite(lp.logprob) for lp in out[0].outputs[0].logprobs)
