@@ -122,7 +122,10 @@ def main() -> None:
     )
     print(body)
     if not a.no_write:
-        write_section(f"GGUF served as it comes: {os.path.basename(a.gguf)} against llama-server", body)
+        # (the folder names the model: every make_checkpoint shape writes a model-Q4_K_M.gguf)
+        name = os.path.join(os.path.basename(os.path.dirname(a.gguf)), os.path.basename(a.gguf))
+        mix = f", a shared {a.prefix_len}-token prefix" if a.prefix_len else ""
+        write_section(f"GGUF served as it comes: {name} against llama-server{mix}", body)
 
 
 if __name__ == "__main__":
