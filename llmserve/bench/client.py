@@ -163,7 +163,15 @@ class OpenAIClient:
         path, body = self.body(req, index)
         rec.start = time.perf_counter()
         try:
-            await asyncio.wait_for(self._stream(path, body, rec, on_chunk), rec.timeout)
+            try:
+                await asyncio.wait_for(self._stream(path, body, rec, on_chunk), rec.timeout)
+            except httpx.RemoteProtocolError as e:
+                if not _stale_connection(e, rec):
+                    raise
+                # a kept-alive connection the server had closed (llama-server's, after each streamed answer): the
+                # request never reached it; sent again on a new connection, within the same deadline
+                left = rec.timeout - (time.perf_counter() - rec.start)
+                await asyncio.wait_for(self._stream(path, body, rec, on_chunk), max(left, 0.001))
         except asyncio.TimeoutError:
             _fail(rec, "timeout", f"no complete answer within {rec.timeout:.1f} s")
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -323,6 +331,12 @@ class OpenAIClient:
 def _fail(rec: RequestRecord, kind: str, detail: str) -> None:
     if not rec.error:
         rec.error, rec.error_detail, rec.success = kind, detail, False
+
+
+def _stale_connection(e: httpx.RemoteProtocolError, rec: RequestRecord) -> bool:
+    """The server closed a kept-alive connection before this request's first byte of answer: nothing was sent back
+    (no status line), so nothing ran; safe to send again once."""
+    return "without sending a response" in str(e) and rec.chunks == 0 and rec.ttft is None and rec.error is None
 
 
 def normalize_base_url(url: str) -> str:
