@@ -75,6 +75,7 @@ class Scheduler:
         self.step_budget = StepBudget(max_step_ms, max_num_batched_tokens)
         self._clock = clock
         self._step_started: tuple[float, int] | None = None  # (clock, tokens) of the step being computed
+        self._step_ended: tuple[float, int, float] | None = None  # (clock at its start, tokens, clock at its end)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -166,6 +167,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         started = self._clock()
+        if self._step_ended is not None:  # the last step's cost, for the step-time budget
+            began, tokens, ended = self._step_ended
+            # with requests still running the loop came straight back: a stream's gap between tokens is the whole
+            # period, the engine's work after the step (detokenizing, stop strings, outputs) included; after an
+            # idle wait, the step itself
+            self.step_budget.observe(tokens, (started if self.running else ended) - began)
+            self._step_ended = None
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         out = self._schedule(self.step_budget.budget(sum(1 + len(r.spec_token_ids) for r in decoding)), decoding)
         self.kv.fill_tables(out)  # the block tables the runner reads
@@ -262,9 +270,9 @@ class Scheduler:
         the model's token after it (positions past that run are rolled back and recomputed next step).
         A request whose token fails (sampling error, grammar, fault hook) fails alone.
         Returns (request, number of tokens appended) for the requests that sampled, in batch order."""
-        if self._step_started is not None:  # the step's cost, for the step-time budget
+        if self._step_started is not None:  # (its cost is read at the next schedule(): the whole period)
             started, tokens = self._step_started
-            self.step_budget.observe(tokens, self._clock() - started)
+            self._step_ended = (started, tokens, self._clock())
             self._step_started = None
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]

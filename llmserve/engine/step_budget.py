@@ -1,12 +1,13 @@
 """The step-time budget (`--max-step-ms`): how many tokens a step may take while requests are decoding.
 
-Every decoding request waits through a whole step for its next token, so a step's duration is the stream's
-inter-token gap. A chunk budget in tokens cannot bound it: 128 prompt tokens are 0.1 s on the bundled model
-and 7-10 s at 8B on two cores. This model learns the step's cost from the steps themselves, as a fixed part
-(reading the weights, the Python around the model) plus a part per token, and gives a step with decoding rows
-the tokens that fit the target time: the decode rows first, then a prefill chunk of what is left (at least
-`MIN_PREFILL` tokens, so a prompt always moves). A step with no decoding row keeps the full token budget:
-a long prompt alone prefills at full speed.
+Every decoding request waits through a whole step for its next token, and through the engine's work after it
+(detokenizing, stop strings, outputs), so the loop's period from one schedule() to the next is the stream's
+inter-token gap: that is what the scheduler times (the step alone after an idle wait). A chunk budget in tokens
+cannot bound it: 128 prompt tokens are 0.1 s on the bundled model and 7-10 s at 8B on two cores. This model learns
+the step's cost from the steps themselves, as a fixed part (reading the weights, the Python around the model) plus a
+part per token, and gives a step with decoding rows the tokens that fit the target time: the decode rows first, then
+a prefill chunk of what is left (at least `MIN_PREFILL` tokens, so a prompt always moves). A step with no decoding
+row keeps the full token budget: a long prompt alone prefills at full speed.
 
 The fit is least squares over the recent steps (each older step weighing `DECAY` times less), so it follows a
 machine whose speed drifts. Until the steps have varied enough in size to tell the two parts apart, no cap
