@@ -23,11 +23,14 @@ namespace llmserve::gguf {
 enum QType : int64_t {   // GGMLQuantizationType's numbers
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
   Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
-  Q4_K16 = 100, Q6_K16 = 101,   // not GGML's: Q4_K, Q6_K repacked at load into panels of 16 rows (gguf_repacked.cpp)
+  // not GGML's: Q4_K, Q6_K and MXFP4 repacked at load into panels of 16 rows (gguf_repacked.cpp)
+  Q4_K16 = 100, Q6_K16 = 101, MXFP4_16 = 102,
 };
 
 // Whether qtype is one of the layouts repacked at load (gguf_repacked.cpp's kernels read them at every row count).
-inline bool is_repacked(int64_t qtype) { return qtype == Q4_K16 || qtype == Q6_K16; }
+inline bool is_repacked(int64_t qtype) { return qtype == Q4_K16 || qtype == Q6_K16 || qtype == MXFP4_16; }
+// The values of a repacked layout's blocks (x is rounded per as many): MXFP4's 32, the K-quants' 256.
+inline int64_t repacked_block(int64_t qtype) { return qtype == MXFP4_16 ? 32 : 256; }
 
 // The compiler may fuse a * b + c into one FMA (one rounding instead of NumPy's two); passing the
 // product through here forbids that.

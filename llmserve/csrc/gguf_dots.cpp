@@ -326,7 +326,8 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
   const int64_t M = x.size(0);
   std::optional<Acts> a256, a32;
   for (const Part& p : parts) {
-    if (is_repacked(p.qtype) && !a256) a256.emplace(x, 256);
+    if (is_repacked(p.qtype) && repacked_block(p.qtype) == 256 && !a256) a256.emplace(x, 256);
+    if (is_repacked(p.qtype) && repacked_block(p.qtype) == 32 && !a32) a32.emplace(x, 32);
     with_dot_type(p.qtype, [&](auto t) {
       if (decltype(t)::kValues == 256 && !a256) a256.emplace(x, 256);
       if (decltype(t)::kValues == 32 && !a32) a32.emplace(x, 32);
@@ -347,7 +348,7 @@ void dot_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t ldo,
       const Task& task = tasks[i];
       const Part& p = *task.p;
       if (is_repacked(p.qtype)) {   // repacked at load: one kernel at every row count (gguf_repacked.cpp)
-        repacked_dots(p.qtype, *a256, M, p.w, task.n0, task.n1, op + p.col, ldo);
+        repacked_dots(p.qtype, repacked_block(p.qtype) == 256 ? *a256 : *a32, M, p.w, task.n0, task.n1, op + p.col, ldo);
         continue;
       }
       with_dot_type(p.qtype, [&](auto t) {

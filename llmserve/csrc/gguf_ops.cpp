@@ -92,6 +92,7 @@ Layout check_layout(const at::Tensor& raw, int64_t qtype, int64_t K, const char*
   else if (qtype == F16 || qtype == BF16) bytes = 2;
   else if (qtype == Q4_K16) block = 256, bytes = kQ4K16Bytes / 16;
   else if (qtype == Q6_K16) block = 256, bytes = kQ6K16Bytes / 16;
+  else if (qtype == MXFP4_16) block = 32, bytes = kMX16Bytes / 16;
   else if (!with_quant_type(qtype, [&](auto t) { block = decltype(t)::kValues, bytes = decltype(t)::kBytes; }))
     TORCH_CHECK(false, what, ": unsupported GGUF quantization type ", qtype,
                 " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, "
@@ -127,6 +128,14 @@ void dequant_repacked_row(const Layout& w, int64_t qtype, int64_t K, int64_t n, 
 }
 
 void dequant_any_row(const Layout& w, int64_t qtype, int64_t K, int64_t n, float* out) {
+  if (qtype == MXFP4_16) {   // each block as the file holds it
+    uint8_t block[TMXFP4::kBytes];
+    for (int64_t g = 0; g < K / 32; ++g) {
+      mx16_block(w.p + ((n / 16) * (K / 32) + g) * kMX16Bytes, static_cast<int>(n % 16), block);
+      dequant_row<TMXFP4>(block, 32, out + 32 * g);
+    }
+    return;
+  }
   if (is_repacked(qtype)) return dequant_repacked_row(w, qtype, K, n, out);
   const uint8_t* row = w.p + n * w.ld;
   if (!with_quant_type(qtype, [&](auto t) { dequant_row<decltype(t)>(row, K, out); }))

@@ -31,13 +31,16 @@ bool panels_take(int64_t qtype, int64_t M);
 int64_t panel_dots(const Acts& a, int64_t M, const Layout& w, int64_t qtype, int64_t n0, int64_t n1, float* out,
                    int64_t ldo);
 
-// Q4_K and Q6_K repacked at load (gguf_repacked.cpp; qtypes Q4_K16, Q6_K16): a tensor [N, K / 256 * kQ4K16Bytes / 16]
+// Q4_K, Q6_K and MXFP4 repacked at load (gguf_repacked.cpp; qtypes Q4_K16, Q6_K16, MXFP4_16): a tensor [N, K / 256 * kQ4K16Bytes / 16]
 // (Q6_K: kQ6K16Bytes / 16, the file's 210) uint8 whose 16-row panels hold a super-block of 16 rows in that many bytes.
-// repack_panels: a Q4_K / Q6_K tensor's blocks (N a multiple of 16) in that layout, the same values; repacked_dots:
+// repack_panels: a Q4_K / Q6_K / MXFP4 tensor's blocks (N a multiple of 16) in that layout, the same values; repacked_dots:
 // out[m, n] for every row m of x and rows [n0, n1) of w (multiples of 16), at any row count; repacked_unpack: row i
 // of a panel's super-block P back to its 256 quants, d, dmin and 16 scales and mins (per 16 values, as ScalesK).
-inline constexpr int64_t kQ4K16Bytes = 2368, kQ6K16Bytes = 3360;
+// MXFP4 (MXFP4_16): [N, K / 32 * 17], the file's bytes a row, a panel's block of 32 values in kMX16Bytes = 16 x 17;
+// mx16_block: row i's block of a panel's block P as the file holds it (17 bytes).
+inline constexpr int64_t kQ4K16Bytes = 2368, kQ6K16Bytes = 3360, kMX16Bytes = 272;
 at::Tensor repack_panels(const at::Tensor& raw, int64_t qtype, int64_t K);
+void mx16_block(const uint8_t* P, int i, uint8_t* block);
 void repacked_dots(int64_t qtype, const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* out,
                    int64_t ldo);
 void repacked_unpack(int64_t qtype, const uint8_t* P, int i, uint8_t* q, float* d, float* dmin, int8_t* sc, uint8_t* mn);

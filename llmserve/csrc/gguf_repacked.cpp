@@ -14,7 +14,15 @@
 // g); acc -= msum dmin dx, then acc += isum d dx: the integers and float operations of the panels (gguf_panels.cpp),
 // so both give the same bits, and a row's result never depends on the rows beside it (nor on how many there are).
 //
-// Two twins compute it, bit for bit equal: AVX-512 VNNI (vpdpbusd, vpdpwssd) and a portable one in plain loops,
+// MXFP4 (gpt-oss's experts) the same way, a panel's block of 32 values in kMX16Bytes = 272 bytes (16 rows x the file's 17):
+//   qs    4 vectors of 64 bytes: vector j holds at bytes 4i .. 4i + 3 row i's qs[4j .. 4j + 3] (the file's nibbles:
+//         values 4j .. + 3 low, 16 + 4j .. + 3 high)
+//   e     16 bytes: row i's E8M0 exponent
+// Per row of x and block: isum = sum value x (E2M1 doubled, -12 .. 12: vpdpbusd takes them biased by 12, unsigned,
+// and 12 times x's sum is taken off), then acc += isum (d dx), d = e8m0_half(e): the row-by-row dots' integers
+// (gguf_dots.cpp's block32_dot), the float epilogue once per 16 rows, and the weights unpacked once for 4 rows of x.
+//
+// Two twins compute each, bit for bit equal: AVX-512 VNNI (vpdpbusd, vpdpwssd) and a portable one in plain loops,
 // which runs where the instructions are missing or toggles.vnni_twin asks (LLMSERVE_VNNI=twin: the tests, any CPU).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -222,6 +230,17 @@ LLMSERVE_AVX512_VNNI void rows_avx512(const Acts& a, int64_t m0, const uint8_t* 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
+// run(integral_constant R) for R = min(4, left) rows of x
+template <typename F>
+void up_to_4_rows(int64_t left, F&& run) {
+  switch (std::min<int64_t>(4, left)) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    default: run(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // super-blocks a pass over many rows of x takes at a time (a Q4_K panel's 19 KB and 4 rows of x in L1); the sums
 // carry over in out, so the float operations are the same as in one pass
 constexpr int64_t kSpan = 8;
@@ -241,12 +260,116 @@ void dots(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, flo
           if (wide) rows_avx512<T, R>(a, m, panel, s0, s1, o, ldo);
           else rows_portable<T, R>(a, m, panel, s0, s1, o, ldo);
         };
-        switch (std::min<int64_t>(4, M - m)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, 4>{}); break;
-        }
+        up_to_4_rows(M - m, run);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MXFP4 in panels (MXFP4_16)
+
+constexpr int64_t kMXE = 256;   // the exponents' offset in a panel's block
+constexpr int kMXBias = 12;
+alignas(16) constexpr int8_t kMXValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) constexpr uint8_t kMXBiased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// rows [n, n + 16) of w, block g, into a panel's block P
+void pack_mx(const Layout& w, int64_t n, int64_t g, uint8_t* P) {
+  for (int i = 0; i < 16; ++i) {
+    const uint8_t* b = w.p + (n + i) * w.ld + g * TMXFP4::kBytes;
+    for (int j = 0; j < 4; ++j) std::memcpy(P + 64 * j + 4 * i, b + 1 + 4 * j, 4);
+    P[kMXE + i] = b[0];
+  }
+}
+
+// out[r * ldo + i] for R rows of x (from row m0) and the panel's 16 rows i (portable twin), over blocks [g0, g1), from
+// the sums in out (g0 > 0) or from 0
+template <int R>
+void mx_rows_portable(const Acts& a, int64_t m0, const uint8_t* panel, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+  const int64_t G = a.K / 32;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.q.data() + (m0 + r) * a.K;
+    for (int i = 0; i < 16; ++i) {
+      float acc = g0 ? out[r * ldo + i] : 0.0f;
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* P = panel + g * kMX16Bytes;
+        int32_t isum = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t byte = P[64 * j + 4 * i + k];
+            isum += kMXValues[byte & 15] * x[32 * g + 4 * j + k] + kMXValues[byte >> 4] * x[32 * g + 16 + 4 * j + k];
+          }
+        acc = std::fma(static_cast<float>(isum), e8m0_half(P[kMXE + i]) * a.dx[(m0 + r) * G + g], acc);
+      }
+      out[r * ldo + i] = acc;
+    }
+  }
+}
+
+template <int R>
+LLMSERVE_AVX512_VNNI void mx_rows_avx512(const Acts& a, int64_t m0, const uint8_t* panel, int64_t g0, int64_t g1,
+                                         float* out, int64_t ldo) {
+  const int64_t G = a.K / 32;
+  const bool stream = g0 == 0 && g1 == G;   // one pass over the panel (few rows): its bytes come from memory
+  const int8_t* x = a.q.data() + m0 * a.K;
+  const int16_t* sums = a.sum16.data() + m0 * (a.K / 16);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMXBiased)));
+  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), tiny = _mm512_set1_epi32(0x00200000);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = g0 ? _mm512_loadu_ps(out + r * ldo) : _mm512_setzero_ps();
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* P = panel + g * kMX16Bytes;
+    if (stream)   // 4 blocks ahead (consecutive blocks' lines 16 bytes apart at most: every line is fetched)
+      for (int64_t l = 0; l < kMX16Bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(P + 4 * kMX16Bytes + l), _MM_HINT_T0);
+    __m512i wl[4], wh[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(P + 64 * j);
+      wl[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
+      wh[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+    // e8m0_half of the 16 exponents: (e - 1) << 23, the subnormals 2^-128, 2^-127 for e < 2
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMXE)));
+    const __m512 d = _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+        _mm512_cmplt_epu32_mask(e, two), _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23), _mm512_sllv_epi32(tiny, e)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xs = x + r * a.K + 32 * g;
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        int32_t xl, xh;
+        std::memcpy(&xl, xs + 4 * j, 4);
+        std::memcpy(&xh, xs + 16 + 4 * j, 4);
+        lo = dpbusd(lo, wl[j], _mm512_set1_epi32(xl));
+        hi = dpbusd(hi, wh[j], _mm512_set1_epi32(xh));
+      }
+      const int16_t* sr = sums + r * (a.K / 16) + 2 * g;
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), _mm512_set1_epi32(kMXBias * (sr[0] + sr[1])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[(m0 + r) * G + g])),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// blocks a pass over many rows of x takes at a time (8.7 KB of a panel and 4 rows of x in L1)
+constexpr int64_t kMXSpan = 32;
+
+void mx_dots(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int64_t G = a.K / 32, span = M > 4 ? kMXSpan : G;
+  const bool wide = vnni_real();
+  for (int64_t g0 = 0; g0 < G; g0 += span) {
+    const int64_t g1 = std::min(G, g0 + span);
+    for (int64_t m = 0; m < M; m += 4) {
+      for (int64_t n = n0; n < n1; n += 16) {
+        const uint8_t* panel = w.p + (n / 16) * G * kMX16Bytes;
+        float* o = out + m * ldo + n;
+        auto run = [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          if (wide) mx_rows_avx512<R>(a, m, panel, g0, g1, o, ldo);
+          else mx_rows_portable<R>(a, m, panel, g0, g1, o, ldo);
+        };
+        up_to_4_rows(M - m, run);
       }
     }
   }
@@ -254,7 +377,7 @@ void dots(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, flo
 
 template <typename F>
 void with_repacked(int64_t qtype, F&& f) {
-  TORCH_CHECK(is_repacked(qtype), "not a repacked type: ", qtype);
+  TORCH_CHECK(qtype == Q4_K16 || qtype == Q6_K16, "not a repacked K-quant: ", qtype);
   if (qtype == Q4_K16) f(R4{});
   else f(R6{});
 }
@@ -282,10 +405,26 @@ void repacked_unpack(int64_t qtype, const uint8_t* P, int i, uint8_t* q, float* 
   });
 }
 
+void mx16_block(const uint8_t* P, int i, uint8_t* block) {
+  block[0] = P[kMXE + i];
+  for (int j = 0; j < 4; ++j) std::memcpy(block + 1 + 4 * j, P + 64 * j + 4 * i, 4);
+}
+
 at::Tensor repack_panels(const at::Tensor& raw, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K, "repack_panels: only Q4_K and Q6_K are repacked, not ", qtype);
+  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K || qtype == MXFP4, "repack_panels: only Q4_K, Q6_K and MXFP4 are repacked, not ",
+              qtype);
   const Layout w = check_layout(raw, qtype, K, "repack_panels");
   TORCH_CHECK(w.N % 16 == 0, "repack_panels: ", w.N, " rows is not a multiple of 16");
+  if (qtype == MXFP4) {
+    const int64_t G = K / 32;
+    at::Tensor out = at::empty({w.N, w.row_bytes}, raw.options());
+    uint8_t* o = out.data_ptr<uint8_t>();
+    at::parallel_for(0, w.N / 16, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        for (int64_t g = 0; g < G; ++g) pack_mx(w, 16 * p, g, o + (p * G + g) * kMX16Bytes);
+    });
+    return out;
+  }
   const int64_t S = K / 256;
   const int64_t bytes = qtype == Q4_K ? kQ4K16Bytes : kQ6K16Bytes;
   at::Tensor out = at::empty({w.N, S * bytes / 16}, raw.options());
@@ -302,6 +441,7 @@ at::Tensor repack_panels(const at::Tensor& raw, int64_t qtype, int64_t K) {
 
 void repacked_dots(int64_t qtype, const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* out,
                    int64_t ldo) {
+  if (qtype == MXFP4_16) return mx_dots(a, M, w, n0, n1, out, ldo);
   with_repacked(qtype, [&](auto t) { dots<decltype(t)>(a, M, w, n0, n1, out, ldo); });
 }
 

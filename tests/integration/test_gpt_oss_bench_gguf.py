@@ -6,6 +6,7 @@ itself (12 GB) is written by hand only."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,6 +18,7 @@ from benchmarks.make_checkpoint import GPT_OSS_SHAPES, VOCAB
 
 def test_tiny_file_loads_and_generates(tmp_path, monkeypatch):
     from llmserve import LLM, SamplingParams
+    from llmserve.model.kernels import ops
     from llmserve.model.loader import gguf_model
 
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -39,6 +41,31 @@ def test_tiny_file_loads_and_generates(tmp_path, monkeypatch):
         assert len(out.outputs[0].token_ids) == 8
         assert all(math.isfinite(lp.logprob) for lp in out.outputs[0].logprobs)
     assert llm.engine.kv.usage == 0
+    # the default mode of a quantized GGUF (the test suite's LLMSERVE_GGUF_BLOCKS=0 turns it off): where the VNNI
+    # kernels run (the instructions, or their portable twin: LLMSERVE_VNNI=twin), the experts' MXFP4 blocks are
+    # repacked at load into panels of 16 rows, and the greedy tokens are those of the file's blocks row by row
+    fast = LLM(model=path, kv_cache_memory=0.05, max_num_batched_tokens=32, num_threads=2, quantization="gguf")
+    expert = fast.engine.model.layers[1].mlp.experts[3]
+    mx = "mx16" if ops.kquant_repack(39, 96) else "gguf"
+    assert expert.gate_up_proj.layouts == [mx, mx] and expert.down_proj.layouts == [mx]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = [out.outputs[0].token_ids for out in fast.generate(prompts, greedy, use_tqdm=False)]
+    assert all(len(t) == 8 for t in tokens)
+    if mx == "mx16":
+        saved = ops.kernel_config()
+        try:
+            blocks = LLM(
+                model=path,
+                kv_cache_memory=0.05,
+                max_num_batched_tokens=32,
+                num_threads=2,
+                quantization="gguf",
+                kernels=dataclasses.replace(saved, kquant_repack=False),
+            )
+            assert blocks.engine.model.layers[1].mlp.experts[3].down_proj.layouts == ["gguf"]
+            assert [out.outputs[0].token_ids for out in blocks.generate(prompts, greedy, use_tqdm=False)] == tokens
+        finally:
+            ops.configure(saved)
 
 
 def test_20b_plan_is_the_published_model():

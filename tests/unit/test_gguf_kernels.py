@@ -619,13 +619,67 @@ def test_repacked_panels_extreme_blocks(ext, panels, qtype, fill):
     assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
 
 
-def test_repack_takes_rows_in_sixteens_and_two_types(ext):
-    """Only whole panels of Q4_K or Q6_K: 40 rows, or a Q5_K tensor, are refused with a clear error (GGUFLinear keeps
-    such a part's blocks as the file has them: ops.kquant_repack)."""
+def test_repack_takes_rows_in_sixteens_and_three_types(ext):
+    """Only whole panels of Q4_K, Q6_K or MXFP4: 40 rows, or a Q5_K tensor, are refused with a clear error (GGUFLinear
+    keeps such a part's blocks as the file has them: ops.kquant_repack)."""
     from llmserve.model.kernels import ops
 
     with pytest.raises(RuntimeError, match="multiple of 16"):
         gk.repack_panels(gk.random_blocks(Q.Q4_K, 40, 256), Q.Q4_K, 256)
     with pytest.raises(ValueError, match="not repacked"):
         gk.repack_panels(gk.random_blocks(Q.Q5_K, 16, 256), Q.Q5_K, 256)
-    assert not ops.kquant_repack(12, 40) and not ops.kquant_repack(13, 48)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        gk.repack_panels(gk.random_blocks(Q.MXFP4, 24, 64), Q.MXFP4, 64)
+    assert not ops.kquant_repack(12, 40) and not ops.kquant_repack(13, 48) and not ops.kquant_repack(39, 24)
+
+
+def mxfp4_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random MXFP4 blocks with normal scales (the tests of subnormal ones are test_linear's and the extremes')."""
+    raw = gk.random_blocks(Q.MXFP4, n, k, seed=seed)
+    raw.view(n, k // 32, 17)[:, :, 0] = torch.randint(
+        118, 126, (n, k // 32), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
+    return raw
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 37])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 2880), (32, 1312)])
+def test_mxfp4_repacked_panels(ext, panels, rows, n, k):
+    """gpt-oss's MXFP4 experts repacked into panels of 16 rows ("mx16", the file's bytes reordered): every value kept
+    (its dequantization is the file's, bit for bit), and its dots are the row-by-row dots' integers (block32_dot) up
+    to float rounding, the same bits from the AVX-512 VNNI kernel and its portable twin at every row count, a row's
+    result independent of the rows beside it. K = 1312 and 2880 take more than one span of 32 blocks (many rows)."""
+    from llmserve.model.kernels import ops
+
+    raw = mxfp4_blocks(n, k, seed=rows * n)
+    kind, (packed,) = gk.repack_panels(raw, Q.MXFP4, k)
+    assert kind == "mx16" and packed.shape == raw.shape
+    assert torch.equal(gk.packed_dequantize(kind, [packed]), gk.dequantize(raw, Q.MXFP4, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[:, 7] *= 30
+    got = gk.packed_linear(x, kind, [packed])
+    cpu = ops.cpu_kernels()
+    cpu.set_vnni_twin(True)
+    try:
+        assert torch.equal(got, gk.packed_linear(x, kind, [packed]))
+    finally:
+        cpu.set_vnni_twin(panels == "twin")
+    assert torch.equal(gk.packed_linear(x[-1:], kind, [packed])[0], got[-1])
+    want = gk.linear(x, raw, Q.MXFP4, k)  # the file's blocks, row by row: the same integers, float sums per lane
+    scale = x.double().abs() @ gk.dequantize(raw, Q.MXFP4, k).double().abs().t()
+    assert ((got.double() - want.double()).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("fill", [0x77, 0xFF, 0x88])
+@pytest.mark.parametrize("exponent", [0, 1, 127, 200])
+def test_mxfp4_repacked_extreme_blocks(ext, panels, fill, exponent):
+    """The largest values (+-12 doubled: nibbles 7 and 15), the zero of either sign (8), x at +-127 after rounding, and
+    E8M0 exponents 0 and 1 (ggml's subnormal halves) to 200: no int32 sum overflows, every scale as ggml reads it."""
+    k = 512
+    raw = torch.full((16, k // 32 * 17), fill, dtype=torch.uint8)
+    raw.view(16, k // 32, 17)[:, :, 0] = exponent
+    kind, tensors = gk.repack_panels(raw, Q.MXFP4, k)
+    x = torch.tensor([[1.0] * k, [-1.0] * k, [1.0, -1.0] * (k // 2)])
+    w = gk.dequantize(raw, Q.MXFP4, k).double()
+    got = gk.packed_linear(x, kind, tensors).double()
+    assert ((got - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-300).all()

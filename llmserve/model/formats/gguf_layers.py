@@ -13,6 +13,7 @@ from llmserve.model.kernels import ops
 from llmserve.model.kernels.gguf_kernels import (
     BLOCKS,
     MANY_ROWS,
+    MXFP4_16,
     NAMES,
     PACKED,
     Q4_K16,
@@ -48,8 +49,8 @@ class GGUFLinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for raw, _ in parts)
         self.qtypes = [int(q) for _, q in parts]
-        # per part: "gguf" (its blocks: raw{i}), "int4" / "int8" (q{i}, s{i}, m{i}) or "q4k16" / "q6k16" (Q4_K / Q6_K
-        # in panels of 16 rows where the VNNI kernels run: q{i})
+        # per part: "gguf" (its blocks: raw{i}), "int4" / "int8" (q{i}, s{i}, m{i}) or "q4k16" / "q6k16" / "mx16"
+        # (Q4_K / Q6_K / MXFP4 in panels of 16 rows where the VNNI kernels run: q{i})
         self.layouts: list[str] = []
         for i, (raw, q) in enumerate(parts):
             repacked = not exact and ops.kquant_repack(q, raw.shape[0])
@@ -74,7 +75,10 @@ class GGUFLinear(nn.Module):
         ]
 
     def _packed(self, i: int, layout: str) -> list[torch.Tensor]:
-        return [getattr(self, f"{n}{i}") for n in {"int4": "qsm", "int8": "qs", "q4k16": "q", "q6k16": "q"}[layout]]
+        return [
+            getattr(self, f"{n}{i}")
+            for n in {"int4": "qsm", "int8": "qs", "q4k16": "q", "q6k16": "q", "mx16": "q"}[layout]
+        ]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these blocks stand for."""
@@ -101,9 +105,9 @@ class GGUFLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[ProjectionKind, int, list[torch.Tensor]] | None:
-        """(GGUF, the parts' count | a byte per part in the next bytes: its GGMLQuantizationType, Q4_K16 / Q6_K16 for
-        a Q4_K / Q6_K in panels, or PACKED_PART + INT4 / INT8 for a Q4_0 / Q4_1 / Q8_0 repacked, [each part's
-        tensors]): this layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs
+        """(GGUF, the parts' count | a byte per part in the next bytes: its GGMLQuantizationType, Q4_K16 / Q6_K16 /
+        MXFP4_16 for a Q4_K / Q6_K / MXFP4 in panels, or PACKED_PART + INT4 / INT8 for a Q4_0 / Q4_1 / Q8_0 repacked,
+        [each part's tensors]): this layer as the fused decode stack reads it (ops.decode_layer_args; the stack runs
         gguf_linear_parts, the same kernels as forward's); None where it does not: `exact` (float32 throughout), a
         bias, float parts (F32 / F16 / BF16), no compiled kernels, off the CPU."""
         parts = self.parts()
@@ -121,6 +125,7 @@ class GGUFLinear(nn.Module):
                 "gguf": q,
                 "q4k16": Q4_K16,
                 "q6k16": Q6_K16,
+                "mx16": MXFP4_16,
                 "int4": PACKED_PART + ProjectionKind.INT4,
                 "int8": PACKED_PART + ProjectionKind.INT8,
             }[lay]

@@ -74,12 +74,12 @@ NAMES = {
     23: "IQ4_XS",
 }
 PACKED = {2: "int4", 3: "int4", 8: "int8"}  # Q4_0, Q4_1, Q8_0 -> the packed layout their dots read (`repack`)
-# Q4_K / Q6_K repacked into panels of 16 rows where the VNNI kernels run (`repack_panels`; csrc/gguf_repacked.cpp):
-# llmserve's codes for those layouts (csrc/gguf_blocks.h's Q4_K16, Q6_K16; not GGMLQuantizationTypes), their kinds
-# and bytes a row per 256 values
-Q4_K16, Q6_K16 = 100, 101
-REPACKED = {12: ("q4k16", Q4_K16, 148), 14: ("q6k16", Q6_K16, 210)}
-_REPACKED_KIND = {kind: (code, row) for kind, code, row in REPACKED.values()}
+# Q4_K / Q6_K / MXFP4 repacked into panels of 16 rows where the VNNI kernels run (`repack_panels`;
+# csrc/gguf_repacked.cpp): llmserve's codes for those layouts (csrc/gguf_blocks.h's Q4_K16, Q6_K16, MXFP4_16; not
+# GGMLQuantizationTypes), their kinds, and bytes a row per block of so many values
+Q4_K16, Q6_K16, MXFP4_16 = 100, 101, 102
+REPACKED = {12: ("q4k16", Q4_K16, 256, 148), 14: ("q6k16", Q6_K16, 256, 210), 39: ("mx16", MXFP4_16, 32, 17)}
+_REPACKED_KIND = {kind: (code, block, row) for kind, code, block, row in REPACKED.values()}
 
 # x with fewer rows than this: the integer dots (each pass over the weights serving 4 rows of x), more:
 # float32 tiles + at::mm, float32-exact but slower at every batch size measured on 8B shapes (one thread:
@@ -203,12 +203,12 @@ def repack(raw: torch.Tensor, qtype) -> tuple[str, list[torch.Tensor]]:
 
 
 def repack_panels(raw: torch.Tensor, qtype, K: int) -> tuple[str, list[torch.Tensor]]:
-    """A Q4_K / Q6_K tensor's blocks (rows a multiple of 16) in panels of 16 rows, the same values: ("q4k16" / "q6k16",
-    [uint8 [N, K / 256 * 148 / 210]]), read by `packed_linear` / `packed_dequantize` and the fused decode stack (parts
-    Q4_K16 / Q6_K16)."""
+    """A Q4_K / Q6_K / MXFP4 tensor's blocks (rows a multiple of 16) in panels of 16 rows, the same values: ("q4k16" /
+    "q6k16" / "mx16", [uint8 [N, K / 256 * 148 / 210, or K / 32 * 17]]), read by `packed_linear` / `packed_dequantize`
+    and the fused decode stack (parts Q4_K16 / Q6_K16 / MXFP4_16)."""
     num = qtype_number(qtype)
     if num not in REPACKED:
-        raise ValueError(f"gguf kernels: {NAMES[num]} is not repacked into panels (Q4_K and Q6_K are)")
+        raise ValueError(f"gguf kernels: {NAMES[num]} is not repacked into panels (Q4_K, Q6_K and MXFP4 are)")
     _check(raw, num, K)
     return REPACKED[num][0], [gguf_kernels().repack_panels(raw.cpu().contiguous(), num, K)]
 
@@ -223,8 +223,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def packed_dequantize(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """float32 [N, K]: the values of `repack`'s layout (int4: min + scale * q per 32 values; int8: q * scale)."""
     if kind in _REPACKED_KIND:
-        code, row = _REPACKED_KIND[kind]
-        return gguf_kernels().dequantize(tensors[0], code, tensors[0].shape[1] // row * 256)
+        code, block, row = _REPACKED_KIND[kind]
+        return gguf_kernels().dequantize(tensors[0], code, tensors[0].shape[1] // row * block)
     q, scale = tensors[0], tensors[1].float()
     n = q.shape[0]
     if kind == "int4":

@@ -294,13 +294,14 @@ _ALL_ROWS = 2**62
 
 
 def kquant_repack(qtype: int, rows: int) -> bool:
-    """Whether a GGUF projection part of type `qtype` (Q4_K, Q6_K) and `rows` rows is repacked at load into panels
-    of 16 rows (KernelConfig.kquant_repack, where the VNNI kernels run: csrc/gguf_repacked.cpp)."""
+    """Whether a GGUF projection part of type `qtype` (Q4_K, Q6_K, and MXFP4 though not a K-quant) and `rows` rows is
+    repacked at load into panels of 16 rows (KernelConfig.kquant_repack, where the VNNI kernels run:
+    csrc/gguf_repacked.cpp)."""
     ext = cpu_kernels()
     return (
         ext is not None
         and kernel_config().kquant_repack
-        and int(qtype) in (12, 14)
+        and int(qtype) in (12, 14, 39)
         and rows % 16 == 0
         and ext.uses_vnni()
     )
