@@ -154,15 +154,43 @@ LLMSERVE_AVX512_VNNI inline __m512i top_pair(__m512i t) {
   return _mm512_and_si512(v, _mm512_set1_epi8(0x30));
 }
 
-template <typename T, int R>
+// the two vpdpbusd operands of step (g, j) of a panel's super-block P: the values multiplying x's 32g + 4j .. + 3 (wl)
+// and 32g + 16 + 4j .. + 3 (wh) in 16 rows, unsigned bytes
+template <typename T>
+LLMSERVE_AVX512_VNNI inline void operands(const uint8_t* P, int g, int j, __m512i& wl, __m512i& wh) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(P + 64 * (4 * g + j));
+  wl = _mm512_and_si512(v, low4);
+  wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (!std::is_same_v<T, R4>) {
+    const __m512i t = _mm512_loadu_si512(P + T::kHigh + 64 * (2 * g + j / 2));
+    wl = _mm512_or_si512(wl, j % 2 ? top_pair<0>(t) : top_pair<4>(t));
+    wh = _mm512_or_si512(wh, j % 2 ? top_pair<-2>(t) : top_pair<2>(t));
+  }
+}
+
+// super-blocks [s0, s1) of a panel unpacked into ops (64 vectors each: step (g, j)'s wl at 8g + 2j, wh after it), for
+// the passes of many rows of x (rows_avx512 with Cached)
+template <typename T>
+LLMSERVE_AVX512_VNNI void unpack_operands(const uint8_t* panel, int64_t s0, int64_t s1, __m512i* ops) {
+  for (int64_t s = s0; s < s1; ++s)
+    for (int g = 0; g < 8; ++g)
+      for (int j = 0; j < 4; ++j) {
+        __m512i* o = ops + (s - s0) * 64 + 8 * g + 2 * j;
+        operands<T>(panel + s * T::kBytes, g, j, o[0], o[1]);
+      }
+}
+
+// Cached: the operands read from ops (unpack_operands' of [s0, s1)), not unpacked again for every 4 rows of x: the
+// same integers and float operations
+template <typename T, int R, bool Cached = false>
 LLMSERVE_AVX512_VNNI void rows_avx512(const Acts& a, int64_t m0, const uint8_t* panel, int64_t s0, int64_t s1,
-                                      float* out, int64_t ldo) {
+                                      float* out, int64_t ldo, const __m512i* ops = nullptr) {
   constexpr bool k4 = std::is_same_v<T, R4>;
   const bool stream = s0 == 0 && s1 == a.K / 256;   // one pass over the panel (few rows): its bytes come from memory
   const int64_t S = a.K / 256;
   const int8_t* x = a.q.data() + m0 * a.K;
   const int16_t* sums = a.sum16.data() + m0 * (a.K / 16);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = s0 ? _mm512_loadu_ps(out + r * ldo) : _mm512_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
@@ -190,12 +218,12 @@ LLMSERVE_AVX512_VNNI void rows_avx512(const Acts& a, int64_t m0, const uint8_t* 
       for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(P + 64 * (4 * g + j));
-        __m512i wl = _mm512_and_si512(v, low4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (!k4) {
-          const __m512i t = _mm512_loadu_si512(P + T::kHigh + 64 * (2 * g + j / 2));
-          wl = _mm512_or_si512(wl, j % 2 ? top_pair<0>(t) : top_pair<4>(t));
-          wh = _mm512_or_si512(wh, j % 2 ? top_pair<-2>(t) : top_pair<2>(t));
+        __m512i wl, wh;
+        if constexpr (Cached) {
+          wl = ops[(s - s0) * 64 + 8 * g + 2 * j];
+          wh = ops[(s - s0) * 64 + 8 * g + 2 * j + 1];
+        } else {
+          operands<T>(P, g, j, wl, wh);
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xs = x + r * a.K + 256 * s + 32 * g + 4 * j;
@@ -244,11 +272,34 @@ void up_to_4_rows(int64_t left, F&& run) {
 // super-blocks a pass over many rows of x takes at a time (a Q4_K panel's 19 KB and 4 rows of x in L1); the sums
 // carry over in out, so the float operations are the same as in one pass
 constexpr int64_t kSpan = 8;
+// from kCachedRows rows of x each panel's span is unpacked once into a buffer (kCachedSpan super-blocks: 16 KB in L1)
+// for all of them, in place of once for every 4: one thread, 1B shapes, 64-256 rows, Q4_K 1.14-1.17x, Q6_K 1.28-1.33x
+// (benchmarks/kernels/kquant_panels.py); below 16 rows Q4_K's unpacking (a mask and a shift) costs less than the
+// buffer's stores, Q6_K's (its top bit pairs) more, from 8
+template <typename T>
+constexpr int64_t kCachedRows = std::is_same_v<T, R6> ? 8 : 16;
+constexpr int64_t kCachedSpan = 4;
 
 template <typename T>
 void dots(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t S = a.K / 256, span = M > 4 ? kSpan : S;
   const bool wide = vnni_real();
+  if (wide && M >= kCachedRows<T>) {   // each panel's span unpacked once for all the rows of x
+    alignas(64) uint8_t buf[kCachedSpan * 64 * 64];
+    const auto ops = reinterpret_cast<__m512i*>(buf);
+    for (int64_t s0 = 0; s0 < S; s0 += kCachedSpan) {
+      const int64_t s1 = std::min(S, s0 + kCachedSpan);
+      for (int64_t n = n0; n < n1; n += 16) {
+        const uint8_t* panel = w.p + (n / 16) * S * T::kBytes;
+        unpack_operands<T>(panel, s0, s1, ops);
+        for (int64_t m = 0; m < M; m += 4)
+          up_to_4_rows(M - m, [&](auto rows) {
+            rows_avx512<T, decltype(rows)::value, true>(a, m, panel, s0, s1, out + m * ldo + n, ldo, ops);
+          });
+      }
+    }
+    return;
+  }
   for (int64_t s0 = 0; s0 < S; s0 += span) {
     const int64_t s1 = std::min(S, s0 + span);
     for (int64_t m = 0; m < M; m += 4) {   // a task's panels stay in L2 for every 4 rows of x
@@ -307,15 +358,30 @@ void mx_rows_portable(const Acts& a, int64_t m0, const uint8_t* panel, int64_t g
   }
 }
 
-template <int R>
+// the 8 vpdpbusd operands of a panel's block P: the values (biased) multiplying x's 4j .. + 3 at 2j, 16 + 4j .. at 2j + 1
+LLMSERVE_AVX512_VNNI inline void mx_operands(const uint8_t* P, __m512i* w) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMXBiased)));
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(P + 64 * j);
+    w[2 * j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
+    w[2 * j + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
+// blocks [g0, g1) of a panel unpacked into ops (8 vectors a block), for mx_rows_avx512 with Cached
+LLMSERVE_AVX512_VNNI void mx_unpack_operands(const uint8_t* panel, int64_t g0, int64_t g1, __m512i* ops) {
+  for (int64_t g = g0; g < g1; ++g) mx_operands(panel + g * kMX16Bytes, ops + (g - g0) * 8);
+}
+
+// Cached: the operands of blocks [g0, g1) read from ops (8 vectors a block), not unpacked again for every 4 rows of x
+template <int R, bool Cached = false>
 LLMSERVE_AVX512_VNNI void mx_rows_avx512(const Acts& a, int64_t m0, const uint8_t* panel, int64_t g0, int64_t g1,
-                                         float* out, int64_t ldo) {
+                                         float* out, int64_t ldo, const __m512i* ops = nullptr) {
   const int64_t G = a.K / 32;
   const bool stream = g0 == 0 && g1 == G;   // one pass over the panel (few rows): its bytes come from memory
   const int8_t* x = a.q.data() + m0 * a.K;
   const int16_t* sums = a.sum16.data() + m0 * (a.K / 16);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMXBiased)));
   const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), tiny = _mm512_set1_epi32(0x00200000);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = g0 ? _mm512_loadu_ps(out + r * ldo) : _mm512_setzero_ps();
@@ -323,11 +389,11 @@ LLMSERVE_AVX512_VNNI void mx_rows_avx512(const Acts& a, int64_t m0, const uint8_
     const uint8_t* P = panel + g * kMX16Bytes;
     if (stream)   // 4 blocks ahead (consecutive blocks' lines 16 bytes apart at most: every line is fetched)
       for (int64_t l = 0; l < kMX16Bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(P + 4 * kMX16Bytes + l), _MM_HINT_T0);
-    __m512i wl[4], wh[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(P + 64 * j);
-      wl[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
-      wh[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    __m512i wv[8];
+    if constexpr (Cached) {
+      for (int v = 0; v < 8; ++v) wv[v] = ops[(g - g0) * 8 + v];
+    } else {
+      mx_operands(P, wv);
     }
     // e8m0_half of the 16 exponents: (e - 1) << 23, the subnormals 2^-128, 2^-127 for e < 2
     const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMXE)));
@@ -340,8 +406,8 @@ LLMSERVE_AVX512_VNNI void mx_rows_avx512(const Acts& a, int64_t m0, const uint8_
         int32_t xl, xh;
         std::memcpy(&xl, xs + 4 * j, 4);
         std::memcpy(&xh, xs + 16 + 4 * j, 4);
-        lo = dpbusd(lo, wl[j], _mm512_set1_epi32(xl));
-        hi = dpbusd(hi, wh[j], _mm512_set1_epi32(xh));
+        lo = dpbusd(lo, wv[2 * j], _mm512_set1_epi32(xl));
+        hi = dpbusd(hi, wv[2 * j + 1], _mm512_set1_epi32(xh));
       }
       const int16_t* sr = sums + r * (a.K / 16) + 2 * g;
       const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), _mm512_set1_epi32(kMXBias * (sr[0] + sr[1])));
@@ -352,12 +418,29 @@ LLMSERVE_AVX512_VNNI void mx_rows_avx512(const Acts& a, int64_t m0, const uint8_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// blocks a pass over many rows of x takes at a time (8.7 KB of a panel and 4 rows of x in L1)
-constexpr int64_t kMXSpan = 32;
+// blocks a pass over many rows of x takes at a time (8.7 KB of a panel and 4 rows of x in L1); from kMXCachedRows rows
+// their operands are unpacked once into a buffer (16 KB) for all of them: 1.2x at 64-256 rows on gpt-oss-20b's shapes
+constexpr int64_t kMXSpan = 32, kMXCachedRows = 16;
 
 void mx_dots(const Acts& a, int64_t M, const Layout& w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t G = a.K / 32, span = M > 4 ? kMXSpan : G;
   const bool wide = vnni_real();
+  if (wide && M >= kMXCachedRows) {   // each panel's span unpacked once for all the rows of x (16 KB)
+    alignas(64) uint8_t buf[kMXSpan * 8 * 64];
+    const auto ops = reinterpret_cast<__m512i*>(buf);
+    for (int64_t g0 = 0; g0 < G; g0 += kMXSpan) {
+      const int64_t g1 = std::min(G, g0 + kMXSpan);
+      for (int64_t n = n0; n < n1; n += 16) {
+        const uint8_t* panel = w.p + (n / 16) * G * kMX16Bytes;
+        mx_unpack_operands(panel, g0, g1, ops);
+        for (int64_t m = 0; m < M; m += 4)
+          up_to_4_rows(M - m, [&](auto rows) {
+            mx_rows_avx512<decltype(rows)::value, true>(a, m, panel, g0, g1, out + m * ldo + n, ldo, ops);
+          });
+      }
+    }
+    return;
+  }
   for (int64_t g0 = 0; g0 < G; g0 += span) {
     const int64_t g1 = std::min(G, g0 + span);
     for (int64_t m = 0; m < M; m += 4) {
