@@ -107,7 +107,7 @@ class KernelConfig:
     # on AVX-512 VNNI (or LLMSERVE_VNNI=twin): a GGUF's Q4_K, Q6_K and MXFP4 projection parts (rows a multiple of 16)
     # repacked once at load into panels of 16 rows, read by one kernel at every row count (csrc/gguf_repacked.cpp;
     # llama.cpp repacks too), in place of the file's blocks (benchmarks/kernels/kquant_panels.py; MXFP4 on gpt-oss's
-    # expert shapes: 4.3-4.7x the row-by-row dots from 4 rows, 1.4-3.0x at 1)
+    # expert shapes: 4.1-5.8x the row-by-row dots from 4 rows, 1.4-3.0x at 1)
     kquant_repack: bool = True
 
 
