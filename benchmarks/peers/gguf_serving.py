@@ -109,7 +109,8 @@ def main() -> None:
                 r = run_engine(engine, a, c, os.path.join(tmp, f"{i}-{c}-{rnd}.json"))
                 runs.setdefault((engine, c), []).append(r)
                 print(engine, c, rnd, r, flush=True)
-    table = ab_table(runs, a.engines, a.concurrency, "engine")
+    # the ratios read llmserve against the peer whichever ran first (the peers' medians the base)
+    table = ab_table(runs, sorted(a.engines, key=lambda e: e.startswith("llmserve")), a.concurrency, "engine")
     body = (
         f"`python -m benchmarks.peers.gguf_serving {' '.join(sys.argv[1:])}` on {machine()}: `llmserve bench` for "
         f"every server, chat, random {a.input_len} / {a.output_len} tokens"
