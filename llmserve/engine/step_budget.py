@@ -11,7 +11,7 @@ row keeps the full token budget: a long prompt alone prefills at full speed.
 
 The fit is least squares over the recent steps (each older step weighing `DECAY` times less), so it follows a
 machine whose speed drifts. Until the steps have varied enough in size to tell the two parts apart, no cap
-applies. Pure arithmetic on (tokens, seconds) pairs: the scheduler times its steps with its clock.
+applies; once fitted, steps of one size (a loaded server's, all cut to the target) scale the fit to their level. Pure arithmetic on (tokens, seconds) pairs: the scheduler times its steps with its clock.
 """
 
 from __future__ import annotations
@@ -50,11 +50,16 @@ class StepCost:
         self._xy = self._xy * d + tokens * seconds
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
-        if var < MIN_SPREAD**2:
-            return  # steps of one size: the fixed and per-token parts cannot be told apart yet
-        slope = (self._xy / self._w - mx * my) / var
+        slope = (self._xy / self._w - mx * my) / var if var >= MIN_SPREAD**2 else 0.0
         if slope <= 0:
-            return  # noise (another process took the CPU): keep the last fit
+            # steps of one size (the two parts cannot be told apart) or noise: the fit keeps its shape and scales to
+            # the recent steps' level. Under load every step is cut to the target's size, and a machine that slowed
+            # down must still be seen (a fit left as it was kept 8B steps 15-20% over the target for minutes)
+            if self.per_token is not None and my > 0:
+                scale = my / (self.fixed + self.per_token * mx)  # (every part costs `scale` times what it did)
+                self.fixed *= scale
+                self.per_token *= scale
+            return
         self.per_token = slope
         self.fixed = max(0.0, my - slope * mx)
 

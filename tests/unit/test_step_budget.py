@@ -140,6 +140,22 @@ def test_steps_of_one_size_teach_nothing():
     assert c.tokens_within(1.0) is None
 
 
+def test_steps_of_one_size_follow_the_machine_speed():
+    # under load every step is cut to the target's size: the spread vanishes, yet a machine that slows down (or
+    # speeds up) must move the budget so that the steps come back to the target
+    c = StepCost()
+    for n in [8, 200, 8, 120, 8, 64] * 3:
+        c.observe(n, 0.2 + 0.005 * n)
+    for speed, settled in ((1.2, 126), (1.0, 160), (0.8, 207), (1.0, 160)):
+        times = []
+        for _ in range(40):
+            n = c.tokens_within(1.0)
+            times.append(speed * (0.2 + 0.005 * n))
+            c.observe(n, times[-1])
+        assert n == pytest.approx(settled, abs=2)
+        assert max(times[-10:]) <= 1.01
+
+
 def test_defaults_by_device():
     assert resolve_max_step_ms(None, "cpu") == 1000.0
     assert resolve_max_step_ms(None, "cuda") is None
