@@ -11,7 +11,8 @@ row keeps the full token budget: a long prompt alone prefills at full speed.
 
 The fit is least squares over the recent steps (each older step weighing `DECAY` times less), so it follows a
 machine whose speed drifts. Until the steps have varied enough in size to tell the two parts apart, no cap
-applies; once fitted, steps of one size (a loaded server's, all cut to the target) scale the fit to their level. Pure arithmetic on (tokens, seconds) pairs: the scheduler times its steps with its clock.
+applies; once fitted, steps of one size (a loaded server's, all cut to the target) scale the fit to their level.
+Pure arithmetic on (tokens, seconds) pairs: the scheduler times its steps with its clock.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import logging
 
 log = logging.getLogger("llmserve.scheduler")
 
-CPU_STEP_MS = 1000.0  # the default target on CPU: a decoding stream's gap stays near a second at any model size
+# the default target on CPU: the steps' mean, set so that with a 2-core VM's noise (one step in a hundred 10-15% over
+# its fit) the p99 gap between a stream's tokens stays under a second at any model size (8B, 16 streams: 0.96-0.98 s;
+# under 1000 ms 1.13-1.22 s)
+CPU_STEP_MS = 850.0
 DECAY = 0.9  # an observation's weight falls by this each later step (~10 steps of memory)
 MIN_PREFILL = 8  # prompt tokens a step with decoding rows still takes when the decode rows alone fill the target
 MIN_SPREAD = 4.0  # tokens: the weighted spread of step sizes needed before the per-token cost is trusted

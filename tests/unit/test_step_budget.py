@@ -157,7 +157,7 @@ def test_steps_of_one_size_follow_the_machine_speed():
 
 
 def test_defaults_by_device():
-    assert resolve_max_step_ms(None, "cpu") == 1000.0
+    assert resolve_max_step_ms(None, "cpu") == 850.0
     assert resolve_max_step_ms(None, "cuda") is None
     assert resolve_max_step_ms(0, "cpu") is None
     assert resolve_max_step_ms(250, "cuda") == 250
