@@ -7,7 +7,7 @@ A candidate is a dict of these parameters (the names Optuna records):
   max_num_batched_tokens  the engine's own default for the model's cost per token at that thread count
                           (llmserve/engine/scheduler.py), halved and doubled
   max_step_ms             the step-time target beside decoding rows (llmserve/engine/step_budget.py): the CPU default
-                          (1000 ms), and the SLO's TPOT (or ITL) bound and twice it: a stream's TPOT is the mean of
+                          (850 ms), and the SLO's TPOT (or ITL) bound and twice it: a stream's TPOT is the mean of
                           the steps it waits through, so a target at the bound keeps prefill chunks from pushing it
                           over (one choice, no target, on CUDA)
   dtype                   float32, and bfloat16 where the CPU computes it natively (AVX512-BF16, AMX) or on CUDA
