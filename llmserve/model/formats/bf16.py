@@ -73,6 +73,8 @@ class BF16Linear(nn.Module):
     """A Linear holding bfloat16 weights in oneDNN's layout (the plain [N, K] weight is not kept beside it:
     `weight` reads it back); rows of any float type in, rows of the input's type out."""
 
+    bf16_rows = True  # bfloat16 rows in give bfloat16 rows out, unwidened (the MLP keeps its intermediate so)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
