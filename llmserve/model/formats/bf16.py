@@ -3,8 +3,9 @@
 Decode reads every weight once a step: bfloat16 halves the bytes of float32, and oneDNN's bf16 matmul
 (`vdpbf16ps`, what vLLM's CPU build and OpenVINO's CPU plugin compute in) runs about 2x the best float32
 path at every row count on such CPUs (BENCHMARKS.md, "bfloat16"). Only the projections and the LM head
-hold bfloat16: each call rounds its input rows to bfloat16 and widens the output back, so norms, rotary,
-attention, sampling and the KV cache keep llmserve's float32 kernels (and their accuracy). The embedding
+hold bfloat16: each call rounds its input rows to bfloat16 and widens the output back (bfloat16 rows in stay
+bfloat16 out: the MLP keeps its intermediate so), so norms, rotary, attention, sampling and the KV cache keep
+llmserve's float32 kernels (and their accuracy). The embedding
 table is bfloat16 rows, widened as looked up (one copy when tied to the head).
 
 The interface (the loader, the model's weight packing and ops.decode_layer_args read it):
