@@ -171,7 +171,7 @@ class EngineConfig:
         metadata=flag(
             "target duration of a step while requests decode: the prefill chunk beside decoding rows is sized from "
             "the measured cost of a token so a stream never waits seconds behind a prompt; a step with no decoding "
-            "row keeps the full token budget (default: 1000 on CPU, none on CUDA; 0: no target)"
+            "row keeps the full token budget (default: 850 on CPU, none on CUDA; 0: no target)"
         ),
     )
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))

@@ -10,8 +10,10 @@ a prefill chunk of what is left (at least `MIN_PREFILL` tokens, so a prompt alwa
 row keeps the full token budget: a long prompt alone prefills at full speed.
 
 The fit is least squares over the recent steps (each older step weighing `DECAY` times less), so it follows a
-machine whose speed drifts. Until the steps have varied enough in size to tell the two parts apart, no cap
-applies; once fitted, steps of one size (a loaded server's, all cut to the target) scale the fit to their level.
+machine whose speed drifts. Until the steps have varied enough in size to tell the two parts apart, a step with
+decoding rows takes the full token budget and half of it in turn (a server loaded from its first request has every
+step at the full budget, and without this would never learn the cost: 64 prompts at once at 8B ran 2.4 s steps
+throughout); once fitted, steps of one size (a loaded server's, all cut to the target) scale the fit to their level.
 Pure arithmetic on (tokens, seconds) pairs: the scheduler times its steps with its clock.
 """
 
@@ -22,8 +24,8 @@ import logging
 log = logging.getLogger("llmserve.scheduler")
 
 # the default target on CPU: the steps' mean, set so that with a 2-core VM's noise (one step in a hundred 10-15% over
-# its fit) the p99 gap between a stream's tokens stays under a second at any model size (8B, 16 streams: 0.96-0.98 s;
-# under 1000 ms 1.13-1.22 s)
+# its fit) the p99 gap between a stream's tokens stays under a second at any model size (8B, 16 streams: 0.98-1.00 s;
+# 1000 ms: 1.13-1.22 s)
 CPU_STEP_MS = 850.0
 DECAY = 0.9  # an observation's weight falls by this each later step (~10 steps of memory)
 MIN_PREFILL = 8  # prompt tokens a step with decoding rows still takes when the decode rows alone fill the target
@@ -82,13 +84,19 @@ class StepBudget:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cost = StepCost()
         self._logged = False
+        self._half = False  # the next unfitted step with decoding rows takes half the token budget
 
     def budget(self, decode_tokens: int) -> int:
         """Tokens for a step whose running requests decode `decode_tokens` tokens (proposals included)."""
         if self.target is None or decode_tokens == 0:
             return self.max_num_batched_tokens
         fit = self.cost.tokens_within(self.target)
-        if fit is None:
+        if fit is None:  # not fitted yet: full and half steps in turn, so that their sizes differ
+            self._half = not self._half
+            if self._half:
+                return min(
+                    self.max_num_batched_tokens, max(decode_tokens + MIN_PREFILL, self.max_num_batched_tokens // 2)
+                )
             return self.max_num_batched_tokens
         if not self._logged:
             self._logged = True

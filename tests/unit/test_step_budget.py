@@ -156,6 +156,24 @@ def test_steps_of_one_size_follow_the_machine_speed():
         assert max(times[-10:]) <= 1.01
 
 
+def test_a_server_loaded_from_its_first_request_still_learns_the_cost():
+    # 64 prompts at once: the queue never empties, so with the full token budget every step would be the same size
+    # and the fit would never start (8B, 64 users: 2.4 s steps throughout); unfitted, steps with decoding rows take
+    # the full budget and half of it in turn, and then the target holds
+    m = Machine(fixed=0.3, per_token=0.016, max_step_ms=850.0, budget=128)
+    for _ in range(64):
+        m.add(158, max_tokens=64)
+    periods = []
+    for _ in range(60):
+        t, decoding = m.clock.t, sum(1 for r in m.sched.running if r.num_tokens - r.num_computed_tokens == 1)
+        m.step()
+        periods.append((decoding, m.clock.t - t))
+    assert m.sched.step_budget.cost.per_token == pytest.approx(0.016)
+    assert m.sched.step_budget.cost.fixed == pytest.approx(0.3)
+    late = [s for d, s in periods[10:] if d]
+    assert late and max(late) <= 0.85 + 1e-9
+
+
 def test_defaults_by_device():
     assert resolve_max_step_ms(None, "cpu") == 850.0
     assert resolve_max_step_ms(None, "cuda") is None
