@@ -42,8 +42,8 @@ class MLP(nn.Module):
             # both hold bfloat16 weights (llmserve.model.formats.bf16): their matmuls round rows to bfloat16 anyway,
             # so the 2 x intermediate-wide rows between them stay bfloat16 (a prompt's rows were widened to float32
             # and rounded back: ~20% of a 3B prefill's time) and only the hidden-wide output is widened
-            h = act_and_mul(self.gate_up_proj(x.to(torch.bfloat16)), self.act, self.alpha, self.limit)
-            o = self.down_proj(h).to(x.dtype)
+            h = act_and_mul(up(x.to(torch.bfloat16)), self.act, self.alpha, self.limit)
+            o = down(h).to(x.dtype)
         else:
             o = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act, self.alpha, self.limit))
         return o if self.all_reduce is None else self.all_reduce(o)
