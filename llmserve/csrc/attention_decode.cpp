@@ -126,7 +126,7 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
               "paged_decode_attention: int64 tables");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
               kv_cache_type(k_cache.scalar_type()),
-              "paged_decode_attention: float32, float16 or int8 caches of one shape");
+              "paged_decode_attention: float32, float16, bfloat16 or int8 caches of one shape");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), maxb = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D &&
@@ -174,6 +174,7 @@ void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
         else attend_group<128>(q0, G, kp, vp, off.data(), len, sc, scores.data(), o0, sink);
       };
       if (type == at::kHalf) attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      else if (type == at::kBFloat16) attend(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
       else if (type == at::kChar) attend(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
       else attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     }

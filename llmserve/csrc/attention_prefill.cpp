@@ -26,7 +26,7 @@ namespace {
 // product of a broadcast key (value) element with row vectors, and the online softmax (a running max and
 // sum per row; the output rescaled when the max moves) needs no horizontal sums. Per tile of kPrefillK
 // keys: S^T = K Q^T, P = exp(S - max), O^T = alpha O^T + V^T P^T, register-blocked (keys x row vectors,
-// columns x row vectors). float32 keys are read straight from the blocks, float16 ones widened per tile, int8
+// columns x row vectors). float32 keys are read straight from the blocks, float16 and bfloat16 ones widened per tile, int8
 // ones widened and multiplied by their row's scale per tile.
 // Key tiles past a task's last query are skipped; on the diagonal a row's later keys get probability 0.
 // Sinks (gpt-oss): a query head's learned logit s joins its softmax's denominator with no value; the online softmax
@@ -301,7 +301,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
               "paged_prefill_attention: contiguous caches, an int64 block table");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
               kv_cache_type(k_cache.scalar_type()) && k_cache.dim() == 4,
-              "paged_prefill_attention: float32, float16 or int8 caches of one shape");
+              "paged_prefill_attention: float32, float16, bfloat16 or int8 caches of one shape");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_prefill_attention: q and out [n, H, D]");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), ctx = context_len;
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), num_blocks = k_cache.size(0);
@@ -341,6 +341,10 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       };
       if (type == at::kHalf) {
         const at::Half *kc = k_cache.data_ptr<at::Half>(), *vc = v_cache.data_ptr<at::Half>();
+        if (wide) run(PrefillAvx512{}, kc, vc);
+        else run(PrefillAvx2{}, kc, vc);
+      } else if (type == at::kBFloat16) {
+        const at::BFloat16 *kc = k_cache.data_ptr<at::BFloat16>(), *vc = v_cache.data_ptr<at::BFloat16>();
         if (wide) run(PrefillAvx512{}, kc, vc);
         else run(PrefillAvx2{}, kc, vc);
       } else if (type == at::kChar) {

@@ -65,7 +65,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
 // ---------------------------------------------------------------------------------------------
 // Rotary (neox halves) in place on heads [0, H + Hkv) of each row of qkv [T, (H + 2 Hkv) D], then
 // the row's K and V heads copied into the paged cache at slot_mapping[t] (caches
-// [num_blocks, block, Hkv, D] float32 or float16, or [..., D + 4] int8: each head quantized, vec.h). cos/sin: [max_positions, D] tables (first half equal to the second).
+// [num_blocks, block, Hkv, D] float32, float16 or bfloat16, or [..., D + 4] int8: each head quantized, vec.h). cos/sin: [max_positions, D] tables (first half equal to the second).
 void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                       int64_t num_heads, int64_t num_kv_heads, int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
                       const at::Tensor& slot_mapping) {
@@ -109,6 +109,7 @@ void rotary_write_kv_(at::Tensor& qkv, const at::Tensor& positions, const at::Te
         store_kv_heads(knew + kv, num_kv_heads, D, vc + slots[t] * slot_width);
       };
       if (type == at::kHalf) store(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      else if (type == at::kBFloat16) store(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
       else if (type == at::kChar) store(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
       else store(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
     }

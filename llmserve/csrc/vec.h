@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -89,14 +90,35 @@ inline __m256 load_half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// 8 values of a KV cache (float32 or float16) as floats, and back
+// 8 bfloat16 values -> 8 floats (exact: a bfloat16 is a float32's upper 16 bits; AVX2, no bf16 instruction)
+inline __m256 load_bf16x8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// 8 values of a KV cache (float32, float16 or bfloat16) as floats, and back
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return load_half8(p); }
+inline __m256 load8(const at::BFloat16* p) { return load_bf16x8(p); }
 inline void store_kv(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
 inline void store_kv(const float* src, int64_t n, at::Half* dst) {   // n % 8 == 0; round to nearest even
   for (int64_t i = 0; i < n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// float32 -> bfloat16 rounded to nearest even, as torch's .to(torch.bfloat16) rounds (NaN -> 0x7FC0), in integer
+// AVX2 so that every CPU writes the same bits (AVX512-BF16's vcvtneps2bf16 rounds the same way)
+inline void store_kv(const float* src, int64_t n, at::BFloat16* dst) {   // n % 8 == 0
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), qnan = _mm256_set1_epi32(0x7FC0);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, lsb)), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), w);
+  }
 }
 
 // int8 KV rows (--kv-cache-dtype int8, llmserve.model.attention.quantize_kv): a head's D values rounded to int8,
@@ -132,13 +154,16 @@ inline void store_kv_heads(const float* src, int64_t heads, int64_t D, float* ds
 inline void store_kv_heads(const float* src, int64_t heads, int64_t D, at::Half* dst) {
   store_kv(src, heads * D, dst);
 }
+inline void store_kv_heads(const float* src, int64_t heads, int64_t D, at::BFloat16* dst) {
+  store_kv(src, heads * D, dst);
+}
 inline void store_kv_heads(const float* src, int64_t heads, int64_t D, int8_t* dst) {
   for (int64_t h = 0; h < heads; ++h) quantize_kv_row(src + h * D, D, dst + h * (D + kKVScale));
 }
 // the row width of a cache of `type` for heads of D values
 inline int64_t kv_row(at::ScalarType type, int64_t D) { return type == at::kChar ? D + kKVScale : D; }
 inline bool kv_cache_type(at::ScalarType type) {
-  return type == at::kFloat || type == at::kHalf || type == at::kChar;
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16 || type == at::kChar;
 }
 
 // a little-endian float16 at p (GGUF's fields: any alignment)

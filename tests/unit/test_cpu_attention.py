@@ -12,7 +12,7 @@ from llmserve.model.attention import dequantize_kv, kv_row_width, quantize_kv
 from llmserve.model.kernels import ops
 from llmserve.model.layers.rotary import _rotate
 
-CACHE_DTYPES = [torch.float32, torch.float16, torch.int8]
+CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 
 
 def close(a, b, rel=1e-5):
@@ -72,6 +72,29 @@ def test_rotary_in_place_and_kv_written(ext, head_dim, cache_dtype):
     assert kc.view(-1, Hk, W)[untouched].abs().sum() == 0
     with pytest.raises(RuntimeError):  # a slot outside the cache is refused, not written
         ext.rotary_write_kv_(qkv, pos, cos, sin, H, Hk, D, kc, vc, torch.tensor([7, 0, 48, 12, 5]))
+
+
+def test_bfloat16_cache_rows_round_as_torch_rounds(ext):
+    # values written through the kernel into a bfloat16 cache: the same bits as torch's .to(torch.bfloat16) (to
+    # nearest, ties to even, in integer AVX2 on every CPU), at the ties, the largest finite values and infinities;
+    # a NaN stays a NaN (torch's own paths differ in its bits); the values pass the rotary untouched (V rows)
+    T, H, Hk, D = 4, 1, 1, 64
+    bits = torch.tensor(
+        [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000]
+        + [0x00008000, 0x80018000, 0x00000001, 0x3F800001, 0xBF7FFFFF, 0x47EFFFFF, 0x00000000],
+        dtype=torch.int64,
+    )
+    special = torch.tensor(bits.to(torch.int32).tolist(), dtype=torch.int32).view(torch.float32)
+    qkv = torch.randn(T, (H + 2 * Hk) * D)
+    qkv[:, (H + Hk) * D :] = torch.cat([special, torch.randn(T * D - special.numel())]).view(T, D)
+    cos, sin = torch.ones(8, D), torch.zeros(8, D)
+    kc, vc = torch.zeros(1, 16, Hk, D, dtype=torch.bfloat16), torch.zeros(1, 16, Hk, D, dtype=torch.bfloat16)
+    ext.rotary_write_kv_(qkv, torch.arange(T), cos, sin, H, Hk, D, kc, vc, torch.arange(T))
+    want = qkv[:, (H + Hk) * D :].to(torch.bfloat16)
+    got = vc.view(-1, D)[:T]
+    nan = want.isnan()
+    assert nan.sum() == 1 and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
 @pytest.mark.parametrize("avx512", [True, False])
@@ -221,7 +244,7 @@ def test_prefill_attention_avx512_twin_gives_the_instructions_bits(ext):
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype, gpt_oss):
     """attention.paged_attention on a step of decode rows and two prefill chunks (one fresh, one after a
     cached prefix): the in-place prefill kernel and the SDPA path (KernelConfig(in_place_prefill=False)) give

@@ -182,7 +182,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # caches the extension's attention reads and writes in place (int8: rows with their scale, attention.quantize_kv)
-KV_DTYPES = (torch.float32, torch.float16, torch.int8)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 
 
 def rotary_write_kv(
