@@ -163,7 +163,8 @@ class EngineConfig:
         default=None,
         metadata=flag(
             "token budget of one step; longer prompts are prefilled in chunks (default: on CPU 128-2048 by the model's "
-            "cost per token and the threads, 512 for the bundled model; 2048 CUDA)"
+            "cost per token and the threads, 512 for the bundled model, and up to 2048 in a step with no decoding row; "
+            "2048 CUDA)"
         ),
     )
     max_step_ms: float | None = field(
@@ -171,7 +172,7 @@ class EngineConfig:
         metadata=flag(
             "target duration of a step while requests decode: the prefill chunk beside decoding rows is sized from "
             "the measured cost of a token so a stream never waits seconds behind a prompt; a step with no decoding "
-            "row keeps the full token budget (default: 850 on CPU, none on CUDA; 0: no target)"
+            "row has no time cap (default: 850 on CPU, none on CUDA; 0: no target)"
         ),
     )
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV cache of shared prompt prefixes"))

@@ -34,7 +34,12 @@ from llmserve.engine.kv_tiers import open_kv_tiers
 from llmserve.engine.ngram import propose_ngram
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from llmserve.engine.scheduler import QueueFullError, Scheduler, default_token_budget  # noqa: F401 (re-exported)
+from llmserve.engine.scheduler import (  # noqa: F401 (re-exported)
+    QueueFullError,
+    Scheduler,
+    alone_token_budget,
+    default_token_budget,
+)
 from llmserve.engine.state_pool import hybrid_config
 from llmserve.engine.step_budget import resolve_max_step_ms
 from llmserve.model.kernels import ops
@@ -83,6 +88,10 @@ class LLMEngine:
         mc, reader = self._read_config(config, t0)
         config = self.config  # (a hybrid model's: prefix caching off)
         self.max_num_batched_tokens = config.max_num_batched_tokens or self._token_budget(config, mc)
+        # a step with no decoding row (prompts alone): the token budget given, or on CPU's default up to 2048
+        self.alone_tokens = alone_token_budget(
+            self.max_num_batched_tokens, self.device.type, config.max_num_batched_tokens is not None
+        )
         # one process, or tensor parallelism (plans the split or refuses it, starts the workers)
         self.executor = make_executor(config, mc, self.device)
         self.device, kv_heads = self.executor.device, self.executor.kv_heads
@@ -99,7 +108,7 @@ class LLMEngine:
             kinds = layer_kinds(self.model, kv_heads, self.kv_dtype, self.act_dtype)
             memory = measure_memory(config, self.device, self._profile_activations)
             self.plan = plan = kv_plan.plan(
-                config, kinds, memory, model_max=mc.max_position_embeddings, token_budget=self.max_num_batched_tokens
+                config, kinds, memory, model_max=mc.max_position_embeddings, token_budget=self.alone_tokens
             )
             plan.log(log)
             self.block_size, self.num_blocks, self.max_model_len = plan.block_size, plan.num_blocks, plan.max_model_len
@@ -114,7 +123,7 @@ class LLMEngine:
             max_step_ms = resolve_max_step_ms(config.max_step_ms, self.device.type)
             self.scheduler = Scheduler(
                 self.kv, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                config.scheduling_policy, config.max_queued_requests, max_step_ms,
+                config.scheduling_policy, config.max_queued_requests, max_step_ms, alone_tokens=self.alone_tokens,
             )  # fmt: skip
         except BaseException:
             self.shutdown()
@@ -203,7 +212,7 @@ class LLMEngine:
         log.info(
             "loaded %s (%s, %s, %s) in %.1fs; KV cache (%s): %.2f GiB = %d blocks x %d tokens "
             "(%d tokens); max_model_len %d fits %d times; max_num_seqs %d, "
-            "max_num_batched_tokens %d, prefix caching %s",
+            "max_num_batched_tokens %d (prompts alone: %d), prefix caching %s",
             self.served_model_name,
             self.model_config.architecture,
             self.dtype,
@@ -218,6 +227,7 @@ class LLMEngine:
             plan.capacity // self.max_model_len,
             config.max_num_seqs,
             self.max_num_batched_tokens,
+            self.alone_tokens,
             "on" if config.enable_prefix_caching else "off",
         )
 

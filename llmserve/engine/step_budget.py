@@ -7,7 +7,8 @@ cannot bound it: 128 prompt tokens are 0.1 s on the bundled model and 7-10 s at 
 the step's cost from the steps themselves, as a fixed part (reading the weights, the Python around the model) plus a
 part per token, and gives a step with decoding rows the tokens that fit the target time: the decode rows first, then
 a prefill chunk of what is left (at least `MIN_PREFILL` tokens, so a prompt always moves). A step with no decoding
-row keeps the full token budget: a long prompt alone prefills at full speed.
+row takes the budget of prompts alone (`alone_tokens`: on CPU's default at least 2048, scheduler.alone_token_budget):
+a long prompt alone prefills at full speed.
 
 The fit is least squares over the recent steps (each older step weighing `DECAY` times less), so it follows a
 machine whose speed drifts. Until the steps have varied enough in size to tell the two parts apart, a step with
@@ -79,16 +80,19 @@ class StepCost:
 class StepBudget:
     """The token budget of each step under a target step time (`max_step_ms`; None or 0: tokens only)."""
 
-    def __init__(self, max_step_ms: float | None, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_step_ms: float | None, max_num_batched_tokens: int, alone_tokens: int | None = None) -> None:
         self.target = max_step_ms / 1000.0 if max_step_ms else None
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.alone_tokens = alone_tokens or max_num_batched_tokens  # a step with no decoding row
         self.cost = StepCost()
         self._logged = False
         self._half = False  # the next unfitted step with decoding rows takes half the token budget
 
     def budget(self, decode_tokens: int) -> int:
         """Tokens for a step whose running requests decode `decode_tokens` tokens (proposals included)."""
-        if self.target is None or decode_tokens == 0:
+        if decode_tokens == 0:
+            return self.alone_tokens
+        if self.target is None:
             return self.max_num_batched_tokens
         fit = self.cost.tokens_within(self.target)
         if fit is None:  # not fitted yet: full and half steps in turn, so that their sizes differ
@@ -111,5 +115,7 @@ class StepBudget:
         return min(self.max_num_batched_tokens, max(fit, decode_tokens + MIN_PREFILL))
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if self.target is not None and tokens > 0:
+        # a step of prompts alone past the token budget is not one the budget sizes, and a long chunk's tokens cost
+        # less each (a 2048-token GEMM's rate): fitted in, it would make the mixed steps after it run over the target
+        if self.target is not None and 0 < tokens <= self.max_num_batched_tokens:
             self.cost.observe(tokens, seconds)

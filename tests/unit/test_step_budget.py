@@ -9,8 +9,8 @@ import pytest
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.outputs import SampledTokens
 from llmserve.engine.request import Request, RequestStatus, SamplingParams
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.step_budget import MIN_PREFILL, StepCost, resolve_max_step_ms
+from llmserve.engine.scheduler import Scheduler, alone_token_budget
+from llmserve.engine.step_budget import MIN_PREFILL, StepBudget, StepCost, resolve_max_step_ms
 
 
 class Clock:
@@ -24,10 +24,12 @@ class Clock:
 class Machine:
     """A scheduler whose steps cost `fixed + per_token * tokens` seconds on a fake clock."""
 
-    def __init__(self, fixed=0.3, per_token=0.01, max_step_ms=1000.0, budget=512, after=0.0):
+    def __init__(self, fixed=0.3, per_token=0.01, max_step_ms=1000.0, budget=512, after=0.0, alone=None):
         self.clock, self.fixed, self.per_token, self.after = Clock(), fixed, per_token, after
         self.kv = KVCacheManager(4096, 16, True)
-        self.sched = Scheduler(self.kv, 64, budget, 16384, max_step_ms=max_step_ms, clock=self.clock)
+        self.sched = Scheduler(
+            self.kv, 64, budget, 16384, max_step_ms=max_step_ms, clock=self.clock, alone_tokens=alone
+        )
         self.n = 0
 
     def add(self, prompt_len, max_tokens=10_000):
@@ -101,6 +103,34 @@ def test_a_prompt_alone_prefills_at_the_full_token_budget():
     r = m.add(3000)
     out = m.step()
     assert out.num_scheduled_tokens[r.request_id] == 512  # nobody decodes: no time cap
+
+
+def test_prompts_alone_take_their_own_budget_and_decoding_steps_the_chunk():
+    # CPU's default: chunks of 128 beside decoding rows (their gaps), up to 2048 tokens in a step that no stream
+    # waits through (each step reads every weight: a 1,000-token prompt in one step, not eight)
+    assert alone_token_budget(128, "cpu", given=False) == 2048
+    assert alone_token_budget(4096, "cpu", given=False) == 4096
+    assert alone_token_budget(128, "cpu", given=True) == 128  # --max-num-batched-tokens given: vLLM's meaning
+    assert alone_token_budget(2048, "cuda", given=False) == 2048
+    m = Machine(fixed=0.3, per_token=0.01, budget=128, alone=2048)
+    first = [m.add(300) for _ in range(4)]
+    out = m.step()
+    assert [out.num_scheduled_tokens[r.request_id] for r in first] == [300] * 4  # 1,200 tokens, one step
+    late = m.add(3000)
+    for _ in range(12):
+        out = m.step()
+        assert sum(out.num_scheduled_tokens.values()) <= 128  # four streams decode: the chunk (and the target) bound it
+        assert out.num_scheduled_tokens.get(late.request_id, 0) > 0
+
+
+def test_steps_of_prompts_alone_past_the_budget_are_not_fitted():
+    b = StepBudget(1000.0, 128, alone_tokens=2048)
+    b.observe(2048, 5.0)
+    b.observe(1500, 4.0)
+    assert b.cost._w == 0.0
+    b.observe(128, 1.0)
+    b.observe(16, 0.3)
+    assert b.cost._w > 1.5
 
 
 def test_decode_rows_alone_over_the_target_still_move_a_prompt():
