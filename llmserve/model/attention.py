@@ -160,6 +160,12 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, slot: int, dtype: to
     return g.transpose(-3, -2).to(dtype)
 
 
+# prompt tokens from which a bfloat16 model's chunk without a cached prefix attends in bfloat16 (paged_attention):
+# SDPA in bfloat16 against the float32 kernel, 3B heads (24 x 128, 8 KV): 0.88 vs 0.97 ms at 128 tokens, 14.3 vs
+# 27.1 ms at 1,000 (equal at 64)
+BF16_PREFILL_MIN = 128
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,13 +178,16 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    bf16_prefill: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the cache when kv_written).
     Returns [T, H, D]. `window`: a sliding-window layer, whose queries see only the last `window`
     positions (the kernels read only those; elsewhere a mask), over the blocks `meta` gives it: all of them, or
     from the first one inside the window with the engine's window group; `softcap`: attention logits ->
     tanh(s / cap) * cap (the gather + mask path); `sinks` [H]: a logit per query head in every softmax's
-    denominator, no value."""
+    denominator, no value. `bf16_prefill` (a model of bfloat16 weights, whose o_proj rounds these rows to bfloat16
+    anyway): a chunk of at least BF16_PREFILL_MIN tokens with no cached prefix attends in bfloat16 through SDPA
+    (oneDNN/AMX), as vLLM's CPU build attends; elsewhere float32."""
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
@@ -208,6 +217,11 @@ def paged_attention(
         out[g.start : g.end] = _attend(qd, kd, vd, mask, scale, softcap, sinks).squeeze(2)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.query_len, chunk.context_len
+        if bf16_prefill and ctx == n >= BF16_PREFILL_MIN and plain and sinks is None and not chunk.bidirectional:
+            qp, kp, vp = (t[s : s + n].transpose(0, 1).unsqueeze(0).to(torch.bfloat16) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            out[s : s + n] = o.squeeze(0).transpose(0, 1)
+            continue
         if (
             softcap is None
             and not chunk.bidirectional

@@ -77,3 +77,28 @@ def test_batch_and_alone_agree(engines):
     batch = [o.outputs[0].token_ids for o in auto.generate(CHATS[:3], GREEDY)]
     same = sum(x == y for x, y in zip(alone, batch))
     assert same >= 2, (alone, batch)
+
+
+def test_long_prompts_attend_in_bfloat16_within_top5_of_float32(engines, monkeypatch):
+    """A prompt of BF16_PREFILL_MIN tokens or more, computed in one chunk with no cached prefix, attends in
+    bfloat16 (SDPA) in the bfloat16 model: the path is taken, and greedy output keeps vLLM's top-5 rule against
+    float32."""
+    from llmserve.model import attention
+
+    auto, f32 = engines
+    seen = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(q, *a, **kw):
+        seen.append(q.dtype)
+        return sdpa(q, *a, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    long = [" ".join(CHATS[i:] + CHATS[:i]) * 6 for i in range(3)]
+    assert all(len(auto.get_tokenizer().encode(p)) >= attention.BF16_PREFILL_MIN for p in long)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    a = [o.outputs[0] for o in auto.generate(long, params)]
+    assert torch.bfloat16 in seen
+    b = [o.outputs[0] for o in f32.generate(long, params)]
+    broken = top_k_broken(a, b, k=5)
+    assert not broken, broken

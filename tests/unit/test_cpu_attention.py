@@ -296,6 +296,50 @@ def test_paged_attention_prefill_kernel_and_sdpa_paths_agree(ext, cache_dtype, g
     assert not ops.paged_prefill_attention(out, torch.randn(5, H, 96), kv[0], kv[1], tables[1], 5, 0.1)
 
 
+def test_a_bf16_models_long_fresh_chunk_attends_in_bfloat16():
+    """bf16_prefill (a model of bfloat16 weights): a chunk of BF16_PREFILL_MIN tokens or more with no cached prefix
+    attends in bfloat16 through SDPA, exactly torch's SDPA over the rows rounded to bfloat16; a shorter chunk and one
+    after a cached prefix keep the float32 path's rows bit for bit."""
+    from llmserve.model.attention import (
+        BF16_PREFILL_MIN,
+        AttentionMetadata,
+        PrefillChunk,
+        kv_cache_shape,
+        paged_attention,
+    )
+
+    torch.manual_seed(2)
+    H, Hk, D, NB, BS = 4, 2, 64, 48, 16
+    long = BF16_PREFILL_MIN + 19
+    kv = torch.zeros(kv_cache_shape(NB, BS, Hk, D, torch.float32))
+    table = torch.randperm(NB)
+    t0, t1, t2 = table[:19], table[19:21], table[21:26]  # a long fresh prompt, a short one, a chunk after 40 cached
+    chunks = [(t0, 0, long), (t1, 0, 21), (t2, 40, 70)]
+    slots = torch.cat([tb[p // BS] * BS + p % BS for tb, a, b in chunks for p in [torch.arange(a, b)]])
+    T = len(slots)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hk, D), torch.randn(T, Hk, D)
+    pre = torch.arange(40)
+    kv[0].view(-1, Hk, D)[t2[pre // BS] * BS + pre % BS] = torch.randn(40, Hk, D)
+    kv[1].view(-1, Hk, D)[t2[pre // BS] * BS + pre % BS] = torch.randn(40, Hk, D)
+    n0 = long
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        prefills=[PrefillChunk(0, n0, long, t0), PrefillChunk(n0, 21, 21, t1), PrefillChunk(n0 + 21, 30, 70, t2)],
+    )
+    with torch.inference_mode():
+        f32 = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125)
+        bf = paged_attention(q, k, v, kv[0], kv[1], meta, 0.125, bf16_prefill=True)
+    assert torch.equal(bf[n0:], f32[n0:])
+    want = F.scaled_dot_product_attention(
+        *(t[:n0].transpose(0, 1).unsqueeze(0).to(torch.bfloat16) for t in (q, k, v)),
+        is_causal=True,
+        scale=0.125,
+        enable_gqa=True,
+    )
+    assert torch.equal(bf[:n0], want.squeeze(0).transpose(0, 1).float())
+    assert not torch.equal(bf[:n0], f32[:n0]) and close(bf[:n0], f32[:n0], 0.03)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_8_bit_caches_written_and_gathered_by_the_pytorch_path(cache_dtype):
     """The PyTorch side of the 8-bit caches (the path of CUDA and of shapes the kernels lack): write_kv stores
