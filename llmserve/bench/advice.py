@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 KV_HIGH, KV_LOW = 0.90, 0.50
+RUNNING_PLATEAU = 0.8  # running mean / peak from which the batch counts as held at a cap
 
 
 def _lvl(x: float) -> str:
@@ -109,6 +110,14 @@ def _error_tips(ordered: list[dict]) -> list[str]:
     return tips
 
 
+def _at_a_cap(srv: dict) -> bool:
+    """Whether the running batch sat at its peak (a cap such as --max-num-seqs) rather than moving below it: its
+    mean over the phase within RUNNING_PLATEAU of its peak (the phase's ramp and drain pull the mean down a little;
+    a batch starved of prefill moves far below its peak: 64 users, 1B Q4_K_M, mean 35 against a peak of 48)."""
+    r = srv.get("running") or {}
+    return bool(r.get("max")) and r.get("mean", 0.0) >= RUNNING_PLATEAU * r["max"]
+
+
 def _server_tips(heavy: dict, dataset: str | None, saturated: bool) -> list[str]:
     srv = heavy.get("server") or {}
     if not srv:
@@ -127,11 +136,20 @@ def _server_tips(heavy: dict, dataset: str | None, saturated: bool) -> list[str]
             "(`--kv-cache-memory` GiB on CPU, `--gpu-memory-utilization` on CUDA) or lower "
             "`--max-model-len` so that more sequences fit."
         )
-    elif waiting_max >= 1 and kv is not None and kv < KV_LOW:
+    elif waiting_max >= 1 and kv is not None and kv < KV_LOW and _at_a_cap(srv):
         tips.append(
             f"{at} requests waited (mean {waiting:.1f}, max {waiting_max:.0f}) while the "
-            f"KV cache was only {100 * kv:.0f}% used (running peaked at "
+            f"KV cache was only {100 * kv:.0f}% used (running held at "
             f"{running:.0f}): the sequence cap is the limit. Raise `--max-num-seqs`."
+        )
+    elif waiting_max >= 1 and kv is not None and kv < KV_LOW:
+        running_mean = (srv.get("running") or {}).get("mean", 0.0)
+        tips.append(
+            f"{at} requests waited (mean {waiting:.1f}, max {waiting_max:.0f}) with the KV cache only "
+            f"{100 * kv:.0f}% used and the running batch below any cap (mean {running_mean:.1f}, peak "
+            f"{running:.0f}): prompts waited for their prefill, so compute is the limit at this load. A step's "
+            "prompt share is `--max-num-batched-tokens` and, on CPU, `--max-step-ms` (longer steps: more "
+            "throughput, longer gaps between tokens); replicas add throughput."
         )
     elif waiting_max < 1 and running is not None and saturated:
         tips.append(

@@ -152,9 +152,9 @@ def test_best_under_slo_is_the_highest_level_meeting_it():
     assert best_under_slo(summaries[2:], 90) is None
 
 
-def server(waiting_max, kv_max, running_max=8, preemptions=0):
+def server(waiting_max, kv_max, running_max=8, preemptions=0, running_mean=None):
     return {
-        "running": {"mean": running_max / 2, "max": running_max},
+        "running": {"mean": running_max if running_mean is None else running_mean, "max": running_max},
         "waiting": {"mean": waiting_max / 2, "max": waiting_max},
         "kv_usage": {"mean": kv_max / 2, "max": kv_max},
         "preemptions": preemptions,
@@ -165,7 +165,8 @@ def server(waiting_max, kv_max, running_max=8, preemptions=0):
     "srv, expect",
     [
         (server(6, 0.97), "--kv-cache-memory"),
-        (server(6, 0.2), "--max-num-seqs"),
+        (server(6, 0.2), "--max-num-seqs"),  # running held at its peak: a cap
+        (server(61, 0.1, running_max=48, running_mean=35.2), "prompts waited for their prefill"),
         (server(0, 0.3), "compute-bound"),
         (server(0, 0.95, preemptions=3), "preempted"),
     ],
