@@ -56,6 +56,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the same bits (slow: the tests run a VNNI CPU's default path on every CPU with it). Default: the instructions
     # where the CPU has them (and LLMSERVE_AVX512 allows), else those kernels do not run
     "LLMSERVE_VNNI": lambda: os.environ.get("LLMSERVE_VNNI", "1"),
+    # "0": the int8 integer GEMM of many rows (q8_vnni_gemm, `--quantization int8`) stays on the VNNI kernel where the
+    # CPU also has AMX (default: from 64 rows on AMX-INT8 tiles, the same sums: llmserve/csrc/amx.h). "twin": that
+    # path with the tiles' portable twin, on any CPU where the VNNI kernels run (with LLMSERVE_VNNI=twin: any CPU)
+    "LLMSERVE_AMX": lambda: os.environ.get("LLMSERVE_AMX", "1"),
     # "0": `--quantization auto` widens a quantized GGUF (float32-exact, or bfloat16 by --dtype) instead of serving
     # its own blocks (llmserve/model/loader/mode.py); the test suite's parity default, as LLMSERVE_CPU_BF16=0
     "LLMSERVE_GGUF_BLOCKS": lambda: os.environ.get("LLMSERVE_GGUF_BLOCKS", "1") != "0",

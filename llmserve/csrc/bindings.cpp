@@ -3,6 +3,7 @@
 // the whole torch C++ API, takes three times as long to compile: not needed).
 #include <torch/csrc/utils/pybind.h>
 
+#include "amx.h"
 #include "decode_stack.h"
 #include "gguf_panels.h"
 #include "isa.h"
@@ -34,6 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the VNNI kernels' portable twins in place of the instructions (any CPU); returns uses_vnni()");
   m.def("set_avx512_twin", [](bool on) { toggles.avx512_twin = on; return avx512_kernels(); },
         "the AVX-512 kernels' portable twins in place of the instructions (any CPU); returns uses_avx512()");
+  m.def("set_amx", [](bool on, bool twin) { toggles.amx = on; toggles.amx_twin = twin; return amx_path(); },
+        "q8_vnni_gemm's many rows on AMX tiles (where the CPU has them) or not; twin: the tiles' portable twin, any CPU;"
+        " returns whether that path runs");
+  m.def("uses_amx", &amx_path, "whether q8_vnni_gemm's many rows take the AMX path (the tiles, or their twin)");
+  m.def("amx_real", &use_amx, "whether that path runs on the AMX tiles (not their twin)");
   m.def("uses_avx512", &avx512_kernels, "whether the AVX-512 kernels run here (AVX-512, allowed; or their twins)");
   m.def("avx512_real", &avx512_real, "whether the AVX-512 kernels run on the instructions (not their twins)");
   m.def("uses_vnni", &vnni_kernels, "whether the VNNI kernels run here (AVX-512 VNNI, allowed; or their twins)");

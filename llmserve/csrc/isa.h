@@ -6,6 +6,7 @@
 // or vnni_kernels() / vnni_real() (below) and keeps an AVX2 path beside the wide one. One meaning for each macro:
 //   LLMSERVE_AVX512       AVX-512 F/BW/DQ/VL                 (use_avx512())
 //   LLMSERVE_AVX512_VNNI  the same + VNNI (vpdpbusd, vpdpwssd) (use_vnni())
+//   (AMX tiles: amx.cpp's own target, use_amx() in amx.h)
 //   LLMSERVE_AVX512_BF16  the same + BF16 (vdpbf16ps)          (cpu_has_avx512_bf16(); no kernel of ours yet:
 //                         bfloat16 projections run oneDNN's matmul, llmserve/model/formats/bf16.py)
 #pragma once
@@ -31,6 +32,8 @@ struct Toggles {
   int64_t q8_block_rows = 4;  // Q8_0 x Q8_0 (q8_linear's group 32, 8-bit x) from this many rows: q8b_vnni_gemm
   bool vnni_twin = false;     // the VNNI kernels' portable twins in place of the instructions, on any CPU (LLMSERVE_VNNI)
   bool avx512_twin = false;   // the AVX-512 kernels' portable twins in place of the instructions, on any CPU (LLMSERVE_AVX512)
+  bool amx = true;            // q8_vnni_gemm's many rows on AMX tiles where the CPU has them (LLMSERVE_AMX; amx.h)
+  bool amx_twin = false;      // the AMX path with its tiles' portable twin, on any CPU (LLMSERVE_AMX=twin)
 };
 inline Toggles toggles;
 

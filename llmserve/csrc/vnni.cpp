@@ -5,11 +5,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "gemm.h"
 #include "isa.h"
 #include "kernels.h"
@@ -84,18 +86,20 @@ LLMSERVE_AVX512_VNNI void vnni_rows(const uint8_t* xq, int64_t rows, int64_t K, 
   }
 }
 
-// y[m, n] = ((a1 - 128 c[n]) s1[m] + (a2 - 128 c[n]) s2[m]) w[n] for 16 channels (q8_int_gemm's epilogue)
-LLMSERVE_AVX512_VNNI void vnni_epilogue(const int32_t* acc, int64_t ld, int64_t M, int64_t L, const float* sx,
-                                 const int32_t* csum, const float* ws, int64_t channels, float* out, int64_t N) {
+// y[m, n] = ((a1 - 128 c[n]) s1[m] + (a2 - 128 c[n]) s2[m]) w[n] for 16 channels (q8_int_gemm's epilogue): row m's
+// sums of level 1 at acc + m * ld, of level 2 (L == 2) at acc + (l2 + m) * ld; its scales s1[m], s2[m]
+LLMSERVE_AVX512_VNNI void vnni_epilogue(const int32_t* acc, int64_t ld, int64_t M, int64_t L, int64_t l2, const float* s1,
+                                 const float* s2, const int32_t* csum, const float* ws, int64_t channels, float* out,
+                                 int64_t N) {
   for (int64_t c = 0; c < channels; c += 16) {
     const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(csum + c), 7);
     const __m512 w = _mm512_loadu_ps(ws + c);
     for (int64_t m = 0; m < M; ++m) {
       const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + m * ld + c), off));
-      __m512 y = _mm512_mul_ps(a1, _mm512_set1_ps(sx[m]));
+      __m512 y = _mm512_mul_ps(a1, _mm512_set1_ps(s1[m]));
       if (L == 2) {
-        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + (M + m) * ld + c), off));
-        y = _mm512_fmadd_ps(a2, _mm512_set1_ps(sx[M + m]), y);
+        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + (l2 + m) * ld + c), off));
+        y = _mm512_fmadd_ps(a2, _mm512_set1_ps(s2[m]), y);
       }
       _mm512_storeu_ps(out + m * N + c, _mm512_mul_ps(y, w));
     }
@@ -116,14 +120,43 @@ void vnni_rows_twin(const uint8_t* xq, int64_t rows, int64_t K, const int8_t* wv
     }
 }
 
-void vnni_epilogue_twin(const int32_t* acc, int64_t ld, int64_t M, int64_t L, const float* sx, const int32_t* csum,
-                        const float* ws, int64_t channels, float* out, int64_t N) {
+void vnni_epilogue_twin(const int32_t* acc, int64_t ld, int64_t M, int64_t L, int64_t l2, const float* s1,
+                        const float* s2, const int32_t* csum, const float* ws, int64_t channels, float* out, int64_t N) {
   for (int64_t c = 0; c < channels; ++c)
     for (int64_t m = 0; m < M; ++m) {
-      float y = static_cast<float>(acc[m * ld + c] - (csum[c] << 7)) * sx[m];
-      if (L == 2) y = std::fma(static_cast<float>(acc[(M + m) * ld + c] - (csum[c] << 7)), sx[M + m], y);
+      float y = static_cast<float>(acc[m * ld + c] - (csum[c] << 7)) * s1[m];
+      if (L == 2) y = std::fma(static_cast<float>(acc[(l2 + m) * ld + c] - (csum[c] << 7)), s2[m], y);
       out[m * N + c] = y * ws[c];
     }
+}
+
+// The sums on AMX tiles (amx.h), then vnni_epilogue: rows in chunks whose activations (both levels) stay in L2,
+// within a chunk every pair of 16-channel blocks of this thread's share (their weights read from memory once a
+// chunk), 32 rows at a time. xq holds level l of row m at (l * Mb + m) * K, Mb a multiple of 32, the rows from M
+// to Mb zero.
+void amx_gemm(const uint8_t* xq, int64_t M, int64_t Mb, int64_t L, int64_t K, const int8_t* w, int64_t N,
+              const float* sx, const int32_t* cs, const float* ws, float* op, bool real) {
+  const int64_t pairs = (N / 16 + 1) / 2, chunk = std::clamp<int64_t>((int64_t{1} << 20) / (L * K) / 32 * 32, 32, Mb);
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    const AmxTiles tiles;
+    std::vector<int32_t> acc(L * chunk * 32);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t padded = std::min(chunk, Mb - m0), rows = std::min(chunk, M - m0);
+      const float* s2 = L == 2 ? sx + M + m0 : nullptr;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int blocks = static_cast<int>(std::min<int64_t>(2, N / 16 - 2 * p));
+        for (int64_t l = 0; l < L; ++l)
+          for (int64_t r = 0; r < padded; r += 32)
+            amx_sums_32(tiles, xq + (l * Mb + m0 + r) * K, K, w + 2 * p * K * 16, blocks, acc.data() + (l * chunk + r) * 32);
+        if (real)
+          vnni_epilogue(acc.data(), 32, rows, L, chunk, sx + m0, s2, cs + 32 * p, ws + 32 * p, 16 * blocks,
+                        op + m0 * N + 32 * p, N);
+        else
+          vnni_epilogue_twin(acc.data(), 32, rows, L, chunk, sx + m0, s2, cs + 32 * p, ws + 32 * p, 16 * blocks,
+                             op + m0 * N + 32 * p, N);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -142,15 +175,21 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
               "q8_vnni_gemm: a sum (int32) and a scale (float32) per channel");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  std::vector<uint8_t> xq(L * M * K);
+  const bool amx = M >= kAmxRows && K % 64 == 0 && amx_path();
+  const int64_t Mb = amx ? (M + 31) / 32 * 32 : M;  // the AMX path's rows: whole tiles of 32 (zeros past M)
+  std::vector<uint8_t> xq(L * Mb * K);
   std::vector<float> sx(L * M);
-  round_rows(x.data_ptr<float>(), M, K, L, M, true, xq.data(), sx.data());
+  round_rows(x.data_ptr<float>(), M, K, L, Mb, true, xq.data(), sx.data());
   const int8_t* w = wv.data_ptr<int8_t>();
   const int32_t* cs = csum.data_ptr<int32_t>();
   const float* ws = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tile_bytes = K * 16, blocks = (N + 63) / 64;
   const bool real = vnni_real();
+  if (amx) {
+    amx_gemm(xq.data(), M, Mb, L, K, w, N, sx.data(), cs, ws, op, real);
+    return out;
+  }
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> acc(L * M * 64);
     for (int64_t b = b0; b < b1; ++b) {
@@ -158,7 +197,7 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
       const int8_t* wb = w + 4 * b * tile_bytes;
       if (!real) {
         vnni_rows_twin(xq.data(), L * M, K, wb, tile_bytes, tiles, acc.data(), 64);
-        vnni_epilogue_twin(acc.data(), 64, M, L, sx.data(), cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
+        vnni_epilogue_twin(acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
         continue;
       }
       switch (tiles) {
@@ -167,7 +206,7 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
         case 2: vnni_rows<2>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
         default: vnni_rows<1>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
       }
-      vnni_epilogue(acc.data(), 64, M, L, sx.data(), cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
+      vnni_epilogue(acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
     }
   });
   return out;

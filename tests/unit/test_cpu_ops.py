@@ -232,6 +232,48 @@ def test_vnni_gemm_gives_the_integer_gemm_result_bit_for_bit(ext, vnni):
         ops.configure(saved)
 
 
+@pytest.fixture(params=["tiles", "twin"])
+def amx(ext, request):
+    """q8_vnni_gemm's many rows on AMX tiles (where the CPU has AMX-INT8 and Linux grants the tile state) or on the
+    tiles' portable twin (any CPU the VNNI kernels or their twins run on: LLMSERVE_AMX=twin)."""
+    from llmserve import envs
+
+    ext.set_amx(True, request.param == "twin")
+    if request.param == "tiles" and not ext.amx_real():
+        ext.set_amx(envs.LLMSERVE_AMX != "0", envs.LLMSERVE_AMX == "twin")
+        pytest.skip("no AMX-INT8 tiles here (or the VNNI twins run): the tiles' twin ('twin') is the one tested")
+    assert ext.uses_amx()
+    yield request.param
+    ext.set_amx(envs.LLMSERVE_AMX != "0", envs.LLMSERVE_AMX == "twin")
+
+
+def test_amx_tiles_sum_what_the_vnni_kernel_sums(ext, vnni, amx):
+    """From 16 rows q8_vnni_gemm sums on AMX tiles (amx.h; its twin on any CPU): rows padded to tiles of 32 per level
+    of rounding, chunks of rows kept in L2 (2,048 inputs x 2 levels: 256 rows a chunk, so 300 rows take two),
+    16-channel blocks in pairs with an odd one last (48 channels). The sums are the VNNI kernel's integers and the
+    epilogue its own: the same output bit for bit, at one level of activations and two; with K not a multiple of
+    64, or under 16 rows, the VNNI kernel itself runs."""
+    torch.manual_seed(3)
+    for n, k in ((48, 64), (64, 2048), (80, 96), (32, 192)):
+        q, scale = ops.quantize_int8_per_channel(torch.randn(n, k))
+        wv, csum = ops.vnni_pack(q)
+        s = scale[:, None].contiguous()
+        for m in (1, 15, 16, 17, 33, 300):
+            x = torch.randn(m, k) * torch.rand(m, 1) * 10
+            for bits in (8, 16):
+                got = ext.q8_vnni_gemm(x, wv, csum, s, bits)
+                ext.set_amx(False, False)
+                try:
+                    want = ext.q8_vnni_gemm(x, wv, csum, s, bits)
+                finally:
+                    ext.set_amx(True, amx == "twin")
+                assert torch.equal(got, want), (n, k, m, bits)
+    ext.set_amx(False, False)
+    assert not ext.uses_amx()  # LLMSERVE_AMX=0
+    ext.set_amx(True, amx == "twin")
+    assert ext.uses_amx() and ext.amx_real() == (amx == "tiles")
+
+
 def test_int4_vnni_gemm_gives_the_dots_result(ext, vnni):
     """int4 (Q4_1 blocks) times many rows on VNNI (q4_linear from `many_rows`, KernelConfig.int4_vnni): the
     activations rounded per 32 values to int8 as the few-row dots round them, the same integer sums: the dots'

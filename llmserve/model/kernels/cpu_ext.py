@@ -94,6 +94,7 @@ def cpu_kernels():
         _EXT.set_avx512(bool(envs.LLMSERVE_AVX512))
         _EXT.set_avx512_twin(envs.LLMSERVE_AVX512 == "twin")
         _EXT.set_vnni_twin(envs.LLMSERVE_VNNI == "twin")
+        _EXT.set_amx(envs.LLMSERVE_AMX != "0", envs.LLMSERVE_AMX == "twin")
         _EXT.set_gemm_engine(gemm_engine() == "onednn")
         _EXT.set_q8_int_gemm(_KERNELS.int8_gemm and cpu_has_int8_dots())
         _EXT.set_q4_vnni(_KERNELS.int4_vnni)
