@@ -106,8 +106,10 @@ inline void store_kv(const float* src, int64_t n, at::Half* dst) {   // n % 8 ==
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-// float32 -> bfloat16 rounded to nearest even, as torch's .to(torch.bfloat16) rounds (NaN -> 0x7FC0), in integer
-// AVX2 so that every CPU writes the same bits (AVX512-BF16's vcvtneps2bf16 rounds the same way)
+// float32 -> bfloat16 rounded to nearest even, as torch's .to(torch.bfloat16) rounds finite values and infinities, in
+// integer AVX2 so that every CPU writes the same bits (AVX512-BF16's vcvtneps2bf16 rounds the same way). A NaN is
+// written as the quiet NaN 0x7FC0 (torch's own paths differ there: its vectorized conversion wrote 0xFFFF; a NaN
+// stays a NaN either way)
 inline void store_kv(const float* src, int64_t n, at::BFloat16* dst) {   // n % 8 == 0
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), qnan = _mm256_set1_epi32(0x7FC0);
   for (int64_t i = 0; i < n; i += 8) {
@@ -150,11 +152,8 @@ inline void quantize_kv_row(const float* src, int64_t D, int8_t* dst) {
   std::memcpy(dst + D, &scale, sizeof(float));
 }
 // Keys or values of one token (heads x D floats) into a cache row of each type: `heads` rows of D (+ the scale)
-inline void store_kv_heads(const float* src, int64_t heads, int64_t D, float* dst) { store_kv(src, heads * D, dst); }
-inline void store_kv_heads(const float* src, int64_t heads, int64_t D, at::Half* dst) {
-  store_kv(src, heads * D, dst);
-}
-inline void store_kv_heads(const float* src, int64_t heads, int64_t D, at::BFloat16* dst) {
+template <typename T>  // float, at::Half, at::BFloat16: the heads' rows are contiguous
+inline void store_kv_heads(const float* src, int64_t heads, int64_t D, T* dst) {
   store_kv(src, heads * D, dst);
 }
 inline void store_kv_heads(const float* src, int64_t heads, int64_t D, int8_t* dst) {
