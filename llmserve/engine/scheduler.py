@@ -182,7 +182,16 @@ class Scheduler:
             # with requests still running the loop came straight back: a stream's gap between tokens is the whole
             # period, the engine's work after the step (detokenizing, stop strings, outputs) included; after an
             # idle wait, the step itself
-            self.step_budget.observe(tokens, (started if self.running else ended) - began)
+            period = (started if self.running else ended) - began
+            if log.isEnabledFor(logging.DEBUG):  # (--log-level debug: what the step-time budget sees, step by step)
+                c = self.step_budget.cost
+                predicted = "unfitted" if c.per_token is None else f"{c.fixed + c.per_token * tokens:.3f} s"
+                log.debug(
+                    "step: %d tokens, %.3f s, period %.3f s (predicted %s); running %d, waiting %d, preemptions %d",
+                    *(tokens, ended - began, period, predicted),
+                    *(len(self.running), len(self.waiting), self.num_preemptions),
+                )
+            self.step_budget.observe(tokens, period)
             self._step_ended = None
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         out = self._schedule(self.step_budget.budget(sum(1 + len(r.spec_token_ids) for r in decoding)), decoding)

@@ -209,3 +209,25 @@ def test_defaults_by_device():
     assert resolve_max_step_ms(None, "cuda") is None
     assert resolve_max_step_ms(0, "cpu") is None
     assert resolve_max_step_ms(250, "cuda") == 250
+
+
+def test_debug_logging_shows_each_step_as_the_budget_sees_it(caplog):
+    """`--log-level debug`: one line per step with its tokens, its time and the whole period, what the fit predicted
+    for it (or "unfitted" before the fit is known), and the queue: what found the budget's start-under-load bug."""
+    import logging
+
+    m = Machine(fixed=0.3, per_token=0.01)
+    for _ in range(4):
+        m.add(300)
+    with caplog.at_level(logging.DEBUG, logger="llmserve.scheduler"):
+        for _ in range(12):
+            m.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step: ")]
+    assert len(lines) == 11  # (a step's cost is read when the next one is scheduled)
+    assert lines[0] == (  # two 300-token prompts in the first 512 tokens: one started, one whole; two waiting
+        "step: 512 tokens, 5.420 s, period 5.420 s (predicted unfitted); running 2, waiting 2, preemptions 0"
+    )
+    assert "predicted unfitted" in lines[1]
+    assert lines[-1] == (
+        "step: 4 tokens, 0.340 s, period 0.340 s (predicted 0.340 s); running 4, waiting 0, preemptions 0"
+    )
