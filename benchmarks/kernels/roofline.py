@@ -3,8 +3,9 @@
 Bounds, measured first in this process (both cores):
   * memory bandwidth: the best of several sums over a 1 GiB float32 array (decode reads every weight once a step);
   * GEMM peaks at a prefill shape (--rows x 2048 x 8192): float32 and bfloat16 through `torch.nn.functional.linear`
-    (bfloat16: oneDNN's AVX512-BF16 kernel where the CPU has it) and int8 through `torch._int_mm` (oneDNN's VNNI
-    kernel, what llmserve's int8 prefill GEMM calls).
+    (bfloat16: oneDNN's AVX512-BF16 / AMX kernel where the CPU has it); int8 the best of `torch._int_mm` (oneDNN's)
+    and llmserve's `q8_vnni_gemm` (AMX tiles or VNNI) at one int8 level per token, and `int8_two_level` that GEMM
+    at `--quantization int8`'s two levels (~15-bit activations: twice the integer work; that mode's own bound).
 
 Then each weight mode runs the engine in its own process (`LLM.generate`, EOS ignored) and reports:
   * single stream decode tok/s against its bandwidth bound: bandwidth / (bytes its layers hold + KV bytes read a
@@ -31,7 +32,7 @@ from benchmarks.common import ROOT, machine, write_section
 MODES = {  # name -> (LLM keyword arguments, the GEMM peak that bounds its prefill)
     "float32": (dict(dtype="float32"), "float32"),
     "bfloat16": (dict(dtype="bfloat16"), "bfloat16"),
-    "int8": (dict(dtype="float32", quantization="int8"), "int8"),
+    "int8": (dict(dtype="float32", quantization="int8"), "int8_two_level"),
     "int4": (dict(dtype="float32", quantization="int4"), "int8"),
     "auto": ({}, "int8"),  # serve's defaults (a quantized GGUF: its own blocks, integer dots)
 }
@@ -66,6 +67,12 @@ def probe(rows: int, runs: int) -> dict:
     for name, dt in dtypes:  # bfloat16 only where the CPU multiplies it natively (else minutes of emulation)
         a, w = torch.randn(rows, k, dtype=dt), torch.randn(n, k, dtype=dt)
         peaks[name] = flop / best_of(lambda a=a, w=w: F.linear(a, w), runs) / 1e9
+        if dt is torch.bfloat16 and (packed := bf16._pack(w)) is not None:  # BF16Linear's own: oneDNN's packed weight
+            bp = flop / best_of(
+                lambda a=a, p=packed, f=torch.ops.mkldnn._linear_pointwise: f(a, p, None, "none", [], ""), runs
+            )
+            bp /= 1e9
+            peaks[name] = max(peaks[name], bp)
     # float32 through llmserve's own GEMM (ops.linear: its engine, MKL or oneDNN on a packed weight), the best of both
     a, w = torch.randn(rows, k), torch.randn(n, k)
     packed, replaces = ops.pack_weight(w)
@@ -75,20 +82,32 @@ def probe(rows: int, runs: int) -> dict:
         a8 = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
         w8 = torch.randint(-127, 127, (k, n), dtype=torch.int8)
         peaks["int8"] = flop / best_of(lambda: torch._int_mm(a8, w8), runs) / 1e9
+    ext = ops.cpu_kernels()
+    wv = None if ext is None else ops.vnni_pack(torch.randint(-127, 127, (n, k), dtype=torch.int8))
+    if wv is not None:  # llmserve's own integer GEMM (AMX tiles where the CPU has them, else VNNI)
+        x, scale = torch.randn(rows, k), torch.rand(n)
+        one = flop / best_of(lambda: ext.q8_vnni_gemm(x, *wv, scale, 8), runs) / 1e9  # one int8 level per token
+        peaks["int8"] = max(peaks.get("int8", 0.0), one)
+        # `--quantization int8`'s activations: two int8 levels per token (~15 bits), twice the integer work for the
+        # same product: its own bound, counted in the product's flops
+        peaks["int8_two_level"] = flop / best_of(lambda: ext.q8_vnni_gemm(x, *wv, scale, 16), runs) / 1e9
     return {"bandwidth_gbs": bw, "peak_gflops": peaks}
 
 
 def layer_bytes(model) -> tuple[int, int]:
     """(bytes the projection layers hold, in every layout they keep; weights a token multiplies by). Norms and the
     embedding table (one row a token) are left out; a tied head counts once, as a projection."""
+    import torch
+
     seen, nbytes, nweights = set(), 0, 0
     for m in model.modules():
         i, o = getattr(m, "in_features", None), getattr(m, "out_features", None)
         if not (isinstance(i, int) and isinstance(o, int)) or list(m.children()):
             continue
         nweights += i * o
-        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            if t is None:
+        held = [getattr(m, a, None) for a in ("packed", "_plain")]  # BF16Linear's weight (a plain attribute)
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)) + held:
+            if not isinstance(t, torch.Tensor):
                 continue
             if t.is_mkldnn:  # a oneDNN-packed weight: no storage to read, its elements are its bytes
                 key, size = id(t), t.numel() * t.element_size()
@@ -147,7 +166,7 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=256, help="rows of the GEMM peak probe")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=15, help="best of this many calls per GEMM peak (fewer swing 2x here)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--prefill-requests", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64)
