@@ -133,7 +133,7 @@ void vnni_epilogue_twin(const int32_t* acc, int64_t ld, int64_t M, int64_t L, in
 // The sums on AMX tiles (amx.h), then vnni_epilogue: rows in chunks whose activations (both levels) stay in L2,
 // within a chunk every pair of 16-channel blocks of this thread's share (their weights read from memory once a
 // chunk), 32 rows at a time. xq holds level l of row m at (l * Mb + m) * K, Mb a multiple of 32, the rows from M
-// to Mb zero.
+// to Mb anything (their sums are never read).
 void amx_gemm(const uint8_t* xq, int64_t M, int64_t Mb, int64_t L, int64_t K, const int8_t* w, int64_t N,
               const float* sx, const int32_t* cs, const float* ws, float* op, bool real) {
   const int64_t pairs = (N / 16 + 1) / 2, chunk = std::clamp<int64_t>((int64_t{1} << 20) / (L * K) / 32 * 32, 32, Mb);
@@ -176,10 +176,16 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const bool amx = M >= kAmxRows && K % 64 == 0 && amx_path();
-  const int64_t Mb = amx ? (M + 31) / 32 * 32 : M;  // the AMX path's rows: whole tiles of 32 (zeros past M)
-  std::vector<uint8_t> xq(L * Mb * K);
+  const int64_t Mb = amx ? (M + 31) / 32 * 32 : M;  // the AMX path's rows: whole tiles of 32
+  // the rounded activations in a buffer kept by the calling thread: a fresh vector of 0.5-16 MB a call is an mmap, its
+  // page faults and an munmap (4% of a 3B int8 decode's time). (The AMX path's padding rows hold whatever was there:
+  // their sums are never read.)
+  // (a pointer taken here: inside the parallel loops below the name would be each worker's own, empty, buffer)
+  thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < static_cast<size_t>(L * Mb * K)) buffer.resize(L * Mb * K);
+  uint8_t* const xq = buffer.data();
   std::vector<float> sx(L * M);
-  round_rows(x.data_ptr<float>(), M, K, L, Mb, true, xq.data(), sx.data());
+  round_rows(x.data_ptr<float>(), M, K, L, Mb, true, xq, sx.data());
   const int8_t* w = wv.data_ptr<int8_t>();
   const int32_t* cs = csum.data_ptr<int32_t>();
   const float* ws = scale.data_ptr<float>();
@@ -187,7 +193,7 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
   const int64_t tile_bytes = K * 16, blocks = (N + 63) / 64;
   const bool real = vnni_real();
   if (amx) {
-    amx_gemm(xq.data(), M, Mb, L, K, w, N, sx.data(), cs, ws, op, real);
+    amx_gemm(xq, M, Mb, L, K, w, N, sx.data(), cs, ws, op, real);
     return out;
   }
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -196,15 +202,15 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
       const int64_t tiles = std::min<int64_t>(4, N / 16 - 4 * b);
       const int8_t* wb = w + 4 * b * tile_bytes;
       if (!real) {
-        vnni_rows_twin(xq.data(), L * M, K, wb, tile_bytes, tiles, acc.data(), 64);
+        vnni_rows_twin(xq, L * M, K, wb, tile_bytes, tiles, acc.data(), 64);
         vnni_epilogue_twin(acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
         continue;
       }
       switch (tiles) {
-        case 4: vnni_rows<4>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
-        case 3: vnni_rows<3>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
-        case 2: vnni_rows<2>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
-        default: vnni_rows<1>(xq.data(), L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        case 4: vnni_rows<4>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        case 3: vnni_rows<3>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        case 2: vnni_rows<2>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        default: vnni_rows<1>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
       }
       vnni_epilogue(acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
     }
