@@ -26,7 +26,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 # --kv-cache-dtype: the dtypes, int8 (a scale per token and head) and fp8 (float8 e4m3, on GPUs that have it)
 KV_CACHE_DTYPES = (*DTYPES, "int8", "fp8", "fp8_e4m3")
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4")
 
 
 @dataclass
@@ -147,10 +147,12 @@ class EngineConfig:
     device: str = field(default="auto", metadata=flag("where the model runs", choices=("auto", "cpu", "cuda")))
     quantization: str | None = field(
         default="auto",
-        metadata=flag(  # "auto" until the engine resolves it (model/loader/mode.py), then None | gguf | int8 | int4
+        metadata=flag(  # "auto" until the engine resolves it (model/loader/mode.py): None | gguf | int8 | w8a8 | int4
             "weights: auto = a quantized GGUF on its own blocks (gguf: llama.cpp's integer dots, as llama-server), "
             "float elsewhere; none = float weights (with --dtype float32: the exact mode); int8 / int4 = rounded "
-            "weight-only",
+            "weights (int8's activations rounded per token to two int8 levels, ~15 bits); w8a8 = int8 weights and "
+            "activations rounded per token to one int8 level (the integer GEMM at the int8 rate: the fastest mode "
+            "where the CPU has VNNI / AMX; quality in docs/engine.md)",
             choices=QUANTIZATIONS,
         ),
     )

@@ -31,6 +31,7 @@ MODES = {  # name -> LLM keyword arguments
     "float32": dict(dtype="float32", quantization="none"),  # a GGUF's blocks widened: the exactness mode
     "bfloat16": dict(dtype="bfloat16", quantization="none"),
     "int8": dict(dtype="float32", quantization="int8"),
+    "w8a8": dict(dtype="float32", quantization="w8a8"),
     "int4": dict(dtype="float32", quantization="int4"),
     "gguf": dict(dtype="float32", quantization="gguf"),
 }

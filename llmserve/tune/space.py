@@ -168,12 +168,14 @@ def derive(
     device: str = "cpu",
     file_blocks: str | None = None,
     step_bound_ms: float | None = None,
+    int8_dots: bool = False,
 ) -> Space:
     """The space for a model (its projections' FLOPs per token, its KV bytes per token in float32), a workload
     (mean prompt + output tokens of a request) and a machine (cores, native bfloat16). `file_blocks`: the file's
     quantized block formats when `--quantization auto` serves them as they are (a GGUF: "Q4_1/Q8_0"); `gguf` is
     then the defaults' quantization and a choice beside none / int8 / int4. `step_bound_ms`: the SLO's bound on a
-    stream's gaps (its TPOT or ITL bound), the step-time targets searched beside the default."""
+    stream's gaps (its TPOT or ITL bound), the step-time targets searched beside the default. `int8_dots`: the CPU
+    sums int8 products itself (VNNI / AMX): `w8a8` (one-level int8 activations) is then a choice too."""
     from llmserve.engine.scheduler import default_token_budget
     from llmserve.engine.step_budget import CPU_STEP_MS
 
@@ -206,7 +208,9 @@ def derive(
         "max_num_batched_tokens": sorted(budgets),
         "max_step_ms": sorted(steps),
         "dtype": dtypes,
-        "quantization": (["gguf"] if file_blocks else []) + ["none", "int8", "int4"],
+        "quantization": (["gguf"] if file_blocks else [])
+        + ["none", "int8", "int4"]
+        + (["w8a8"] if int8_dots and device == "cpu" else []),
         "kv_cache_dtype": ["auto", "int8"],
         "speculative_ngram": [0, 4],
         "enable_prefix_caching": [True, False],
@@ -238,6 +242,7 @@ def for_model(
 ) -> Space:
     """`derive` for a model as `llmserve serve --model` takes it, on this machine (its config only, no weights)."""
     from llmserve.model.formats import bf16
+    from llmserve.model.kernels.cpu_ext import cpu_has_int8_dots
     from llmserve.model.loader.load import load_model_config
     from llmserve.model.loader.lookup import resolve_model
 
@@ -248,7 +253,9 @@ def for_model(
     cores = len(os.sched_getaffinity(0))
     flops, blocks = mc.matmul_flops_per_token(), _blocks(source, mc)
     native = bf16.supported()
-    return derive(flops, kv_bytes, request_tokens, cores, native, max_replicas, "cpu", blocks, gap_ms)
+    return derive(
+        flops, kv_bytes, request_tokens, cores, native, max_replicas, "cpu", blocks, gap_ms, cpu_has_int8_dots()
+    )
 
 
 def _blocks(source, mc) -> str | None:

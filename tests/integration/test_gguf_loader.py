@@ -80,7 +80,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(files, kind, keep_blocks, 
     assert llm.engine.kv.usage == 0
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "int4"])
 def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
     """--quantization int8 / int4 on a K-quant file: the K-quant and Q5 tensors are served from their own
     blocks (llama.cpp's integer dots), Q8_0 ones in llmserve's int8 layers with the file's values (Q8_0 / Q4_0
@@ -91,11 +91,13 @@ def test_quantization_flag_never_rounds_a_quantized_tensor_again(files, mode):
     for i in range(len(q.layers)):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             a, b = q.get_submodule(f"layers.{i}.{name}"), exact.get_submodule(f"layers.{i}.{name}")
-            if mode == "int8" and name == "mlp.gate_up_proj":  # its Q4_0 up: rounded to int8 (quant._from_blocks)
+            if mode != "int4" and name == "mlp.gate_up_proj":  # its Q4_0 up: rounded to int8 (quant._from_blocks)
                 assert isinstance(a, QuantLinear) and a.kind == "int8"
                 continue
             assert torch.equal(a.dequantize(), b.weight), name  # the exact model: widened (a tiny one)
             assert isinstance(a, QuantLinear if name == "self_attn.o_proj" else GGUFLinear), name
+            if mode == "w8a8" and name == "self_attn.o_proj":  # the file's Q8_0 blocks, x one int8 level (Q8_0 x Q8_0)
+                assert a.act_bits == 8
     assert isinstance(q.lm_head, GGUFLinear) and not q.lm_head.exact
     ids = torch.tensor([3, 500, q.cfg.vocab_size - 1])
     assert torch.equal(q.embed_tokens(ids), exact.embed_tokens(ids))

@@ -39,13 +39,20 @@ def reference(llm):
     return llm.engine.model, seqs, text_ids
 
 
-@pytest.mark.parametrize("mode,max_ppl_change,min_agreement", [("int8", 0.03, 0.95), ("int4", 0.10, 0.90)])
+@pytest.mark.parametrize(
+    "mode,max_ppl_change,min_agreement", [("int8", 0.03, 0.95), ("w8a8", 0.03, 0.87), ("int4", 0.10, 0.90)]
+)
 def test_quantized_close_to_float32(llm_factory, reference, mode, max_ppl_change, min_agreement):
     ref_model, seqs, text_ids = reference
     q = llm_factory(quantization=mode, kv_cache_memory=0.25)
     model = q.engine.model
     assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.embed_tokens, Int8Embedding) and isinstance(model.lm_head, QuantLinear)
+    # w8a8: the projections' activations one int8 level per token, but the down projection's and the LM head's
+    bits = {n.rsplit(".", 1)[-1]: m.act_bits for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    one = 8 if mode == "w8a8" else 16
+    head = 8 if mode == "int4" else 16
+    assert bits == {"qkv_proj": one, "o_proj": one, "gate_up_proj": one, "down_proj": 16, "lm_head": head}
     ppl_ref = perplexity(ref_model, text_ids)
     for decode in (False, True):
         ppl_q = perplexity(model, text_ids, decode=decode)

@@ -69,8 +69,9 @@ def test_config_takes_the_modes_and_refuses_others():
     assert EngineConfig().quantization == "auto"
     assert EngineConfig(quantization="none").quantization is None
     assert EngineConfig(quantization="gguf").quantization == "gguf"
+    assert EngineConfig(quantization="w8a8").quantization == "w8a8"
     assert EngineConfig(quantization="auto", tensor_parallel_size=2).quantization == "auto"  # resolves to none
-    with pytest.raises(ValueError, match="auto, none, gguf, int8, int4"):
+    with pytest.raises(ValueError, match="auto, none, gguf, int8, w8a8, int4"):
         EngineConfig(quantization="fp4")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(quantization="int4", tensor_parallel_size=2)

@@ -105,6 +105,20 @@ def test_space_is_derived_from_model_and_machine():
     # a model whose KV cache holds few requests gets no large max_num_seqs
     big_kv = space.derive(2 * 10**9, 8 * 2**20, 2000, cores=2, bf16=False)
     assert max(big_kv.choices["max_num_seqs"]) <= 64 and big_kv.notes
+    # w8a8 (one-level int8 activations) only where the CPU sums int8 products itself; never on CUDA
+    assert "w8a8" not in no_bf16.choices["quantization"]
+    assert space.derive(2 * 10**8, 46080, 700, cores=2, bf16=True, int8_dots=True).choices["quantization"] == [
+        "none",
+        "int8",
+        "int4",
+        "w8a8",
+    ]
+    assert (
+        "w8a8"
+        not in space.derive(2 * 10**8, 46080, 700, cores=2, bf16=True, device="cuda", int8_dots=True).choices[
+            "quantization"
+        ]
+    )
 
 
 def test_step_targets_are_derived_from_the_slo():

@@ -52,6 +52,14 @@ from llmserve.model.kernels.kinds import Q8_1_ROUNDING, ProjectionKind
 from llmserve.model.kernels.ops import quantize_int8_per_channel
 
 GROUP_SIZE = 32
+# --quantization's rounded-weight modes -> the kind of their layers (w8a8: int8 weights, one-level activations)
+WEIGHT_KIND = {"int8": "int8", "w8a8": "int8", "int4": "int4"}
+ONE_LEVEL_BITS = 8  # QuantLinear.act_bits of w8a8's layers: each row of activations one int8 level per token
+# ... but these, which keep int8 mode's two levels: the MLP's down projection, whose input (the SwiGLU product) holds
+# the outlier channels one level rounds worst (the bundled model's perplexity on tests/data/alice.txt, prefill: +5.2%
+# over float32 with it at one level, +1.7% with it at two; greedy agreement 90% either way), and the LM head (the
+# logits; one row a token at decode)
+TWO_LEVEL_LAYERS = ("down_proj", "lm_head")
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
@@ -352,8 +360,12 @@ def quantize_model(
     the meta device its weights are read from there, one layer at a time, so that a float checkpoint is
     never widened to float32 whole.
     Returns the checkpoint's weight names (Hugging Face's) the blocks or `weights` stood in for."""
-    if mode not in ("int8", "int4"):
-        raise ValueError(f"quantization: must be none, int8 or int4, got {mode!r}")
+    if mode not in WEIGHT_KIND:
+        raise ValueError(f"quantization: must be none, int8, w8a8 or int4, got {mode!r}")
+    # w8a8: int8 mode's weights, its activations rounded to one int8 level per token (ONE_LEVEL_BITS) but at the
+    # layers of TWO_LEVEL_LAYERS
+    act_bits = ONE_LEVEL_BITS if mode == "w8a8" else None
+    mode = WEIGHT_KIND[mode]
     blocks = blocks or {}
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
     # int8 (the throughput mode) runs big batches through the integer GEMM (KernelConfig.int8_gemm) or, without
@@ -397,6 +409,9 @@ def quantize_model(
                 setattr(module, name, q)
                 if mode == "int4" and q.kind == "int8":
                     q.act_bits = 8  # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
+                    q._bind()
+                elif act_bits is not None and name not in TWO_LEVEL_LAYERS:
+                    q.act_bits = act_bits
                     q._bind()
             elif isinstance(child, nn.Embedding):
                 b = blocks[path] if path in blocks else None

@@ -86,8 +86,8 @@ def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: tor
     for name in tensors:
         if tensors.qtype(name) not in FLOAT_TYPES:
             total += tensors.nbytes(name) * (9 if tensors.qtype(name) == 8 and quantization else 8) // 8
-        elif quantization in ("int8", "int4") and name.endswith(".weight") and "norm" not in name:
-            total += tensors.numel(name) * (3 if quantization == "int8" else 1)  # int8: + fbgemm's float16
+        elif quantization in ("int8", "w8a8", "int4") and name.endswith(".weight") and "norm" not in name:
+            total += tensors.numel(name) * (1 if quantization == "int4" else 3)  # int8: + fbgemm's float16
         else:
             total += tensors.numel(name) * torch.empty((), dtype=dtype).element_size()
     return total
@@ -97,7 +97,7 @@ def load_gguf_model(request: LoadRequest) -> nn.Module:
     """The model straight from a GGUF file, tensor by tensor: no float32 copy of the model anywhere.
 
     On CPU every quantized tensor stays as the file's blocks (never rounded again): with `quantization`
-    None float32-exact (gguf_layers.GGUFLinear widens tiles to float32: transformers' values), with int8 / int4
+    None float32-exact (gguf_layers.GGUFLinear widens tiles to float32: transformers' values), with int8 / w8a8 / int4
     Q4_0 / Q4_1 / Q8_0 tensors go into llmserve's packed layers (its fused decode kernels) and the other types
     run llama.cpp's integer dots on their own blocks; only float tensors (F32 / F16 / BF16) are rounded to
     int8 / int4, and under int8 the Q4_0 / Q4_1 tensors (int8 is the accurate mode: int16 activations,
@@ -130,7 +130,7 @@ def load_gguf_model(request: LoadRequest) -> nn.Module:
         if blocks_only:  # llama.cpp's arithmetic: x's blocks stored as its Q8_1 (int4 mode keeps its own rounding)
             round_x_as_llama_cpp(model)
         kept = gguf_kept_blocks(tensors, skip)
-        if quantization == "int8":  # Q4_0 / Q4_1: rounded to int8 per channel instead (see quant._from_blocks)
+        if quantization in ("int8", "w8a8"):  # Q4_0 / Q4_1: rounded to int8 per channel (see quant._from_blocks)
             kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
         if quantization and kept:
             log.info(
