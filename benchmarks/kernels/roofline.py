@@ -12,10 +12,11 @@ Then each weight mode runs the engine in its own process (`LLM.generate`, EOS ig
     token), so the fraction is how close a decode step comes to reading the weights once at full speed;
   * prefill tok/s (--prefill-requests prompts of --prompt-len tokens, one output token each) against its compute
     bound: the mode's GEMM peak / (2 x matmul weights a token), attention left out of the bound (small at these
-    lengths), so the fraction is the share of the peak the whole prefill reaches;
+    lengths), so the fraction is the share of the peak the whole prefill reaches (w8a8: its one-level layers at the
+    int8 peak, its two-level ones at int8_two_level's);
   * decode tok/s at --batch rows against the lower of the two bounds for a step of that many rows.
 
-    python -m benchmarks.kernels.roofline [--model DIR_OR_GGUF] [--modes bfloat16,int8,int4,auto] [--no-write]
+    python -m benchmarks.kernels.roofline [--model DIR_OR_GGUF] [--modes bfloat16,int8,w8a8,int4,auto] [--no-write]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ MODES = {  # name -> (LLM keyword arguments, the GEMM peak that bounds its prefi
     "float32": (dict(dtype="float32"), "float32"),
     "bfloat16": (dict(dtype="bfloat16"), "bfloat16"),
     "int8": (dict(dtype="float32", quantization="int8"), "int8_two_level"),
+    # one int8 level but at the layers that keep two (quant.TWO_LEVEL_LAYERS): bounded by both peaks, by weights
+    "w8a8": (dict(dtype="float32", quantization="w8a8"), "int8"),
     "int4": (dict(dtype="float32", quantization="int4"), "int8"),
     "auto": ({}, "int8"),  # serve's defaults (a quantized GGUF: its own blocks, integer dots)
 }
@@ -127,6 +130,13 @@ def child(args) -> None:
     llm = LLM(args.model, num_threads=args.threads, kv_cache_memory=2, max_model_len=2048, **kwargs)
     eng = llm.engine
     nbytes, nweights = layer_bytes(eng.model)
+    from llmserve.model.formats.quant import QuantLinear
+
+    two_level = sum(  # weights multiplied by activations at two int8 levels (int8 mode's, w8a8's down projections)
+        m.in_features * m.out_features
+        for m in eng.model.modules()
+        if isinstance(m, QuantLinear) and m.kind == "int8" and m.act_bits > 8
+    )
     cfg = eng.model.cfg
     kv_elem = eng.kv_dtype.itemsize
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
@@ -150,6 +160,7 @@ def child(args) -> None:
     res = dict(
         layer_bytes=nbytes,
         matmul_weights=nweights,
+        two_level_weights=two_level,
         kv_bytes_per_token=kv_per_token * ctx,
         single=single,
         prefill=prefill,
@@ -205,8 +216,11 @@ def main() -> None:
         flop_token = 2 * r["matmul_weights"]
         b_single = bw * 1e9 / (r["layer_bytes"] + r["kv_bytes_per_token"])
         b_prefill = peak / flop_token
+        if mode == "w8a8" and "int8_two_level" in peaks:  # its two-level layers at that GEMM's own peak
+            w2 = r["two_level_weights"]
+            b_prefill = 1 / (2 * (r["matmul_weights"] - w2) / peak + 2 * w2 / (peaks["int8_two_level"] * 1e9))
         step_bytes = r["layer_bytes"] + args.batch * r["kv_bytes_per_token"]
-        b_batched = min(bw * 1e9 / step_bytes * args.batch, peak / flop_token)
+        b_batched = min(bw * 1e9 / step_bytes * args.batch, b_prefill)
 
         def cell(v, b):
             return f"{v:.1f} ({b:.0f}, {v / b:.0%})"

@@ -53,6 +53,11 @@ def test_quantized_close_to_float32(llm_factory, reference, mode, max_ppl_change
     one = 8 if mode == "w8a8" else 16
     head = 8 if mode == "int4" else 16
     assert bits == {"qkv_proj": one, "o_proj": one, "gate_up_proj": one, "down_proj": 16, "lm_head": head}
+    if mode == "w8a8":  # its one-level layers laid out for the integer GEMM as the two-level ones are (VNNI, oneDNN)
+        layouts = {(m.qweight.dim(), m.qweight.is_mkldnn) for m in model.layers.modules() if isinstance(m, QuantLinear)}
+        assert len(layouts) == 1 and all(
+            m.per_token for m in model.layers[0].modules() if getattr(m, "act_bits", 0) == 8
+        )
     ppl_ref = perplexity(ref_model, text_ids)
     for decode in (False, True):
         ppl_q = perplexity(model, text_ids, decode=decode)

@@ -102,6 +102,10 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.kind = kind
         self.act_bits = 16  # int8 weights: x rounded to int16 on the integer-dot path (8: faster, less exact)
+        # w8a8 (act_bits 8): x rounded to one int8 level per token by the integer GEMM at every row count, its
+        # weights laid out for it as int8 mode's are (pack_weight); without it act_bits 8 rounds x per 32 values
+        # on the dots (int4 mode's LM head: Q8_0 x Q8_0)
+        self.per_token = False
         # int4: x's int8 blocks stored as llama.cpp's Q8_1 (float16 scale and sum; `round_x_as_llama_cpp`, a GGUF's
         # Q4_0 / Q4_1 blocks in gguf mode) rather than with a float32 scale and float sum (int4 mode's own rounding)
         self.q8_1 = False
@@ -156,7 +160,7 @@ class QuantLinear(nn.Module):
             and self._packed is None
             and k.int8_gemm
             and ops.cpu_has_int8_dots()  # torch's _int_mm is a slow fallback without VNNI / AMX
-            and self.act_bits > 8
+            and (self.act_bits > 8 or self.per_token)
         ):
             many = self.stack_many_rows = k.int8_gemm_rows
         elif self.kind == "int4" and self._packed is None and ops.int4_vnni(self.out_features):
@@ -199,7 +203,7 @@ class QuantLinear(nn.Module):
             self.kind == "int8"
             and self._kernel is not None
             and self._packed is None
-            and self.act_bits > 8  # (int4 mode's head: Q8_0 x Q8_0 per block, not one level per token)
+            and (self.act_bits > 8 or self.per_token)  # (int4 mode's head: Q8_0 x Q8_0 per block, not per token)
             and not self.qweight.is_mkldnn
             and self.qweight.dim() == 2
             and self._many is None
@@ -410,8 +414,8 @@ def quantize_model(
                 if mode == "int4" and q.kind == "int8":
                     q.act_bits = 8  # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
                     q._bind()
-                elif act_bits is not None and name not in TWO_LEVEL_LAYERS:
-                    q.act_bits = act_bits
+                elif act_bits is not None and name not in TWO_LEVEL_LAYERS and q.kind == "int8":
+                    q.act_bits, q.per_token = act_bits, q.scale.shape[1] == 1  # (a Q8_0 file's blocks: per 32)
                     q._bind()
             elif isinstance(child, nn.Embedding):
                 b = blocks[path] if path in blocks else None
