@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kNoGIL);
   m.def("q8_linear", &q8_linear, "x @ W.T, W int8 (groups with a scale each)", kNoGIL);
   m.def("q8_vnni_gemm", &q8_vnni_gemm, "x @ W.T, W int8 per channel in the VNNI layout, activations as q8_int_gemm's", kNoGIL);
+  m.def("hadamard_rows", &hadamard_rows, "x [M, K] times the block-diagonal Walsh-Hadamard matrix of blocks of hb, normalized",
+        kNoGIL);
   m.def("f32_linear", &f32_linear, "x @ W.T, W float32, few rows", kNoGIL);
   m.def("gemm", &gemm, "x @ W.T, W float32: at::linear or oneDNN's matmul (set_gemm_engine)", kNoGIL);
   m.def("head_argmax", &head_argmax, "argmax(x @ W.T) per row, W float32 screened by its int8 copy", kNoGIL);

@@ -9,6 +9,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 
+#include <cmath>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -67,7 +68,55 @@ static at::Tensor qlinear_u8(const at::Tensor& xq, const at::Tensor& packed) {
                  c10::List<std::optional<at::Scalar>>(), "");
 }
 
-void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bool u8, uint8_t* qp, float* sx) {
+// The fast Walsh-Hadamard transform of one row of K values (K % hb == 0) from `in` to `out`, blocks of hb, AVX2: the
+// butterflies of distance 1, 2 and 4 inside a vector of 8 (a permute, then sums in one half and differences in
+// the other), those of 8 and up between vectors; the 1 / sqrt(hb) at the end (exact for 16 and 64).
+static void hadamard_row(const float* in, float* out, int64_t K, int64_t hb) {
+  const __m256 nv = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(hb)));
+  const int64_t n = hb / 8;
+  __m256 v[8];
+  for (int64_t k0 = 0; k0 < K; k0 += hb) {
+    for (int64_t i = 0; i < n; ++i) {
+      __m256 a = _mm256_loadu_ps(in + k0 + 8 * i), p;
+      p = _mm256_permute_ps(a, 0xB1);  // distance 1
+      a = _mm256_blend_ps(_mm256_add_ps(a, p), _mm256_sub_ps(p, a), 0xAA);
+      p = _mm256_permute_ps(a, 0x4E);  // distance 2
+      a = _mm256_blend_ps(_mm256_add_ps(a, p), _mm256_sub_ps(p, a), 0xCC);
+      p = _mm256_permute2f128_ps(a, a, 1);  // distance 4
+      v[i] = _mm256_blend_ps(_mm256_add_ps(a, p), _mm256_sub_ps(p, a), 0xF0);
+    }
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const __m256 a = v[j], c = v[j + h];
+          v[j] = _mm256_add_ps(a, c);
+          v[j + h] = _mm256_sub_ps(a, c);
+        }
+    for (int64_t i = 0; i < n; ++i) _mm256_storeu_ps(out + k0 + 8 * i, _mm256_mul_ps(v[i], nv));
+  }
+}
+
+static void check_hadamard(int64_t K, int64_t hb) {
+  TORCH_CHECK((hb == 16 || hb == 32 || hb == 64) && K % hb == 0, "hadamard_rows: blocks of 16, 32 or 64");
+}
+
+at::Tensor hadamard_rows(const at::Tensor& x_in, int64_t hb) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "hadamard_rows: float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_hadamard(K, hb);
+  at::Tensor out = at::empty({M, K}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) hadamard_row(xp + m * K, op + m * K, K, hb);
+  });
+  return out;
+}
+
+void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bool u8, uint8_t* qp, float* sx,
+                int64_t hb) {
+  if (hb) check_hadamard(K, hb);
   // 8 rounded values (int32 lanes, within +-127) -> 8 bytes at `dst`, flipped to q + 128 (u8)
   const __m128i flip = _mm_set1_epi8(u8 ? static_cast<char>(0x80) : 0);
   const auto store8 = [&](const __m256 f, uint8_t* dst) {
@@ -77,8 +126,13 @@ void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bo
   };
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f);
+    std::vector<float> rotated(hb ? K : 0);  // (hb: the row rotated here, never written out whole)
     for (int64_t m = b; m < e; ++m) {
       const float* r = xp + m * K;
+      if (hb) {
+        hadamard_row(r, rotated.data(), K, hb);
+        r = rotated.data();
+      }
       __m256 a8 = _mm256_setzero_ps();
       for (int64_t k = 0; k < K; k += 8) a8 = _mm256_max_ps(a8, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k)));
       const float amax = hmax(a8);
@@ -100,6 +154,12 @@ void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bo
       }
     }
   });
+}
+
+at::Tensor rotated_for(const at::Tensor& x, int64_t act_bits, int64_t& bits) {
+  bits = act_bits & 0xFF;
+  const int64_t hb = act_bits >> 8;
+  return hb ? hadamard_rows(x, hb) : x;
 }
 
 // act_bits: the integer width x is rounded to on the few-rows path (16, or 8: faster, less exact).

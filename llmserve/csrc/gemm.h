@@ -22,8 +22,16 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w);
 
 // Each row m of x [M, K] rounded to int8 with its own scale sx[m] = amax / 127, and with L == 2 what that left
 // rounded again at sx[M + m] = sx[m] / 254: level l of row m at q + (l * Mb + m) * K. `u8`: stored as q + 128
-// (uint8, for u8 x s8 products), else as int8. (q8_int_gemm's and q8_vnni_gemm's activations.)
-void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bool u8, uint8_t* qp, float* sx);
+// (uint8, for u8 x s8 products), else as int8. (q8_int_gemm's and q8_vnni_gemm's activations.) `hb`: each row
+// rotated first by the Hadamard blocks of hb (hadamard_rows' values, not written out).
+void round_rows(const float* xp, int64_t M, int64_t K, int64_t L, int64_t Mb, bool u8, uint8_t* qp, float* sx,
+                int64_t hb = 0);
+
+// hadamard_rows (kernels.h), w8a8's rotation (quant.hadamard_block): x's outlier channels spread over their block
+// (the normalized transform is orthogonal and its own inverse) before one int8 level per token rounds them.
+// act_bits as the int8 kernels take it: the activations' bits (8 or 16) in the low byte, w8a8's Hadamard block
+// (0: none) above it (QuantLinear._act_code). Returns x rotated where asked (else x) and sets `bits`.
+at::Tensor rotated_for(const at::Tensor& x, int64_t act_bits, int64_t& bits);
 
 // out [M, N] = x @ W.T for per-channel int8 W (plain [N, K], or packed by oneDNN: [K, N]) through the integer
 // GEMM, x rounded per row (round_rows: act_bits 16 two levels, 8 one).

@@ -19,7 +19,8 @@ namespace llmserve {
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, const at::Tensor& minv,
                      int64_t many_rows, bool q8_1 = false);
 // int8 W: q [N, K] with float32 scales [N, K / group] (or packed by oneDNN: [K, N], one scale a channel);
-// act_bits: x's width on the dots (16, or 8: faster, less exact) and in the integer GEMM (two int8 levels, or one).
+// act_bits: x's width on the dots (16, or 8: faster, less exact) and in the integer GEMM (two int8 levels, or one);
+// w8a8's Hadamard block above its low byte (gemm.h's rotated_for), as q8_vnni_gemm's.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows,
                      int64_t act_bits);
 // float32 W [N, K]: the GEMV below many_rows, gemm() from there.
@@ -31,6 +32,8 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // gemm.cpp: x [M, K] @ w [N, K].T, float32: at::linear or oneDNN's matmul (toggles.gemm_onednn; always oneDNN for a
 // packed w).
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w);
+// x [M, K] times the block-diagonal Walsh-Hadamard matrix of blocks of hb (16, 32, 64), normalized (w8a8's rotation)
+at::Tensor hadamard_rows(const at::Tensor& x, int64_t hb);
 
 // vnni.cpp (use_vnni() only): x @ W.T for int8 W per channel in the VNNI layout [N / 16, K / 4, 16, 4] with its
 // channel sums; and for int4 W as q4_linear takes it (N % 64 == 0).

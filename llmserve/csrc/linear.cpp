@@ -433,9 +433,10 @@ at::Tensor head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Te
 }
 
 at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale, int64_t many_rows,
-                     int64_t act_bits) {
+                     int64_t act_code) {
   check_cpu_f32(x_in, "q8_linear");
-  const at::Tensor x = x_in.contiguous();
+  int64_t act_bits;  // (w8a8: x rotated first, its weights were: gemm.h's rotated_for)
+  const at::Tensor x = rotated_for(x_in, act_code, act_bits).contiguous();
   const bool packed = qw.is_mkldnn();   // onednn::qlinear_prepack's [K, N]: the integer GEMM at every row count
   const int64_t M = x.size(0), N = qw.size(packed ? 1 : 0), K = qw.size(packed ? 0 : 1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && K % 32 == 0 && K % scale.size(1) == 0 &&

@@ -162,9 +162,11 @@ void amx_gemm(const uint8_t* xq, int64_t M, int64_t Mb, int64_t L, int64_t K, co
 }  // namespace
 
 at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::Tensor& csum, const at::Tensor& scale,
-                        int64_t act_bits) {
+                        int64_t act_code) {
   check_cpu_f32(x_in, "q8_vnni_gemm");
   const at::Tensor x = x_in.contiguous();
+  // w8a8: each row rotated as its weights were (act_code's Hadamard block, gemm.h's rotated_for) while it is rounded
+  const int64_t act_bits = act_code & 0xFF, hb = act_code >> 8;
   TORCH_CHECK(vnni_kernels(), "q8_vnni_gemm: needs AVX-512 VNNI (or LLMSERVE_VNNI=twin)");
   TORCH_CHECK(wv.dim() == 4 && wv.size(2) == 16 && wv.size(3) == 4 && wv.scalar_type() == at::kChar &&
               wv.is_contiguous(), "q8_vnni_gemm: weights [N / 16, K / 4, 16, 4] int8");
@@ -185,7 +187,7 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
   if (buffer.size() < static_cast<size_t>(L * Mb * K)) buffer.resize(L * Mb * K);
   uint8_t* const xq = buffer.data();
   std::vector<float> sx(L * M);
-  round_rows(x.data_ptr<float>(), M, K, L, Mb, true, xq, sx.data());
+  round_rows(x.data_ptr<float>(), M, K, L, Mb, true, xq, sx.data(), hb);
   const int8_t* w = wv.data_ptr<int8_t>();
   const int32_t* cs = csum.data_ptr<int32_t>();
   const float* ws = scale.data_ptr<float>();

@@ -540,3 +540,50 @@ def test_bad_input_is_an_error_not_a_crash(ext):
         )
     with pytest.raises(RuntimeError):
         ext.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+
+
+def test_w8a8_rotation_gives_the_same_product_on_every_path(ext, vnni):
+    """w8a8's one-level layers rotate x by Hadamard blocks (csrc hadamard_rows, quant.rotate_rows its reference) as
+    their weights were rotated at load: every kernel that takes the rotation in its act_bits code (q8_vnni_gemm while
+    it rounds each row, q8_linear's dots and integer GEMM) gives the product of the rotated x, bit for bit; the layer
+    gives x @ W.T at every row count and layout, and with an outlier channel its error is a fraction of the
+    unrotated one's (the reason for the rotation)."""
+    from llmserve.model.formats.quant import hadamard_block, rotate_rows
+
+    torch.manual_seed(0)
+    for hb in (16, 32, 64):
+        x = torch.randn(5, 3 * hb)
+        r = ext.hadamard_rows(x, hb)
+        assert close(r, rotate_rows(x, hb), 1e-6) and close(ext.hadamard_rows(r, hb), x, 1e-6)
+    with pytest.raises(RuntimeError):
+        ext.hadamard_rows(torch.randn(2, 96), 64)  # 96 is not a multiple of 64
+    assert [hadamard_block(k) for k in (576, 96, 48, 40)] == [64, 32, 16, 0]
+    n, k, hb = 128, 192, 64
+    q, scale = ops.quantize_int8_per_channel(rotate_rows(torch.randn(n, k), hb))
+    wv, csum = ops.vnni_pack(q)
+    s = scale[:, None].contiguous()
+    for m in (1, 5, 40):
+        x = torch.randn(m, k)
+        xr = ext.hadamard_rows(x, hb)
+        assert torch.equal(ext.q8_vnni_gemm(x, wv, csum, s, 8 | hb << 8), ext.q8_vnni_gemm(xr, wv, csum, s, 8))
+        for many in (1, 1000):  # the integer GEMM, the dots
+            assert torch.equal(ext.q8_linear(x, q, s, many, 8 | hb << 8), ext.q8_linear(xr, q, s, many, 8))
+    w = torch.randn(256, 1536)
+    per_token = {}  # the packed layer's error (x one int8 level per token at every row count), by rotation
+    for rotate in (0, 64):
+        lin = QuantLinear.from_float(w, None, "int8", fp16_gemm=False, hadamard=rotate)
+        lin.act_bits, lin.per_token = 8, True
+        lin._bind()
+        assert close(lin.dequantize(), w, 1e-2)  # the weights it stands for, unrotated
+        for packed in (False, True):  # the dots (x per 32 values) and integer GEMM; the VNNI layout
+            if packed:
+                assert lin.pack_weight()
+            for rows in (1, 3, 16, 70):
+                x = torch.randn(rows, 1536)
+                x[:, 7] *= 50  # an outlier channel, as the SwiGLU product holds
+                want = x @ w.t()
+                err = ((lin(x) - want).norm() / want.norm()).item()
+                assert err < (0.05 if rotate else 1), (rotate, packed, rows, err)
+                if packed:
+                    per_token[rotate] = max(per_token.get(rotate, 0), err)
+    assert per_token[64] < 0.3 * per_token[0], per_token

@@ -55,11 +55,35 @@ GROUP_SIZE = 32
 # --quantization's rounded-weight modes -> the kind of their layers (w8a8: int8 weights, one-level activations)
 WEIGHT_KIND = {"int8": "int8", "w8a8": "int8", "int4": "int4"}
 ONE_LEVEL_BITS = 8  # QuantLinear.act_bits of w8a8's layers: each row of activations one int8 level per token
-# ... but these, which keep int8 mode's two levels: the MLP's down projection, whose input (the SwiGLU product) holds
-# the outlier channels one level rounds worst (the bundled model's perplexity on tests/data/alice.txt, prefill: +5.2%
-# over float32 with it at one level, +1.7% with it at two; greedy agreement 90% either way), and the LM head (the
-# logits; one row a token at decode)
-TWO_LEVEL_LAYERS = ("down_proj", "lm_head")
+# ... but the LM head, which keeps int8 mode's two levels (the logits; one row a token at decode)
+TWO_LEVEL_LAYERS = ("lm_head",)
+# w8a8's one-level layers take their input rotated by a block-diagonal Walsh-Hadamard matrix (blocks of
+# HADAMARD_BLOCK, or the largest of 32 / 16 that divides the input size), their weights by the same one at load:
+# (W H)(H x) = W x, H orthogonal, but H x spreads an outlier channel over its block before one int8 level per token
+# rounds it (QuaRot's online rotation, without calibration). The bundled model, the float32 model's inputs of each
+# projection on tests/data/alice.txt, relative error of the output against float32, one level without -> with
+# blocks of 64: qkv 3.1% -> 0.9%, o 1.6% -> 1.3%, gate/up 2.3% -> 1.0%, down (the SwiGLU product's outliers) 3.2%
+# -> 1.1% (two levels, unrotated: 0.9%). The transform costs 6 additions a value (csrc hadamard_rows).
+HADAMARD_BLOCK = 64
+
+
+def hadamard_block(in_features: int) -> int:
+    """The rotation's block for an input of `in_features` (64, 32 or 16; 0 where none divides it)."""
+    return next((b for b in (HADAMARD_BLOCK, 32, 16) if in_features % b == 0), 0)
+
+
+def hadamard_matrix(b: int) -> torch.Tensor:
+    """The normalized Walsh-Hadamard matrix of size b (a power of two): symmetric, orthogonal, its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / b**0.5
+
+
+def rotate_rows(x: torch.Tensor, b: int) -> torch.Tensor:
+    """x [..., K] times the block-diagonal Hadamard matrix of blocks of b, along its last dimension (the reference
+    for csrc hadamard_rows; the weights' rotation at load: W [N, K] -> W H)."""
+    return (x.float().reshape(*x.shape[:-1], -1, b) @ hadamard_matrix(b)).reshape(x.shape)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
@@ -98,9 +122,13 @@ class QuantLinear(nn.Module):
         minv: torch.Tensor | None,
         bias: torch.Tensor | None,
         fp16_gemm: bool = True,
+        hadamard: int = 0,
     ) -> None:
         super().__init__()
         self.kind = kind
+        # w8a8: the weights were rotated by the block-diagonal Hadamard matrix of blocks of `hadamard` (0: not), and
+        # the kernels rotate x alike (HADAMARD_BLOCK; `_act_code`); dequantize() gives the weights unrotated
+        self.hadamard = hadamard
         self.act_bits = 16  # int8 weights: x rounded to int16 on the integer-dot path (8: faster, less exact)
         # w8a8 (act_bits 8): x rounded to one int8 level per token by the integer GEMM at every row count, its
         # weights laid out for it as int8 mode's are (pack_weight); without it act_bits 8 rounds x per 32 values
@@ -142,7 +170,7 @@ class QuantLinear(nn.Module):
         self._bias = self.bias
         if self.qweight.dim() == 4:  # the VNNI layout (pack_weight): llmserve's integer GEMM at every row count
             self._kernel, self._few_rows, self.stack_many_rows = ops.cpu_kernels().q8_vnni_gemm, None, 0
-            self._kargs = (self.qweight, self.csum, self.scale, self.act_bits)
+            self._kargs = (self.qweight, self.csum, self.scale, self._act_code)
             return
         if self._packed is not None:  # beyond few_rows: fbgemm's float16 GEMM
             limit = self._few_rows = k.few_rows
@@ -160,7 +188,7 @@ class QuantLinear(nn.Module):
             and self._packed is None
             and k.int8_gemm
             and ops.cpu_has_int8_dots()  # torch's _int_mm is a slow fallback without VNNI / AMX
-            and (self.act_bits > 8 or self.per_token)
+            and self.rounds_per_token
         ):
             many = self.stack_many_rows = k.int8_gemm_rows
         elif self.kind == "int4" and self._packed is None and ops.int4_vnni(self.out_features):
@@ -169,13 +197,24 @@ class QuantLinear(nn.Module):
         if self.kind == "int4":
             self._kargs = (self.qweight, self.scale, self.minv, many, self.q8_1)
         else:
-            self._kargs = (self.qweight, self.scale, many, self.act_bits)
+            self._kargs = (self.qweight, self.scale, many, self._act_code)
         if self._many is not None:  # a copy for many rows (pack_weight): (function, its weight arguments)
             self._many_rows = k.int8_gemm_rows
             if self._many[0] == "vnni":
-                self._many_fn, self._many_args = ops.cpu_kernels().q8_vnni_gemm, (*self._many[1:], self.act_bits)
+                self._many_fn, self._many_args = ops.cpu_kernels().q8_vnni_gemm, (*self._many[1:], self._act_code)
             else:
-                self._many_fn, self._many_args = self._kernel, (*self._many[1:], 0, self.act_bits)
+                self._many_fn, self._many_args = self._kernel, (*self._many[1:], 0, self._act_code)
+
+    @property
+    def _act_code(self) -> int:
+        """act_bits as the int8 kernels take it: the bits in the low byte, the Hadamard block above it."""
+        return self.act_bits | self.hadamard << 8
+
+    @property
+    def rounds_per_token(self) -> bool:
+        """Whether x is rounded per token (int8's two int16 levels, or w8a8's one int8 level), the rounding the
+        integer GEMM computes; else per 32 values on the dots (int4 mode's LM head: Q8_0 x Q8_0)."""
+        return self.act_bits > 8 or self.per_token
 
     def _copy_for_many_rows(self, q: torch.Tensor, scale: torch.Tensor) -> tuple | None:
         """int8 [N, K] with a scale per channel, laid out for many rows' integer GEMM: llmserve's own VNNI one
@@ -203,7 +242,7 @@ class QuantLinear(nn.Module):
             self.kind == "int8"
             and self._kernel is not None
             and self._packed is None
-            and (self.act_bits > 8 or self.per_token)  # (int4 mode's head: Q8_0 x Q8_0 per block, not per token)
+            and self.rounds_per_token  # (int4 mode's head: Q8_0 x Q8_0 per block, not per token)
             and not self.qweight.is_mkldnn
             and self.qweight.dim() == 2
             and self._many is None
@@ -240,13 +279,15 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, fp16_gemm: bool = True
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, fp16_gemm: bool = True, hadamard: int = 0
     ) -> "QuantLinear":
+        """`hadamard` (int8, w8a8's one-level layers): the weights rotated by that block's Hadamard matrix before
+        they are rounded (rotate_rows), as the kernels will rotate x."""
         if kind == "int4":
             q, scale, lo = quantize_int4(weight)
             return cls("int4", pack_int4(q), scale, lo, bias, fp16_gemm)
-        q, scale = quantize_int8_per_channel(weight)
-        return cls("int8", q, scale, None, bias, fp16_gemm)
+        q, scale = quantize_int8_per_channel(rotate_rows(weight, hadamard) if hadamard else weight)
+        return cls("int8", q, scale, None, bias, fp16_gemm, hadamard)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these values stand for."""
@@ -258,7 +299,8 @@ class QuantLinear(nn.Module):
             q = q.to_dense().t()
         elif q.dim() == 4:  # the VNNI layout [N / 16, K / 4, 16, 4]
             q = q.permute(0, 2, 1, 3).reshape(n, k)
-        return packed_dequantize("int8", [q, self.scale])
+        w = packed_dequantize("int8", [q, self.scale])
+        return rotate_rows(w, self.hadamard) if self.hadamard else w  # (H is its own inverse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -287,8 +329,8 @@ class QuantLinear(nn.Module):
         if self.kind == "int4":
             return ProjectionKind.INT4, Q8_1_ROUNDING if self.q8_1 else 0, [self.qweight, self.scale, self.minv]
         if self.qweight.dim() == 4:  # q8_vnni_gemm at every row count
-            return ProjectionKind.INT8_VNNI, self.act_bits, [self.qweight, self.csum, self.scale]
-        return ProjectionKind.INT8, self.act_bits, [self.qweight, self.scale]
+            return ProjectionKind.INT8_VNNI, self._act_code, [self.qweight, self.csum, self.scale]
+        return ProjectionKind.INT8, self._act_code, [self.qweight, self.scale]
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
@@ -366,8 +408,8 @@ def quantize_model(
     Returns the checkpoint's weight names (Hugging Face's) the blocks or `weights` stood in for."""
     if mode not in WEIGHT_KIND:
         raise ValueError(f"quantization: must be none, int8, w8a8 or int4, got {mode!r}")
-    # w8a8: int8 mode's weights, its activations rounded to one int8 level per token (ONE_LEVEL_BITS) but at the
-    # layers of TWO_LEVEL_LAYERS
+    # w8a8: int8 mode's weights, its activations rounded to one int8 level per token (ONE_LEVEL_BITS), rotated first
+    # (hadamard_block), but at the layers of TWO_LEVEL_LAYERS
     act_bits = ONE_LEVEL_BITS if mode == "w8a8" else None
     mode = WEIGHT_KIND[mode]
     blocks = blocks or {}
@@ -401,12 +443,14 @@ def quantize_model(
                     q = _from_blocks(blocks, names, bias, mode)
                 if q is None and only_blocks:
                     continue
+                one_level = act_bits is not None and name not in TWO_LEVEL_LAYERS
                 if q is None:  # the LM head stays int8, as in llama.cpp's Q4 files
                     q = QuantLinear.from_float(
                         read(child.weight, names, "weight", path).detach(),
                         read(child.bias, names, "bias", path),
                         "int8" if name == "lm_head" else mode,
                         fp16_gemm,
+                        hadamard_block(child.in_features) if one_level else 0,
                     )
                 elif not (name == "lm_head" and tied):  # a tied head reads the embedding's weight
                     consumed.update(f"model.{n}.weight" if n != "lm_head" else "lm_head.weight" for n in names)
@@ -414,7 +458,7 @@ def quantize_model(
                 if mode == "int4" and q.kind == "int8":
                     q.act_bits = 8  # int4 mode's LM head: Q8_0 x Q8_0 as llama.cpp (measured: no loss of agreement)
                     q._bind()
-                elif act_bits is not None and name not in TWO_LEVEL_LAYERS and q.kind == "int8":
+                elif one_level and q.kind == "int8":
                     q.act_bits, q.per_token = act_bits, q.scale.shape[1] == 1  # (a Q8_0 file's blocks: per 32)
                     q._bind()
             elif isinstance(child, nn.Embedding):
