@@ -48,6 +48,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # in float32 by PyTorch's own matmul, the output rounded to bfloat16): the tests run the default path of
     # bf16 CPUs on every CPU with it.
     "LLMSERVE_CPU_BF16": lambda: {"0": False, "emulate": "emulate"}.get(os.environ.get("LLMSERVE_CPU_BF16", "1"), True),
+    # a bfloat16 model's fresh prompt chunk of attention.BF16_PREFILL_MIN+ tokens: "auto" (default) attends in bfloat16
+    # through SDPA where the CPU has AMX-BF16 tiles (oneDNN's bf16 there: 14 vs 27 ms a 3B layer at 1,000 tokens on a
+    # Sapphire Rapids), else in float32 through llmserve's own flash kernel (a Zen 4's AVX512-BF16 SDPA took 1.8-2.0 s
+    # of a 3B 1,000-token prefill's attention, the float32 kernel 1.0 s); "1": always; "0": never
+    "LLMSERVE_BF16_ATTENTION": lambda: os.environ.get("LLMSERVE_BF16_ATTENTION", "auto"),
     # "0": GGUF's K-quant dots of many rows stay row by row (default: from KernelConfig.kquant_panel_rows rows on, the
     # weights packed into panels of 16 rows, where the VNNI kernels run: csrc/gguf_panels.cpp)
     "LLMSERVE_KQUANT_PANELS": lambda: os.environ.get("LLMSERVE_KQUANT_PANELS", "1") != "0",

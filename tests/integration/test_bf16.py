@@ -81,11 +81,20 @@ def test_batch_and_alone_agree(engines):
 
 def test_long_prompts_attend_in_bfloat16_within_top5_of_float32(engines, monkeypatch):
     """A prompt of BF16_PREFILL_MIN tokens or more, computed in one chunk with no cached prefix, attends in
-    bfloat16 (SDPA) in the bfloat16 model: the path is taken, and greedy output keeps vLLM's top-5 rule against
-    float32."""
+    bfloat16 (SDPA) in the bfloat16 model where that path is chosen (LLMSERVE_BF16_ATTENTION: by default on AMX-BF16
+    CPUs; here forced, so every CPU runs it): the path is taken, and greedy output keeps vLLM's top-5 rule against
+    float32. Left to `auto` on a CPU without AMX-BF16 the chunk stays on the float32 kernel."""
     from llmserve.model import attention
+    from llmserve.model.formats import bf16 as bf16_format
 
     auto, f32 = engines
+    monkeypatch.setenv("LLMSERVE_BF16_ATTENTION", "1")
+    assert bf16_format.prefill_attention()
+    monkeypatch.setenv("LLMSERVE_BF16_ATTENTION", "auto")
+    assert bf16_format.prefill_attention() == bf16_format._cpu_has_amx_bf16()
+    monkeypatch.setenv("LLMSERVE_BF16_ATTENTION", "0")
+    assert not bf16_format.prefill_attention()
+    monkeypatch.setenv("LLMSERVE_BF16_ATTENTION", "1")
     seen = []
     sdpa = attention.F.scaled_dot_product_attention
 

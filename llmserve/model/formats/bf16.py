@@ -42,6 +42,23 @@ def emulated() -> bool:
     return envs.LLMSERVE_CPU_BF16 == "emulate"
 
 
+def prefill_attention() -> bool:
+    """Whether a bfloat16 model's long fresh prompt chunk attends in bfloat16 (paged_attention's bf16_prefill):
+    LLMSERVE_BF16_ATTENTION, by default where the CPU has AMX-BF16 tiles, the one kind where SDPA's bfloat16 beats
+    llmserve's float32 flash kernel (envs.py has the figures)."""
+    asked = envs.LLMSERVE_BF16_ATTENTION
+    return asked == "1" or asked == "auto" and _cpu_has_amx_bf16()
+
+
+@functools.cache
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+
+
 @functools.cache
 def _cpu_has_bf16() -> bool:
     try:
@@ -75,6 +92,12 @@ class BF16Linear(nn.Module):
     `weight` reads it back); rows of any float type in, rows of the input's type out."""
 
     bf16_rows = True  # bfloat16 rows in give bfloat16 rows out, unwidened (the MLP keeps its intermediate so)
+
+    @property
+    def bf16_attention(self) -> bool:
+        """Whether the attention before this layer (an o_proj, whose matmul rounds its rows to bfloat16 anyway) takes
+        a long fresh prompt chunk in bfloat16 (prefill_attention)."""
+        return prefill_attention()
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

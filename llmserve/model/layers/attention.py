@@ -82,7 +82,7 @@ class Attention(nn.Module):
             window=self.window,
             softcap=self.softcap,
             sinks=self.sinks,
-            bf16_prefill=getattr(self.o_proj, "bf16_rows", False),
+            bf16_prefill=getattr(self.o_proj, "bf16_attention", False),
         )
         o = self.o_proj(o.reshape(T, self.q_size))
         return o if self.all_reduce is None else self.all_reduce(o)
