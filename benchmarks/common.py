@@ -64,6 +64,21 @@ def machine() -> str:
     return f"{cpu}, {len(os.sched_getaffinity(0))} cores"
 
 
+def cpu_class() -> str:
+    """The instruction set a CPU kernel picks by (AVX-512 with BF16 / VNNI, AVX-512, AVX2, other): a section of
+    figures keyed by it keeps another machine's figures beside it rather than overwriting them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^flags\s*:\s*(.*)$", f.read(), re.M)
+            flags = set(m.group(1).split()) if m else set()
+    except OSError:
+        flags = set()
+    if "avx512f" in flags:
+        extra = [n for f, n in (("amx_tile", "AMX"), ("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI")) if f in flags]
+        return "AVX-512" + (" " + "/".join(extra) if extra else "")
+    return "AVX2" if "avx2" in flags else platform.machine()
+
+
 def start_llama_server(
     binary: str,
     threads: int,

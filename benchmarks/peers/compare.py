@@ -56,7 +56,7 @@ import os
 import statistics
 import sys
 
-from benchmarks.common import ALICE, CKPT, ROOT, chat_prompts, start_llama_server, write_section
+from benchmarks.common import ALICE, CKPT, ROOT, chat_prompts, cpu_class, start_llama_server, write_section
 from benchmarks.peers.engines import (
     MODEL,
     Transformers,
@@ -286,7 +286,8 @@ def run_vllm(a) -> None:
     print(body)
     if not a.no_write:
         names = ", ".join(os.path.basename(m.rstrip("/")) for m in a.models)
-        write_section(f"Against vLLM's CPU build and llama.cpp, one run (issue #21): {names}", body)
+        # keyed by the CPU's instruction set too: another machine's run of the same models keeps its own section
+        write_section(f"Against vLLM's CPU build and llama.cpp, one run (issue #21): {names} on {cpu_class()}", body)
 
 
 def main() -> None:

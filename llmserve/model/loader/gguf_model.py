@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model.formats.gguf_layers import adopt_gguf
-from llmserve.model.formats.quant import quantize_model, round_x_as_llama_cpp
+from llmserve.model.formats.quant import WEIGHT_KIND, quantize_model, round_x_as_llama_cpp
 from llmserve.model.kernels.gguf_kernels import NAMES as GGUF_TYPE_NAMES
 from llmserve.model.kernels.gguf_kernels import PACKED, repack
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names
@@ -86,8 +86,8 @@ def gguf_served_bytes(tensors: GGUFTensors, quantization: str | None, dtype: tor
     for name in tensors:
         if tensors.qtype(name) not in FLOAT_TYPES:
             total += tensors.nbytes(name) * (9 if tensors.qtype(name) == 8 and quantization else 8) // 8
-        elif quantization in ("int8", "w8a8", "int4") and name.endswith(".weight") and "norm" not in name:
-            total += tensors.numel(name) * (1 if quantization == "int4" else 3)  # int8: + fbgemm's float16
+        elif quantization in WEIGHT_KIND and name.endswith(".weight") and "norm" not in name:
+            total += tensors.numel(name) * (1 if WEIGHT_KIND[quantization] == "int4" else 3)  # int8: + fbgemm's float16
         else:
             total += tensors.numel(name) * torch.empty((), dtype=dtype).element_size()
     return total
@@ -130,7 +130,7 @@ def load_gguf_model(request: LoadRequest) -> nn.Module:
         if blocks_only:  # llama.cpp's arithmetic: x's blocks stored as its Q8_1 (int4 mode keeps its own rounding)
             round_x_as_llama_cpp(model)
         kept = gguf_kept_blocks(tensors, skip)
-        if quantization in ("int8", "w8a8"):  # Q4_0 / Q4_1: rounded to int8 per channel (see quant._from_blocks)
+        if WEIGHT_KIND.get(quantization) == "int8":  # Q4_0 / Q4_1: rounded to int8 per channel (see quant._from_blocks)
             kept = {k: v for k, v in kept.items() if v[1] not in Q4_TYPES}
         if quantization and kept:
             log.info(

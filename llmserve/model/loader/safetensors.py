@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from llmserve.model.formats.gguf_layers import adopt_gguf
-from llmserve.model.formats.quant import quantize_model
+from llmserve.model.formats.quant import WEIGHT_KIND, quantize_model
 from llmserve.model.loader.build import Lazy, build_model, check_fits, checkpoint_names, release_freed_memory
 from llmserve.model.loader.request import LoadRequest
 from llmserve.model.registry import make_model
@@ -62,7 +62,7 @@ class SafetensorsWeights(Mapping):
         """About what the served weights take: float tensors in `dtype`, or rounded to int8 (+ fbgemm's
         float16 copy) / int4."""
         size = torch.empty((), dtype=dtype).element_size()
-        per = {None: size, "int8": 3, "w8a8": 3, "int4": 1}[quantization]
+        per = {None: size, "int8": 3, "int4": 1}[WEIGHT_KIND.get(quantization)]
         return sum(
             n * (1 if k in self._bytes else per if "norm" not in k and k.endswith(".weight") else size)
             for k, n in self._numel.items()
