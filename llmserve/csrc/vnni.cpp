@@ -130,6 +130,12 @@ void vnni_epilogue_twin(const int32_t* acc, int64_t ld, int64_t M, int64_t L, in
     }
 }
 
+// vnni_epilogue on the instructions (`real`), or its twin
+void epilogue(bool real, const int32_t* acc, int64_t ld, int64_t M, int64_t L, int64_t l2, const float* s1,
+              const float* s2, const int32_t* csum, const float* ws, int64_t channels, float* out, int64_t N) {
+  (real ? vnni_epilogue : vnni_epilogue_twin)(acc, ld, M, L, l2, s1, s2, csum, ws, channels, out, N);
+}
+
 // The sums on AMX tiles (amx.h), then vnni_epilogue: rows in chunks whose activations (both levels) stay in L2,
 // within a chunk every pair of 16-channel blocks of this thread's share (their weights read from memory once a
 // chunk), 32 rows at a time. xq holds level l of row m at (l * Mb + m) * K, Mb a multiple of 32, the rows from M
@@ -148,12 +154,8 @@ void amx_gemm(const uint8_t* xq, int64_t M, int64_t Mb, int64_t L, int64_t K, co
         for (int64_t l = 0; l < L; ++l)
           for (int64_t r = 0; r < padded; r += 32)
             amx_sums_32(tiles, xq + (l * Mb + m0 + r) * K, K, w + 2 * p * K * 16, blocks, acc.data() + (l * chunk + r) * 32);
-        if (real)
-          vnni_epilogue(acc.data(), 32, rows, L, chunk, sx + m0, s2, cs + 32 * p, ws + 32 * p, 16 * blocks,
-                        op + m0 * N + 32 * p, N);
-        else
-          vnni_epilogue_twin(acc.data(), 32, rows, L, chunk, sx + m0, s2, cs + 32 * p, ws + 32 * p, 16 * blocks,
-                             op + m0 * N + 32 * p, N);
+        epilogue(real, acc.data(), 32, rows, L, chunk, sx + m0, s2, cs + 32 * p, ws + 32 * p, 16 * blocks,
+                 op + m0 * N + 32 * p, N);
       }
     }
   });
@@ -179,10 +181,10 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
   if (M == 0) return out;
   const bool amx = M >= kAmxRows && K % 64 == 0 && amx_path();
   const int64_t Mb = amx ? (M + 31) / 32 * 32 : M;  // the AMX path's rows: whole tiles of 32
-  // the rounded activations in a buffer kept by the calling thread: a fresh vector of 0.5-16 MB a call is an mmap, its
-  // page faults and an munmap (4% of a 3B int8 decode's time). (The AMX path's padding rows hold whatever was there:
-  // their sums are never read.)
-  // (a pointer taken here: inside the parallel loops below the name would be each worker's own, empty, buffer)
+  // the rounded activations in a buffer kept by the calling thread (a fresh vector of 0.5-16 MB a call is an mmap, its
+  // page faults and an munmap: 4% of a 3B int8 decode's time), read through a pointer taken here (inside the parallel
+  // loops below the name would be each worker's own, empty, buffer). The AMX path's padding rows hold whatever was
+  // there: their sums are never read.
   thread_local std::vector<uint8_t> buffer;
   if (buffer.size() < static_cast<size_t>(L * Mb * K)) buffer.resize(L * Mb * K);
   uint8_t* const xq = buffer.data();
@@ -205,16 +207,15 @@ at::Tensor q8_vnni_gemm(const at::Tensor& x_in, const at::Tensor& wv, const at::
       const int8_t* wb = w + 4 * b * tile_bytes;
       if (!real) {
         vnni_rows_twin(xq, L * M, K, wb, tile_bytes, tiles, acc.data(), 64);
-        vnni_epilogue_twin(acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
-        continue;
+      } else {
+        switch (tiles) {
+          case 4: vnni_rows<4>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+          case 3: vnni_rows<3>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+          case 2: vnni_rows<2>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+          default: vnni_rows<1>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
+        }
       }
-      switch (tiles) {
-        case 4: vnni_rows<4>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
-        case 3: vnni_rows<3>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
-        case 2: vnni_rows<2>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
-        default: vnni_rows<1>(xq, L * M, K, wb, tile_bytes, acc.data(), 64); break;
-      }
-      vnni_epilogue(acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
+      epilogue(real, acc.data(), 64, M, L, M, sx.data(), sx.data() + M, cs + 64 * b, ws + 64 * b, 16 * tiles, op + 64 * b, N);
     }
   });
   return out;
