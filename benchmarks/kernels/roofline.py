@@ -132,7 +132,7 @@ def child(args) -> None:
     nbytes, nweights = layer_bytes(eng.model)
     from llmserve.model.formats.quant import QuantLinear
 
-    two_level = sum(  # weights multiplied by activations at two int8 levels (int8 mode's, w8a8's down projections)
+    two_level = sum(  # weights multiplied by activations at two int8 levels (int8 mode's; w8a8's LM head)
         m.in_features * m.out_features
         for m in eng.model.modules()
         if isinstance(m, QuantLinear) and m.kind == "int8" and m.act_bits > 8
